@@ -1,0 +1,574 @@
+//! The model.toml schema: typed reading of each section, with defaults and unknown-key
+//! rejection. Every key is documented in docs/model-toml.md.
+
+use std::collections::HashMap;
+
+use megac_ir::spec::{
+    Arch, ClusterSection, DppPolicy, ModelSection, ModelSpec, MoeSpec, ParallelSection, Precision,
+    Recompute, Schedule, TrainSection,
+};
+
+use crate::error::{Origin, SpecError};
+use crate::raw::{Entry, Raw, Table};
+
+/// Where each setting (`section.key`) came from, for validation messages.
+pub type Origins = HashMap<String, Origin>;
+
+const MODEL_KEYS: &[&str] = &[
+    "arch",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "ffn_hidden",
+    "vocab",
+    "seq_len",
+    "tie_embeddings",
+    "norm_eps",
+    "rope_theta",
+    "moe",
+];
+const MOE_KEYS: &[&str] = &[
+    "experts",
+    "top_k",
+    "layer_freq",
+    "aux_loss_coeff",
+    "capacity_factor",
+];
+const TRAIN_KEYS: &[&str] = &[
+    "micro_batch",
+    "global_batch",
+    "steps",
+    "seed",
+    "precision",
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "grad_clip",
+    "recompute",
+];
+const PARALLEL_KEYS: &[&str] = &[
+    "tp",
+    "pp",
+    "vpp",
+    "dp",
+    "cp",
+    "ep",
+    "sequence_parallel",
+    "distributed_optimizer",
+    "schedule",
+    "dpp_policy",
+    "fbd",
+];
+const CLUSTER_KEYS: &[&str] = &["device", "nodes", "gpus_per_node"];
+const TOP_KEYS: &[&str] = &["model", "train", "parallel", "cluster"];
+
+/// One table being read: known keys are taken out, whatever is left is unknown.
+struct Section<'a> {
+    file: &'a str,
+    name: String,
+    table: Table,
+    known: &'static [&'static str],
+    origins: &'a mut Origins,
+}
+
+impl<'a> Section<'a> {
+    fn new(
+        file: &'a str,
+        name: &str,
+        table: Table,
+        known: &'static [&'static str],
+        origins: &'a mut Origins,
+    ) -> Self {
+        Section {
+            file,
+            name: name.to_string(),
+            table,
+            known,
+            origins,
+        }
+    }
+
+    fn full(&self, key: &str) -> String {
+        format!("{}.{}", self.name, key)
+    }
+
+    fn take(&mut self, key: &str) -> Option<Entry> {
+        let e = self.table.remove(key)?;
+        self.origins.insert(self.full(key), e.origin.clone());
+        Some(e)
+    }
+
+    fn type_error(&self, key: &str, e: &Entry, want: &str) -> SpecError {
+        SpecError::new(
+            self.file,
+            e.origin.clone(),
+            format!(
+                "{} must be {want}, found {}",
+                self.full(key),
+                describe(&e.value)
+            ),
+        )
+    }
+
+    fn missing(&self, key: &str, what: &str) -> SpecError {
+        SpecError::new(
+            self.file,
+            Origin::Default,
+            format!("missing required key {} ({what})", self.full(key)),
+        )
+        .with_help(format!("add `{key} = ...` under [{}]", self.name))
+    }
+
+    /// A positive integer; `default` applies when the key is absent (None = required).
+    fn positive(&mut self, key: &str, default: Option<u64>, what: &str) -> Result<u64, SpecError> {
+        match self.take(key) {
+            None => default.ok_or_else(|| self.missing(key, what)),
+            Some(e) => match e.value {
+                Raw::Int(n) if n >= 1 => Ok(n as u64),
+                Raw::Int(n) => Err(SpecError::new(
+                    self.file,
+                    e.origin.clone(),
+                    format!("{} = {n} must be a positive integer", self.full(key)),
+                )
+                .with_help(format!("{what}; use a value of 1 or more"))),
+                _ => Err(self.type_error(key, &e, "a positive integer")),
+            },
+        }
+    }
+
+    /// A non-negative integer.
+    fn natural(&mut self, key: &str, default: u64) -> Result<u64, SpecError> {
+        match self.take(key) {
+            None => Ok(default),
+            Some(e) => match e.value {
+                Raw::Int(n) if n >= 0 => Ok(n as u64),
+                _ => Err(self.type_error(key, &e, "a non-negative integer")),
+            },
+        }
+    }
+
+    /// A finite number within `[min, max)` (or `[min, max]` when `max_inclusive`).
+    fn number(
+        &mut self,
+        key: &str,
+        default: f64,
+        min: f64,
+        min_exclusive: bool,
+        max: Option<f64>,
+    ) -> Result<f64, SpecError> {
+        let Some(e) = self.take(key) else {
+            return Ok(default);
+        };
+        let x = match e.value {
+            Raw::Float(x) => x,
+            Raw::Int(n) => n as f64,
+            _ => return Err(self.type_error(key, &e, "a number")),
+        };
+        let low_ok = if min_exclusive { x > min } else { x >= min };
+        let high_ok = max.is_none_or(|m| x < m);
+        if !x.is_finite() || !low_ok || !high_ok {
+            let range = match (min_exclusive, max) {
+                (true, None) => format!("greater than {min}"),
+                (false, None) => format!("at least {min}"),
+                (true, Some(m)) => format!("in ({min}, {m})"),
+                (false, Some(m)) => format!("in [{min}, {m})"),
+            };
+            return Err(SpecError::new(
+                self.file,
+                e.origin.clone(),
+                format!("{} = {x} is out of range", self.full(key)),
+            )
+            .with_help(format!("{} must be {range}", self.full(key))));
+        }
+        Ok(x)
+    }
+
+    fn boolean(&mut self, key: &str, default: bool) -> Result<bool, SpecError> {
+        match self.take(key) {
+            None => Ok(default),
+            Some(e) => match e.value {
+                Raw::Bool(b) => Ok(b),
+                _ => Err(self.type_error(key, &e, "true or false")),
+            },
+        }
+    }
+
+    fn string(&mut self, key: &str) -> Result<Option<(String, Origin)>, SpecError> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(e) => match &e.value {
+                Raw::Str(s) => Ok(Some((s.clone(), e.origin.clone()))),
+                _ => Err(self.type_error(key, &e, "a string")),
+            },
+        }
+    }
+
+    /// One of `choices` (as spelled in model.toml).
+    fn choice<T: Copy>(
+        &mut self,
+        key: &str,
+        choices: &[(&str, T)],
+    ) -> Result<Option<T>, SpecError> {
+        let Some((s, origin)) = self.string(key)? else {
+            return Ok(None);
+        };
+        match choices.iter().find(|(name, _)| *name == s) {
+            Some((_, v)) => Ok(Some(*v)),
+            None => {
+                let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+                Err(SpecError::new(
+                    self.file,
+                    origin,
+                    format!("{} = \"{s}\" is not a valid choice", self.full(key)),
+                )
+                .with_help(format!("use one of {}", names.join(", "))))
+            }
+        }
+    }
+
+    /// A sub-table, removed from this section.
+    fn subtable(&mut self, key: &str) -> Result<Option<Table>, SpecError> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(e) => match e.value {
+                Raw::Table(t) => Ok(Some(t)),
+                _ => Err(self.type_error(key, &e, "a table")),
+            },
+        }
+    }
+
+    /// Reject whatever keys were not read.
+    fn finish(self) -> Result<(), SpecError> {
+        if let Some((key, e)) = self.table.iter().next() {
+            let mut err = SpecError::new(
+                self.file,
+                e.key_origin.clone(),
+                format!("unknown key {}", self.full(key)),
+            );
+            err = match suggest(key, self.known) {
+                Some(s) => err.with_help(format!("did you mean `{s}`?")),
+                None => err.with_help(format!(
+                    "valid keys in [{}]: {}",
+                    self.name,
+                    self.known.join(", ")
+                )),
+            };
+            return Err(err);
+        }
+        Ok(())
+    }
+}
+
+fn describe(v: &Raw) -> String {
+    match v {
+        Raw::Int(n) => format!("the integer {n}"),
+        Raw::Float(x) => format!("the float {x}"),
+        Raw::Bool(b) => format!("the boolean {b}"),
+        Raw::Str(s) => format!("the string \"{s}\""),
+        other => other.type_name().to_string(),
+    }
+}
+
+/// The closest known key, if it is within two edits.
+fn suggest<'k>(key: &str, known: &[&'k str]) -> Option<&'k str> {
+    known
+        .iter()
+        .map(|k| (edit_distance(key, k), *k))
+        .filter(|(d, _)| *d <= 2)
+        .min()
+        .map(|(_, k)| k)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// Read the settings tree into a `ModelSpec` (types, ranges, defaults; cross-key rules
+/// are checked afterwards by `validate`).
+pub fn read_spec(
+    file: &str,
+    name: &str,
+    mut root: Table,
+    origins: &mut Origins,
+) -> Result<ModelSpec, SpecError> {
+    let mut top_section = |key: &str| -> Result<Option<Table>, SpecError> {
+        match root.remove(key) {
+            None => Ok(None),
+            Some(e) => match e.value {
+                Raw::Table(t) => {
+                    origins.insert(key.to_string(), e.key_origin.clone());
+                    Ok(Some(t))
+                }
+                other => Err(SpecError::new(
+                    file,
+                    e.origin.clone(),
+                    format!(
+                        "`{key}` must be a table ([{key}]), found {}",
+                        describe(&other)
+                    ),
+                )),
+            },
+        }
+    };
+    let model_t = top_section("model")?;
+    let train_t = top_section("train")?;
+    let parallel_t = top_section("parallel")?;
+    let cluster_t = top_section("cluster")?;
+    if let Some((key, e)) = root.iter().next() {
+        let err = SpecError::new(file, e.key_origin.clone(), format!("unknown key {key}"));
+        return Err(match suggest(key, TOP_KEYS) {
+            Some(s) => err.with_help(format!("did you mean [{s}]?")),
+            None => {
+                err.with_help("model.toml has the sections [model], [train], [parallel], [cluster]")
+            }
+        });
+    }
+    let Some(model_t) = model_t else {
+        return Err(
+            SpecError::new(file, Origin::Default, "missing section [model]").with_help(
+                "add [model] with at least arch, layers, hidden, heads, ffn_hidden, vocab, seq_len",
+            ),
+        );
+    };
+
+    let model = read_model(file, model_t, origins)?;
+    let parallel = read_parallel(file, parallel_t.unwrap_or_default(), origins)?;
+    let train = read_train(file, train_t.unwrap_or_default(), &parallel, origins)?;
+    let cluster = match cluster_t {
+        None => None,
+        Some(t) => Some(read_cluster(file, t, origins)?),
+    };
+    Ok(ModelSpec {
+        name: name.to_string(),
+        model,
+        train,
+        parallel,
+        cluster,
+    })
+}
+
+fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSection, SpecError> {
+    let mut s = Section::new(file, "model", t, MODEL_KEYS, origins);
+    let arch = s
+        .choice("arch", &[("llama", Arch::Llama), ("gpt", Arch::Gpt)])?
+        .ok_or_else(|| s.missing("arch", "\"llama\" or \"gpt\""))?;
+    let layers = s.positive("layers", None, "number of transformer layers")?;
+    let hidden = s.positive("hidden", None, "hidden size")?;
+    let heads = s.positive("heads", None, "attention heads")?;
+    let kv_heads = s.positive("kv_heads", Some(heads), "key/value heads")?;
+    let ffn_hidden = s.positive("ffn_hidden", None, "MLP intermediate size")?;
+    let vocab = s.positive("vocab", None, "vocabulary size")?;
+    let seq_len = s.positive("seq_len", None, "sequence length")?;
+    let tie_embeddings = s.boolean("tie_embeddings", arch == Arch::Gpt)?;
+    let norm_eps = s.number("norm_eps", 1e-5, 0.0, true, None)?;
+    let rope_theta = s.number("rope_theta", 10000.0, 0.0, true, None)?;
+    let moe_t = s.subtable("moe")?;
+    s.finish()?;
+    let moe = match moe_t {
+        None => None,
+        Some(t) => {
+            let mut m = Section::new(file, "model.moe", t, MOE_KEYS, origins);
+            let experts = m.positive("experts", None, "experts per MoE layer")?;
+            let top_k = m.positive("top_k", Some(2), "experts per token")?;
+            let layer_freq = m.positive("layer_freq", Some(1), "every n-th layer is MoE")?;
+            let aux_loss_coeff = m.number("aux_loss_coeff", 0.01, 0.0, false, None)?;
+            let capacity_factor = m.number("capacity_factor", 0.0, 0.0, false, None)?;
+            m.finish()?;
+            Some(MoeSpec {
+                experts,
+                top_k,
+                layer_freq,
+                aux_loss_coeff,
+                capacity_factor,
+            })
+        }
+    };
+    Ok(ModelSection {
+        arch,
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        ffn_hidden,
+        vocab,
+        seq_len,
+        tie_embeddings,
+        norm_eps,
+        rope_theta,
+        moe,
+    })
+}
+
+fn read_train(
+    file: &str,
+    t: Table,
+    parallel: &ParallelSection,
+    origins: &mut Origins,
+) -> Result<TrainSection, SpecError> {
+    let mut s = Section::new(file, "train", t, TRAIN_KEYS, origins);
+    let micro_batch = s.positive("micro_batch", Some(1), "samples per micro-batch")?;
+    let global_batch = s.positive(
+        "global_batch",
+        Some(micro_batch * parallel.dp),
+        "samples per optimizer step",
+    )?;
+    let steps = s.positive("steps", Some(10), "optimizer steps")?;
+    let seed = s.natural("seed", 1234)?;
+    let precision = s
+        .choice(
+            "precision",
+            &[("fp32", Precision::Fp32), ("bf16", Precision::Bf16)],
+        )?
+        .unwrap_or(Precision::Fp32);
+    let lr = s.number("lr", 3e-4, 0.0, true, None)?;
+    let betas = match s.take("betas") {
+        None => (0.9, 0.999),
+        Some(e) => {
+            let pair = match &e.value {
+                Raw::Array(items) if items.len() == 2 => {
+                    let get = |x: &Entry| match x.value {
+                        Raw::Float(v) => Some(v),
+                        Raw::Int(n) => Some(n as f64),
+                        _ => None,
+                    };
+                    get(&items[0]).zip(get(&items[1]))
+                }
+                _ => None,
+            };
+            match pair {
+                Some((b1, b2)) if (0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2) => (b1, b2),
+                Some((b1, b2)) => {
+                    return Err(SpecError::new(
+                        file,
+                        e.origin.clone(),
+                        format!("train.betas = [{b1}, {b2}] is out of range"),
+                    )
+                    .with_help("both betas must be in [0, 1), e.g. [0.9, 0.95]"))
+                }
+                None => {
+                    return Err(s.type_error(
+                        "betas",
+                        &e,
+                        "an array of two numbers, e.g. [0.9, 0.95]",
+                    ))
+                }
+            }
+        }
+    };
+    let eps = s.number("eps", 1e-8, 0.0, true, None)?;
+    let weight_decay = s.number("weight_decay", 0.01, 0.0, false, None)?;
+    let grad_clip = s.number("grad_clip", 1.0, 0.0, false, None)?;
+    let recompute = s
+        .choice(
+            "recompute",
+            &[
+                ("none", Recompute::None),
+                ("selective", Recompute::Selective),
+                ("full", Recompute::Full),
+            ],
+        )?
+        .unwrap_or(Recompute::None);
+    s.finish()?;
+    Ok(TrainSection {
+        micro_batch,
+        global_batch,
+        steps,
+        seed,
+        precision,
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        grad_clip,
+        recompute,
+    })
+}
+
+fn read_parallel(
+    file: &str,
+    t: Table,
+    origins: &mut Origins,
+) -> Result<ParallelSection, SpecError> {
+    let mut s = Section::new(file, "parallel", t, PARALLEL_KEYS, origins);
+    let tp = s.positive("tp", Some(1), "tensor-parallel size")?;
+    let pp = s.positive("pp", Some(1), "pipeline-parallel size")?;
+    let vpp = s.positive("vpp", Some(1), "virtual pipeline chunks per pipeline rank")?;
+    let dp = s.positive("dp", Some(1), "data-parallel size")?;
+    let cp = s.positive("cp", Some(1), "context-parallel size")?;
+    let ep = s.positive("ep", Some(1), "expert-parallel size")?;
+    let sequence_parallel = s.boolean("sequence_parallel", false)?;
+    let distributed_optimizer = s.boolean("distributed_optimizer", false)?;
+    let schedule = s
+        .choice(
+            "schedule",
+            &[
+                ("gpipe", Schedule::Gpipe),
+                ("1f1b", Schedule::OneFOneB),
+                ("interleaved", Schedule::Interleaved),
+                ("zb-h1", Schedule::ZbH1),
+                ("dpp", Schedule::Dpp),
+            ],
+        )?
+        .unwrap_or(if vpp > 1 {
+            Schedule::Interleaved
+        } else {
+            Schedule::OneFOneB
+        });
+    let dpp_policy = s
+        .choice(
+            "dpp_policy",
+            &[
+                ("bfs", DppPolicy::Bfs),
+                ("dfs", DppPolicy::Dfs),
+                ("adaptive", DppPolicy::Adaptive),
+            ],
+        )?
+        .unwrap_or(DppPolicy::Adaptive);
+    let fbd = s.boolean("fbd", false)?;
+    s.finish()?;
+    Ok(ParallelSection {
+        tp,
+        pp,
+        vpp,
+        dp,
+        cp,
+        ep,
+        sequence_parallel,
+        distributed_optimizer,
+        schedule,
+        dpp_policy,
+        fbd,
+    })
+}
+
+fn read_cluster(file: &str, t: Table, origins: &mut Origins) -> Result<ClusterSection, SpecError> {
+    let mut s = Section::new(file, "cluster", t, CLUSTER_KEYS, origins);
+    let device = match s.string("device")? {
+        Some((d, origin)) if d.trim().is_empty() => {
+            return Err(SpecError::new(file, origin, "cluster.device is empty")
+                .with_help("name an accelerator preset, e.g. \"h100-sxm\""))
+        }
+        Some((d, _)) => d,
+        None => "h100-sxm".to_string(),
+    };
+    let nodes = s.positive("nodes", Some(1), "number of nodes")?;
+    let gpus_per_node = s.positive("gpus_per_node", Some(8), "accelerators per node")?;
+    s.finish()?;
+    Ok(ClusterSection {
+        device,
+        nodes,
+        gpus_per_node,
+    })
+}

@@ -1,0 +1,327 @@
+//! Shape inference: the one place that knows each op's typing rule.
+//!
+//! The builder calls it to type new ops, the parser to type parsed ops, and the verifier to
+//! check that every recorded type still agrees with its rule.
+
+use crate::op::{OpKind, WeightLayout};
+use crate::types::{DType, Dim, TensorType};
+
+/// Result types of `kind` applied to operands of types `ins`, or why the operands are wrong.
+pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>, String> {
+    let expect_arity = |n: usize| -> Result<(), String> {
+        if ins.len() == n {
+            Ok(())
+        } else {
+            Err(format!("expects {n} operands, got {}", ins.len()))
+        }
+    };
+    match kind {
+        OpKind::Embedding => {
+            expect_arity(2)?;
+            let (tokens, table) = (ins[0], ins[1]);
+            want_dtype(tokens, DType::I32, "token ids")?;
+            want_rank(table, 2, "embedding table")?;
+            let mut dims = tokens.dims.clone();
+            dims.push(table.dims[1].clone());
+            Ok(vec![TensorType::new(table.dtype, dims)])
+        }
+        OpKind::PosEmbedding => {
+            expect_arity(2)?;
+            let (x, wpe) = (ins[0], ins[1]);
+            want_rank(x, 3, "activations")?;
+            want_rank(wpe, 2, "position table")?;
+            if wpe.dims[0].size < x.dims[1].size || wpe.dims[1] != x.dims[2] {
+                return Err(format!(
+                    "position table {} does not cover activations {}",
+                    shape_str(wpe),
+                    shape_str(x)
+                ));
+            }
+            Ok(vec![x.clone().replicate()])
+        }
+        OpKind::Linear { weight } => {
+            if ins.len() != 2 && ins.len() != 3 {
+                return Err(format!("expects 2 or 3 operands, got {}", ins.len()));
+            }
+            let (x, w) = (ins[0], ins[1]);
+            want_rank(w, 2, "weight")?;
+            if x.dims.is_empty() {
+                return Err("input is a scalar".into());
+            }
+            let (in_dim, out_dim) = match weight {
+                WeightLayout::OutIn => (&w.dims[1], &w.dims[0]),
+                WeightLayout::InOut => (&w.dims[0], &w.dims[1]),
+            };
+            if x.last() != in_dim {
+                return Err(format!(
+                    "input's last dim {} does not match the weight's input dim {} (weight {}, w={})",
+                    x.last(),
+                    in_dim,
+                    shape_str(w),
+                    weight.as_str()
+                ));
+            }
+            if let Some(b) = ins.get(2) {
+                if b.dims.len() != 1 || &b.dims[0] != out_dim {
+                    return Err(format!(
+                        "bias {} does not match output dim {}",
+                        shape_str(b),
+                        out_dim
+                    ));
+                }
+            }
+            let mut dims = x.dims.clone();
+            *dims.last_mut().expect("checked non-scalar") = out_dim.clone();
+            Ok(vec![TensorType::new(x.dtype, dims)])
+        }
+        OpKind::RmsNorm { eps } | OpKind::LayerNorm { eps } => {
+            let n = if matches!(kind, OpKind::RmsNorm { .. }) {
+                2
+            } else {
+                3
+            };
+            expect_arity(n)?;
+            if !(*eps > 0.0) {
+                return Err(format!("eps must be positive, got {eps}"));
+            }
+            let x = ins[0];
+            if x.dims.is_empty() {
+                return Err("input is a scalar".into());
+            }
+            for p in &ins[1..] {
+                if p.dims.len() != 1 || &p.dims[0] != x.last() {
+                    return Err(format!(
+                        "norm parameter {} does not match the normalised dim {}",
+                        shape_str(p),
+                        x.last()
+                    ));
+                }
+            }
+            Ok(vec![x.clone().replicate()])
+        }
+        OpKind::SplitHeads { n } => {
+            expect_arity(1)?;
+            let x = ins[0];
+            if x.dims.is_empty() {
+                return Err("input is a scalar".into());
+            }
+            let last = x.last();
+            let Some((a, b)) = last.name.split_once('*') else {
+                return Err(format!("last dim {last} is not a product `a*b`"));
+            };
+            if *n == 0 || last.size % n != 0 {
+                return Err(format!("cannot split {last} into {n} heads"));
+            }
+            let mut dims = x.dims[..x.dims.len() - 1].to_vec();
+            dims.push(Dim::new(a, *n));
+            dims.push(Dim::new(b, last.size / n));
+            Ok(vec![TensorType::new(x.dtype, dims)])
+        }
+        OpKind::MergeHeads => {
+            expect_arity(1)?;
+            let x = ins[0];
+            if x.dims.len() < 2 {
+                return Err("input needs at least 2 dims".into());
+            }
+            let k = x.dims.len();
+            let (a, b) = (&x.dims[k - 2], &x.dims[k - 1]);
+            let mut dims = x.dims[..k - 2].to_vec();
+            dims.push(Dim::new(format!("{}*{}", a.name, b.name), a.size * b.size));
+            Ok(vec![TensorType::new(x.dtype, dims)])
+        }
+        OpKind::Split { n } => {
+            expect_arity(1)?;
+            let x = ins[0];
+            if x.dims.is_empty() {
+                return Err("input is a scalar".into());
+            }
+            let last = x.last();
+            let prefix = format!("{n}*");
+            let Some(rest) = last.name.strip_prefix(&prefix) else {
+                return Err(format!("last dim {last} is not named `{n}*...`"));
+            };
+            if *n == 0 || last.size % n != 0 {
+                return Err(format!("cannot split {last} into {n} parts"));
+            }
+            let mut dims = x.dims.clone();
+            *dims.last_mut().expect("checked non-scalar") = Dim::new(rest, last.size / n);
+            let part = TensorType::new(x.dtype, dims);
+            Ok(vec![part; *n as usize])
+        }
+        OpKind::Rope { theta } => {
+            expect_arity(1)?;
+            want_rank(ins[0], 4, "rope input [b, s, heads, head_dim]")?;
+            if ins[0].last().size % 2 != 0 {
+                return Err(format!("head dim {} is odd", ins[0].last()));
+            }
+            if !(*theta > 0.0) {
+                return Err(format!("theta must be positive, got {theta}"));
+            }
+            Ok(vec![ins[0].clone().replicate()])
+        }
+        OpKind::CausalAttention => {
+            expect_arity(3)?;
+            let (q, k, v) = (ins[0], ins[1], ins[2]);
+            for (t, what) in [(q, "q"), (k, "k"), (v, "v")] {
+                want_rank(t, 4, what)?;
+            }
+            if k.dims != v.dims || k.dtype != v.dtype {
+                return Err(format!("k {} and v {} differ", shape_str(k), shape_str(v)));
+            }
+            let same = |i: usize| q.dims[i].size == k.dims[i].size;
+            if !same(0) || !same(1) || q.dims[3] != k.dims[3] {
+                return Err(format!(
+                    "q {} and k {} disagree on batch, sequence or head dim",
+                    shape_str(q),
+                    shape_str(k)
+                ));
+            }
+            if q.dims[2].size % k.dims[2].size != 0 {
+                return Err(format!(
+                    "{} query heads are not a multiple of {} kv heads",
+                    q.dims[2].size, k.dims[2].size
+                ));
+            }
+            Ok(vec![q.clone().replicate()])
+        }
+        OpKind::Add | OpKind::SwiGlu => {
+            expect_arity(2)?;
+            if ins[0].dims != ins[1].dims || ins[0].dtype != ins[1].dtype {
+                return Err(format!(
+                    "operands differ: {} vs {}",
+                    ins[0].dtype_shape(),
+                    ins[1].dtype_shape()
+                ));
+            }
+            Ok(vec![ins[0].clone().replicate()])
+        }
+        OpKind::GeluTanh => {
+            expect_arity(1)?;
+            Ok(vec![ins[0].clone().replicate()])
+        }
+        OpKind::CrossEntropy => {
+            expect_arity(2)?;
+            let (logits, labels) = (ins[0], ins[1]);
+            want_dtype(labels, DType::I32, "labels")?;
+            if logits.dims.len() != labels.dims.len() + 1
+                || logits.dims[..labels.dims.len()] != labels.dims[..]
+            {
+                return Err(format!(
+                    "logits {} do not match labels {}",
+                    shape_str(logits),
+                    shape_str(labels)
+                ));
+            }
+            Ok(vec![TensorType::scalar(DType::F32)])
+        }
+        OpKind::Router { top_k } => {
+            expect_arity(1)?;
+            let logits = ins[0];
+            want_rank(logits, 3, "router logits [b, s, experts]")?;
+            if *top_k == 0 || *top_k > logits.dims[2].size {
+                return Err(format!(
+                    "top_k {top_k} must be between 1 and the {} experts",
+                    logits.dims[2].size
+                ));
+            }
+            let mut dims = logits.dims.clone();
+            dims[2] = Dim::new("top_k", *top_k);
+            Ok(vec![
+                TensorType::new(DType::F32, dims.clone()),
+                TensorType::new(DType::I32, dims),
+            ])
+        }
+        OpKind::MoeAuxLoss { .. } => {
+            expect_arity(2)?;
+            let (logits, idx) = (ins[0], ins[1]);
+            want_rank(logits, 3, "router logits [b, s, experts]")?;
+            want_dtype(idx, DType::I32, "expert indices")?;
+            want_rank(idx, 3, "expert indices [b, s, top_k]")?;
+            if logits.dims[..2] != idx.dims[..2] {
+                return Err("router logits and indices disagree on [b, s]".into());
+            }
+            Ok(vec![TensorType::scalar(DType::F32)])
+        }
+        OpKind::Dispatch { capacity, .. } => {
+            expect_arity(2)?;
+            let (x, idx) = (ins[0], ins[1]);
+            want_rank(x, 3, "tokens [b, s, h]")?;
+            want_dtype(idx, DType::I32, "expert indices")?;
+            want_rank(idx, 3, "expert indices [b, s, top_k]")?;
+            let tokens = if *capacity == 0 {
+                Dim::dynamic("tokens", x.dims[0].size * x.dims[1].size)
+            } else {
+                Dim::new("tokens", *capacity)
+            };
+            Ok(vec![TensorType::new(
+                x.dtype,
+                vec![tokens, x.dims[2].clone()],
+            )])
+        }
+        OpKind::Combine => {
+            if ins.len() < 3 {
+                return Err(format!(
+                    "expects router weights, indices and expert outputs, got {} operands",
+                    ins.len()
+                ));
+            }
+            let (w, idx, ys) = (ins[0], ins[1], &ins[2..]);
+            want_rank(w, 3, "router weights [b, s, top_k]")?;
+            if idx.dims != w.dims {
+                return Err("router weights and indices differ in shape".into());
+            }
+            want_rank(ys[0], 2, "expert output [tokens, h]")?;
+            for y in ys {
+                if y.dims.len() != 2 || y.dims[1] != ys[0].dims[1] || y.dtype != ys[0].dtype {
+                    return Err(format!(
+                        "expert outputs differ: {} vs {}",
+                        ys[0].dtype_shape(),
+                        y.dtype_shape()
+                    ));
+                }
+            }
+            let dims = vec![w.dims[0].clone(), w.dims[1].clone(), ys[0].dims[1].clone()];
+            Ok(vec![TensorType::new(ys[0].dtype, dims)])
+        }
+    }
+}
+
+fn want_rank(t: &TensorType, rank: usize, what: &str) -> Result<(), String> {
+    if t.dims.len() == rank {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} must have {rank} dims, got {}",
+            shape_str(t)
+        ))
+    }
+}
+
+fn want_dtype(t: &TensorType, dtype: DType, what: &str) -> Result<(), String> {
+    if t.dtype == dtype {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} must be {}, got {}",
+            dtype.as_str(),
+            t.dtype_shape()
+        ))
+    }
+}
+
+fn shape_str(t: &TensorType) -> String {
+    t.dtype_shape()
+}
+
+impl TensorType {
+    /// The type without layout, e.g. `f32[b=2, s=8]`.
+    pub fn dtype_shape(&self) -> String {
+        let dims: Vec<String> = self.dims.iter().map(Dim::to_string).collect();
+        format!("{}[{}]", self.dtype.as_str(), dims.join(", "))
+    }
+
+    /// The same dtype and dims, replicated.
+    pub fn replicate(self) -> TensorType {
+        TensorType::new(self.dtype, self.dims)
+    }
+}

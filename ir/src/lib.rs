@@ -1,0 +1,50 @@
+//! megac's intermediate representations.
+//!
+//! - [`spec`]: level 1, the validated model description.
+//! - [`graph`]: level 2, the Graph IR of one training step (arena of values and ops), with
+//!   [`types`] (dtypes, named-dim shapes, layouts), [`op`] (kernel-sized ops),
+//!   [`infer`] (shape rules), [`verify`] (invariants), [`print`] and [`parse`] (text form).
+//!
+//! The later levels (sharded, staged, Plan) build on these types.
+
+pub mod graph;
+pub mod infer;
+pub mod op;
+pub mod parse;
+pub mod print;
+pub mod spec;
+pub mod types;
+pub mod verify;
+
+pub use graph::{Graph, Mesh, Op, OpId, Value, ValueDef, ValueId};
+pub use op::{OpKind, WeightLayout};
+pub use parse::parse_graph;
+pub use print::print_graph;
+pub use spec::ModelSpec;
+pub use types::{Axis, DType, Dim, Layout, TensorType};
+pub use verify::verify;
+
+/// Errors raised while building or reading IR.
+#[derive(Debug, thiserror::Error)]
+pub enum IrError {
+    /// Shape inference rejected an op's operands.
+    #[error("{op} at {path}: {message}")]
+    Type {
+        /// Op name.
+        op: String,
+        /// Provenance path of the op.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The text form could not be read.
+    #[error("line {line}, column {col}: {message}")]
+    Parse {
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        col: usize,
+        /// What is wrong.
+        message: String,
+    },
+}

@@ -1,0 +1,286 @@
+//! IR level 1: the validated model description (`ModelSpec`).
+//!
+//! The frontend parses and validates `model.toml` into these types; every later stage
+//! may rely on the invariants the frontend checked (divisibility of heads by tp, layers
+//! by pp·vpp, and so on; see docs/model-toml.md).
+
+use std::fmt;
+
+/// Model family: decides norms, activations, positions and parameter names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// LlamaForCausalLM: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases.
+    Llama,
+    /// GPT2LMHeadModel: LayerNorm with bias, GELU (tanh), learned positions, biases.
+    Gpt,
+}
+
+impl Arch {
+    /// The spelling used in model.toml.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Gpt => "gpt",
+        }
+    }
+}
+
+/// `[model.moe]`: mixture-of-experts MLPs (Mixtral semantics).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeSpec {
+    /// Number of experts per MoE layer.
+    pub experts: u64,
+    /// Experts each token is routed to.
+    pub top_k: u64,
+    /// Every `layer_freq`-th layer is a MoE layer (1 = all), counting from layer 0.
+    pub layer_freq: u64,
+    /// Weight of the load-balancing auxiliary loss.
+    pub aux_loss_coeff: f64,
+    /// Expert capacity factor; 0 means dropless.
+    pub capacity_factor: f64,
+}
+
+/// `[model]`: the architecture and its sizes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSection {
+    /// Model family.
+    pub arch: Arch,
+    /// Number of transformer layers.
+    pub layers: u64,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Attention (query) heads.
+    pub heads: u64,
+    /// Key/value heads (grouped-query attention); equals `heads` for multi-head attention.
+    pub kv_heads: u64,
+    /// MLP intermediate size (per expert for MoE layers).
+    pub ffn_hidden: u64,
+    /// Vocabulary size (unpadded).
+    pub vocab: u64,
+    /// Sequence length of one sample.
+    pub seq_len: u64,
+    /// Share the embedding matrix with the output layer.
+    pub tie_embeddings: bool,
+    /// Epsilon of RMSNorm / LayerNorm.
+    pub norm_eps: f64,
+    /// RoPE base frequency (llama only).
+    pub rope_theta: f64,
+    /// Mixture of experts, if any.
+    pub moe: Option<MoeSpec>,
+}
+
+impl ModelSection {
+    /// Size of one attention head.
+    pub fn head_dim(&self) -> u64 {
+        self.hidden / self.heads
+    }
+
+    /// Whether layer `i` (0-based) has a MoE MLP.
+    pub fn is_moe_layer(&self, i: u64) -> bool {
+        self.moe.as_ref().is_some_and(|m| i % m.layer_freq == 0)
+    }
+}
+
+/// Arithmetic precision of the training step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Everything in float32.
+    Fp32,
+    /// bfloat16 activations and compute copies, float32 master weights, loss and optimizer.
+    Bf16,
+}
+
+impl Precision {
+    /// The spelling used in model.toml.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Activation recomputation policy (`train.recompute`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recompute {
+    /// Keep every activation.
+    None,
+    /// Recompute the core attention only (Megatron's selective recomputation).
+    Selective,
+    /// Recompute each layer from its input.
+    Full,
+}
+
+impl Recompute {
+    /// The spelling used in model.toml.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+}
+
+/// `[train]`: batch, optimizer and numerics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSection {
+    /// Samples per micro-batch on one data-parallel rank.
+    pub micro_batch: u64,
+    /// Samples per optimizer step over all data-parallel ranks.
+    pub global_batch: u64,
+    /// Optimizer steps to run.
+    pub steps: u64,
+    /// Seed for parameter initialisation and synthetic data.
+    pub seed: u64,
+    /// Arithmetic precision.
+    pub precision: Precision,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// AdamW (beta1, beta2).
+    pub betas: (f64, f64),
+    /// AdamW epsilon (added after the square root).
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Max global gradient L2 norm; 0 disables clipping.
+    pub grad_clip: f64,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+}
+
+impl TrainSection {
+    /// Micro-batches per data-parallel rank and step.
+    pub fn microbatches(&self, dp: u64) -> u64 {
+        self.global_batch / (self.micro_batch * dp)
+    }
+}
+
+/// Pipeline schedule (`parallel.schedule`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// All forwards, then all backwards.
+    Gpipe,
+    /// One-forward-one-backward.
+    OneFOneB,
+    /// Megatron's interleaved 1F1B over virtual stages (needs vpp > 1).
+    Interleaved,
+    /// Zero-bubble H1: backward split into B and W, W fills bubbles.
+    ZbH1,
+    /// MegaDPP: dynamic priority order over the task matrix.
+    Dpp,
+}
+
+impl Schedule {
+    /// The spelling used in model.toml.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Schedule::Gpipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+            Schedule::Interleaved => "interleaved",
+            Schedule::ZbH1 => "zb-h1",
+            Schedule::Dpp => "dpp",
+        }
+    }
+}
+
+/// MegaDPP priority policy (`parallel.dpp_policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DppPolicy {
+    /// All micro-batches of a chunk first.
+    Bfs,
+    /// One micro-batch through all chunks first.
+    Dfs,
+    /// Breadth-first under a memory cap, depth-first beyond it.
+    Adaptive,
+}
+
+impl DppPolicy {
+    /// The spelling used in model.toml.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DppPolicy::Bfs => "bfs",
+            DppPolicy::Dfs => "dfs",
+            DppPolicy::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// `[parallel]`: the parallel layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParallelSection {
+    /// Tensor-parallel size.
+    pub tp: u64,
+    /// Pipeline-parallel size.
+    pub pp: u64,
+    /// Virtual pipeline chunks per pipeline rank.
+    pub vpp: u64,
+    /// Data-parallel size.
+    pub dp: u64,
+    /// Context-parallel size.
+    pub cp: u64,
+    /// Expert-parallel size (folds over dp·cp).
+    pub ep: u64,
+    /// Megatron sequence parallelism inside the tp group.
+    pub sequence_parallel: bool,
+    /// ZeRO-1 distributed optimizer over dp.
+    pub distributed_optimizer: bool,
+    /// Pipeline schedule.
+    pub schedule: Schedule,
+    /// MegaDPP policy (used by `schedule = "dpp"`).
+    pub dpp_policy: DppPolicy,
+    /// MegaFBD forward/backward decoupling.
+    pub fbd: bool,
+}
+
+impl ParallelSection {
+    /// Number of ranks the layout needs (each FBD stage has a forward and a backward role).
+    pub fn world_size(&self) -> u64 {
+        let base = self.tp * self.pp * self.dp * self.cp;
+        if self.fbd {
+            base * 2
+        } else {
+            base
+        }
+    }
+}
+
+/// `[cluster]`: the machine a plan is meant for (used by inspect and simulate).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterSection {
+    /// Accelerator preset name.
+    pub device: String,
+    /// Number of nodes.
+    pub nodes: u64,
+    /// Accelerators per node.
+    pub gpus_per_node: u64,
+}
+
+/// The validated model.toml.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    /// Display name (the file stem of model.toml).
+    pub name: String,
+    /// `[model]`.
+    pub model: ModelSection,
+    /// `[train]`.
+    pub train: TrainSection,
+    /// `[parallel]`.
+    pub parallel: ParallelSection,
+    /// `[cluster]`, if given.
+    pub cluster: Option<ClusterSection>,
+}
+
+impl ModelSpec {
+    /// Vocabulary padded to a multiple of 128·tp, as Megatron pads it.
+    pub fn padded_vocab(&self) -> u64 {
+        let m = 128 * self.parallel.tp;
+        self.model.vocab.div_ceil(m) * m
+    }
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
