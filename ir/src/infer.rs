@@ -195,6 +195,10 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(vec![ins[0].clone().replicate()])
         }
+        OpKind::Cast { to } => {
+            expect_arity(1)?;
+            Ok(vec![TensorType::new(*to, ins[0].dims.clone())])
+        }
         OpKind::GeluTanh => {
             expect_arity(1)?;
             Ok(vec![ins[0].clone().replicate()])

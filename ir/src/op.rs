@@ -71,6 +71,11 @@ pub enum OpKind {
     /// causal softmax attention with scale `1/sqrt(d)`, each kv head shared by `heads/kv_heads`
     /// query heads.
     CausalAttention,
+    /// `(x) -> x` converted to dtype `to` (activations to bf16 under `precision = "bf16"`).
+    Cast {
+        /// Target dtype.
+        to: crate::types::DType,
+    },
     /// `(a, b) -> a + b` (same type).
     Add,
     /// `(gate, up) -> silu(gate) * up`.
@@ -117,6 +122,7 @@ impl OpKind {
             OpKind::Split { .. } => "split",
             OpKind::Rope { .. } => "rope",
             OpKind::CausalAttention => "causal_attention",
+            OpKind::Cast { .. } => "cast",
             OpKind::Add => "add",
             OpKind::SwiGlu => "swiglu",
             OpKind::GeluTanh => "gelu_tanh",
@@ -136,6 +142,7 @@ impl OpKind {
             OpKind::SplitHeads { n } | OpKind::Split { n } => vec![("n", n.to_string())],
             OpKind::Rope { theta } => vec![("theta", fmt_f64(*theta))],
             OpKind::Router { top_k } => vec![("top_k", top_k.to_string())],
+            OpKind::Cast { to } => vec![("to", to.as_str().to_string())],
             OpKind::MoeAuxLoss { coeff } => vec![("coeff", fmt_f64(*coeff))],
             OpKind::Dispatch { expert, capacity } => vec![
                 ("expert", expert.to_string()),

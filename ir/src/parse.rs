@@ -41,7 +41,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, IrError> {
         } else if c.eat_keyword("mesh") {
             let mut axes = Vec::new();
             while !c.at_end() {
-                let start = c.pos;
+                let start = c.here();
                 let name = c.ident()?;
                 let axis = Axis::from_name(&name)
                     .ok_or_else(|| c.err_at(start, &format!("unknown mesh axis `{name}`")))?;
@@ -65,7 +65,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, IrError> {
         } else if c.eat_keyword("output") {
             let name = c.string()?;
             c.expect("=")?;
-            let start = c.pos;
+            let start = c.here();
             let id = c.value_id()?;
             if slot(&slots, id).is_none() {
                 return Err(c.err_at(start, &format!("%{} is not defined", id.0)));
@@ -112,7 +112,7 @@ fn parse_op_line(
 ) -> Result<(), IrError> {
     let mut results: Vec<(ValueId, TensorType, usize)> = Vec::new();
     loop {
-        let start = c.pos;
+        let start = c.here();
         let id = c.value_id()?;
         c.expect(":")?;
         let ty = c.tensor_type()?;
@@ -122,13 +122,13 @@ fn parse_op_line(
         }
     }
     c.expect("=")?;
-    let name_start = c.pos;
+    let name_start = c.here();
     let name = c.ident()?;
     c.expect("(")?;
     let mut inputs = Vec::new();
     if !c.eat(")") {
         loop {
-            let start = c.pos;
+            let start = c.here();
             let id = c.value_id()?;
             if slot(slots, id).is_none() {
                 return Err(c.err_at(start, &format!("%{} is used before it is defined", id.0)));
@@ -143,7 +143,7 @@ fn parse_op_line(
     let mut attrs: Vec<(String, String, usize)> = Vec::new();
     if c.eat("{") {
         loop {
-            let start = c.pos;
+            let start = c.here();
             let key = c.ident()?;
             c.expect("=")?;
             let val = c.word()?;
@@ -256,6 +256,13 @@ fn op_kind(
             theta: float("theta")?,
         },
         "causal_attention" => OpKind::CausalAttention,
+        "cast" => {
+            let to = get("to")?;
+            OpKind::Cast {
+                to: DType::from_name(to)
+                    .ok_or_else(|| c.err_at(at, &format!("attribute to={to}: unknown dtype")))?,
+            }
+        }
         "add" => OpKind::Add,
         "swiglu" => OpKind::SwiGlu,
         "gelu_tanh" => OpKind::GeluTanh,
@@ -321,6 +328,12 @@ impl Cursor<'_> {
             col: self.s[..pos.min(self.s.len())].chars().count() + 1,
             message: message.to_string(),
         }
+    }
+
+    /// Skip whitespace and return the position of the next token.
+    fn here(&mut self) -> usize {
+        self.skip_ws();
+        self.pos
     }
 
     fn rest(&self) -> &str {
@@ -389,7 +402,7 @@ impl Cursor<'_> {
 
     fn take_while(&mut self, f: impl Fn(char) -> bool) -> &str {
         self.skip_ws();
-        let start = self.pos;
+        let start = self.here();
         let len: usize = self
             .rest()
             .chars()
@@ -420,7 +433,7 @@ impl Cursor<'_> {
     }
 
     fn uint(&mut self) -> Result<u64, IrError> {
-        let start = self.pos;
+        let start = self.here();
         let w = self.take_while(|c| c.is_ascii_digit());
         w.parse()
             .map_err(|_| self.err_at(start, "expected an unsigned integer"))
@@ -445,7 +458,7 @@ impl Cursor<'_> {
     }
 
     fn tensor_type(&mut self) -> Result<TensorType, IrError> {
-        let start = self.pos;
+        let start = self.here();
         let name = self.ident()?;
         let dtype = DType::from_name(&name)
             .ok_or_else(|| self.err_at(start, &format!("unknown dtype `{name}`")))?;
@@ -487,12 +500,12 @@ impl Cursor<'_> {
             return Ok(layout);
         }
         loop {
-            let start = self.pos;
+            let start = self.here();
             let key = self.ident()?;
             self.expect(":")?;
             let mut axes = Vec::new();
             loop {
-                let at = self.pos;
+                let at = self.here();
                 let a = self.ident()?;
                 axes.push(
                     Axis::from_name(&a)

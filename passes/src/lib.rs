@@ -1,1 +1,38 @@
-//! wip
+//! megac's passes and the pass manager.
+//!
+//! - [`manager`]: the ordered pipeline of named passes (`megac passes` lists it).
+//! - [`build`]: ModelSpec -> Graph IR.
+//! - [`flops`]: model FLOPs per step (analysis, not a transformation).
+
+pub mod build;
+pub mod flops;
+pub mod manager;
+
+#[cfg(test)]
+mod test_support;
+
+pub use manager::{pass_names, pipeline, run_pipeline, Module, Pass};
+
+/// Errors raised by passes.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    /// A pass produced ill-typed IR.
+    #[error(transparent)]
+    Ir(#[from] megac_ir::IrError),
+    /// The verifier rejected a pass's output.
+    #[error("verifier failed after pass `{pass}`: {message}")]
+    Verify {
+        /// The pass just run.
+        pass: &'static str,
+        /// The broken invariant.
+        message: String,
+    },
+    /// `--after` named no pass.
+    #[error("no pass named `{name}`; passes: {known}")]
+    UnknownPass {
+        /// The name given.
+        name: String,
+        /// The valid names.
+        known: String,
+    },
+}

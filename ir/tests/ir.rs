@@ -1,0 +1,174 @@
+//! Graph IR: building, printing, parsing back, and the verifier's rejections.
+
+use megac_ir::{
+    parse_graph, print_graph, verify, DType, Dim, Graph, IrError, Mesh, OpKind, TensorType,
+    ValueDef, ValueId, WeightLayout,
+};
+
+fn ty(dtype: DType, dims: &[(&str, u64)]) -> TensorType {
+    TensorType::new(dtype, dims.iter().map(|&(n, s)| Dim::new(n, s)).collect())
+}
+
+/// A small attention block: embedding, projections, heads, rope, attention, loss.
+fn sample() -> Graph {
+    let mut g = Graph::new("sample", Mesh::single());
+    let tokens = g.add_input("tokens", ty(DType::I32, &[("b", 2), ("s", 8)]));
+    let labels = g.add_input("labels", ty(DType::I32, &[("b", 2), ("s", 8)]));
+    let wte = g.add_param("wte", ty(DType::F32, &[("vocab", 32), ("h", 16)]));
+    let x = g
+        .add_op1(OpKind::Embedding, &[tokens, wte], "embed")
+        .unwrap();
+    let wq = g.add_param("wq", ty(DType::F32, &[("heads*head_dim", 16), ("h", 16)]));
+    let lin = OpKind::Linear {
+        weight: WeightLayout::OutIn,
+    };
+    let q = g.add_op1(lin.clone(), &[x, wq], "q").unwrap();
+    let q4 = g
+        .add_op1(OpKind::SplitHeads { n: 4 }, &[q], "attn")
+        .unwrap();
+    let qr = g
+        .add_op1(OpKind::Rope { theta: 10000.0 }, &[q4], "attn.rope")
+        .unwrap();
+    let a = g
+        .add_op1(OpKind::CausalAttention, &[qr, qr, q4], "attn.core")
+        .unwrap();
+    let m = g.add_op1(OpKind::MergeHeads, &[a], "attn").unwrap();
+    let wo = g.add_param("wo", ty(DType::F32, &[("h", 16), ("heads*head_dim", 16)]));
+    let o = g.add_op1(lin.clone(), &[m, wo], "o").unwrap();
+    let r = g.add_op1(OpKind::Add, &[x, o], "residual").unwrap();
+    let logits = g.add_op1(lin, &[r, wte], "lm_head").unwrap();
+    let loss = g
+        .add_op1(OpKind::CrossEntropy, &[logits, labels], "loss")
+        .unwrap();
+    g.add_output("loss", loss);
+    g
+}
+
+#[test]
+fn built_graph_verifies_and_round_trips() {
+    let g = sample();
+    verify(&g).unwrap();
+    let text = print_graph(&g);
+    let back = parse_graph(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(back, g);
+    assert_eq!(print_graph(&back), text);
+}
+
+#[test]
+fn shape_inference_rejects_mismatched_linear() {
+    let mut g = Graph::new("bad", Mesh::single());
+    let x = g.add_input("x", ty(DType::F32, &[("b", 2), ("h", 16)]));
+    let w = g.add_param("w", ty(DType::F32, &[("ffn", 8), ("h", 12)]));
+    let err = g
+        .add_op1(
+            OpKind::Linear {
+                weight: WeightLayout::OutIn,
+            },
+            &[x, w],
+            "mlp",
+        )
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("linear at mlp") && msg.contains("h=16") && msg.contains("h=12"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn verifier_rejects_use_before_definition() {
+    let mut g = sample();
+    // Make the first op read the result of the last op.
+    let last = *g.ops.last().unwrap().outputs.first().unwrap();
+    g.ops[0].inputs[0] = last;
+    let err = verify(&g).unwrap_err();
+    assert!(err.contains("not defined before use"), "{err}");
+}
+
+#[test]
+fn verifier_rejects_wrong_recorded_type() {
+    let mut g = sample();
+    let out = g.ops[1].outputs[0];
+    g.values[out.0 as usize].ty = ty(DType::F32, &[("b", 2), ("s", 8), ("heads*head_dim", 15)]);
+    let err = verify(&g).unwrap_err();
+    assert!(err.contains("but its operands give"), "{err}");
+}
+
+#[test]
+fn verifier_rejects_duplicate_parameter_names_and_dangling_outputs() {
+    let mut g = sample();
+    if let ValueDef::Param(name) = &mut g.values[2].def {
+        *name = "wq".into();
+    }
+    assert!(verify(&g).unwrap_err().contains("declared twice"));
+
+    let mut g = sample();
+    g.outputs.push(("ghost".into(), ValueId(999)));
+    assert!(verify(&g).unwrap_err().contains("ghost"));
+}
+
+#[test]
+fn verifier_rejects_results_that_do_not_point_back() {
+    let mut g = sample();
+    g.ops[1].outputs[0] = ValueId(0);
+    assert!(verify(&g).is_err());
+}
+
+fn parse_err(text: &str) -> (usize, usize, String) {
+    match parse_graph(text) {
+        Err(IrError::Parse { line, col, message }) => (line, col, message),
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+}
+
+#[test]
+fn parser_reports_line_and_column() {
+    let good = print_graph(&sample());
+    // Unknown op.
+    let bad = good.replace("= embedding(", "= embeding(");
+    let (line, col, msg) = parse_err(&bad);
+    let want_line = bad.lines().position(|l| l.contains("embeding")).unwrap() + 1;
+    assert_eq!(line, want_line);
+    assert_eq!(
+        col,
+        bad.lines().nth(line - 1).unwrap().find("embeding").unwrap() + 1
+    );
+    assert!(msg.contains("unknown op `embeding`"), "{msg}");
+
+    // A written type that disagrees with inference.
+    let bad = good.replacen("f32[b=2, s=8, h=16] {R}", "f32[b=2, s=8, h=17] {R}", 1);
+    let (_, _, msg) = parse_err(&bad);
+    assert!(msg.contains("disagrees with the inferred"), "{msg}");
+
+    // Use of an undefined value.
+    let bad = good.replace("embedding(%0, %2)", "embedding(%0, %77)");
+    let (_, _, msg) = parse_err(&bad);
+    assert!(msg.contains("%77 is used before it is defined"), "{msg}");
+
+    // Missing closing brace.
+    let bad = good.trim_end().trim_end_matches('}').to_string();
+    let (_, _, msg) = parse_err(&bad);
+    assert!(msg.contains("missing closing"), "{msg}");
+
+    // Missing provenance.
+    let line = good.lines().find(|l| l.contains("= add(")).unwrap();
+    let bad = good.replace(line, line.split('#').next().unwrap());
+    let (_, _, msg) = parse_err(&bad);
+    assert!(msg.contains("expected `#`"), "{msg}");
+}
+
+#[test]
+fn layouts_print_and_parse() {
+    let mut g = sample();
+    let v = g.ops[0].outputs[0];
+    let t = &mut g.values[v.0 as usize].ty;
+    t.layout.shards[0] = vec![megac_ir::Axis::Dp];
+    t.layout.shards[2] = vec![megac_ir::Axis::Cp, megac_ir::Axis::Tp];
+    t.layout.partial = vec![megac_ir::Axis::Tp];
+    let text = print_graph(&g);
+    assert!(
+        text.contains("f32[b=2, s=8, h=16] {b:dp, h:cp+tp, partial:tp}"),
+        "{text}"
+    );
+    assert_eq!(parse_graph(&text).unwrap(), g);
+}

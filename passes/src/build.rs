@@ -1,0 +1,311 @@
+//! The `build` pass: ModelSpec -> Graph IR (forward of one training step, global view).
+//!
+//! Parameter names and shapes follow Hugging Face transformers: LlamaForCausalLM for
+//! `arch = "llama"`, MixtralForCausalLM for llama with `[model.moe]`, GPT2LMHeadModel for
+//! `arch = "gpt"` (whose Conv1D weights are stored `[in, out]`). The batch dim is the global
+//! batch; micro-batching is the scheduler's business.
+
+use megac_ir::spec::{Arch, ModelSpec, Precision};
+use megac_ir::{DType, Dim, Graph, IrError, Mesh, OpKind, TensorType, ValueId, WeightLayout};
+
+/// Build the forward graph of `spec`.
+pub fn build_graph(spec: &ModelSpec) -> Result<Graph, IrError> {
+    let mut b = Builder::new(spec);
+    b.build()?;
+    Ok(b.g)
+}
+
+struct Builder<'a> {
+    spec: &'a ModelSpec,
+    g: Graph,
+    act: DType,
+}
+
+fn t(dtype: DType, dims: &[(&str, u64)]) -> TensorType {
+    TensorType::new(dtype, dims.iter().map(|&(n, s)| Dim::new(n, s)).collect())
+}
+
+impl<'a> Builder<'a> {
+    fn new(spec: &'a ModelSpec) -> Self {
+        let p = &spec.parallel;
+        let mesh = Mesh {
+            axes: vec![
+                (megac_ir::Axis::Tp, p.tp),
+                (megac_ir::Axis::Cp, p.cp),
+                (megac_ir::Axis::Ep, p.ep),
+                (megac_ir::Axis::Dp, p.dp),
+                (megac_ir::Axis::Pp, p.pp),
+            ],
+        };
+        let act = match spec.train.precision {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::Bf16,
+        };
+        Builder {
+            spec,
+            g: Graph::new(spec.name.clone(), mesh),
+            act,
+        }
+    }
+
+    /// A float32 parameter (master weights are always f32).
+    fn param(&mut self, name: &str, dims: &[(&str, u64)]) -> ValueId {
+        self.g.add_param(name, t(DType::F32, dims))
+    }
+
+    fn op(&mut self, kind: OpKind, ins: &[ValueId], path: &str) -> Result<ValueId, IrError> {
+        self.g.add_op1(kind, ins, path)
+    }
+
+    fn build(&mut self) -> Result<(), IrError> {
+        let spec: &'a ModelSpec = self.spec;
+        let m = &spec.model;
+        let (bsz, s) = (self.spec.train.global_batch, m.seq_len);
+        let tokens = self
+            .g
+            .add_input("tokens", t(DType::I32, &[("b", bsz), ("s", s)]));
+        let labels = self
+            .g
+            .add_input("labels", t(DType::I32, &[("b", bsz), ("s", s)]));
+        let (h, vocab) = (m.hidden, m.vocab);
+        let (embed_name, prefix, final_norm) = match m.arch {
+            Arch::Llama => ("model.embed_tokens", "model.layers", "model.norm"),
+            Arch::Gpt => ("transformer.wte", "transformer.h", "transformer.ln_f"),
+        };
+        let wte = self.param(
+            &format!("{embed_name}.weight"),
+            &[("vocab", vocab), ("h", h)],
+        );
+        let mut x = self.op(OpKind::Embedding, &[tokens, wte], embed_name)?;
+        if m.arch == Arch::Gpt {
+            let wpe = self.param("transformer.wpe.weight", &[("pos", s), ("h", h)]);
+            x = self.op(OpKind::PosEmbedding, &[x, wpe], "transformer.wpe")?;
+        }
+        if self.act != DType::F32 {
+            x = self.op(OpKind::Cast { to: self.act }, &[x], embed_name)?;
+        }
+        let mut aux_losses = Vec::new();
+        for i in 0..m.layers {
+            let p = format!("{prefix}.{i}");
+            x = match m.arch {
+                Arch::Llama => self.llama_layer(&p, i, x, &mut aux_losses)?,
+                Arch::Gpt => self.gpt_layer(&p, x)?,
+            };
+        }
+        x = self.norm(final_norm, x)?;
+        let head = if m.tie_embeddings {
+            wte
+        } else {
+            self.param("lm_head.weight", &[("vocab", vocab), ("h", h)])
+        };
+        let logits = self.op(
+            OpKind::Linear {
+                weight: WeightLayout::OutIn,
+            },
+            &[x, head],
+            "lm_head",
+        )?;
+        let loss = self.op(OpKind::CrossEntropy, &[logits, labels], "loss")?;
+        self.g.add_output("loss", loss);
+        if !aux_losses.is_empty() {
+            let mut total = loss;
+            for aux in aux_losses {
+                total = self.op(OpKind::Add, &[total, aux], "loss.total")?;
+            }
+            self.g.add_output("total_loss", total);
+        }
+        Ok(())
+    }
+
+    /// RMSNorm (llama) or LayerNorm with bias (gpt) at `path`.
+    fn norm(&mut self, path: &str, x: ValueId) -> Result<ValueId, IrError> {
+        let spec: &'a ModelSpec = self.spec;
+        let m = &spec.model;
+        let h = m.hidden;
+        match m.arch {
+            Arch::Llama => {
+                let w = self.param(&format!("{path}.weight"), &[("h", h)]);
+                self.op(OpKind::RmsNorm { eps: m.norm_eps }, &[x, w], path)
+            }
+            Arch::Gpt => {
+                let w = self.param(&format!("{path}.weight"), &[("h", h)]);
+                let b = self.param(&format!("{path}.bias"), &[("h", h)]);
+                self.op(OpKind::LayerNorm { eps: m.norm_eps }, &[x, w, b], path)
+            }
+        }
+    }
+
+    /// `nn.Linear` without bias: weight `[out, in]`.
+    fn linear(
+        &mut self,
+        path: &str,
+        x: ValueId,
+        out: (&str, u64),
+        inp: (&str, u64),
+    ) -> Result<ValueId, IrError> {
+        let w = self.param(&format!("{path}.weight"), &[out, inp]);
+        self.op(
+            OpKind::Linear {
+                weight: WeightLayout::OutIn,
+            },
+            &[x, w],
+            path,
+        )
+    }
+
+    /// GPT-2 `Conv1D`: weight `[in, out]` and bias `[out]`.
+    fn conv1d(
+        &mut self,
+        path: &str,
+        x: ValueId,
+        inp: (&str, u64),
+        out: (&str, u64),
+    ) -> Result<ValueId, IrError> {
+        let w = self.param(&format!("{path}.weight"), &[inp, out]);
+        let b = self.param(&format!("{path}.bias"), &[out]);
+        self.op(
+            OpKind::Linear {
+                weight: WeightLayout::InOut,
+            },
+            &[x, w, b],
+            path,
+        )
+    }
+
+    /// Split `[.., heads*head_dim]` into heads, attend causally, merge back.
+    fn attention_core(
+        &mut self,
+        path: &str,
+        q: ValueId,
+        k: ValueId,
+        v: ValueId,
+        rope: bool,
+    ) -> Result<ValueId, IrError> {
+        let spec: &'a ModelSpec = self.spec;
+        let m = &spec.model;
+        let (heads, kv, theta) = (m.heads, m.kv_heads, m.rope_theta);
+        let mut q = self.op(OpKind::SplitHeads { n: heads }, &[q], path)?;
+        let mut k = self.op(OpKind::SplitHeads { n: kv }, &[k], path)?;
+        let v = self.op(OpKind::SplitHeads { n: kv }, &[v], path)?;
+        if rope {
+            let rp = format!("{path}.rotary_emb");
+            q = self.op(OpKind::Rope { theta }, &[q], &rp)?;
+            k = self.op(OpKind::Rope { theta }, &[k], &rp)?;
+        }
+        let a = self.op(OpKind::CausalAttention, &[q, k, v], &format!("{path}.core"))?;
+        self.op(OpKind::MergeHeads, &[a], path)
+    }
+
+    fn llama_layer(
+        &mut self,
+        p: &str,
+        i: u64,
+        x: ValueId,
+        aux_losses: &mut Vec<ValueId>,
+    ) -> Result<ValueId, IrError> {
+        let spec: &'a ModelSpec = self.spec;
+        let m = &spec.model;
+        let h = m.hidden;
+        let hd = m.head_dim();
+        let q_dim = ("heads*head_dim", m.heads * hd);
+        let kv_dim = ("kv_heads*head_dim", m.kv_heads * hd);
+        let ffn = m.ffn_hidden;
+
+        let xn = self.norm(&format!("{p}.input_layernorm"), x)?;
+        let a = format!("{p}.self_attn");
+        let q = self.linear(&format!("{a}.q_proj"), xn, q_dim, ("h", h))?;
+        let k = self.linear(&format!("{a}.k_proj"), xn, kv_dim, ("h", h))?;
+        let v = self.linear(&format!("{a}.v_proj"), xn, kv_dim, ("h", h))?;
+        let attn = self.attention_core(&a, q, k, v, true)?;
+        let o = self.linear(&format!("{a}.o_proj"), attn, ("h", h), q_dim)?;
+        let x = self.op(OpKind::Add, &[x, o], &format!("{p}.residual.attn"))?;
+
+        let xn = self.norm(&format!("{p}.post_attention_layernorm"), x)?;
+        let y = match &m.moe {
+            Some(moe) if m.is_moe_layer(i) => {
+                let mp = format!("{p}.block_sparse_moe");
+                let logits = self.linear(
+                    &format!("{mp}.gate"),
+                    xn,
+                    ("experts", moe.experts),
+                    ("h", h),
+                )?;
+                let routed = self.g.add_op(
+                    OpKind::Router { top_k: moe.top_k },
+                    &[logits],
+                    format!("{mp}.router"),
+                )?;
+                let (weights, indices) = (routed[0], routed[1]);
+                if moe.aux_loss_coeff > 0.0 {
+                    aux_losses.push(self.op(
+                        OpKind::MoeAuxLoss {
+                            coeff: moe.aux_loss_coeff,
+                        },
+                        &[logits, indices],
+                        &format!("{mp}.aux_loss"),
+                    )?);
+                }
+                let tokens = spec.train.global_batch * m.seq_len;
+                let capacity = if moe.capacity_factor > 0.0 {
+                    let c = moe.capacity_factor * (tokens * moe.top_k) as f64 / moe.experts as f64;
+                    (c.ceil() as u64).min(tokens)
+                } else {
+                    0
+                };
+                let mut outs = vec![weights, indices];
+                for e in 0..moe.experts {
+                    let ep = format!("{mp}.experts.{e}");
+                    let xe = self.op(
+                        OpKind::Dispatch {
+                            expert: e,
+                            capacity,
+                        },
+                        &[xn, indices],
+                        &format!("{mp}.dispatch"),
+                    )?;
+                    let g = self.linear(&format!("{ep}.w1"), xe, ("ffn", ffn), ("h", h))?;
+                    let u = self.linear(&format!("{ep}.w3"), xe, ("ffn", ffn), ("h", h))?;
+                    let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{ep}.act"))?;
+                    outs.push(self.linear(&format!("{ep}.w2"), act, ("h", h), ("ffn", ffn))?);
+                }
+                self.op(OpKind::Combine, &outs, &format!("{mp}.combine"))?
+            }
+            _ => {
+                let mp = format!("{p}.mlp");
+                let g = self.linear(&format!("{mp}.gate_proj"), xn, ("ffn", ffn), ("h", h))?;
+                let u = self.linear(&format!("{mp}.up_proj"), xn, ("ffn", ffn), ("h", h))?;
+                let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{mp}.act_fn"))?;
+                self.linear(&format!("{mp}.down_proj"), act, ("h", h), ("ffn", ffn))?
+            }
+        };
+        self.op(OpKind::Add, &[x, y], &format!("{p}.residual.mlp"))
+    }
+
+    fn gpt_layer(&mut self, p: &str, x: ValueId) -> Result<ValueId, IrError> {
+        let spec: &'a ModelSpec = self.spec;
+        let m = &spec.model;
+        let h = m.hidden;
+        let q_dim = ("heads*head_dim", h);
+        let ffn = m.ffn_hidden;
+
+        let xn = self.norm(&format!("{p}.ln_1"), x)?;
+        let a = format!("{p}.attn");
+        let qkv = self.conv1d(
+            &format!("{a}.c_attn"),
+            xn,
+            ("h", h),
+            ("3*heads*head_dim", 3 * h),
+        )?;
+        let parts = self.g.add_op(OpKind::Split { n: 3 }, &[qkv], a.clone())?;
+        let attn = self.attention_core(&a, parts[0], parts[1], parts[2], false)?;
+        let o = self.conv1d(&format!("{a}.c_proj"), attn, q_dim, ("h", h))?;
+        let x = self.op(OpKind::Add, &[x, o], &format!("{p}.residual.attn"))?;
+
+        let xn = self.norm(&format!("{p}.ln_2"), x)?;
+        let mp = format!("{p}.mlp");
+        let f = self.conv1d(&format!("{mp}.c_fc"), xn, ("h", h), ("ffn", ffn))?;
+        let f = self.op(OpKind::GeluTanh, &[f], &format!("{mp}.act"))?;
+        let y = self.conv1d(&format!("{mp}.c_proj"), f, ("ffn", ffn), ("h", h))?;
+        self.op(OpKind::Add, &[x, y], &format!("{p}.residual.mlp"))
+    }
+}
