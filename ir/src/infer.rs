@@ -81,7 +81,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                 3
             };
             expect_arity(n)?;
-            if !(*eps > 0.0) {
+            if eps.is_nan() || *eps <= 0.0 {
                 return Err(format!("eps must be positive, got {eps}"));
             }
             let x = ins[0];
@@ -109,7 +109,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             let Some((a, b)) = last.name.split_once('*') else {
                 return Err(format!("last dim {last} is not a product `a*b`"));
             };
-            if *n == 0 || last.size % n != 0 {
+            if *n == 0 || !last.size.is_multiple_of(*n) {
                 return Err(format!("cannot split {last} into {n} heads"));
             }
             let mut dims = x.dims[..x.dims.len() - 1].to_vec();
@@ -140,7 +140,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             let Some(rest) = last.name.strip_prefix(&prefix) else {
                 return Err(format!("last dim {last} is not named `{n}*...`"));
             };
-            if *n == 0 || last.size % n != 0 {
+            if *n == 0 || !last.size.is_multiple_of(*n) {
                 return Err(format!("cannot split {last} into {n} parts"));
             }
             let mut dims = x.dims.clone();
@@ -151,10 +151,10 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
         OpKind::Rope { theta } => {
             expect_arity(1)?;
             want_rank(ins[0], 4, "rope input [b, s, heads, head_dim]")?;
-            if ins[0].last().size % 2 != 0 {
+            if !ins[0].last().size.is_multiple_of(2) {
                 return Err(format!("head dim {} is odd", ins[0].last()));
             }
-            if !(*theta > 0.0) {
+            if theta.is_nan() || *theta <= 0.0 {
                 return Err(format!("theta must be positive, got {theta}"));
             }
             Ok(vec![ins[0].clone().replicate()])

@@ -77,7 +77,9 @@ impl ModelSection {
 
     /// Whether layer `i` (0-based) has a MoE MLP.
     pub fn is_moe_layer(&self, i: u64) -> bool {
-        self.moe.as_ref().is_some_and(|m| i % m.layer_freq == 0)
+        self.moe
+            .as_ref()
+            .is_some_and(|m| i.is_multiple_of(m.layer_freq))
     }
 }
 
