@@ -155,3 +155,72 @@ fn overrides_reach_the_graph() {
     );
     assert!(text.contains("bf16[b=8, s=64, h=64]"));
 }
+
+/// Under activation recomputation, backward ops read recomputed clones, never the forward
+/// pass's own layer-internal activations (selective: never attention results).
+#[test]
+fn recompute_rewires_backward_uses_to_clones() {
+    use megac_ir::{OpKind, ValueDef};
+    use megac_passes::recompute::layer_of;
+    for policy in ["selective", "full"] {
+        for file in TINY {
+            let set = format!("train.recompute=\"{policy}\"");
+            let module = run_pipeline(load(file, &[&set]), Some("recompute"), true).unwrap();
+            let g = module.graph.unwrap();
+            assert_eq!(parse_graph(&print_graph(&g)).unwrap(), g);
+            let start = g
+                .ops
+                .iter()
+                .position(|op| op.kind.name().ends_with("_grad"))
+                .unwrap();
+            let clones = g.ops[..start]
+                .iter()
+                .filter(|op| op.path.ends_with("(recompute)"))
+                .count();
+            assert_eq!(clones, 0, "{file}: clones belong after the forward pass");
+            let producer = |v: megac_ir::ValueId| match g.value(v).def {
+                ValueDef::Op(op, _) => Some(op.0 as usize),
+                _ => None,
+            };
+            let mut rewired = 0;
+            for op in &g.ops[start..] {
+                for &v in &op.inputs {
+                    let Some(p) = producer(v) else { continue };
+                    let src = &g.ops[p];
+                    if src.path.ends_with("(recompute)") {
+                        rewired += 1;
+                        continue;
+                    }
+                    if p >= start {
+                        continue;
+                    }
+                    let Some(layer) = layer_of(&src.path) else {
+                        continue;
+                    };
+                    let leaves_layer = g.ops[..start]
+                        .iter()
+                        .any(|u| u.inputs.contains(&v) && layer_of(&u.path) != Some(layer));
+                    let bad = match policy {
+                        "full" => !leaves_layer,
+                        _ => matches!(src.kind, OpKind::CausalAttention),
+                    };
+                    assert!(
+                        !bad,
+                        "{file} ({policy}): backward op {} reads %{} of {} directly",
+                        op.kind.name(),
+                        v.0,
+                        src.path
+                    );
+                }
+            }
+            assert!(rewired > 0, "{file} ({policy}): nothing was recomputed");
+        }
+    }
+    let module = run_pipeline(
+        load("llama-tiny.toml", &["train.recompute=\"full\""]),
+        Some("recompute"),
+        true,
+    )
+    .unwrap();
+    insta::assert_snapshot!("llama-tiny__recompute_full", module.dump());
+}

@@ -148,7 +148,31 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             let part = TensorType::new(x.dtype, dims);
             Ok(vec![part; *n as usize])
         }
-        OpKind::Rope { theta } => {
+        OpKind::Concat => {
+            if ins.is_empty() {
+                return Err("expects at least one operand".into());
+            }
+            let first = ins[0];
+            if first.dims.is_empty() {
+                return Err("operands are scalars".into());
+            }
+            for x in ins {
+                if x.dims != first.dims || x.dtype != first.dtype {
+                    return Err(format!(
+                        "operands differ: {} vs {}",
+                        first.dtype_shape(),
+                        x.dtype_shape()
+                    ));
+                }
+            }
+            let n = ins.len() as u64;
+            let last = first.last();
+            let mut dims = first.dims.clone();
+            *dims.last_mut().expect("checked non-scalar") =
+                Dim::new(format!("{n}*{}", last.name), last.size * n);
+            Ok(vec![TensorType::new(first.dtype, dims)])
+        }
+        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
             expect_arity(1)?;
             want_rank(ins[0], 4, "rope input [b, s, heads, head_dim]")?;
             if !ins[0].last().size.is_multiple_of(2) {
@@ -182,9 +206,13 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                     q.dims[2].size, k.dims[2].size
                 ));
             }
-            Ok(vec![q.clone().replicate()])
+            let lse = TensorType::new(
+                DType::F32,
+                vec![q.dims[0].clone(), q.dims[2].clone(), q.dims[1].clone()],
+            );
+            Ok(vec![q.clone().replicate(), lse])
         }
-        OpKind::Add | OpKind::SwiGlu => {
+        OpKind::Add | OpKind::SwiGlu | OpKind::GradSum => {
             expect_arity(2)?;
             if ins[0].dims != ins[1].dims || ins[0].dtype != ins[1].dtype {
                 return Err(format!(
@@ -286,6 +314,170 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             let dims = vec![w.dims[0].clone(), w.dims[1].clone(), ys[0].dims[1].clone()];
             Ok(vec![TensorType::new(ys[0].dtype, dims)])
+        }
+        OpKind::EmbeddingGrad => {
+            expect_arity(3)?;
+            let (tokens, table, dy) = (ins[0], ins[1], ins[2]);
+            want_dtype(tokens, DType::I32, "token ids")?;
+            want_rank(table, 2, "embedding table")?;
+            let mut want = tokens.dims.clone();
+            want.push(table.dims[1].clone());
+            if dy.dims != want {
+                return Err(format!(
+                    "gradient {} does not match the embedding output",
+                    shape_str(dy)
+                ));
+            }
+            Ok(vec![TensorType::new(DType::F32, table.dims.clone())])
+        }
+        OpKind::PosEmbeddingGrad => {
+            expect_arity(2)?;
+            let (wpe, dy) = (ins[0], ins[1]);
+            want_rank(wpe, 2, "position table")?;
+            want_rank(dy, 3, "gradient [b, s, h]")?;
+            Ok(vec![TensorType::new(DType::F32, wpe.dims.clone())])
+        }
+        OpKind::LinearGradInput { weight } => {
+            expect_arity(2)?;
+            let (dy, w) = (ins[0], ins[1]);
+            want_rank(w, 2, "weight")?;
+            if dy.dims.is_empty() {
+                return Err("gradient is a scalar".into());
+            }
+            let (in_dim, out_dim) = match weight {
+                WeightLayout::OutIn => (&w.dims[1], &w.dims[0]),
+                WeightLayout::InOut => (&w.dims[0], &w.dims[1]),
+            };
+            if dy.last() != out_dim {
+                return Err(format!(
+                    "gradient's last dim {} is not the weight's output dim {out_dim}",
+                    dy.last()
+                ));
+            }
+            let mut dims = dy.dims.clone();
+            *dims.last_mut().expect("checked non-scalar") = in_dim.clone();
+            Ok(vec![TensorType::new(dy.dtype, dims)])
+        }
+        OpKind::LinearGradWeight { weight } => {
+            expect_arity(2)?;
+            let (x, dy) = (ins[0], ins[1]);
+            if x.dims.is_empty() || dy.dims.len() != x.dims.len() {
+                return Err(format!(
+                    "input {} and gradient {} disagree",
+                    shape_str(x),
+                    shape_str(dy)
+                ));
+            }
+            let dims = match weight {
+                WeightLayout::OutIn => vec![dy.last().clone(), x.last().clone()],
+                WeightLayout::InOut => vec![x.last().clone(), dy.last().clone()],
+            };
+            Ok(vec![TensorType::new(DType::F32, dims)])
+        }
+        OpKind::BiasGrad => {
+            expect_arity(1)?;
+            if ins[0].dims.is_empty() {
+                return Err("gradient is a scalar".into());
+            }
+            Ok(vec![TensorType::new(
+                DType::F32,
+                vec![ins[0].last().clone()],
+            )])
+        }
+        OpKind::RmsNormGrad { .. } | OpKind::LayerNormGrad { .. } => {
+            expect_arity(3)?;
+            let (x, w, dy) = (ins[0], ins[1], ins[2]);
+            if x.dims != dy.dims {
+                return Err(format!(
+                    "input {} and gradient {} differ",
+                    shape_str(x),
+                    shape_str(dy)
+                ));
+            }
+            let dw = TensorType::new(DType::F32, w.dims.clone());
+            let mut outs = vec![x.clone().replicate(), dw.clone()];
+            if matches!(kind, OpKind::LayerNormGrad { .. }) {
+                outs.push(dw);
+            }
+            Ok(outs)
+        }
+        OpKind::AttentionGrad => {
+            expect_arity(6)?;
+            let (q, k, v) = (ins[0], ins[1], ins[2]);
+            if ins[3].dims != q.dims || ins[5].dims != q.dims {
+                return Err("attention output or its gradient does not match q".into());
+            }
+            Ok(vec![
+                q.clone().replicate(),
+                k.clone().replicate(),
+                v.clone().replicate(),
+            ])
+        }
+        OpKind::SwiGluGrad => {
+            expect_arity(3)?;
+            if ins[0].dims != ins[1].dims || ins[0].dims != ins[2].dims {
+                return Err("gate, up and gradient differ in shape".into());
+            }
+            Ok(vec![ins[0].clone().replicate(), ins[1].clone().replicate()])
+        }
+        OpKind::GeluTanhGrad => {
+            expect_arity(2)?;
+            if ins[0].dims != ins[1].dims {
+                return Err("input and gradient differ in shape".into());
+            }
+            Ok(vec![ins[0].clone().replicate()])
+        }
+        OpKind::CrossEntropyGrad => {
+            expect_arity(2)?;
+            want_dtype(ins[1], DType::I32, "labels")?;
+            Ok(vec![ins[0].clone().replicate()])
+        }
+        OpKind::RouterGrad { .. } | OpKind::MoeAuxLossGrad { .. } => {
+            expect_arity(2)?;
+            want_rank(ins[0], 3, "router logits [b, s, experts]")?;
+            Ok(vec![ins[0].clone().replicate()])
+        }
+        OpKind::DispatchGrad { .. } => {
+            expect_arity(2)?;
+            let (dy, idx) = (ins[0], ins[1]);
+            want_rank(dy, 2, "expert gradient [tokens, h]")?;
+            want_rank(idx, 3, "expert indices [b, s, top_k]")?;
+            let dims = vec![idx.dims[0].clone(), idx.dims[1].clone(), dy.dims[1].clone()];
+            Ok(vec![TensorType::new(dy.dtype, dims)])
+        }
+        OpKind::CombineGrad => {
+            if ins.len() < 4 {
+                return Err(format!(
+                    "expects weights, indices, expert outputs and a gradient, got {} operands",
+                    ins.len()
+                ));
+            }
+            let mut outs = vec![TensorType::new(DType::F32, ins[0].dims.clone())];
+            for y in &ins[2..ins.len() - 1] {
+                outs.push((*y).clone().replicate());
+            }
+            Ok(outs)
+        }
+        OpKind::GradNorm => {
+            if ins.is_empty() {
+                return Err("expects at least one gradient".into());
+            }
+            Ok(vec![TensorType::scalar(DType::F32)])
+        }
+        OpKind::AdamW { .. } => {
+            expect_arity(3)?;
+            let (p, g, norm) = (ins[0], ins[1], ins[2]);
+            if p.dims != g.dims {
+                return Err(format!(
+                    "parameter {} and gradient {} differ",
+                    shape_str(p),
+                    shape_str(g)
+                ));
+            }
+            if !norm.dims.is_empty() {
+                return Err("the norm operand must be a scalar".into());
+            }
+            Ok(vec![p.clone().replicate()])
         }
     }
 }

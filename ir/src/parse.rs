@@ -5,7 +5,7 @@
 
 use crate::graph::{Graph, Mesh, Op, OpId, Value, ValueDef, ValueId};
 use crate::infer::infer_types;
-use crate::op::{OpKind, WeightLayout};
+use crate::op::OpKind;
 use crate::types::{Axis, DType, Dim, Layout, TensorType};
 use crate::IrError;
 
@@ -216,70 +216,13 @@ fn op_kind(
     c: &Cursor,
     at: usize,
 ) -> Result<OpKind, IrError> {
-    let get = |key: &str| -> Result<&str, IrError> {
+    let lookup = |key: &str| {
         attrs
             .iter()
             .find(|(k, _, _)| k == key)
-            .map(|(_, v, _)| v.as_str())
-            .ok_or_else(|| c.err_at(at, &format!("{name} needs attribute `{key}`")))
+            .map(|(_, v, _)| v.clone())
     };
-    let num = |key: &str| -> Result<u64, IrError> {
-        let v = get(key)?;
-        v.parse().map_err(|_| {
-            c.err_at(
-                at,
-                &format!("attribute {key}={v} is not an unsigned integer"),
-            )
-        })
-    };
-    let float = |key: &str| -> Result<f64, IrError> {
-        let v = get(key)?;
-        v.parse()
-            .map_err(|_| c.err_at(at, &format!("attribute {key}={v} is not a number")))
-    };
-    let kind = match name {
-        "embedding" => OpKind::Embedding,
-        "pos_embedding" => OpKind::PosEmbedding,
-        "linear" => {
-            let w = get("w")?;
-            let weight = WeightLayout::from_name(w).ok_or_else(|| {
-                c.err_at(at, &format!("attribute w={w}: expected out_in or in_out"))
-            })?;
-            OpKind::Linear { weight }
-        }
-        "rms_norm" => OpKind::RmsNorm { eps: float("eps")? },
-        "layer_norm" => OpKind::LayerNorm { eps: float("eps")? },
-        "split_heads" => OpKind::SplitHeads { n: num("n")? },
-        "merge_heads" => OpKind::MergeHeads,
-        "split" => OpKind::Split { n: num("n")? },
-        "rope" => OpKind::Rope {
-            theta: float("theta")?,
-        },
-        "causal_attention" => OpKind::CausalAttention,
-        "cast" => {
-            let to = get("to")?;
-            OpKind::Cast {
-                to: DType::from_name(to)
-                    .ok_or_else(|| c.err_at(at, &format!("attribute to={to}: unknown dtype")))?,
-            }
-        }
-        "add" => OpKind::Add,
-        "swiglu" => OpKind::SwiGlu,
-        "gelu_tanh" => OpKind::GeluTanh,
-        "cross_entropy" => OpKind::CrossEntropy,
-        "router" => OpKind::Router {
-            top_k: num("top_k")?,
-        },
-        "moe_aux_loss" => OpKind::MoeAuxLoss {
-            coeff: float("coeff")?,
-        },
-        "dispatch" => OpKind::Dispatch {
-            expert: num("expert")?,
-            capacity: num("capacity")?,
-        },
-        "combine" => OpKind::Combine,
-        _ => return Err(c.err_at(at, &format!("unknown op `{name}`"))),
-    };
+    let kind = OpKind::from_text(name, &lookup).map_err(|m| c.err_at(at, &m))?;
     let known: Vec<&str> = kind.attrs().iter().map(|(k, _)| *k).collect();
     for (k, _, start) in attrs {
         if !known.contains(&k.as_str()) {

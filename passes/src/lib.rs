@@ -2,11 +2,16 @@
 //!
 //! - [`manager`]: the ordered pipeline of named passes (`megac passes` lists it).
 //! - [`build`]: ModelSpec -> Graph IR.
+//! - [`autodiff`]: backward graph; [`recompute`]: activation recomputation rewrite;
+//!   [`optimizer`]: gradient norm, clipping, AdamW.
 //! - [`flops`]: model FLOPs per step (analysis, not a transformation).
 
+pub mod autodiff;
 pub mod build;
 pub mod flops;
 pub mod manager;
+pub mod optimizer;
+pub mod recompute;
 
 #[cfg(test)]
 mod test_support;
@@ -27,6 +32,9 @@ pub enum PassError {
         /// The broken invariant.
         message: String,
     },
+    /// Differentiation or the optimizer could not be generated.
+    #[error("autodiff: {0}")]
+    Autodiff(String),
     /// `--after` named no pass.
     #[error("no pass named `{name}`; passes: {known}")]
     UnknownPass {

@@ -3,7 +3,10 @@
 
 use megac_ir::{print_graph, verify, Graph, ModelSpec};
 
+use crate::autodiff::differentiate;
 use crate::build::build_graph;
+use crate::optimizer::add_optimizer;
+use crate::recompute::recompute;
 use crate::PassError;
 
 /// What the passes transform: the spec and, once built, the graph.
@@ -41,14 +44,43 @@ pub struct Pass {
 
 /// Every pass, in pipeline order.
 pub fn pipeline() -> Vec<Pass> {
-    vec![Pass {
-        name: "build",
-        description: "lower the model spec to the Graph IR: forward of one training step, global view, HF parameter names",
-        run: |m| {
-            m.graph = Some(build_graph(&m.spec)?);
-            Ok(())
+    vec![
+        Pass {
+            name: "build",
+            description: "lower the model spec to the Graph IR: forward of one training step, global view, HF parameter names",
+            run: |m| {
+                m.graph = Some(build_graph(&m.spec)?);
+                Ok(())
+            },
         },
-    }]
+        Pass {
+            name: "autodiff",
+            description: "append the backward graph: gradient ops for every forward op, contributions summed with grad_sum",
+            run: |m| differentiate(graph_mut(m)?),
+        },
+        Pass {
+            name: "recompute",
+            description: "activation recomputation (train.recompute): clone attention (selective) or whole layers (full) before their backward",
+            run: |m| {
+                let policy = m.spec.train.recompute;
+                recompute(graph_mut(m)?, policy)
+            },
+        },
+        Pass {
+            name: "optimizer",
+            description: "global gradient norm, clipping and one AdamW step per parameter",
+            run: |m| {
+                let train = m.spec.train.clone();
+                add_optimizer(graph_mut(m)?, &train)
+            },
+        },
+    ]
+}
+
+fn graph_mut(m: &mut Module) -> Result<&mut Graph, PassError> {
+    m.graph
+        .as_mut()
+        .ok_or_else(|| PassError::Autodiff("no graph: run the build pass first".into()))
 }
 
 /// Names of every pass, in order.

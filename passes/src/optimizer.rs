@@ -1,0 +1,49 @@
+//! The `optimizer` pass: global gradient norm, clipping and one AdamW step per parameter.
+//!
+//! Reads the `grad:NAME` outputs of autodiff and adds `grad_norm` (an output, recorded in run
+//! reports before clipping) and an `adamw` op per parameter whose result, the updated
+//! parameter, becomes the output `param:NAME`.
+
+use megac_ir::spec::TrainSection;
+use megac_ir::{Graph, OpKind, ValueId};
+
+use crate::PassError;
+
+/// Append the optimizer step to a differentiated graph.
+pub fn add_optimizer(g: &mut Graph, train: &TrainSection) -> Result<(), PassError> {
+    let grads: Vec<(String, ValueId)> = g
+        .outputs
+        .iter()
+        .filter_map(|(n, v)| n.strip_prefix("grad:").map(|p| (p.to_string(), *v)))
+        .collect();
+    if grads.is_empty() {
+        return Err(PassError::Autodiff(
+            "the optimizer pass needs gradients: run autodiff first".into(),
+        ));
+    }
+    let all: Vec<ValueId> = grads.iter().map(|(_, v)| *v).collect();
+    let norm = g.add_op1(OpKind::GradNorm, &all, "optimizer.grad_norm")?;
+    g.add_output("grad_norm", norm);
+    let kind = OpKind::AdamW {
+        lr: train.lr,
+        beta1: train.betas.0,
+        beta2: train.betas.1,
+        eps: train.eps,
+        weight_decay: train.weight_decay,
+        max_norm: train.grad_clip,
+    };
+    for (name, grad) in grads {
+        let param = g
+            .params()
+            .find(|(_, n, _)| *n == name)
+            .map(|(v, _, _)| v)
+            .ok_or_else(|| PassError::Autodiff(format!("gradient of unknown parameter {name}")))?;
+        let updated = g.add_op1(
+            kind.clone(),
+            &[param, grad, norm],
+            format!("optimizer.{name}"),
+        )?;
+        g.add_output(format!("param:{name}"), updated);
+    }
+    Ok(())
+}
