@@ -68,7 +68,35 @@ fn syntax_error(file: &str, text: &str, e: &toml::de::Error, offset: usize) -> S
         None => Origin::Default,
     };
     let message = e.message().trim().trim_end_matches('.').to_string();
-    SpecError::new(file, origin, format!("TOML syntax error: {message}"))
+    let err = SpecError::new(
+        file,
+        origin.clone(),
+        format!("TOML syntax error: {message}"),
+    );
+    // toml says "duplicate key" for a repeated key and for a repeated [table] alike.
+    let (Some(span), "duplicate key") = (e.span(), message.as_str()) else {
+        return err;
+    };
+    let name = text
+        .get(span.start + offset..span.end + offset)
+        .unwrap_or("")
+        .trim();
+    let header = matches!(&origin, Origin::File { text, .. } if text.trim_start().starts_with('['));
+    if header {
+        SpecError::new(
+            file,
+            origin,
+            format!("TOML syntax error: table [{name}] is defined twice"),
+        )
+        .with_help(format!("put all of [{name}]'s keys under its first header"))
+    } else {
+        SpecError::new(
+            file,
+            origin,
+            format!("TOML syntax error: duplicate key `{name}`"),
+        )
+        .with_help("a key may appear only once in a table; remove one of the two")
+    }
 }
 
 fn convert_table(
@@ -103,8 +131,14 @@ fn convert_value(
     Ok(match value.get_ref() {
         DeValue::String(s) => Raw::Str(s.to_string()),
         DeValue::Integer(i) => {
-            let n = i64::from_str_radix(i.as_str(), i.radix())
-                .map_err(|_| SpecError::new(file, at(), "integer out of range"))?;
+            let n = i64::from_str_radix(i.as_str(), i.radix()).map_err(|_| {
+                SpecError::new(
+                    file,
+                    at(),
+                    format!("integer {} does not fit in 64 bits", i.as_str()),
+                )
+                .with_help(format!("integers must be at most {}", i64::MAX))
+            })?;
             Raw::Int(n)
         }
         DeValue::Float(f) => {
@@ -145,6 +179,11 @@ pub fn apply_set(root: &mut Table, file: &str, arg: &str) -> Result<(), SpecErro
     let keys: Vec<&str> = path.split('.').map(str::trim).collect();
     if keys.iter().any(|k| k.is_empty()) {
         return Err(err(format!("`{path}` is not a key path like parallel.tp")));
+    }
+    if text.is_empty() {
+        return Err(err(format!(
+            "`{path}=` has no value; write one after `=`, e.g. --set parallel.tp=2"
+        )));
     }
     let value = match DeValue::parse(text) {
         Ok(v) => set_entries(file, text, &v, &origin)?,

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use megac_ir::spec::{
-    Arch, ClusterSection, DppPolicy, ModelSection, ModelSpec, MoeSpec, ParallelSection, Precision,
-    Recompute, Schedule, TrainSection,
+    Arch, ClusterSection, CosineSchedule, DppPolicy, ModelSection, ModelSpec, MoeSpec,
+    ParallelSection, Precision, Recompute, Schedule, TrainSection,
 };
 
 use crate::error::{Origin, SpecError};
@@ -47,6 +47,10 @@ const TRAIN_KEYS: &[&str] = &[
     "weight_decay",
     "grad_clip",
     "recompute",
+    "lr_schedule",
+    "warmup_steps",
+    "decay_steps",
+    "min_lr",
 ];
 const PARALLEL_KEYS: &[&str] = &[
     "tp",
@@ -63,6 +67,10 @@ const PARALLEL_KEYS: &[&str] = &[
 ];
 const CLUSTER_KEYS: &[&str] = &["device", "nodes", "gpus_per_node"];
 const TOP_KEYS: &[&str] = &["model", "train", "parallel", "cluster"];
+
+/// The largest size any key may have: far above any real model, and small enough that
+/// products of two sizes cannot overflow.
+pub const MAX_SIZE: u64 = 1_000_000_000;
 
 /// One table being read: known keys are taken out, whatever is left is unknown.
 struct Section<'a> {
@@ -101,7 +109,7 @@ impl<'a> Section<'a> {
     }
 
     fn type_error(&self, key: &str, e: &Entry, want: &str) -> SpecError {
-        SpecError::new(
+        let err = SpecError::new(
             self.file,
             e.origin.clone(),
             format!(
@@ -109,13 +117,51 @@ impl<'a> Section<'a> {
                 self.full(key),
                 describe(&e.value)
             ),
-        )
+        );
+        // The usual slips: a quoted number, `64.0` for an integer, `1` for a boolean.
+        let number = want.contains("integer") || want == "a number";
+        match &e.value {
+            Raw::Str(s) if number && s.trim().parse::<f64>().is_ok() => err.with_help(format!(
+                "write numbers without quotes: {} = {}",
+                key,
+                s.trim()
+            )),
+            Raw::Float(x) if want.contains("integer") && x.fract() == 0.0 && x.abs() < 1e15 => err
+                .with_help(format!(
+                    "write integers without a decimal point: {key} = {x:.0}"
+                )),
+            Raw::Int(0 | 1) if want == "true or false" => {
+                err.with_help(format!("write {key} = true or {key} = false"))
+            }
+            _ => err,
+        }
     }
 
     fn missing(&self, key: &str, what: &str) -> SpecError {
+        // A misspelt required key is reported as the unknown key it is, not as missing.
+        let typo = self
+            .table
+            .iter()
+            .find(|(k, _)| !self.known.contains(&k.as_str()) && suggest(k, &[key]).is_some());
+        if let Some((typo, e)) = typo {
+            return SpecError::new(
+                self.file,
+                e.key_origin.clone(),
+                format!("unknown key {}", self.full(typo)),
+            )
+            .with_help(format!(
+                "did you mean `{key}`? {} is required ({what})",
+                self.full(key)
+            ));
+        }
+        // Point at the section's header, when the section is in the file.
+        let at = match self.origins.get(&self.name) {
+            Some(o @ Origin::File { .. }) => o.clone(),
+            _ => Origin::Default,
+        };
         SpecError::new(
             self.file,
-            Origin::Default,
+            at,
             format!("missing required key {} ({what})", self.full(key)),
         )
         .with_help(format!("add `{key} = ...` under [{}]", self.name))
@@ -126,6 +172,12 @@ impl<'a> Section<'a> {
         match self.take(key) {
             None => default.ok_or_else(|| self.missing(key, what)),
             Some(e) => match e.value {
+                Raw::Int(n) if n as u64 > MAX_SIZE && n > 0 => Err(SpecError::new(
+                    self.file,
+                    e.origin.clone(),
+                    format!("{} = {n} is too large", self.full(key)),
+                )
+                .with_help(format!("{what}; use a value between 1 and {MAX_SIZE}"))),
                 Raw::Int(n) if n >= 1 => Ok(n as u64),
                 Raw::Int(n) => Err(SpecError::new(
                     self.file,
@@ -178,7 +230,11 @@ impl<'a> Section<'a> {
             return Err(SpecError::new(
                 self.file,
                 e.origin.clone(),
-                format!("{} = {x} is out of range", self.full(key)),
+                format!(
+                    "{} = {} is out of range",
+                    self.full(key),
+                    value_text(&e.value)
+                ),
             )
             .with_help(format!("{} must be {range}", self.full(key))));
         }
@@ -218,12 +274,16 @@ impl<'a> Section<'a> {
             Some((_, v)) => Ok(Some(*v)),
             None => {
                 let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+                let mut help = format!("use one of {}", names.join(", "));
+                if let Some((n, _)) = choices.iter().find(|(n, _)| n.eq_ignore_ascii_case(&s)) {
+                    help = format!("did you mean \"{n}\"? (choices are lower-case); {help}");
+                }
                 Err(SpecError::new(
                     self.file,
                     origin,
                     format!("{} = \"{s}\" is not a valid choice", self.full(key)),
                 )
-                .with_help(format!("use one of {}", names.join(", "))))
+                .with_help(help))
             }
         }
     }
@@ -263,22 +323,54 @@ impl<'a> Section<'a> {
 
 fn describe(v: &Raw) -> String {
     match v {
-        Raw::Int(n) => format!("the integer {n}"),
-        Raw::Float(x) => format!("the float {x}"),
-        Raw::Bool(b) => format!("the boolean {b}"),
-        Raw::Str(s) => format!("the string \"{s}\""),
+        Raw::Int(_) => format!("the integer {}", value_text(v)),
+        Raw::Float(_) => format!("the float {}", value_text(v)),
+        Raw::Bool(_) => format!("the boolean {}", value_text(v)),
+        Raw::Str(_) => format!("the string {}", value_text(v)),
+        Raw::Array(_) => format!("the array {}", value_text(v)),
         other => other.type_name().to_string(),
     }
 }
 
-/// The closest known key, if it is within two edits.
+/// A value spelt roughly as in TOML: `64.0` stays `64.0`, `1e-5` stays `1e-5`, `nan` stays
+/// `nan`, strings are quoted, arrays show their items.
+fn value_text(v: &Raw) -> String {
+    match v {
+        Raw::Int(n) => n.to_string(),
+        Raw::Float(x) if x.is_nan() => "nan".to_string(),
+        Raw::Float(x) if x.is_infinite() => (if *x > 0.0 { "inf" } else { "-inf" }).to_string(),
+        Raw::Float(x) if *x != 0.0 && (x.abs() < 1e-4 || x.abs() >= 1e16) => format!("{x:e}"),
+        Raw::Float(x) if x.fract() == 0.0 => format!("{x:.1}"),
+        Raw::Float(x) => x.to_string(),
+        Raw::Bool(b) => b.to_string(),
+        Raw::Str(s) => format!("{s:?}"),
+        Raw::Array(items) => {
+            let items: Vec<String> = items.iter().map(|e| value_text(&e.value)).collect();
+            format!("[{}]", items.join(", "))
+        }
+        other => other.type_name().to_string(),
+    }
+}
+
+/// The closest known key: within two edits, or one of the two a prefix of the other
+/// (`training` -> `train`); ties go to the longer common prefix (`tpp` -> `tp`).
 fn suggest<'k>(key: &str, known: &[&'k str]) -> Option<&'k str> {
+    let prefix = |k: &str| {
+        key.chars()
+            .zip(k.chars())
+            .take_while(|(a, b)| a == b)
+            .count()
+    };
     known
         .iter()
-        .map(|k| (edit_distance(key, k), *k))
-        .filter(|(d, _)| *d <= 2)
+        .filter_map(|k| {
+            let d = edit_distance(key, k);
+            let p = prefix(k);
+            let is_prefix = p >= 3 && p == key.len().min(k.len());
+            (d <= 2 || is_prefix).then_some((d, std::cmp::Reverse(p), *k))
+        })
         .min()
-        .map(|(_, k)| k)
+        .map(|(_, _, k)| k)
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -327,13 +419,28 @@ pub fn read_spec(
     let parallel_t = top_section("parallel")?;
     let cluster_t = top_section("cluster")?;
     if let Some((key, e)) = root.iter().next() {
-        let err = SpecError::new(file, e.key_origin.clone(), format!("unknown key {key}"));
-        return Err(match suggest(key, TOP_KEYS) {
-            Some(s) => err.with_help(format!("did you mean [{s}]?")),
-            None => {
-                err.with_help("model.toml has the sections [model], [train], [parallel], [cluster]")
+        const SECTIONS: &str =
+            "model.toml has the sections [model], [train], [parallel], [cluster]";
+        let err = match e.value {
+            Raw::Table(_) => {
+                let err = SpecError::new(
+                    file,
+                    e.key_origin.clone(),
+                    format!("unknown section [{key}]"),
+                );
+                match suggest(key, TOP_KEYS) {
+                    Some(s) => err.with_help(format!("did you mean [{s}]? {SECTIONS}")),
+                    None => err.with_help(SECTIONS),
+                }
             }
-        });
+            _ => SpecError::new(
+                file,
+                e.key_origin.clone(),
+                format!("unknown top-level key {key}"),
+            )
+            .with_help("every key belongs under one of the sections [model], [train], [parallel], [cluster]"),
+        };
+        return Err(err);
     }
     let Some(model_t) = model_t else {
         return Err(
@@ -449,11 +556,11 @@ fn read_train(
             };
             match pair {
                 Some((b1, b2)) if (0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2) => (b1, b2),
-                Some((b1, b2)) => {
+                Some(_) => {
                     return Err(SpecError::new(
                         file,
                         e.origin.clone(),
-                        format!("train.betas = [{b1}, {b2}] is out of range"),
+                        format!("train.betas = {} is out of range", value_text(&e.value)),
                     )
                     .with_help("both betas must be in [0, 1), e.g. [0.9, 0.95]"))
                 }
@@ -480,8 +587,58 @@ fn read_train(
             ],
         )?
         .unwrap_or(Recompute::None);
+    let cosine = s
+        .choice("lr_schedule", &[("constant", false), ("cosine", true)])?
+        .unwrap_or(false);
+    let lr_schedule = if cosine {
+        let warmup_steps = s.natural("warmup_steps", 0)?;
+        let decay_steps = s.positive("decay_steps", Some(steps), "step at which the decay ends")?;
+        let min_lr = s.number("min_lr", 0.0, 0.0, false, None)?;
+        if warmup_steps > decay_steps {
+            return Err(SpecError::new(
+                file,
+                s.origins
+                    .get("train.warmup_steps")
+                    .cloned()
+                    .unwrap_or(Origin::Default),
+                format!(
+                    "train.warmup_steps = {warmup_steps} exceeds train.decay_steps = {decay_steps}"
+                ),
+            )
+            .with_help("the cosine decay runs from warmup_steps to decay_steps"));
+        }
+        if min_lr > lr {
+            return Err(SpecError::new(
+                file,
+                s.origins
+                    .get("train.min_lr")
+                    .cloned()
+                    .unwrap_or(Origin::Default),
+                format!("train.min_lr = {min_lr} exceeds train.lr = {lr}"),
+            )
+            .with_help("min_lr is where the cosine decay ends; it must not exceed lr"));
+        }
+        Some(CosineSchedule {
+            warmup_steps,
+            decay_steps,
+            min_lr,
+        })
+    } else {
+        for key in ["warmup_steps", "decay_steps", "min_lr"] {
+            if let Some(e) = s.take(key) {
+                return Err(SpecError::new(
+                    file,
+                    e.key_origin.clone(),
+                    format!("train.{key} is only used with train.lr_schedule = \"cosine\""),
+                )
+                .with_help("set lr_schedule = \"cosine\" or remove the key"));
+            }
+        }
+        None
+    };
     s.finish()?;
     Ok(TrainSection {
+        lr_schedule,
         micro_batch,
         global_batch,
         steps,

@@ -13,8 +13,18 @@ struct Checker<'a> {
 }
 
 impl Checker<'_> {
+    /// Where `key` was written; for a default, where its section was (`[cluster]`).
     fn at(&self, key: &str) -> Origin {
-        self.origins.get(key).cloned().unwrap_or(Origin::Default)
+        let mut key = key;
+        loop {
+            if let Some(o) = self.origins.get(key) {
+                return o.clone();
+            }
+            match key.rsplit_once('.') {
+                Some((parent, _)) => key = parent,
+                None => return Origin::Default,
+            }
+        }
     }
 
     fn err(&self, key: &str, message: String, help: String) -> SpecError {
@@ -30,8 +40,21 @@ impl Checker<'_> {
     }
 }
 
+/// The divisors of `n` in increasing order (in O(√n): sizes go up to 10⁹).
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    let (mut low, mut high) = (Vec::new(), Vec::new());
+    let mut d = 1;
+    while d * d <= n {
+        if n.is_multiple_of(d) {
+            low.push(d);
+            if d * d != n {
+                high.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    low.extend(high.into_iter().rev());
+    low
 }
 
 fn list(v: &[u64]) -> String {
@@ -43,7 +66,10 @@ fn valid_tp(spec: &ModelSpec) -> Vec<u64> {
     let m = &spec.model;
     divisors(m.heads)
         .into_iter()
-        .filter(|&tp| (m.kv_heads % tp == 0 || tp % m.kv_heads == 0) && m.ffn_hidden % tp == 0)
+        .filter(|&tp| {
+            (m.kv_heads.is_multiple_of(tp) || tp % m.kv_heads == 0)
+                && m.ffn_hidden.is_multiple_of(tp)
+        })
         .collect()
 }
 
@@ -55,7 +81,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
     let t = &spec.train;
 
     // Model shape.
-    if m.hidden % m.heads != 0 {
+    if !m.hidden.is_multiple_of(m.heads) {
         return Err(c.err(
             "model.hidden",
             format!(
@@ -70,7 +96,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
             ),
         ));
     }
-    if m.heads % m.kv_heads != 0 {
+    if !m.heads.is_multiple_of(m.kv_heads) {
         return Err(c.err(
             "model.kv_heads",
             format!(
@@ -84,7 +110,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
             ),
         ));
     }
-    if m.arch == Arch::Llama && m.head_dim() % 2 != 0 {
+    if m.arch == Arch::Llama && !m.head_dim().is_multiple_of(2) {
         return Err(c.err(
             "model.hidden",
             format!(
@@ -132,7 +158,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
     }
 
     // Tensor parallelism.
-    if m.heads % p.tp != 0 {
+    if !m.heads.is_multiple_of(p.tp) {
         return Err(c.err(
             "parallel.tp",
             format!(
@@ -143,7 +169,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
             format!("valid tp for this model: {}", list(&valid_tp(spec))),
         ));
     }
-    if m.kv_heads % p.tp != 0 && p.tp % m.kv_heads != 0 {
+    if !m.kv_heads.is_multiple_of(p.tp) && !p.tp.is_multiple_of(m.kv_heads) {
         return Err(c.err(
             "parallel.tp",
             format!(
@@ -157,7 +183,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
             ),
         ));
     }
-    if m.ffn_hidden % p.tp != 0 {
+    if !m.ffn_hidden.is_multiple_of(p.tp) {
         return Err(c.err(
             "parallel.tp",
             format!(
@@ -171,17 +197,33 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
 
     // Pipeline parallelism.
     let chunks = p.pp * p.vpp;
-    if m.layers % chunks != 0 {
+    if !m.layers.is_multiple_of(chunks) {
         let key = if p.vpp > 1 {
             "parallel.vpp"
         } else {
             "parallel.pp"
         };
-        let valid: Vec<u64> = divisors(m.layers)
+        let pps: Vec<u64> = divisors(m.layers)
             .into_iter()
             .filter(|d| d % p.vpp == 0)
             .map(|d| d / p.vpp)
+            .filter(|&pp| p.vpp == 1 || pp >= 2)
             .collect();
+        let vpps: Vec<u64> = if m.layers.is_multiple_of(p.pp) {
+            divisors(m.layers / p.pp)
+        } else {
+            Vec::new()
+        };
+        let mut options = Vec::new();
+        if !pps.is_empty() {
+            options.push(format!("with vpp = {} valid pp: {}", p.vpp, list(&pps)));
+        }
+        if p.vpp > 1 && !vpps.is_empty() {
+            options.push(format!("with pp = {} valid vpp: {}", p.pp, list(&vpps)));
+        }
+        if options.is_empty() {
+            options.push(format!("pp·vpp must divide {}", m.layers));
+        }
         return Err(c.err(
             key,
             format!(
@@ -191,9 +233,8 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                 p.vpp
             ),
             format!(
-                "every pipeline chunk holds the same number of layers; with vpp = {} valid pp: {}",
-                p.vpp,
-                list(&valid)
+                "every pipeline chunk holds the same number of layers; {}",
+                options.join("; ")
             ),
         ));
     }
@@ -212,7 +253,8 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
         return Err(c.err(
             "parallel.schedule",
             format!(
-                "schedule = \"interleaved\" needs vpp > 1, but {}",
+                "{} needs vpp > 1, but {}",
+                c.show("parallel.schedule", "\"interleaved\""),
                 c.show("parallel.vpp", p.vpp)
             ),
             "set parallel.vpp to 2 or more, or use schedule = \"1f1b\"".into(),
@@ -232,7 +274,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
 
     // Batch.
     let per_step = t.micro_batch * p.dp;
-    if t.global_batch % per_step != 0 {
+    if !t.global_batch.is_multiple_of(per_step) {
         let valid: Vec<u64> = (1..=4).map(|k| k * per_step).collect();
         return Err(c.err(
             "train.global_batch",
@@ -249,7 +291,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
         ));
     }
     let microbatches = t.microbatches(p.dp);
-    if p.schedule == Schedule::Interleaved && microbatches % p.pp != 0 {
+    if p.schedule == Schedule::Interleaved && !microbatches.is_multiple_of(p.pp) {
         return Err(c.err(
             "train.global_batch",
             format!(
@@ -258,14 +300,14 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
             ),
             format!(
                 "Megatron runs interleaved micro-batches in groups of pp; use a global_batch that is a multiple of {}",
-                per_step * p.pp
+                per_step.saturating_mul(p.pp)
             ),
         ));
     }
 
     // Sequence and context parallelism.
     let sp = p.sequence_parallel && p.tp > 1;
-    if sp && p.cp > 1 && m.seq_len % (2 * p.cp * p.tp) != 0 {
+    if sp && p.cp > 1 && !m.seq_len.is_multiple_of(2 * p.cp * p.tp) {
         return Err(c.err(
             "model.seq_len",
             format!(
@@ -275,10 +317,13 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                 p.tp,
                 2 * p.cp * p.tp
             ),
-            "context parallelism splits the sequence in 2·cp chunks and sequence parallelism splits each over tp".into(),
+            format!(
+                "context parallelism splits the sequence in 2·cp chunks and sequence parallelism splits each over tp; use a seq_len that is a multiple of {}",
+                2 * p.cp * p.tp
+            ),
         ));
     }
-    if sp && m.seq_len % p.tp != 0 {
+    if sp && !m.seq_len.is_multiple_of(p.tp) {
         return Err(c.err(
             "model.seq_len",
             format!(
@@ -289,15 +334,20 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
             "sequence parallelism splits the sequence over tp; use a multiple of tp or set sequence_parallel = false".into(),
         ));
     }
-    if p.cp > 1 && m.seq_len % (2 * p.cp) != 0 {
+    if p.cp > 1 && !m.seq_len.is_multiple_of(2 * p.cp) {
         return Err(c.err(
             "parallel.cp",
             format!(
-                "{} is not divisible by 2·cp = {}",
+                "{} is not divisible by 2·cp = 2·{} = {}",
                 c.show("model.seq_len", m.seq_len),
+                p.cp,
                 2 * p.cp
             ),
-            "context parallelism splits the sequence in 2·cp chunks for causal load balance".into(),
+            format!(
+                "context parallelism splits the sequence in 2·cp chunks for causal load balance; valid cp for seq_len {}: {}",
+                m.seq_len,
+                list(&divisors(m.seq_len).into_iter().filter(|cp| m.seq_len.is_multiple_of(2 * cp) || *cp == 1).collect::<Vec<_>>())
+            ),
         ));
     }
 
@@ -315,6 +365,10 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
         }
         None => {}
         Some(moe) => {
+            let valid_ep: Vec<u64> = divisors(p.dp * p.cp)
+                .into_iter()
+                .filter(|e| moe.experts % e == 0)
+                .collect();
             if moe.experts % p.ep != 0 {
                 return Err(c.err(
                     "parallel.ep",
@@ -324,16 +378,13 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                         c.show("model.moe.experts", moe.experts)
                     ),
                     format!(
-                        "valid ep: divisors of experts that divide dp·cp = {}",
-                        p.dp * p.cp
+                        "experts are split evenly over ep, and ep folds over dp·cp = {}; valid ep: {}",
+                        p.dp * p.cp,
+                        list(&valid_ep)
                     ),
                 ));
             }
-            if (p.dp * p.cp) % p.ep != 0 {
-                let valid: Vec<u64> = divisors(p.dp * p.cp)
-                    .into_iter()
-                    .filter(|e| moe.experts % e == 0)
-                    .collect();
+            if !(p.dp * p.cp).is_multiple_of(p.ep) {
                 return Err(c.err(
                     "parallel.ep",
                     format!(
@@ -345,7 +396,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                     ),
                     format!(
                         "expert parallelism folds over the data-parallel ranks (as in Megatron); valid ep: {}",
-                        list(&valid)
+                        list(&valid_ep)
                     ),
                 ));
             }
@@ -364,13 +415,16 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
 
     // Cluster.
     if let Some(cl) = &spec.cluster {
-        let have = cl.nodes * cl.gpus_per_node;
-        let need = p.world_size();
+        let have = cl.nodes.saturating_mul(cl.gpus_per_node);
+        // world_size() without overflow: each factor is at most MAX_SIZE.
+        let need = [p.tp, p.pp, p.dp, p.cp, if p.fbd { 2 } else { 1 }]
+            .into_iter()
+            .fold(1u64, u64::saturating_mul);
         if need > have {
             return Err(c.err(
                 "cluster.nodes",
                 format!(
-                    "the layout needs {need} ranks (tp·pp·dp·cp = {}·{}·{}·{}{}) but the cluster has {} nodes × {} = {have}",
+                    "the layout needs {need} ranks (tp·pp·dp·cp = {}·{}·{}·{}{}) but the cluster has nodes·gpus_per_node = {}·{} = {have}",
                     p.tp,
                     p.pp,
                     p.dp,

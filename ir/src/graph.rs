@@ -177,7 +177,8 @@ impl Graph {
 
     /// Total number of parameter elements.
     pub fn param_count(&self) -> u64 {
-        self.params().map(|(_, _, ty)| ty.numel()).sum()
+        self.params()
+            .fold(0u64, |n, (_, _, ty)| n.saturating_add(ty.numel()))
     }
 
     fn push_value(&mut self, ty: TensorType, def: ValueDef) -> ValueId {

@@ -149,6 +149,19 @@ pub struct TrainSection {
     pub grad_clip: f64,
     /// Activation recomputation.
     pub recompute: Recompute,
+    /// Warmup + cosine decay of the learning rate; constant when None.
+    pub lr_schedule: Option<CosineSchedule>,
+}
+
+/// `train.lr_schedule = "cosine"`: linear warmup from 0, then cosine decay to `min_lr`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CosineSchedule {
+    /// Steps of linear warmup (`train.warmup_steps`).
+    pub warmup_steps: u64,
+    /// Step where the decay reaches `min_lr` (`train.decay_steps`, default `steps`).
+    pub decay_steps: u64,
+    /// Final learning rate (`train.min_lr`).
+    pub min_lr: f64,
 }
 
 impl TrainSection {

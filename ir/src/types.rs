@@ -163,12 +163,12 @@ impl TensorType {
 
     /// Number of elements (upper bound for dynamic dims).
     pub fn numel(&self) -> u64 {
-        self.dims.iter().map(|d| d.size).product()
+        self.dims.iter().fold(1u64, |n, d| n.saturating_mul(d.size))
     }
 
     /// Size in bytes (upper bound for dynamic dims).
     pub fn size_bytes(&self) -> u64 {
-        self.numel() * self.dtype.size_bytes()
+        self.numel().saturating_mul(self.dtype.size_bytes())
     }
 
     /// The sizes of the dims.

@@ -1,0 +1,323 @@
+//! Training data: a synthetic generator or a token file, read as windows of `seq_len + 1`
+//! tokens indexed by a *global sample index*.
+//!
+//! Every layout (any DP, PP, TP split) draws the same global samples for the same step, so
+//! all layouts see the same global batch. Step `k` (counted from 0) uses the global samples
+//! `k*G .. (k+1)*G - 1`, where `G` is the global batch size ([`step_samples`]). A rank that
+//! owns part of the global batch fills its buffers with [`DataSource::fill_batch`] starting at
+//! its first global sample.
+//!
+//! Kinds of data (the `--data` argument, see docs/data.md):
+//! - `synthetic`: a deterministic, learnable generator (see [`DataSource::Synthetic`]).
+//! - `FILE.bin`: raw little-endian `u32` token ids, back to back.
+//! - `FILE.txt`: UTF-8 (or any) text, tokenized byte by byte: token id = byte value (0..=255).
+//!
+//! Sample `i` of a token file is the window `tokens[w*(S+1) .. (w+1)*(S+1)]` with
+//! `w = i mod floor(len / (S+1))`: the inputs are its first `S` tokens, the labels its last
+//! `S` (the inputs shifted by one). Tokens after the last whole window are never used.
+
+use std::fs::File;
+use std::io::{ErrorKind, Read};
+use std::ops::Range;
+use std::path::Path;
+
+use crate::error::RuntimeError;
+
+/// The vocabulary the byte-level tokenizer of `.txt` files needs: one id per byte value.
+pub const BYTE_VOCAB: u32 = 256;
+
+/// The largest vocabulary the data path supports: token ids are handed to kernels as `i32`.
+pub const MAX_VOCAB: u32 = 1 << 31;
+
+/// Out of how many positions one is noise in synthetic data (see [`DataSource::Synthetic`]).
+pub const SYNTHETIC_NOISE_ONE_IN: u64 = 16;
+
+/// Where training samples come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataSource {
+    /// Generated data, a pure function of `(seed, global sample index, position)`.
+    ///
+    /// Each sample is a sequence `x_0 .. x_S` (`S + 1` tokens) produced by a linear
+    /// congruential rule chosen per sample: `r = h(seed, i, RULE) mod 8`, `a = 1 + 2*(r mod 4)`
+    /// (1, 3, 5 or 7), `c = 1 + 4*(r div 4)` (1 or 5). `x_0 = h(seed, i, 0) mod vocab`, and
+    /// for `t >= 1`, with `h_t = h(seed, i, t)`: if `h_t mod 16 == 0` then
+    /// `x_t = (h_t >> 32) mod vocab` (noise, one position in 16), otherwise
+    /// `x_t = (a * x_{t-1} + c) mod vocab`. `h` is a splitmix64 chain over
+    /// `(seed, i, t)`. A model that learns the eight rules and infers which one a sequence uses
+    /// from its context predicts 15 of 16 tokens: the loss falls from `ln(vocab)` towards
+    /// the noise floor. Samples do not depend on the batch, the layout or `seq_len` (a longer
+    /// sample extends a shorter one with the same index).
+    Synthetic {
+        /// The run's seed.
+        seed: u64,
+        /// Token ids are drawn from `0..vocab`.
+        vocab: u32,
+    },
+    /// Token ids read from a `.bin` or `.txt` file, all checked to be `< vocab`, at least
+    /// one window long.
+    Tokens {
+        /// The token ids, in file order.
+        tokens: Vec<u32>,
+        /// The file path as the user gave it (for messages and reports).
+        name: String,
+    },
+}
+
+impl DataSource {
+    /// Open the data named by `spec`: `synthetic`, or a path ending in `.bin` (little-endian
+    /// u32 token ids) or `.txt` (text, byte-level tokens; needs `vocab >= 256`).
+    ///
+    /// Checks everything [`DataSource::sample`] relies on: the file is readable and well
+    /// formed, holds at least `seq_len + 1` tokens (one sample), and every id is `< vocab`.
+    pub fn open(
+        spec: &str,
+        seq_len: usize,
+        vocab: u32,
+        seed: u64,
+    ) -> Result<DataSource, RuntimeError> {
+        let err = |message: String| RuntimeError::Data {
+            source_name: spec.to_string(),
+            message,
+        };
+        if seq_len == 0 {
+            return Err(err("seq_len must be at least 1".to_string()));
+        }
+        if vocab == 0 {
+            return Err(err("vocab must be at least 1".to_string()));
+        }
+        if vocab > MAX_VOCAB {
+            return Err(err(format!(
+                "vocab {vocab} is too large: token ids must fit in i32 (vocab <= {MAX_VOCAB})"
+            )));
+        }
+        if spec == "synthetic" {
+            return Ok(DataSource::Synthetic { seed, vocab });
+        }
+        let path = Path::new(spec);
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(|e| e.to_ascii_lowercase());
+        let tokens = match ext.as_deref() {
+            Some("bin") => read_bin(path).map_err(err)?,
+            Some("txt") => {
+                if vocab < BYTE_VOCAB {
+                    return Err(err(format!(
+                        "a .txt file is tokenized byte by byte (token ids 0..=255), so the \
+                         model's vocab must be at least {BYTE_VOCAB}, but it is {vocab}"
+                    )));
+                }
+                read_txt(path).map_err(err)?
+            }
+            _ => {
+                return Err(err(
+                    "unknown kind of data: expected `synthetic`, a `.bin` file (little-endian \
+                     u32 token ids) or a `.txt` file (text, byte-level tokens)"
+                        .to_string(),
+                ))
+            }
+        };
+        let window = seq_len as u64 + 1;
+        if (tokens.len() as u64) < window {
+            return Err(err(format!(
+                "needs at least {window} tokens for one sample (seq_len {seq_len} + 1), \
+                 file has {}",
+                tokens.len()
+            )));
+        }
+        if let Some((pos, &id)) = tokens.iter().enumerate().find(|(_, &t)| t >= vocab) {
+            return Err(err(format!(
+                "token id {id} at position {pos} is out of range for vocab {vocab} \
+                 (ids must be < {vocab})"
+            )));
+        }
+        Ok(DataSource::Tokens {
+            tokens,
+            name: spec.to_string(),
+        })
+    }
+
+    /// The source's name for messages and reports: `synthetic` or the file path.
+    pub fn name(&self) -> &str {
+        match self {
+            DataSource::Synthetic { .. } => "synthetic",
+            DataSource::Tokens { name, .. } => name,
+        }
+    }
+
+    /// How many distinct samples of `seq_len` a token file holds (`floor(len / (seq_len+1))`;
+    /// sample indices wrap around modulo this), or `None` for synthetic data (unbounded).
+    pub fn samples_in_file(&self, seq_len: usize) -> Option<u64> {
+        match self {
+            DataSource::Synthetic { .. } => None,
+            DataSource::Tokens { tokens, .. } => Some(tokens.len() as u64 / (seq_len as u64 + 1)),
+        }
+    }
+
+    /// Write global sample `index` into `inputs` (its first `seq_len` tokens) and `labels`
+    /// (its last `seq_len` tokens, i.e. the inputs shifted left by one).
+    ///
+    /// # Panics
+    /// If `inputs` or `labels` is not exactly `seq_len` long, or (token files) if `seq_len` is
+    /// longer than the file allows, i.e. larger than the `seq_len` checked by
+    /// [`DataSource::open`]. Both are caller bugs, not data errors.
+    pub fn sample(&self, index: u64, seq_len: usize, inputs: &mut [i32], labels: &mut [i32]) {
+        assert_eq!(
+            inputs.len(),
+            seq_len,
+            "inputs buffer must hold seq_len tokens"
+        );
+        assert_eq!(
+            labels.len(),
+            seq_len,
+            "labels buffer must hold seq_len tokens"
+        );
+        match self {
+            DataSource::Synthetic { seed, vocab } => {
+                synthetic_sample(*seed, *vocab, index, inputs, labels)
+            }
+            DataSource::Tokens { tokens, name } => {
+                let count = self.samples_in_file(seq_len).unwrap_or(0);
+                assert!(
+                    count > 0,
+                    "data {name}: seq_len {seq_len} needs {} tokens, file has {}",
+                    seq_len + 1,
+                    tokens.len()
+                );
+                let start = (index % count) as usize * (seq_len + 1);
+                let window = &tokens[start..start + seq_len + 1];
+                for (dst, &src) in inputs.iter_mut().zip(&window[..seq_len]) {
+                    *dst = src as i32;
+                }
+                for (dst, &src) in labels.iter_mut().zip(&window[1..]) {
+                    *dst = src as i32;
+                }
+            }
+        }
+    }
+
+    /// Fill `inputs` and `labels` (both `n * seq_len` long, row-major `[n, seq_len]`) with
+    /// the `n` consecutive global samples `first .. first + n`. For a whole step `k` with
+    /// global batch `G`, pass `first = step_samples(k, G).start` and buffers of `G * seq_len`;
+    /// a rank holding a slice of the batch passes its own first sample.
+    ///
+    /// # Panics
+    /// If the buffers differ in length or are not a multiple of `seq_len` long (and as
+    /// [`DataSource::sample`]).
+    pub fn fill_batch(&self, first: u64, seq_len: usize, inputs: &mut [i32], labels: &mut [i32]) {
+        assert!(seq_len > 0, "seq_len must be at least 1");
+        assert_eq!(
+            inputs.len(),
+            labels.len(),
+            "inputs and labels must be as long"
+        );
+        assert!(
+            inputs.len().is_multiple_of(seq_len),
+            "buffers must hold whole samples"
+        );
+        for (row, (inp, lab)) in inputs
+            .chunks_exact_mut(seq_len)
+            .zip(labels.chunks_exact_mut(seq_len))
+            .enumerate()
+        {
+            self.sample(first + row as u64, seq_len, inp, lab);
+        }
+    }
+}
+
+/// The global sample indices of step `step` (counted from 0) with global batch size
+/// `global_batch`: `step*G .. (step+1)*G`. Token files wrap around (see
+/// [`DataSource::samples_in_file`]); synthetic data never repeats.
+pub fn step_samples(step: u64, global_batch: u64) -> Range<u64> {
+    step * global_batch..(step + 1) * global_batch
+}
+
+/// splitmix64's output function applied to `x + gamma` (one step of the generator).
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The counter-based hash behind synthetic data: independent per `(seed, index, pos)`.
+fn hash3(seed: u64, index: u64, pos: u64) -> u64 {
+    splitmix64(splitmix64(splitmix64(seed) ^ index) ^ pos)
+}
+
+/// The `pos` used to draw a sample's rule (no token position reaches it).
+const RULE_POS: u64 = u64::MAX;
+
+/// Generate synthetic sample `index` (see [`DataSource::Synthetic`]).
+fn synthetic_sample(seed: u64, vocab: u32, index: u64, inputs: &mut [i32], labels: &mut [i32]) {
+    let seq_len = inputs.len();
+    let vocab = u64::from(vocab);
+    let rule = hash3(seed, index, RULE_POS) % 8;
+    let a = 1 + 2 * (rule % 4);
+    let c = 1 + 4 * (rule / 4);
+    let mut prev = hash3(seed, index, 0) % vocab;
+    if seq_len > 0 {
+        inputs[0] = prev as i32;
+    }
+    for t in 1..=seq_len {
+        let h = hash3(seed, index, t as u64);
+        let token = if h.is_multiple_of(SYNTHETIC_NOISE_ONE_IN) {
+            (h >> 32) % vocab
+        } else {
+            (a * prev + c) % vocab
+        };
+        if t < seq_len {
+            inputs[t] = token as i32;
+        }
+        labels[t - 1] = token as i32;
+        prev = token;
+    }
+}
+
+/// Read a `.bin` token file: little-endian u32 ids, back to back.
+fn read_bin(path: &Path) -> Result<Vec<u32>, String> {
+    let mut file = open_file(path, ".bin")?;
+    let hint = file.metadata().map(|m| m.len() / 4).unwrap_or(0);
+    let mut tokens = Vec::with_capacity(usize::try_from(hint).unwrap_or(0));
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pending = 0usize;
+    let mut total = 0u64;
+    loop {
+        let n = match file.read(&mut buf[pending..]) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("cannot read .bin file: {e}")),
+        };
+        total += n as u64;
+        let filled = pending + n;
+        let whole = filled / 4 * 4;
+        tokens.extend(
+            buf[..whole]
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
+        buf.copy_within(whole..filled, 0);
+        pending = filled - whole;
+    }
+    if pending != 0 {
+        return Err(format!(
+            "file is {total} bytes, not a multiple of 4: a .bin file holds little-endian u32 \
+             token ids"
+        ));
+    }
+    Ok(tokens)
+}
+
+/// Read a `.txt` file and tokenize it byte by byte (token id = byte value).
+fn read_txt(path: &Path) -> Result<Vec<u32>, String> {
+    let mut file = open_file(path, ".txt")?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read .txt file: {e}"))?;
+    Ok(bytes.into_iter().map(u32::from).collect())
+}
+
+fn open_file(path: &Path, kind: &str) -> Result<File, String> {
+    File::open(path).map_err(|e| format!("cannot open {kind} file: {e}"))
+}

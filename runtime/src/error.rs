@@ -1,0 +1,25 @@
+//! The runtime's error type: one variant per subsystem, each carrying the file (or data
+//! source) it is about and a complete, human-readable message.
+
+/// An error from the runtime. `Display` gives the full message; the command line prints it
+/// once and exits non-zero. Nothing in the runtime panics on user input.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RuntimeError {
+    /// The training data (`--data synthetic|FILE`) could not be opened or is unusable.
+    #[error("data {source_name}: {message}")]
+    Data {
+        /// The data spec as the user gave it (`synthetic` or the file path).
+        source_name: String,
+        /// What is wrong, with the numbers involved.
+        message: String,
+    },
+    /// A parameter file (safetensors, `--init` / `--save-params`) could not be read,
+    /// does not match the model, or could not be written.
+    #[error("parameters {path}: {message}")]
+    Params {
+        /// The safetensors path as the user gave it.
+        path: String,
+        /// What is wrong, naming the tensors involved.
+        message: String,
+    },
+}

@@ -1,0 +1,317 @@
+//! Hugging Face safetensors interop: load a checkpoint written by transformers'
+//! `save_pretrained` (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel) into the
+//! parameters megac expects, and write parameters back in the same format.
+//!
+//! Parameter names and shapes are Hugging Face's (the Graph IR names them so), so loading is
+//! a lookup by name with a shape check. What is tolerated:
+//! - GPT-2 checkpoints saved at the `GPT2Model` level name tensors `h.0.attn.c_attn.weight`,
+//!   `wte.weight`, ... without the `transformer.` prefix: when `transformer.X` is expected and
+//!   missing but `X` is present, `X` is used.
+//! - Non-parameter buffers that some transformers versions save ([`KNOWN_BUFFER_SUFFIXES`])
+//!   are ignored.
+//! - With tied embeddings, a duplicate [`TIED_LM_HEAD`] in the file is ignored.
+//!
+//! Everything else that does not match is an error listing all offending names.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::RuntimeError;
+
+/// Suffixes (at a `.` boundary) of tensors that are buffers, not parameters: GPT-2's causal
+/// mask (`h.N.attn.bias`, `h.N.attn.masked_bias`) and Llama's rotary frequencies
+/// (`*.rotary_emb.inv_freq`). Older transformers versions save them; loading ignores them.
+pub const KNOWN_BUFFER_SUFFIXES: &[&str] =
+    &["attn.bias", "attn.masked_bias", "rotary_emb.inv_freq"];
+
+/// The output projection that tied-embedding checkpoints may carry as a copy of the token
+/// embedding (Llama's `model.embed_tokens.weight`, GPT-2's `transformer.wte.weight`).
+pub const TIED_LM_HEAD: &str = "lm_head.weight";
+
+/// The prefix GPT2LMHeadModel puts before the GPT2Model tensors.
+const GPT2_PREFIX: &str = "transformer.";
+
+/// How many names an error lists before "and N more".
+const LIST_MAX: usize = 10;
+
+/// Whether `name` is a known non-parameter buffer (see [`KNOWN_BUFFER_SUFFIXES`]).
+pub fn is_known_buffer(name: &str) -> bool {
+    KNOWN_BUFFER_SUFFIXES.iter().any(|suffix| {
+        name == *suffix
+            || name
+                .strip_suffix(suffix)
+                .is_some_and(|head| head.ends_with('.'))
+    })
+}
+
+/// Load the parameters `expected` (name and shape, in the order wanted) from the safetensors
+/// file at `path`, converting F32, F16 and BF16 tensors to f32. Returns one vector per
+/// expected parameter, in order, row-major.
+///
+/// `tied_embeddings` says the model shares its token embedding with the output projection
+/// (and so does not list [`TIED_LM_HEAD`] in `expected`); a `lm_head.weight` in the file is
+/// then ignored. A name in `expected` is always loaded, even if it looks like a buffer.
+///
+/// Errors (all as [`RuntimeError::Params`]): unreadable file, not a safetensors file,
+/// missing tensors and unexpected tensors (every name, up to ten of each then a count),
+/// unsupported dtypes, shape mismatches (name, expected and found shapes).
+pub fn load_params(
+    path: &Path,
+    expected: &[(String, Vec<usize>)],
+    tied_embeddings: bool,
+) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    let err = |message: String| RuntimeError::Params {
+        path: path.display().to_string(),
+        message,
+    };
+    let bytes = std::fs::read(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| err(format!("not a valid safetensors file: {e}")))?;
+    let present: HashSet<&str> = file.names().into_iter().collect();
+
+    // Resolve each expected name to the name it has in the file.
+    let mut missing = Vec::new();
+    let mut resolved = Vec::with_capacity(expected.len());
+    for (name, _) in expected {
+        let found = if present.contains(name.as_str()) {
+            Some(name.as_str())
+        } else {
+            name.strip_prefix(GPT2_PREFIX)
+                .filter(|bare| present.contains(bare))
+        };
+        match found {
+            Some(found) => resolved.push(found),
+            None => missing.push(name.clone()),
+        }
+    }
+    let used: HashSet<&str> = resolved.iter().copied().collect();
+    let mut unexpected: Vec<String> = present
+        .iter()
+        .filter(|n| !used.contains(*n))
+        .filter(|n| !is_known_buffer(n))
+        .filter(|n| !(tied_embeddings && **n == TIED_LM_HEAD))
+        .map(|n| n.to_string())
+        .collect();
+    unexpected.sort();
+    if !missing.is_empty() || !unexpected.is_empty() {
+        let mut parts = Vec::new();
+        if !missing.is_empty() {
+            parts.push(format!(
+                "missing {}: {}",
+                count(missing.len(), "tensor"),
+                list(&missing)
+            ));
+        }
+        if !unexpected.is_empty() {
+            parts.push(format!(
+                "{}: {}",
+                if unexpected.len() == 1 {
+                    "1 tensor in the file is not a parameter of this model".to_string()
+                } else {
+                    format!(
+                        "{} tensors in the file are not parameters of this model",
+                        unexpected.len()
+                    )
+                },
+                list(&unexpected)
+            ));
+        }
+        return Err(err(parts.join("; ")));
+    }
+
+    // Dtypes, then shapes: report every offender of the first kind that has any.
+    let views: Vec<_> = resolved
+        .iter()
+        .map(|name| file.tensor(name))
+        .collect::<Result<_, _>>()
+        .map_err(|e| err(format!("not a valid safetensors file: {e}")))?;
+    let bad_dtypes: Vec<String> = resolved
+        .iter()
+        .zip(&views)
+        .filter(|(_, v)| !matches!(v.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16))
+        .map(|(name, v)| format!("{name} ({:?})", v.dtype()))
+        .collect();
+    if !bad_dtypes.is_empty() {
+        return Err(err(format!(
+            "unsupported dtype for {}: {} (supported: F32, F16, BF16)",
+            count(bad_dtypes.len(), "tensor"),
+            list(&bad_dtypes)
+        )));
+    }
+    let bad_shapes: Vec<String> = expected
+        .iter()
+        .zip(&views)
+        .filter(|((_, shape), v)| v.shape() != shape.as_slice())
+        .map(|((name, shape), v)| format!("{name} has shape {:?}, expected {shape:?}", v.shape()))
+        .collect();
+    if !bad_shapes.is_empty() {
+        return Err(err(format!(
+            "wrong shape for {}: {}",
+            count(bad_shapes.len(), "tensor"),
+            list(&bad_shapes)
+        )));
+    }
+
+    Ok(views.iter().map(|v| to_f32(v.dtype(), v.data())).collect())
+}
+
+/// Convert little-endian F32, F16 or BF16 bytes to f32 (the dtype was checked).
+fn to_f32(dtype: Dtype, data: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    }
+}
+
+/// Write `tensors` (name, shape, row-major data) to `path` as an F32 safetensors file with
+/// the metadata `{"format": "pt"}`, as transformers' `save_pretrained` does, so
+/// `from_pretrained` reads it back.
+///
+/// The write is atomic: the file is written to a temporary file in the same directory,
+/// synced, then renamed over `path`. On any error nothing is left behind and an existing file
+/// at `path` is untouched.
+///
+/// Errors ([`RuntimeError::Params`]): a data length that is not the product of the shape,
+/// duplicate or reserved (`__metadata__`) names, and any I/O failure.
+pub fn save_params(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, &[f32])],
+) -> Result<(), RuntimeError> {
+    let err = |message: String| RuntimeError::Params {
+        path: path.display().to_string(),
+        message,
+    };
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| err("not a file path".to_string()))?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+
+    // Check and lay out the tensors, in name order (as the safetensors crate does).
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by(|&a, &b| tensors[a].0.cmp(&tensors[b].0));
+    let mut seen = HashMap::new();
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".to_string(),
+        serde_json::json!({ "format": "pt" }),
+    );
+    let mut offset = 0usize;
+    for &i in &order {
+        let (name, shape, data) = &tensors[i];
+        if name == "__metadata__" {
+            return Err(err(
+                "`__metadata__` is reserved and cannot name a tensor".to_string()
+            ));
+        }
+        if seen.insert(name.as_str(), ()).is_some() {
+            return Err(err(format!("tensor {name} is given twice")));
+        }
+        let elems = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| err(format!("tensor {name}: shape {shape:?} is too large")))?;
+        if elems != data.len() {
+            return Err(err(format!(
+                "tensor {name}: shape {shape:?} has {elems} elements but {} values were given",
+                data.len()
+            )));
+        }
+        let end = offset + 4 * elems;
+        header.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&header)
+        .map_err(|e| err(format!("cannot encode the safetensors header: {e}")))?;
+    header.resize(header.len().div_ceil(8) * 8, b' ');
+
+    let mut prefix = std::ffi::OsString::from(".");
+    prefix.push(file_name);
+    prefix.push(".");
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(".tmp");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    let tmp = builder.tempfile_in(dir).map_err(|e| {
+        err(format!(
+            "cannot create a temporary file in {}: {e}",
+            dir.display()
+        ))
+    })?;
+    // `tmp` deletes itself when dropped, so every early return below cleans up.
+    let write_err = |e: std::io::Error| err(format!("cannot write: {e}"));
+    {
+        let mut w = BufWriter::with_capacity(1 << 20, tmp.as_file());
+        w.write_all(&(header.len() as u64).to_le_bytes())
+            .map_err(write_err)?;
+        w.write_all(&header).map_err(write_err)?;
+        let mut buf = Vec::with_capacity(1 << 16);
+        for &i in &order {
+            for chunk in tensors[i].2.chunks(1 << 14) {
+                buf.clear();
+                for x in chunk {
+                    buf.extend_from_slice(&x.to_le_bytes());
+                }
+                w.write_all(&buf).map_err(write_err)?;
+            }
+        }
+        w.flush().map_err(write_err)?;
+    }
+    tmp.as_file().sync_all().map_err(write_err)?;
+    tmp.persist(path).map_err(|e| {
+        err(format!(
+            "cannot rename the temporary file into place: {}",
+            e.error
+        ))
+    })?;
+    // Make the rename durable; failing to sync a directory is not worth an error.
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// `n thing` / `n things`.
+fn count(n: usize, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
+}
+
+/// The first [`LIST_MAX`] items, comma separated, then `and N more`.
+fn list(items: &[String]) -> String {
+    let mut out = items
+        .iter()
+        .take(LIST_MAX)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if items.len() > LIST_MAX {
+        out.push_str(&format!(", and {} more", items.len() - LIST_MAX));
+    }
+    out
+}
