@@ -30,6 +30,33 @@ pub struct ModelArgs {
     pub sets: Vec<String>,
 }
 
+/// Options of `megac run` and `megac train`.
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Communicator: `local` (threads in this process) or `mpi`.
+    #[arg(long, default_value = "local", value_name = "local|mpi")]
+    pub comm: String,
+    /// Backend: `cpu` or `cuda`.
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda")]
+    pub device: String,
+    /// Optimizer steps to run (default: train.steps of the model).
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+    /// Training data: `synthetic`, a `.bin` file of little-endian u32 token ids, or a `.txt`
+    /// file (byte-level tokens); see docs/data.md.
+    #[arg(long, default_value = "synthetic", value_name = "synthetic|FILE")]
+    pub data: String,
+    /// Initial weights from a Hugging Face safetensors file (save_pretrained layout).
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub init: Option<PathBuf>,
+    /// Write the trained weights as Hugging Face safetensors.
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub save_params: Option<PathBuf>,
+    /// Write per-step losses, grad norms and timings as JSON.
+    #[arg(long, value_name = "FILE.json")]
+    pub report: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Validate a model.toml and print a one-screen summary (parameters, FLOPs, layout, ranks).
@@ -47,6 +74,48 @@ enum Command {
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
     },
+    /// Compile a model.toml into a plan directory (PLAN_DIR/plan.json).
+    #[command(
+        after_help = "Example:\n  megac compile examples/llama-tiny.toml -o /tmp/llama-plan"
+    )]
+    Compile {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Output directory.
+        #[arg(short = 'o', long = "out", value_name = "PLAN_DIR")]
+        out: PathBuf,
+    },
+    /// Print a plan's memory by class (parameters, gradients, optimizer state, activations) and FLOPs.
+    #[command(after_help = "Example:\n  megac inspect /tmp/llama-plan --json")]
+    Inspect {
+        /// Plan directory written by `megac compile`.
+        #[arg(value_name = "PLAN_DIR")]
+        plan: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Execute a compiled plan: train, print progress, write a report.
+    #[command(
+        after_help = "Example:\n  megac run /tmp/llama-plan --steps 50 --data corpus.txt --report run.json"
+    )]
+    Run {
+        /// Plan directory written by `megac compile`.
+        #[arg(value_name = "PLAN_DIR")]
+        plan: PathBuf,
+        #[command(flatten)]
+        run: RunArgs,
+    },
+    /// Compile and run in one go: the main job.
+    #[command(
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --data tests/data/tiny-shakespeare.txt --steps 300"
+    )]
+    Train {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        run: RunArgs,
+    },
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
     Passes,
@@ -58,6 +127,11 @@ fn main() -> ExitCode {
         Command::Check { model } => commands::check::run(&model),
         Command::Dump { model, after } => commands::dump::run(&model, after.as_deref()),
         Command::Passes => commands::passes::run(),
+        Command::Compile { model, out } => commands::compile::run(&model, &out),
+        Command::Inspect { plan, json } => commands::inspect::run(&plan, json),
+        Command::Run { plan, run } => commands::run::run(&plan, &run),
+        Command::Train { model, run } => commands::compile::build_plan(&model)
+            .and_then(|plan| commands::run::execute(&plan, &run)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

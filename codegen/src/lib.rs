@@ -1,3 +1,393 @@
-//! Plan emission: turns the scheduled IR into per-role programs (JSON and a compact binary
-//! form). Empty until the single-device training issue lands; the crate exists so the
-//! workspace has the shape of DESIGN.md from the start.
+//! Plan emission: turns the compiled Graph IR (after the optimizer pass) into a [`Plan`]:
+//! a buffer table, the per-micro-batch and per-step instruction streams, the parameter map,
+//! and a static memory plan that reuses activation memory by liveness.
+//!
+//! Today plans are single-rank; the sharding and pipeline issues add roles.
+
+mod memory;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use megac_ir::plan::{
+    BatchInfo, BufId, Buffer, BufferClass, Init, Instr, LrSchedule, MemoryPlan, ParamEntry, Plan,
+    Role, TrainInfo, SCHEMA_VERSION,
+};
+use megac_ir::spec::ModelSpec;
+use megac_ir::{Graph, OpKind, ValueDef, ValueId};
+
+/// Why a plan could not be emitted or written.
+#[derive(Debug, thiserror::Error)]
+pub enum CodegenError {
+    /// The layout or model needs a compiler feature that does not exist yet.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The graph is not the output of the full pass pipeline.
+    #[error("codegen needs the graph after the optimizer pass: {0}")]
+    Incomplete(String),
+    /// Writing the plan failed.
+    #[error("cannot write the plan to {path}: {message}")]
+    Write {
+        /// The plan directory.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+}
+
+/// Whether the kernel for `op` accumulates into its outputs (gradient kernels do).
+pub fn accumulates(op: &OpKind) -> bool {
+    op.name().contains("_grad") || matches!(op, OpKind::GradSum)
+}
+
+/// Emit the plan of `graph` (the pipeline's output) for `spec`.
+pub fn emit_plan(
+    spec: &ModelSpec,
+    graph: &Graph,
+    flops_per_step: f64,
+) -> Result<Plan, CodegenError> {
+    let p = &spec.parallel;
+    if p.world_size() != 1 {
+        return Err(CodegenError::Unsupported(format!(
+            "this build emits single-device plans only; the layout tp={} pp={} dp={} cp={}{} needs the sharding and pipeline passes, which are not implemented yet",
+            p.tp,
+            p.pp,
+            p.dp,
+            p.cp,
+            if p.fbd { " fbd" } else { "" }
+        )));
+    }
+    let mut e = Emitter::new(spec, graph);
+    e.emit()?;
+    let activation_bytes_unplanned = e.unplanned_activation_bytes();
+    let liveness = e.programs_for_liveness();
+    let live_to_end = e.live_to_end.clone();
+    let activation_elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
+    let bytes = |class: BufferClass| -> u64 {
+        e.buffers
+            .iter()
+            .filter(|b| b.class == class)
+            .map(|b| b.len() * b.dtype.size_bytes())
+            .sum()
+    };
+    let memory = MemoryPlan {
+        param_bytes: bytes(BufferClass::Param),
+        grad_bytes: bytes(BufferClass::Grad),
+        opt_state_bytes: bytes(BufferClass::OptState),
+        activation_bytes: activation_elems * 4,
+        activation_bytes_unplanned,
+        input_bytes: bytes(BufferClass::Input),
+    };
+    let t = &spec.train;
+    let m = &spec.model;
+    Ok(Plan {
+        schema_version: SCHEMA_VERSION,
+        model: spec.name.clone(),
+        arch: m.arch.as_str().to_string(),
+        batch: BatchInfo {
+            micro_batch: t.micro_batch,
+            global_batch: t.global_batch,
+            seq_len: m.seq_len,
+            vocab: m.vocab,
+            microbatches: t.microbatches(p.dp),
+            tokens_per_step: t.global_batch * m.seq_len,
+        },
+        train: TrainInfo {
+            steps: t.steps,
+            seed: t.seed,
+            lr: t.lr,
+            lr_schedule: lr_schedule(spec),
+            precision: t.precision.as_str().to_string(),
+        },
+        buffers: e.buffers,
+        params: e.params,
+        roles: vec![Role {
+            name: "rank".into(),
+            microbatch: e.microbatch,
+            optimizer: e.optimizer,
+            inputs: e.inputs,
+            results: e.results,
+        }],
+        rank_to_role: vec![0],
+        memory,
+        flops_per_step,
+    })
+}
+
+fn lr_schedule(spec: &ModelSpec) -> LrSchedule {
+    match &spec.train.lr_schedule {
+        Some(s) => LrSchedule::Cosine {
+            warmup_steps: s.warmup_steps,
+            decay_steps: s.decay_steps,
+            min_lr: s.min_lr,
+        },
+        None => LrSchedule::Constant,
+    }
+}
+
+/// Write `plan` to `dir/plan.json`, atomically: the file appears whole or not at all.
+pub fn write_plan(plan: &Plan, dir: &Path) -> Result<(), CodegenError> {
+    let fail = |message: String| CodegenError::Write {
+        path: dir.display().to_string(),
+        message,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+    let tmp = dir.join(".plan.json.tmp");
+    let dst = dir.join("plan.json");
+    std::fs::write(&tmp, plan.to_json()).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        fail(e.to_string())
+    })?;
+    std::fs::rename(&tmp, &dst).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        fail(e.to_string())
+    })
+}
+
+/// The initialisation of parameter `name` of `shape` (Hugging Face's `_init_weights`:
+/// normal(0, 0.02) for matrices, GPT-2's residual projections scaled by 1/sqrt(2·layers),
+/// ones for norm weights, zeros for biases).
+pub fn init_for(spec: &ModelSpec, name: &str, shape: &[u64]) -> Init {
+    if name.ends_with(".bias") {
+        Init::Zeros
+    } else if shape.len() == 1 {
+        Init::Ones
+    } else if spec.model.arch == megac_ir::spec::Arch::Gpt && name.ends_with("c_proj.weight") {
+        Init::Normal {
+            std: 0.02 / (2.0 * spec.model.layers as f64).sqrt(),
+        }
+    } else {
+        Init::Normal { std: 0.02 }
+    }
+}
+
+struct Emitter<'a> {
+    spec: &'a ModelSpec,
+    g: &'a Graph,
+    buffers: Vec<Buffer>,
+    /// IR value -> buffer.
+    buf_of: BTreeMap<ValueId, BufId>,
+    params: Vec<ParamEntry>,
+    microbatch: Vec<Instr>,
+    optimizer: Vec<Instr>,
+    inputs: BTreeMap<String, BufId>,
+    results: BTreeMap<String, BufId>,
+    /// Activation buffers read after the micro-batch program (results).
+    live_to_end: Vec<BufId>,
+    /// Views: buffer -> the buffer whose storage it shares.
+    view_of: BTreeMap<BufId, BufId>,
+}
+
+impl<'a> Emitter<'a> {
+    fn new(spec: &'a ModelSpec, g: &'a Graph) -> Self {
+        Emitter {
+            spec,
+            g,
+            buffers: Vec::new(),
+            buf_of: BTreeMap::new(),
+            params: Vec::new(),
+            microbatch: Vec::new(),
+            optimizer: Vec::new(),
+            inputs: BTreeMap::new(),
+            results: BTreeMap::new(),
+            live_to_end: Vec::new(),
+            view_of: BTreeMap::new(),
+        }
+    }
+
+    /// Local (micro-batch) sizes of a value: the global batch dim becomes the micro-batch.
+    fn local_shape(&self, v: ValueId) -> Vec<u64> {
+        let t = &self.spec.train;
+        self.g
+            .ty(v)
+            .dims
+            .iter()
+            .map(|d| {
+                if d.name == "b" {
+                    t.micro_batch
+                } else if d.dynamic {
+                    d.size * t.micro_batch / t.global_batch
+                } else {
+                    d.size
+                }
+            })
+            .collect()
+    }
+
+    fn new_buffer(
+        &mut self,
+        name: String,
+        class: BufferClass,
+        v: ValueId,
+        shape: Vec<u64>,
+    ) -> BufId {
+        let id = self.buffers.len() as BufId;
+        self.buffers.push(Buffer {
+            name,
+            class,
+            dtype: self.g.ty(v).dtype,
+            shape,
+            offset: 0,
+        });
+        id
+    }
+
+    fn persistent(&mut self, name: String, class: BufferClass, shape: &[u64]) -> BufId {
+        let id = self.buffers.len() as BufId;
+        let offset = self
+            .buffers
+            .iter()
+            .filter(|b| b.class == class)
+            .map(Buffer::len)
+            .sum();
+        self.buffers.push(Buffer {
+            name,
+            class,
+            dtype: megac_ir::DType::F32,
+            shape: shape.to_vec(),
+            offset,
+        });
+        id
+    }
+
+    fn emit(&mut self) -> Result<(), CodegenError> {
+        let g = self.g;
+        let output_of = |name: &str| g.outputs.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+        let grad_outputs: BTreeMap<ValueId, String> = g
+            .outputs
+            .iter()
+            .filter_map(|(n, v)| n.strip_prefix("grad:").map(|p| (*v, p.to_string())))
+            .collect();
+        if grad_outputs.is_empty() || output_of("grad_norm").is_none() {
+            return Err(CodegenError::Incomplete(
+                "no gradients or optimizer step in the graph".into(),
+            ));
+        }
+        // Parameters and their persistent companions.
+        let mut grad_buf: BTreeMap<String, BufId> = BTreeMap::new();
+        let mut param_entry: BTreeMap<ValueId, usize> = BTreeMap::new();
+        for (v, name, ty) in g.params() {
+            let shape = ty.sizes();
+            let buffer = self.persistent(name.to_string(), BufferClass::Param, &shape);
+            let grad = self.persistent(format!("grad:{name}"), BufferClass::Grad, &shape);
+            let exp_avg = self.persistent(format!("exp_avg:{name}"), BufferClass::OptState, &shape);
+            let exp_avg_sq =
+                self.persistent(format!("exp_avg_sq:{name}"), BufferClass::OptState, &shape);
+            self.buf_of.insert(v, buffer);
+            grad_buf.insert(name.to_string(), grad);
+            param_entry.insert(v, self.params.len());
+            self.params.push(ParamEntry {
+                name: name.to_string(),
+                shape: shape.clone(),
+                buffer,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                init: init_for(self.spec, name, &shape),
+            });
+        }
+        for (i, value) in g.values.iter().enumerate() {
+            if let ValueDef::Input(name) = &value.def {
+                let v = ValueId(i as u32);
+                let shape = self.local_shape(v);
+                let id = self.new_buffer(name.clone(), BufferClass::Input, v, shape);
+                let offset = self
+                    .buffers
+                    .iter()
+                    .filter(|b| b.class == BufferClass::Input)
+                    .take(self.buffers.len() - 1)
+                    .map(Buffer::len)
+                    .sum();
+                self.buffers[id as usize].offset = offset;
+                self.buf_of.insert(v, id);
+                self.inputs.insert(name.clone(), id);
+            }
+        }
+
+        for op in &g.ops {
+            let optimizer = matches!(op.kind, OpKind::GradNorm | OpKind::AdamW { .. });
+            let ins: Vec<BufId> = op.inputs.iter().map(|v| self.buf_of[v]).collect();
+            // Views share their operand's storage and need no instruction.
+            if matches!(op.kind, OpKind::SplitHeads { .. } | OpKind::MergeHeads) {
+                let src = ins[0];
+                let out = op.outputs[0];
+                let shape = self.local_shape(out);
+                let class = self.buffers[src as usize].class;
+                let id = self.new_buffer(format!("%{}", out.0), class, out, shape);
+                let root = *self.view_of.get(&src).unwrap_or(&src);
+                self.view_of.insert(id, root);
+                self.buf_of.insert(out, id);
+                continue;
+            }
+            let mut outs = Vec::new();
+            if let OpKind::AdamW { .. } = op.kind {
+                let entry = &self.params[param_entry[&op.inputs[0]]];
+                outs = vec![entry.buffer, entry.exp_avg, entry.exp_avg_sq];
+                self.buf_of.insert(op.outputs[0], entry.buffer);
+            } else {
+                for &out in &op.outputs {
+                    let id = match grad_outputs.get(&out) {
+                        Some(name) => grad_buf[name],
+                        None => {
+                            let shape = self.local_shape(out);
+                            self.new_buffer(
+                                format!("%{}", out.0),
+                                BufferClass::Activation,
+                                out,
+                                shape,
+                            )
+                        }
+                    };
+                    self.buf_of.insert(out, id);
+                    outs.push(id);
+                }
+            }
+            let program = if optimizer {
+                &mut self.optimizer
+            } else {
+                &mut self.microbatch
+            };
+            if accumulates(&op.kind) {
+                for &o in &outs {
+                    if self.buffers[o as usize].class == BufferClass::Activation {
+                        program.push(Instr::Zero { buffer: o });
+                    }
+                }
+            }
+            program.push(Instr::Kernel {
+                op: op.kind.clone(),
+                inputs: ins,
+                outputs: outs,
+                path: op.path.clone(),
+            });
+        }
+        for (name, v) in &g.outputs {
+            if name == "loss" || name == "total_loss" || name == "grad_norm" {
+                let b = self.buf_of[v];
+                self.results.insert(name.clone(), b);
+                if name != "grad_norm" {
+                    self.live_to_end.push(b);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn unplanned_activation_bytes(&self) -> u64 {
+        self.buffers
+            .iter()
+            .enumerate()
+            .filter(|(i, b)| {
+                b.class == BufferClass::Activation && !self.view_of.contains_key(&(*i as BufId))
+            })
+            .map(|(_, b)| b.len() * b.dtype.size_bytes())
+            .sum()
+    }
+
+    fn programs_for_liveness(&self) -> memory::Liveness {
+        memory::Liveness {
+            programs: vec![self.microbatch.clone(), self.optimizer.clone()],
+            view_of: self.view_of.clone(),
+        }
+    }
+}

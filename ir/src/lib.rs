@@ -5,12 +5,15 @@
 //!   [`types`] (dtypes, named-dim shapes, layouts), [`op`] (kernel-sized ops),
 //!   [`infer`] (shape rules), [`verify`] (invariants), [`print`] and [`parse`] (text form).
 //!
-//! The later levels (sharded, staged, Plan) build on these types.
+//! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime.
+//!
+//! The sharded and staged levels will build on these types.
 
 pub mod graph;
 pub mod infer;
 pub mod op;
 pub mod parse;
+pub mod plan;
 pub mod print;
 pub mod spec;
 pub mod types;

@@ -34,7 +34,7 @@ pub fn layer_of(path: &str) -> Option<&str> {
 
 /// Whether `kind` only appears in backward graphs.
 fn is_gradient_op(kind: &OpKind) -> bool {
-    kind.name().ends_with("_grad") || matches!(kind, OpKind::GradSum)
+    kind.name().contains("_grad") || matches!(kind, OpKind::GradSum)
 }
 
 /// Rewrite `g` for `policy`.

@@ -22,4 +22,18 @@ pub enum RuntimeError {
         /// What is wrong, naming the tensors involved.
         message: String,
     },
+    /// The plan is malformed or inconsistent (a corrupted or hand-edited plan.json).
+    #[error("plan: {0}")]
+    Plan(String),
+    /// The plan needs something this runtime build cannot do yet.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A file could not be read or written.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
 }

@@ -1,7 +1,17 @@
-//! Plan executor: backends (cpu, cuda), communicators (local, mpi, nccl), data loading,
-//! checkpoints and traces. Empty until the single-device training issue lands; the crate
-//! exists so the workspace has the shape of DESIGN.md from the start.
+//! The runtime: executes a Plan. It depends on ir (the Plan) and kernels, never on passes.
+//!
+//! - [`memory`]: the rank's arenas, laid out by the plan's static memory plan.
+//! - [`exec`]: one kernel call per instruction (cpu backend).
+//! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report.
+//! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
+//!   [`init`]: deterministic per-element initialisation.
+//!
+//! Communicators (local threads, MPI, NCCL) and the cuda backend come with later issues.
 
 pub mod data;
 pub mod error;
+pub mod exec;
 pub mod hf;
+pub mod init;
+pub mod memory;
+pub mod train;

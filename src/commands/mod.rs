@@ -1,8 +1,11 @@
 //! One module per subcommand. Each `run` returns the rendered error message on failure.
 
 pub mod check;
+pub mod compile;
 pub mod dump;
+pub mod inspect;
 pub mod passes;
+pub mod run;
 
 use megac_ir::ModelSpec;
 use megac_passes::{Module, PassError};

@@ -1,0 +1,88 @@
+//! The static memory plan: activation buffers get offsets in one arena so that buffers whose
+//! lifetimes overlap never overlap in memory, and buffers that are never live at the same time
+//! share it.
+//!
+//! Lifetimes are instruction intervals over the micro-batch program followed by the optimizer
+//! program; a view shares its root buffer's storage and extends its lifetime. Placement is
+//! greedy best-known practice (largest first, lowest free offset), deterministic.
+
+use std::collections::BTreeMap;
+
+use megac_ir::plan::{BufId, Buffer, BufferClass, Instr};
+
+/// The programs whose liveness decides the plan.
+pub struct Liveness {
+    /// Programs in execution order.
+    pub programs: Vec<Vec<Instr>>,
+    /// View buffer -> root buffer.
+    pub view_of: BTreeMap<BufId, BufId>,
+}
+
+/// Assign offsets (in elements) to every activation buffer; returns the arena size.
+/// `live_to_end` buffers stay live to the end of the first program (results read after it).
+pub fn assign_offsets(buffers: &mut [Buffer], live: &Liveness, live_to_end: &[BufId]) -> u64 {
+    let root = |b: BufId| *live.view_of.get(&b).unwrap_or(&b);
+    let mut interval: BTreeMap<BufId, (usize, usize)> = BTreeMap::new();
+    let mut t = 0usize;
+    let mut first_end = 0usize;
+    for (pi, program) in live.programs.iter().enumerate() {
+        for instr in program {
+            let touched: Vec<BufId> = match instr {
+                Instr::Kernel {
+                    inputs, outputs, ..
+                } => inputs.iter().chain(outputs).copied().collect(),
+                Instr::Zero { buffer } => vec![*buffer],
+            };
+            for b in touched {
+                let r = root(b);
+                if buffers[r as usize].class != BufferClass::Activation {
+                    continue;
+                }
+                let e = interval.entry(r).or_insert((t, t));
+                e.1 = e.1.max(t);
+            }
+            t += 1;
+        }
+        if pi == 0 {
+            first_end = t.saturating_sub(1);
+        }
+    }
+    for &b in live_to_end {
+        if let Some(e) = interval.get_mut(&root(b)) {
+            e.1 = e.1.max(first_end);
+        }
+    }
+
+    // Largest first; ties by id, so the plan is deterministic.
+    let mut order: Vec<(BufId, u64)> = interval
+        .keys()
+        .map(|&b| (b, buffers[b as usize].len()))
+        .collect();
+    order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut placed: Vec<(u64, u64, usize, usize)> = Vec::new(); // offset, len, start, end
+    let mut arena = 0u64;
+    for (b, len) in order {
+        let (s, e) = interval[&b];
+        let mut busy: Vec<(u64, u64)> = placed
+            .iter()
+            .filter(|p| p.2 <= e && s <= p.3)
+            .map(|p| (p.0, p.0 + p.1))
+            .collect();
+        busy.sort_unstable();
+        let mut offset = 0u64;
+        for (lo, hi) in busy {
+            if offset + len <= lo {
+                break;
+            }
+            offset = offset.max(hi);
+        }
+        placed.push((offset, len, s, e));
+        arena = arena.max(offset + len);
+        buffers[b as usize].offset = offset;
+    }
+    // Views take their root's offset.
+    for (&v, &r) in &live.view_of {
+        buffers[v as usize].offset = buffers[r as usize].offset;
+    }
+    arena
+}

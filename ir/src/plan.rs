@@ -1,0 +1,366 @@
+//! IR level 5: the Plan, the only contract between compiler and runtime.
+//!
+//! A plan holds per-role programs (instruction streams of kernel calls over a buffer table),
+//! the static memory plan (every buffer has an offset in the arena of its class), the
+//! parameter map (Hugging Face name, shape, initialisation) and the facts the runtime needs
+//! about batches and the optimizer. It is written as JSON (`plan.json`); a runtime reads any
+//! plan of the same `schema_version`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::op::OpKind;
+use crate::types::DType;
+
+/// Version of the plan format; bump on any incompatible change.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Index of a buffer in `Plan::buffers`.
+pub type BufId = u32;
+
+/// The whole plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Plan format version ([`SCHEMA_VERSION`]).
+    pub schema_version: u32,
+    /// Model name.
+    pub model: String,
+    /// Architecture (`llama` or `gpt`), for Hugging Face interop.
+    pub arch: String,
+    /// Batch geometry.
+    pub batch: BatchInfo,
+    /// Optimizer and run settings.
+    pub train: TrainInfo,
+    /// Every buffer any program touches.
+    pub buffers: Vec<Buffer>,
+    /// Trainable parameters in declaration order.
+    pub params: Vec<ParamEntry>,
+    /// Rank roles; ranks running the same program share a role.
+    pub roles: Vec<Role>,
+    /// `rank_to_role[r]` is rank r's role.
+    pub rank_to_role: Vec<u32>,
+    /// Bytes per arena, the static memory plan's result.
+    pub memory: MemoryPlan,
+    /// Model FLOPs per optimizer step (Megatron's formula).
+    pub flops_per_step: f64,
+}
+
+/// Batch geometry of one optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BatchInfo {
+    /// Samples per micro-batch.
+    pub micro_batch: u64,
+    /// Samples per step over all data-parallel ranks.
+    pub global_batch: u64,
+    /// Tokens per sample.
+    pub seq_len: u64,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Micro-batches per step and data-parallel rank.
+    pub microbatches: u64,
+    /// Tokens per step (the mean of the loss is over these).
+    pub tokens_per_step: u64,
+}
+
+/// Learning-rate schedule.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LrSchedule {
+    /// The base rate at every step.
+    Constant,
+    /// Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr` at `decay_steps`
+    /// (constant `min_lr` afterwards).
+    Cosine {
+        /// Steps of linear warmup.
+        warmup_steps: u64,
+        /// Step at which the decay reaches `min_lr`.
+        decay_steps: u64,
+        /// Final learning rate.
+        min_lr: f64,
+    },
+}
+
+impl LrSchedule {
+    /// Learning rate of 1-based `step` for base rate `lr`.
+    pub fn lr_at(&self, lr: f64, step: u64) -> f64 {
+        match self {
+            LrSchedule::Constant => lr,
+            LrSchedule::Cosine {
+                warmup_steps,
+                decay_steps,
+                min_lr,
+            } => {
+                if step <= *warmup_steps {
+                    lr * step as f64 / (*warmup_steps).max(1) as f64
+                } else if step >= *decay_steps {
+                    *min_lr
+                } else {
+                    let span = (decay_steps - warmup_steps).max(1) as f64;
+                    let t = (step - warmup_steps) as f64 / span;
+                    min_lr + 0.5 * (lr - min_lr) * (1.0 + (std::f64::consts::PI * t).cos())
+                }
+            }
+        }
+    }
+}
+
+/// Optimizer and run settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainInfo {
+    /// Default number of steps for `megac run`.
+    pub steps: u64,
+    /// Seed for initialisation and synthetic data.
+    pub seed: u64,
+    /// Base learning rate.
+    pub lr: f64,
+    /// Learning-rate schedule.
+    pub lr_schedule: LrSchedule,
+    /// `fp32` or `bf16`.
+    pub precision: String,
+}
+
+/// What a buffer holds, which decides its arena and lifetime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferClass {
+    /// Parameters (fp32 master weights), persistent.
+    Param,
+    /// Parameter gradients, persistent, zeroed at each step and accumulated over micro-batches.
+    Grad,
+    /// Optimizer state (AdamW moments), persistent.
+    OptState,
+    /// Per-micro-batch activations and their gradients, placed by the memory planner.
+    Activation,
+    /// Data fed by the loader (token ids and labels, i32).
+    Input,
+}
+
+/// One buffer: where it lives and what shape it has.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    /// Name for people: the IR value (`%42`), or `grad:NAME`, `exp_avg:NAME`, ...
+    pub name: String,
+    /// Arena.
+    pub class: BufferClass,
+    /// Element type.
+    pub dtype: DType,
+    /// Sizes (local to the rank, micro-batch sized).
+    pub shape: Vec<u64>,
+    /// Offset in elements from the start of the class's arena.
+    pub offset: u64,
+}
+
+impl Buffer {
+    /// Number of elements.
+    pub fn len(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// True for zero-element buffers.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// How a parameter is initialised without `--init`: per global element from
+/// (seed, parameter name), so every layout starts from the same weights.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Init {
+    /// Normal with mean 0 and this standard deviation.
+    Normal {
+        /// Standard deviation.
+        std: f64,
+    },
+    /// All ones (norm weights).
+    Ones,
+    /// All zeros (biases).
+    Zeros,
+}
+
+/// A trainable parameter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamEntry {
+    /// Hugging Face name.
+    pub name: String,
+    /// Global shape (as Hugging Face stores it).
+    pub shape: Vec<u64>,
+    /// The parameter's buffer.
+    pub buffer: BufId,
+    /// Its gradient.
+    pub grad: BufId,
+    /// AdamW first moment.
+    pub exp_avg: BufId,
+    /// AdamW second moment.
+    pub exp_avg_sq: BufId,
+    /// Initialisation.
+    pub init: Init,
+}
+
+/// One instruction of a program.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Instr {
+    /// Run a kernel. Gradient kernels accumulate (`+=`) into their outputs; `adamw` takes
+    /// `outputs = [param, exp_avg, exp_avg_sq]` and updates them in place.
+    Kernel {
+        /// The op.
+        op: OpKind,
+        /// Operand buffers.
+        inputs: Vec<BufId>,
+        /// Result buffers.
+        outputs: Vec<BufId>,
+        /// Provenance path.
+        path: String,
+    },
+    /// Set a buffer to zero (before a kernel accumulates into it).
+    Zero {
+        /// The buffer.
+        buffer: BufId,
+    },
+}
+
+/// The programs of one role.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Role {
+    /// Role name.
+    pub name: String,
+    /// Forward and backward of one micro-batch (run `microbatches` times per step).
+    pub microbatch: Vec<Instr>,
+    /// Once per step, after the last micro-batch: gradient norm and optimizer.
+    pub optimizer: Vec<Instr>,
+    /// Buffers of the data inputs, by name (`tokens`, `labels`).
+    pub inputs: BTreeMap<String, BufId>,
+    /// Scalar results read after each micro-batch (`loss`, ...) or step (`grad_norm`).
+    pub results: BTreeMap<String, BufId>,
+}
+
+/// Sizes of the arenas, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    /// Parameters.
+    pub param_bytes: u64,
+    /// Gradients.
+    pub grad_bytes: u64,
+    /// Optimizer state.
+    pub opt_state_bytes: u64,
+    /// Peak activations: the activation arena after liveness-based reuse.
+    pub activation_bytes: u64,
+    /// Activations without reuse (sum of all activation buffers), for comparison.
+    pub activation_bytes_unplanned: u64,
+    /// Data inputs.
+    pub input_bytes: u64,
+}
+
+impl MemoryPlan {
+    /// Total bytes of one rank.
+    pub fn total(&self) -> u64 {
+        self.param_bytes
+            + self.grad_bytes
+            + self.opt_state_bytes
+            + self.activation_bytes
+            + self.input_bytes
+    }
+}
+
+/// JSON form of an instruction: `{"op": "linear", "attrs": {"w": "out_in"}, "in": [..], "out": [..], "path": ..}`
+/// or `{"op": "zero", "out": [b]}`.
+#[derive(Serialize, Deserialize)]
+struct InstrJson {
+    op: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    attrs: BTreeMap<String, String>,
+    #[serde(rename = "in", default, skip_serializing_if = "Vec::is_empty")]
+    inputs: Vec<BufId>,
+    #[serde(rename = "out")]
+    outputs: Vec<BufId>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    path: String,
+}
+
+impl Serialize for Instr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let json = match self {
+            Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                path,
+            } => InstrJson {
+                op: op.name().to_string(),
+                attrs: op
+                    .attrs()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect(),
+                inputs: inputs.clone(),
+                outputs: outputs.clone(),
+                path: path.clone(),
+            },
+            Instr::Zero { buffer } => InstrJson {
+                op: "zero".into(),
+                attrs: BTreeMap::new(),
+                inputs: Vec::new(),
+                outputs: vec![*buffer],
+                path: String::new(),
+            },
+        };
+        json.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Instr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let j = InstrJson::deserialize(d)?;
+        if j.op == "zero" {
+            let [buffer] = j.outputs[..] else {
+                return Err(serde::de::Error::custom("zero takes exactly one buffer"));
+            };
+            return Ok(Instr::Zero { buffer });
+        }
+        let op = OpKind::from_text(&j.op, &|k| j.attrs.get(k).cloned())
+            .map_err(serde::de::Error::custom)?;
+        Ok(Instr::Kernel {
+            op,
+            inputs: j.inputs,
+            outputs: j.outputs,
+            path: j.path,
+        })
+    }
+}
+
+impl Serialize for DType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for DType {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        DType::from_name(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown dtype `{s}`")))
+    }
+}
+
+impl Plan {
+    /// The plan as pretty JSON (deterministic: same plan, same bytes).
+    pub fn to_json(&self) -> String {
+        let mut s = serde_json::to_string_pretty(self).expect("plans always serialize");
+        s.push('\n');
+        s
+    }
+
+    /// Read a plan from JSON, checking the schema version.
+    pub fn from_json(text: &str) -> Result<Plan, String> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not a plan (invalid JSON): {e}"))?;
+        let version = value.get("schema_version").and_then(|v| v.as_u64());
+        if version != Some(u64::from(SCHEMA_VERSION)) {
+            return Err(format!(
+                "plan schema version {} is not supported by this build (expects {SCHEMA_VERSION}); recompile the plan",
+                version.map_or("(missing)".to_string(), |v| v.to_string())
+            ));
+        }
+        serde_json::from_value(value).map_err(|e| format!("malformed plan: {e}"))
+    }
+}

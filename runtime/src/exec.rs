@@ -1,0 +1,374 @@
+//! The executor: runs a role's programs on the cpu backend, one kernel call per instruction.
+
+use megac_ir::plan::{BufId, Instr, Plan};
+use megac_ir::{OpKind, WeightLayout};
+use megac_kernels as k;
+
+use crate::error::RuntimeError;
+use crate::memory::Memory;
+
+/// What the optimizer program needs to know about the current step.
+pub struct StepContext {
+    /// 1-based optimizer step (AdamW's bias correction).
+    pub step: u64,
+    /// Learning rate of this step.
+    pub lr: f64,
+}
+
+fn layout(w: WeightLayout) -> k::WeightLayout {
+    match w {
+        WeightLayout::OutIn => k::WeightLayout::OutIn,
+        WeightLayout::InOut => k::WeightLayout::InOut,
+    }
+}
+
+fn arity(
+    op: &OpKind,
+    ins: &[BufId],
+    outs: &[BufId],
+    n_in: usize,
+    n_out: usize,
+) -> Result<(), RuntimeError> {
+    if ins.len() == n_in && outs.len() == n_out {
+        Ok(())
+    } else {
+        Err(RuntimeError::Plan(format!(
+            "`{}` takes {n_in} inputs and {n_out} outputs, the plan gives {} and {}",
+            op.name(),
+            ins.len(),
+            outs.len()
+        )))
+    }
+}
+
+/// Run `program` over `mem`. `tokens_per_step` scales the loss and its gradient (the mean is
+/// over the global batch); `ctx` is used by optimizer instructions.
+pub fn run_program(
+    program: &[Instr],
+    plan: &Plan,
+    mem: &Memory,
+    ctx: &StepContext,
+) -> Result<(), RuntimeError> {
+    let tokens = plan.batch.tokens_per_step as f64;
+    for instr in program {
+        match instr {
+            Instr::Zero { buffer } => mem.f32_mut(*buffer).fill(0.0),
+            Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                ..
+            } => run_kernel(op, inputs, outputs, mem, tokens, ctx)?,
+        }
+    }
+    Ok(())
+}
+
+fn run_kernel(
+    op: &OpKind,
+    ins: &[BufId],
+    outs: &[BufId],
+    mem: &Memory,
+    tokens: f64,
+    ctx: &StepContext,
+) -> Result<(), RuntimeError> {
+    let shape = |b: BufId| mem.buffer(b).shape.clone();
+    let last = |b: BufId| *mem.buffer(b).shape.last().unwrap_or(&1) as usize;
+    let numel = |b: BufId| mem.buffer(b).len() as usize;
+    let dims4 = |b: BufId| -> Result<[usize; 4], RuntimeError> {
+        let s = shape(b);
+        if s.len() == 4 {
+            Ok([s[0] as usize, s[1] as usize, s[2] as usize, s[3] as usize])
+        } else {
+            Err(RuntimeError::Plan(format!(
+                "`{}` needs 4-d operands",
+                op.name()
+            )))
+        }
+    };
+    match op {
+        OpKind::Embedding => {
+            arity(op, ins, outs, 2, 1)?;
+            k::embedding_fwd(mem.i32(ins[0]), mem.f32(ins[1]), last(ins[1]), mem.f32_mut(outs[0]));
+        }
+        OpKind::PosEmbedding => {
+            arity(op, ins, outs, 2, 1)?;
+            let s = shape(ins[0]);
+            let (b, sl, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
+            k::pos_embedding_fwd(mem.f32(ins[0]), mem.f32(ins[1]), b, sl, h, mem.f32_mut(outs[0]));
+        }
+        OpKind::Linear { weight } => {
+            if ins.len() != 2 && ins.len() != 3 {
+                return arity(op, ins, outs, 2, 1);
+            }
+            let (kk, n) = (last(ins[0]), last(outs[0]));
+            let m = numel(ins[0]) / kk.max(1);
+            let bias = ins.get(2).map(|&b| mem.f32(b));
+            k::linear_fwd(mem.f32(ins[0]), mem.f32(ins[1]), bias, mem.f32_mut(outs[0]), m, kk, n, layout(*weight));
+        }
+        OpKind::RmsNorm { eps } => {
+            arity(op, ins, outs, 2, 1)?;
+            let h = last(ins[0]);
+            k::rms_norm_fwd(mem.f32(ins[0]), mem.f32(ins[1]), *eps as f32, numel(ins[0]) / h, h, mem.f32_mut(outs[0]));
+        }
+        OpKind::LayerNorm { eps } => {
+            arity(op, ins, outs, 3, 1)?;
+            let h = last(ins[0]);
+            k::layer_norm_fwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32(ins[2]),
+                *eps as f32,
+                numel(ins[0]) / h,
+                h,
+                mem.f32_mut(outs[0]),
+            );
+        }
+        OpKind::Split { n } => {
+            arity(op, ins, outs, 1, *n as usize)?;
+            let (x, width) = (mem.f32(ins[0]), last(ins[0]));
+            let d = width / *n as usize;
+            for (p, &o) in outs.iter().enumerate() {
+                let y = mem.f32_mut(o);
+                for (row, dst) in y.chunks_exact_mut(d).enumerate() {
+                    dst.copy_from_slice(&x[row * width + p * d..row * width + (p + 1) * d]);
+                }
+            }
+        }
+        OpKind::Concat => {
+            arity(op, ins, outs, ins.len(), 1)?;
+            let y = mem.f32_mut(outs[0]);
+            let width = last(outs[0]);
+            let d = width / ins.len().max(1);
+            for (p, &i) in ins.iter().enumerate() {
+                for (row, src) in mem.f32(i).chunks_exact(d).enumerate() {
+                    y[row * width + p * d..row * width + (p + 1) * d].copy_from_slice(src);
+                }
+            }
+        }
+        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+            arity(op, ins, outs, 1, 1)?;
+            let [b, s, nh, d] = dims4(ins[0])?;
+            if matches!(op, OpKind::Rope { .. }) {
+                k::rope_fwd(mem.f32(ins[0]), b, s, nh, d, *theta as f32, mem.f32_mut(outs[0]));
+            } else {
+                k::rope_bwd(mem.f32(ins[0]), b, s, nh, d, *theta as f32, mem.f32_mut(outs[0]));
+            }
+        }
+        OpKind::CausalAttention => {
+            arity(op, ins, outs, 3, 2)?;
+            let [b, s, nh, d] = dims4(ins[0])?;
+            let nkv = dims4(ins[1])?[2];
+            k::attention_fwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32(ins[2]),
+                b,
+                s,
+                nh,
+                nkv,
+                d,
+                mem.f32_mut(outs[0]),
+                mem.f32_mut(outs[1]),
+            );
+        }
+        OpKind::Cast { .. } => {
+            arity(op, ins, outs, 1, 1)?;
+            mem.f32_mut(outs[0]).copy_from_slice(mem.f32(ins[0]));
+        }
+        OpKind::Add => {
+            arity(op, ins, outs, 2, 1)?;
+            k::add_fwd(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+        }
+        OpKind::GradSum => {
+            arity(op, ins, outs, 2, 1)?;
+            let y = mem.f32_mut(outs[0]);
+            k::accumulate(y, mem.f32(ins[0]));
+            k::accumulate(y, mem.f32(ins[1]));
+        }
+        OpKind::SwiGlu => {
+            arity(op, ins, outs, 2, 1)?;
+            k::swiglu_fwd(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+        }
+        OpKind::GeluTanh => {
+            arity(op, ins, outs, 1, 1)?;
+            k::gelu_tanh_fwd(mem.f32(ins[0]), mem.f32_mut(outs[0]));
+        }
+        OpKind::CrossEntropy => {
+            arity(op, ins, outs, 2, 1)?;
+            let v = last(ins[0]);
+            let sum = k::cross_entropy_fwd(mem.f32(ins[0]), mem.i32(ins[1]), numel(ins[0]) / v, v);
+            mem.f32_mut(outs[0])[0] = (sum / tokens) as f32;
+        }
+        OpKind::EmbeddingGrad => {
+            arity(op, ins, outs, 3, 1)?;
+            k::embedding_bwd(mem.i32(ins[0]), mem.f32(ins[2]), last(ins[1]), mem.f32_mut(outs[0]));
+        }
+        OpKind::PosEmbeddingGrad => {
+            arity(op, ins, outs, 2, 1)?;
+            let s = shape(ins[1]);
+            let (b, sl, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
+            let (dy, dwpe) = (mem.f32(ins[1]), mem.f32_mut(outs[0]));
+            for bi in 0..b {
+                k::accumulate(&mut dwpe[..sl * h], &dy[bi * sl * h..(bi + 1) * sl * h]);
+            }
+        }
+        OpKind::LinearGradInput { weight } => {
+            arity(op, ins, outs, 2, 1)?;
+            let (n, kk) = (last(ins[0]), last(outs[0]));
+            let m = numel(ins[0]) / n.max(1);
+            k::linear_bwd_data(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]), m, kk, n, layout(*weight));
+        }
+        OpKind::LinearGradWeight { weight } => {
+            arity(op, ins, outs, 2, 1)?;
+            let (kk, n) = (last(ins[0]), last(ins[1]));
+            let m = numel(ins[0]) / kk.max(1);
+            k::linear_bwd_weight(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]), None, m, kk, n, layout(*weight));
+        }
+        OpKind::BiasGrad => {
+            arity(op, ins, outs, 1, 1)?;
+            let n = last(ins[0]);
+            let db = mem.f32_mut(outs[0]);
+            for row in mem.f32(ins[0]).chunks_exact(n) {
+                k::accumulate(db, row);
+            }
+        }
+        OpKind::RmsNormGrad { eps } => {
+            arity(op, ins, outs, 3, 2)?;
+            let h = last(ins[0]);
+            k::rms_norm_bwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32(ins[2]),
+                *eps as f32,
+                numel(ins[0]) / h,
+                h,
+                mem.f32_mut(outs[0]),
+                mem.f32_mut(outs[1]),
+            );
+        }
+        OpKind::LayerNormGrad { eps } => {
+            arity(op, ins, outs, 3, 3)?;
+            let h = last(ins[0]);
+            k::layer_norm_bwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32(ins[2]),
+                *eps as f32,
+                numel(ins[0]) / h,
+                h,
+                mem.f32_mut(outs[0]),
+                mem.f32_mut(outs[1]),
+                mem.f32_mut(outs[2]),
+            );
+        }
+        OpKind::AttentionGrad => {
+            arity(op, ins, outs, 6, 3)?;
+            let [b, s, nh, d] = dims4(ins[0])?;
+            let nkv = dims4(ins[1])?[2];
+            k::attention_bwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32(ins[2]),
+                mem.f32(ins[3]),
+                mem.f32(ins[4]),
+                mem.f32(ins[5]),
+                b,
+                s,
+                nh,
+                nkv,
+                d,
+                mem.f32_mut(outs[0]),
+                mem.f32_mut(outs[1]),
+                mem.f32_mut(outs[2]),
+            );
+        }
+        OpKind::SwiGluGrad => {
+            arity(op, ins, outs, 3, 2)?;
+            k::swiglu_bwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32(ins[2]),
+                mem.f32_mut(outs[0]),
+                mem.f32_mut(outs[1]),
+            );
+        }
+        OpKind::GeluTanhGrad => {
+            arity(op, ins, outs, 2, 1)?;
+            k::gelu_tanh_bwd(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+        }
+        OpKind::CrossEntropyGrad => {
+            arity(op, ins, outs, 2, 1)?;
+            let v = last(ins[0]);
+            k::cross_entropy_bwd(
+                mem.f32(ins[0]),
+                mem.i32(ins[1]),
+                numel(ins[0]) / v,
+                v,
+                (1.0 / tokens) as f32,
+                mem.f32_mut(outs[0]),
+            );
+        }
+        OpKind::GradNorm => {
+            if outs.len() != 1 {
+                return arity(op, ins, outs, ins.len(), 1);
+            }
+            let total: f64 = ins.iter().map(|&g| k::sum_squares(mem.f32(g))).sum();
+            mem.f32_mut(outs[0])[0] = total.sqrt() as f32;
+        }
+        OpKind::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            max_norm,
+            ..
+        } => {
+            arity(op, ins, outs, 3, 3)?;
+            let norm = mem.f32(ins[2])[0];
+            let g = mem.f32_mut(ins[1]);
+            if *max_norm > 0.0 {
+                // torch.nn.utils.clip_grad_norm_: multiply by min(1, max_norm / (norm + 1e-6)).
+                let coef = (*max_norm as f32) / (norm + 1e-6);
+                if coef < 1.0 {
+                    k::scale_in_place(g, coef);
+                }
+            }
+            let hp = k::AdamW {
+                lr: ctx.lr as f32,
+                beta1: *beta1 as f32,
+                beta2: *beta2 as f32,
+                eps: *eps as f32,
+                weight_decay: *weight_decay as f32,
+            };
+            k::adamw_step(
+                mem.f32_mut(outs[0]),
+                g,
+                mem.f32_mut(outs[1]),
+                mem.f32_mut(outs[2]),
+                &hp,
+                ctx.step,
+            );
+        }
+        OpKind::SplitHeads { .. } | OpKind::MergeHeads => {
+            return Err(RuntimeError::Plan(format!(
+                "`{}` is a view and never an instruction",
+                op.name()
+            )))
+        }
+        OpKind::Router { .. }
+        | OpKind::MoeAuxLoss { .. }
+        | OpKind::Dispatch { .. }
+        | OpKind::Combine
+        | OpKind::RouterGrad { .. }
+        | OpKind::MoeAuxLossGrad { .. }
+        | OpKind::DispatchGrad { .. }
+        | OpKind::CombineGrad => {
+            return Err(RuntimeError::Unsupported(format!(
+                "the cpu backend has no `{}` kernel yet: mixture-of-experts training lands with the expert-parallel work",
+                op.name()
+            )))
+        }
+    }
+    Ok(())
+}

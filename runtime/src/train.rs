@@ -1,0 +1,308 @@
+//! The training loop of one rank: data, micro-batches, optimizer steps, progress and report.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use megac_ir::plan::Plan;
+
+use crate::data::DataSource;
+use crate::error::RuntimeError;
+use crate::exec::{run_program, StepContext};
+use crate::memory::Memory;
+use crate::{hf, init};
+
+/// How to run a plan (`megac run` options).
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Steps to run; the plan's `train.steps` when None.
+    pub steps: Option<u64>,
+    /// `synthetic` or a `.bin` / `.txt` file.
+    pub data: String,
+    /// Initial weights (Hugging Face safetensors).
+    pub init: Option<PathBuf>,
+    /// Where to write the trained weights (Hugging Face safetensors).
+    pub save_params: Option<PathBuf>,
+    /// Print a progress line per step (on by default when stderr is a terminal).
+    pub progress: Option<bool>,
+}
+
+/// One step of the report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    /// 1-based step.
+    pub step: u64,
+    /// Mean cross-entropy of the step's forward pass (before its update).
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Wall time of the step.
+    pub seconds: f64,
+}
+
+/// What a run produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunReport {
+    /// Per-step records.
+    pub steps: Vec<StepRecord>,
+    /// Training tokens per second over the whole run.
+    pub tokens_per_s: f64,
+    /// Peak resident memory of the process.
+    pub peak_rss_bytes: u64,
+    /// Bytes of each arena: params, grads, optimizer state, activations, inputs.
+    pub arena_bytes: [u64; 5],
+}
+
+impl RunReport {
+    /// The `--report` JSON of DESIGN.md.
+    pub fn to_json(&self) -> String {
+        let steps: Vec<serde_json::Value> = self
+            .steps
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "seconds": s.seconds
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "steps": steps,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_rss_bytes": self.peak_rss_bytes,
+        });
+        let mut s = serde_json::to_string_pretty(&v).expect("report serializes");
+        s.push('\n');
+        s
+    }
+}
+
+/// Peak resident set size of this process (VmHWM), 0 where /proc is unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|kb| kb.parse::<u64>().ok())
+            })
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// One rank's state while training: memory, data and the plan's well-known buffers.
+pub struct Session<'p> {
+    plan: &'p Plan,
+    /// The rank's memory.
+    pub mem: Memory,
+    data: DataSource,
+    loss_buf: megac_ir::plan::BufId,
+    norm_buf: megac_ir::plan::BufId,
+    tokens_buf: megac_ir::plan::BufId,
+    labels_buf: megac_ir::plan::BufId,
+    inputs: Vec<i32>,
+    labels: Vec<i32>,
+}
+
+impl<'p> Session<'p> {
+    /// Allocate memory, open the data and initialise the parameters (from `init` or per
+    /// element from the seed).
+    pub fn new(
+        plan: &'p Plan,
+        data: &str,
+        init: Option<&std::path::Path>,
+    ) -> Result<Self, RuntimeError> {
+        if plan.roles.len() != 1 || plan.rank_to_role.len() != 1 {
+            return Err(RuntimeError::Unsupported(format!(
+                "the plan has {} ranks; the local runtime runs single-rank plans in this build",
+                plan.rank_to_role.len()
+            )));
+        }
+        let role = &plan.roles[0];
+        let mem = Memory::new(plan)?;
+        let b = &plan.batch;
+        let data = DataSource::open(data, b.seq_len as usize, b.vocab as u32, plan.train.seed)?;
+        let get = |name: &str| {
+            role.results.get(name).copied().ok_or_else(|| {
+                RuntimeError::Plan(format!("the plan does not say where its `{name}` is"))
+            })
+        };
+        let input = |name: &str| {
+            role.inputs
+                .get(name)
+                .copied()
+                .ok_or_else(|| RuntimeError::Plan(format!("the plan has no `{name}` input")))
+        };
+        let n = (b.micro_batch * b.seq_len) as usize;
+        let session = Session {
+            plan,
+            mem,
+            data,
+            loss_buf: get("loss")?,
+            norm_buf: get("grad_norm")?,
+            tokens_buf: input("tokens")?,
+            labels_buf: input("labels")?,
+            inputs: vec![0; n],
+            labels: vec![0; n],
+        };
+        session.init_params(init)?;
+        Ok(session)
+    }
+
+    fn init_params(&self, init: Option<&std::path::Path>) -> Result<(), RuntimeError> {
+        let plan = self.plan;
+        match init {
+            Some(path) => {
+                let expected: Vec<(String, Vec<usize>)> = plan
+                    .params
+                    .iter()
+                    .map(|p| {
+                        (
+                            p.name.clone(),
+                            p.shape.iter().map(|&d| d as usize).collect(),
+                        )
+                    })
+                    .collect();
+                let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
+                let values = hf::load_params(path, &expected, tied)?;
+                for (p, v) in plan.params.iter().zip(values) {
+                    self.mem.f32_mut(p.buffer).copy_from_slice(&v);
+                }
+            }
+            None => {
+                for p in &plan.params {
+                    init::init_param(
+                        plan.train.seed,
+                        &p.name,
+                        &p.init,
+                        0,
+                        self.mem.f32_mut(p.buffer),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward and backward of micro-batch `mb` of 1-based `step`, accumulating gradients;
+    /// returns the micro-batch's share of the step loss.
+    pub fn microbatch(&mut self, step: u64, mb: u64) -> Result<f64, RuntimeError> {
+        let b = &self.plan.batch;
+        let first = (step - 1) * b.global_batch + mb * b.micro_batch;
+        self.data.fill_batch(
+            first,
+            b.seq_len as usize,
+            &mut self.inputs,
+            &mut self.labels,
+        );
+        self.mem
+            .i32_mut(self.tokens_buf)
+            .copy_from_slice(&self.inputs);
+        self.mem
+            .i32_mut(self.labels_buf)
+            .copy_from_slice(&self.labels);
+        let ctx = self.context(step);
+        run_program(&self.plan.roles[0].microbatch, self.plan, &self.mem, &ctx)?;
+        Ok(f64::from(self.mem.f32(self.loss_buf)[0]))
+    }
+
+    /// One optimizer step (1-based); returns the gradient norm before clipping.
+    pub fn optimizer_step(&mut self, step: u64) -> Result<f64, RuntimeError> {
+        let ctx = self.context(step);
+        run_program(&self.plan.roles[0].optimizer, self.plan, &self.mem, &ctx)?;
+        Ok(f64::from(self.mem.f32(self.norm_buf)[0]))
+    }
+
+    /// A whole step: zero gradients, every micro-batch, the optimizer. Returns (loss, grad norm).
+    pub fn step(&mut self, step: u64) -> Result<(f64, f64), RuntimeError> {
+        self.mem.zero_grads();
+        let mut loss = 0.0;
+        for mb in 0..self.plan.batch.microbatches {
+            loss += self.microbatch(step, mb)?;
+        }
+        Ok((loss, self.optimizer_step(step)?))
+    }
+
+    fn context(&self, step: u64) -> StepContext {
+        StepContext {
+            step,
+            lr: self.plan.train.lr_schedule.lr_at(self.plan.train.lr, step),
+        }
+    }
+
+    /// The buffer of parameter `name` (or its gradient with `grad = true`).
+    pub fn param_buffer(&self, name: &str, grad: bool) -> Option<megac_ir::plan::BufId> {
+        self.plan
+            .params
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| if grad { p.grad } else { p.buffer })
+    }
+
+    /// Write the parameters as Hugging Face safetensors.
+    pub fn save_params(&self, path: &std::path::Path) -> Result<(), RuntimeError> {
+        let tensors: Vec<(String, Vec<usize>, &[f32])> = self
+            .plan
+            .params
+            .iter()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    p.shape.iter().map(|&d| d as usize).collect(),
+                    self.mem.f32(p.buffer),
+                )
+            })
+            .collect();
+        hf::save_params(path, &tensors)
+    }
+}
+
+/// Train with `plan` on one rank (the single-device case).
+pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    let mut session = Session::new(plan, &opts.data, opts.init.as_deref())?;
+    let b = &plan.batch;
+    let steps = opts.steps.unwrap_or(plan.train.steps);
+    let progress = opts
+        .progress
+        .unwrap_or_else(|| std::io::stderr().is_terminal());
+    let mut records = Vec::new();
+    let start = Instant::now();
+    for step in 1..=steps {
+        let t0 = Instant::now();
+        let (loss, grad_norm) = session.step(step)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        records.push(StepRecord {
+            step,
+            loss,
+            grad_norm,
+            seconds,
+        });
+        if progress {
+            let elapsed = start.elapsed().as_secs_f64();
+            let tok_s = (step * b.tokens_per_step) as f64 / elapsed.max(1e-9);
+            let eta = elapsed / step as f64 * (steps - step) as f64;
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(
+                err,
+                "step {step:>5}/{steps}  loss {loss:.4}  grad norm {grad_norm:.3}  lr {:.3e}  {tok_s:>9.0} tok/s  ETA {}",
+                plan.train.lr_schedule.lr_at(plan.train.lr, step),
+                fmt_duration(eta)
+            );
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    if let Some(path) = &opts.save_params {
+        session.save_params(path)?;
+    }
+    Ok(RunReport {
+        tokens_per_s: (steps * b.tokens_per_step) as f64 / elapsed.max(1e-9),
+        steps: records,
+        peak_rss_bytes: peak_rss_bytes(),
+        arena_bytes: session.mem.bytes(),
+    })
+}
+
+fn fmt_duration(s: f64) -> String {
+    let s = s.round() as u64;
+    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}

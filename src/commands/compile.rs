@@ -1,0 +1,40 @@
+//! `megac compile`: compile a model.toml into a plan directory.
+
+use std::path::Path;
+
+use megac_ir::plan::Plan;
+
+use crate::ModelArgs;
+
+/// Compile the model into a Plan (in memory).
+pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
+    let spec = super::load_spec(args)?;
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let module = super::compile(spec, None)?;
+    let graph = module
+        .graph
+        .as_ref()
+        .ok_or("error: the pipeline built no graph")?;
+    megac_codegen::emit_plan(&module.spec, graph, flops).map_err(|e| format!("error: {e}"))
+}
+
+/// Compile and write `out/plan.json`.
+pub fn run(args: &ModelArgs, out: &Path) -> Result<(), String> {
+    let plan = build_plan(args)?;
+    megac_codegen::write_plan(&plan, out).map_err(|e| format!("error: {e}"))?;
+    let instrs: usize = plan
+        .roles
+        .iter()
+        .map(|r| r.microbatch.len() + r.optimizer.len())
+        .sum();
+    println!(
+        "wrote {}: {} rank(s), {} instructions, {} parameters, {:.1} MiB per rank (see `megac inspect {}`)",
+        out.join("plan.json").display(),
+        plan.rank_to_role.len(),
+        instrs,
+        plan.params.iter().map(|p| p.shape.iter().product::<u64>()).sum::<u64>(),
+        plan.memory.total() as f64 / (1u64 << 20) as f64,
+        out.display()
+    );
+    Ok(())
+}

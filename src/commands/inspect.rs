@@ -1,0 +1,98 @@
+//! `megac inspect`: memory by class and FLOPs of a compiled plan.
+
+use std::path::Path;
+
+use megac_ir::plan::{Instr, Plan};
+
+/// Read `dir/plan.json`.
+pub fn read_plan(dir: &Path) -> Result<Plan, String> {
+    let path = dir.join("plan.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("error: {}: cannot read the plan: {e}", path.display()))?;
+    Plan::from_json(&text).map_err(|e| format!("error: {}: {e}", path.display()))
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:>10.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// Print the plan's memory and FLOPs, as text or JSON.
+pub fn run(dir: &Path, json: bool) -> Result<(), String> {
+    let plan = read_plan(dir)?;
+    let m = &plan.memory;
+    if json {
+        let roles: Vec<serde_json::Value> = plan
+            .roles
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "role": r.name,
+                    "memory_bytes": {
+                        "parameters": m.param_bytes,
+                        "gradients": m.grad_bytes,
+                        "optimizer_state": m.opt_state_bytes,
+                        "activations_peak": m.activation_bytes,
+                        "activations_unplanned": m.activation_bytes_unplanned,
+                        "inputs": m.input_bytes,
+                        "total": m.total(),
+                    },
+                    "collective_bytes_per_step": {},
+                    "instructions": { "microbatch": r.microbatch.len(), "optimizer": r.optimizer.len() },
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "model": plan.model,
+            "schema_version": plan.schema_version,
+            "ranks": plan.rank_to_role.len(),
+            "flops_per_step": plan.flops_per_step,
+            "roles": roles,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    let b = &plan.batch;
+    println!(
+        "plan         {} (schema {}), {} rank(s)",
+        plan.model,
+        plan.schema_version,
+        plan.rank_to_role.len()
+    );
+    println!(
+        "batch        {} × {} tokens per step, micro-batch {} × {} micro-batches",
+        b.global_batch, b.seq_len, b.micro_batch, b.microbatches
+    );
+    for r in &plan.roles {
+        let kernels = |p: &[Instr]| {
+            p.iter()
+                .filter(|i| matches!(i, Instr::Kernel { .. }))
+                .count()
+        };
+        println!(
+            "role {:<7} {} kernels per micro-batch, {} per step in the optimizer",
+            r.name,
+            kernels(&r.microbatch),
+            kernels(&r.optimizer)
+        );
+    }
+    println!("memory per rank");
+    println!("  parameters        {}", mib(m.param_bytes));
+    println!("  gradients         {}", mib(m.grad_bytes));
+    println!("  optimizer state   {}", mib(m.opt_state_bytes));
+    println!(
+        "  activations peak  {}   (without reuse {})",
+        mib(m.activation_bytes),
+        mib(m.activation_bytes_unplanned).trim_start()
+    );
+    println!("  inputs            {}", mib(m.input_bytes));
+    println!("  total             {}", mib(m.total()));
+    println!(
+        "FLOPs        {:.3e} per step (Megatron model FLOPs), {:.3e} per token",
+        plan.flops_per_step,
+        plan.flops_per_step / b.tokens_per_step as f64
+    );
+    Ok(())
+}
