@@ -1,3 +1,40 @@
-//! Forward and backward kernels of every op megac emits (CPU in Rust, CUDA sources for
-//! NVRTC). Empty until the single-device training issue lands; the crate exists so the
-//! workspace has the shape of DESIGN.md from the start.
+//! CPU kernels: the forward and backward of every op of a Llama (LlamaForCausalLM) and
+//! GPT-2 (GPT2LMHeadModel) training step, in f32, numerically matching Hugging Face
+//! transformers' fp32 eager math.
+//!
+//! Conventions shared by every kernel:
+//!
+//! - Tensors are contiguous row-major `f32` slices; token ids and labels are `i32`.
+//! - Forward kernels overwrite their outputs.
+//! - **Backward kernels accumulate** (`+=`) into every gradient output; the runtime zeroes
+//!   gradients before the first contribution.
+//! - Matmuls go through the `gemm` crate; everything else is split over rows (or heads)
+//!   with rayon once the work is large enough to pay for it. Reductions that produce a
+//!   scalar use a fixed chunking, so results do not depend on the number of threads.
+//! - Sizes are checked with `assert!`: a wrong slice length is a bug in the caller, and
+//!   the kernel panics rather than reading out of bounds.
+//!
+//! One module per concept: [`linear`], [`embedding`], [`norm`], [`rope`], [`attention`],
+//! [`activation`], [`elementwise`], [`loss`], [`optim`].
+
+pub mod activation;
+pub mod attention;
+pub mod elementwise;
+pub mod embedding;
+pub mod linear;
+pub mod loss;
+pub mod norm;
+pub mod optim;
+pub mod rope;
+mod simd;
+mod util;
+
+pub use activation::{gelu_tanh_bwd, gelu_tanh_fwd, swiglu_bwd, swiglu_fwd};
+pub use attention::{attention_bwd, attention_fwd};
+pub use elementwise::{accumulate, add_fwd, scale_in_place, sum_squares};
+pub use embedding::{embedding_bwd, embedding_fwd, pos_embedding_bwd, pos_embedding_fwd};
+pub use linear::{linear_bwd_data, linear_bwd_weight, linear_fwd, WeightLayout};
+pub use loss::{cross_entropy_bwd, cross_entropy_fwd};
+pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
+pub use optim::{adamw_step, AdamW};
+pub use rope::{rope_bwd, rope_fwd};
