@@ -110,6 +110,16 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
             ),
         ));
     }
+    if m.arch == Arch::Gpt && m.kv_heads != m.heads {
+        return Err(c.err(
+            "model.kv_heads",
+            format!(
+                "{} but arch = \"gpt\" (GPT2LMHeadModel) has no grouped-query attention",
+                c.show("model.kv_heads", m.kv_heads)
+            ),
+            format!("remove kv_heads or set it to heads = {}", m.heads),
+        ));
+    }
     if m.arch == Arch::Llama && !m.head_dim().is_multiple_of(2) {
         return Err(c.err(
             "model.hidden",
