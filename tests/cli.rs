@@ -138,3 +138,216 @@ fn every_command_has_help_with_an_example() {
     let o = megac(&["--help"]);
     assert!(stdout(&o).contains("Examples:"));
 }
+
+fn unigram_entropy(bytes: &[u8]) -> f64 {
+    let mut counts = [0u64; 256];
+    for &b in bytes {
+        counts[b as usize] += 1;
+    }
+    let n = bytes.len() as f64;
+    counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = c as f64 / n;
+            -p * p.ln()
+        })
+        .sum()
+}
+
+fn read_report(path: &std::path::Path) -> Vec<(f64, f64)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+    v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            assert_eq!(s["step"].as_u64(), Some(i as u64 + 1));
+            assert!(s["seconds"].as_f64().unwrap() > 0.0);
+            (
+                s["loss"].as_f64().unwrap(),
+                s["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The main job: the tiny llama learns a text file in the repo, well below the unigram
+/// entropy of its bytes.
+#[test]
+fn train_on_text_beats_the_unigram_entropy() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("run.json");
+    let corpus = "examples/data/corpus.txt";
+    let o = megac(&[
+        "train",
+        "examples/llama-tiny.toml",
+        "--data",
+        corpus,
+        "--steps",
+        "150",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let steps = read_report(&report);
+    assert_eq!(steps.len(), 150);
+    let text =
+        std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(corpus)).unwrap();
+    let h = unigram_entropy(&text);
+    let first = steps[0].0;
+    let last = steps.last().unwrap().0;
+    assert!(
+        (first - (256f64).ln()).abs() < 0.1,
+        "initial loss {first} is not ~ln(256)"
+    );
+    assert!(
+        last < h - 0.2,
+        "final loss {last} is not well below the unigram entropy {h:.3}"
+    );
+    assert!(stdout(&o).contains("trained 150 steps of llama-tiny"));
+}
+
+#[test]
+fn compile_is_deterministic_and_run_matches_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    for out in [&a, &b] {
+        let o = megac(&[
+            "compile",
+            "examples/gpt-tiny.toml",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let pa = std::fs::read(a.join("plan.json")).unwrap();
+    assert_eq!(
+        pa,
+        std::fs::read(b.join("plan.json")).unwrap(),
+        "plans differ"
+    );
+    let entries: Vec<_> = std::fs::read_dir(&a)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        entries,
+        vec![std::ffi::OsString::from("plan.json")],
+        "stray files"
+    );
+
+    // `run` of the compiled plan and `train` of the model give the same losses.
+    let (ra, rb) = (dir.path().join("ra.json"), dir.path().join("rb.json"));
+    let o = megac(&[
+        "run",
+        a.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--report",
+        ra.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = megac(&[
+        "train",
+        "examples/gpt-tiny.toml",
+        "--steps",
+        "3",
+        "--report",
+        rb.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(read_report(&ra).len(), 3);
+    assert_eq!(
+        read_report(&ra),
+        read_report(&rb),
+        "same plan, same data, same losses"
+    );
+}
+
+#[test]
+fn inspect_reports_memory_by_class() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p");
+    assert!(megac(&[
+        "compile",
+        "examples/llama-tiny.toml",
+        "-o",
+        out.to_str().unwrap()
+    ])
+    .status
+    .success());
+    let o = megac(&["inspect", out.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mem = &v["roles"][0]["memory_bytes"];
+    // llama-tiny: 123,712 fp32 parameters; gradients the same; AdamW keeps two moments.
+    assert_eq!(mem["parameters"].as_u64(), Some(123_712 * 4));
+    assert_eq!(mem["gradients"].as_u64(), Some(123_712 * 4));
+    assert_eq!(mem["optimizer_state"].as_u64(), Some(2 * 123_712 * 4));
+    let peak = mem["activations_peak"].as_u64().unwrap();
+    let unplanned = mem["activations_unplanned"].as_u64().unwrap();
+    assert!(
+        peak > 0 && peak < unplanned,
+        "liveness reuse: {peak} vs {unplanned}"
+    );
+    let text = stdout(&megac(&["inspect", out.to_str().unwrap()]));
+    assert!(
+        text.contains("optimizer state") && text.contains("FLOPs"),
+        "{text}"
+    );
+}
+
+#[test]
+fn unsupported_layouts_and_bad_plans_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p");
+    let o = megac(&[
+        "compile",
+        "examples/llama-tiny.toml",
+        "--set",
+        "parallel.tp=2",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("single-device plans only"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!out.exists(), "a failed compile leaves no output");
+
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("plan.json"), "{\"schema_version\": 99}").unwrap();
+    let o = megac(&["run", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("schema version 99 is not supported"),
+        "{}",
+        stderr(&o)
+    );
+
+    let o = megac(&[
+        "train",
+        "examples/llama-tiny.toml",
+        "--steps",
+        "1",
+        "--data",
+        "missing.bin",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).starts_with("error: data missing.bin"),
+        "{}",
+        stderr(&o)
+    );
+
+    let o = megac(&["train", "examples/moe-tiny.toml", "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("mixture-of-experts"), "{}", stderr(&o));
+}

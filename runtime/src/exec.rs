@@ -41,6 +41,41 @@ fn arity(
     }
 }
 
+/// Fail early, before any allocation, if the plan uses a kernel this backend lacks.
+pub fn check_supported(plan: &Plan) -> Result<(), RuntimeError> {
+    for role in &plan.roles {
+        for instr in role.microbatch.iter().chain(&role.optimizer) {
+            if let Instr::Kernel { op, .. } = instr {
+                if is_moe(op) {
+                    return Err(unsupported_moe(op));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn is_moe(op: &OpKind) -> bool {
+    matches!(
+        op,
+        OpKind::Router { .. }
+            | OpKind::MoeAuxLoss { .. }
+            | OpKind::Dispatch { .. }
+            | OpKind::Combine
+            | OpKind::RouterGrad { .. }
+            | OpKind::MoeAuxLossGrad { .. }
+            | OpKind::DispatchGrad { .. }
+            | OpKind::CombineGrad
+    )
+}
+
+fn unsupported_moe(op: &OpKind) -> RuntimeError {
+    RuntimeError::Unsupported(format!(
+        "the cpu backend has no `{}` kernel yet: mixture-of-experts training lands with the expert-parallel work",
+        op.name()
+    ))
+}
+
 /// Run `program` over `mem`. `tokens_per_step` scales the loss and its gradient (the mean is
 /// over the global batch); `ctx` is used by optimizer instructions.
 pub fn run_program(
@@ -89,13 +124,25 @@ fn run_kernel(
     match op {
         OpKind::Embedding => {
             arity(op, ins, outs, 2, 1)?;
-            k::embedding_fwd(mem.i32(ins[0]), mem.f32(ins[1]), last(ins[1]), mem.f32_mut(outs[0]));
+            k::embedding_fwd(
+                mem.i32(ins[0]),
+                mem.f32(ins[1]),
+                last(ins[1]),
+                mem.f32_mut(outs[0]),
+            );
         }
         OpKind::PosEmbedding => {
             arity(op, ins, outs, 2, 1)?;
             let s = shape(ins[0]);
             let (b, sl, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
-            k::pos_embedding_fwd(mem.f32(ins[0]), mem.f32(ins[1]), b, sl, h, mem.f32_mut(outs[0]));
+            k::pos_embedding_fwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                b,
+                sl,
+                h,
+                mem.f32_mut(outs[0]),
+            );
         }
         OpKind::Linear { weight } => {
             if ins.len() != 2 && ins.len() != 3 {
@@ -104,12 +151,28 @@ fn run_kernel(
             let (kk, n) = (last(ins[0]), last(outs[0]));
             let m = numel(ins[0]) / kk.max(1);
             let bias = ins.get(2).map(|&b| mem.f32(b));
-            k::linear_fwd(mem.f32(ins[0]), mem.f32(ins[1]), bias, mem.f32_mut(outs[0]), m, kk, n, layout(*weight));
+            k::linear_fwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                bias,
+                mem.f32_mut(outs[0]),
+                m,
+                kk,
+                n,
+                layout(*weight),
+            );
         }
         OpKind::RmsNorm { eps } => {
             arity(op, ins, outs, 2, 1)?;
             let h = last(ins[0]);
-            k::rms_norm_fwd(mem.f32(ins[0]), mem.f32(ins[1]), *eps as f32, numel(ins[0]) / h, h, mem.f32_mut(outs[0]));
+            k::rms_norm_fwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                *eps as f32,
+                numel(ins[0]) / h,
+                h,
+                mem.f32_mut(outs[0]),
+            );
         }
         OpKind::LayerNorm { eps } => {
             arity(op, ins, outs, 3, 1)?;
@@ -150,9 +213,25 @@ fn run_kernel(
             arity(op, ins, outs, 1, 1)?;
             let [b, s, nh, d] = dims4(ins[0])?;
             if matches!(op, OpKind::Rope { .. }) {
-                k::rope_fwd(mem.f32(ins[0]), b, s, nh, d, *theta as f32, mem.f32_mut(outs[0]));
+                k::rope_fwd(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    mem.f32_mut(outs[0]),
+                );
             } else {
-                k::rope_bwd(mem.f32(ins[0]), b, s, nh, d, *theta as f32, mem.f32_mut(outs[0]));
+                k::rope_bwd(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    mem.f32_mut(outs[0]),
+                );
             }
         }
         OpKind::CausalAttention => {
@@ -202,7 +281,12 @@ fn run_kernel(
         }
         OpKind::EmbeddingGrad => {
             arity(op, ins, outs, 3, 1)?;
-            k::embedding_bwd(mem.i32(ins[0]), mem.f32(ins[2]), last(ins[1]), mem.f32_mut(outs[0]));
+            k::embedding_bwd(
+                mem.i32(ins[0]),
+                mem.f32(ins[2]),
+                last(ins[1]),
+                mem.f32_mut(outs[0]),
+            );
         }
         OpKind::PosEmbeddingGrad => {
             arity(op, ins, outs, 2, 1)?;
@@ -217,13 +301,30 @@ fn run_kernel(
             arity(op, ins, outs, 2, 1)?;
             let (n, kk) = (last(ins[0]), last(outs[0]));
             let m = numel(ins[0]) / n.max(1);
-            k::linear_bwd_data(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]), m, kk, n, layout(*weight));
+            k::linear_bwd_data(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32_mut(outs[0]),
+                m,
+                kk,
+                n,
+                layout(*weight),
+            );
         }
         OpKind::LinearGradWeight { weight } => {
             arity(op, ins, outs, 2, 1)?;
             let (kk, n) = (last(ins[0]), last(ins[1]));
             let m = numel(ins[0]) / kk.max(1);
-            k::linear_bwd_weight(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]), None, m, kk, n, layout(*weight));
+            k::linear_bwd_weight(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32_mut(outs[0]),
+                None,
+                m,
+                kk,
+                n,
+                layout(*weight),
+            );
         }
         OpKind::BiasGrad => {
             arity(op, ins, outs, 1, 1)?;
@@ -363,12 +464,7 @@ fn run_kernel(
         | OpKind::RouterGrad { .. }
         | OpKind::MoeAuxLossGrad { .. }
         | OpKind::DispatchGrad { .. }
-        | OpKind::CombineGrad => {
-            return Err(RuntimeError::Unsupported(format!(
-                "the cpu backend has no `{}` kernel yet: mixture-of-experts training lands with the expert-parallel work",
-                op.name()
-            )))
-        }
+        | OpKind::CombineGrad => return Err(unsupported_moe(op)),
     }
     Ok(())
 }

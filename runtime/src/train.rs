@@ -118,6 +118,7 @@ impl<'p> Session<'p> {
                 plan.rank_to_role.len()
             )));
         }
+        crate::exec::check_supported(plan)?;
         let role = &plan.roles[0];
         let mem = Memory::new(plan)?;
         let b = &plan.batch;
