@@ -55,6 +55,9 @@ pub struct RunArgs {
     /// Write per-step losses, grad norms and timings as JSON.
     #[arg(long, value_name = "FILE.json")]
     pub report: Option<PathBuf>,
+    /// Time every kernel after the first step and print a table by op (matmul share, GFLOP/s).
+    #[arg(long)]
+    pub profile: bool,
 }
 
 #[derive(Subcommand)]

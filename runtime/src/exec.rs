@@ -83,20 +83,100 @@ pub fn run_program(
     plan: &Plan,
     mem: &Memory,
     ctx: &StepContext,
+    mut profile: Option<&mut Profile>,
 ) -> Result<(), RuntimeError> {
     let tokens = plan.batch.tokens_per_step as f64;
     for instr in program {
-        match instr {
-            Instr::Zero { buffer } => mem.f32_mut(*buffer).fill(0.0),
+        let t0 = profile.as_ref().map(|_| std::time::Instant::now());
+        let name = match instr {
+            Instr::Zero { buffer } => {
+                mem.f32_mut(*buffer).fill(0.0);
+                "zero"
+            }
             Instr::Kernel {
                 op,
                 inputs,
                 outputs,
                 ..
-            } => run_kernel(op, inputs, outputs, mem, tokens, ctx)?,
+            } => {
+                run_kernel(op, inputs, outputs, mem, tokens, ctx)?;
+                op.name()
+            }
+        };
+        if let (Some(p), Some(t0)) = (profile.as_deref_mut(), t0) {
+            let flops = match instr {
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    ..
+                } => matmul_flops(op, inputs, outputs, mem),
+                Instr::Zero { .. } => 0.0,
+            };
+            let e = p.by_op.entry(name).or_default();
+            e.0 += t0.elapsed().as_secs_f64();
+            e.1 += flops;
+            e.2 += 1;
         }
     }
     Ok(())
+}
+
+/// Time and matmul FLOPs per op name, gathered with `--profile`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Profile {
+    /// op name -> (seconds, matmul FLOPs, calls).
+    pub by_op: std::collections::BTreeMap<&'static str, (f64, f64, u64)>,
+}
+
+impl Profile {
+    /// A table, most expensive first, with the matmul share and achieved GFLOP/s.
+    pub fn render(&self) -> String {
+        let total: f64 = self.by_op.values().map(|v| v.0).sum();
+        let mut rows: Vec<_> = self.by_op.iter().collect();
+        rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        let mut out = format!(
+            "{:<22} {:>9} {:>7} {:>8} {:>10}\n",
+            "op", "seconds", "share", "calls", "GFLOP/s"
+        );
+        for (name, (secs, flops, calls)) in rows {
+            let gf = if *flops > 0.0 {
+                format!("{:.1}", flops / secs / 1e9)
+            } else {
+                "-".into()
+            };
+            out.push_str(&format!(
+                "{name:<22} {secs:>9.3} {:>6.1}% {calls:>8} {gf:>10}\n",
+                100.0 * secs / total.max(1e-12)
+            ));
+        }
+        let (mm_s, mm_f) = self
+            .by_op
+            .values()
+            .filter(|v| v.1 > 0.0)
+            .fold((0.0, 0.0), |a, v| (a.0 + v.0, a.1 + v.1));
+        out.push_str(&format!(
+            "matmuls: {:.1}% of kernel time, {:.1} GFLOP/s achieved\n",
+            100.0 * mm_s / total.max(1e-12),
+            mm_f / mm_s.max(1e-12) / 1e9
+        ));
+        out
+    }
+}
+
+/// FLOPs of the matmul inside `op` (2·m·k·n), 0 for other ops.
+fn matmul_flops(op: &OpKind, ins: &[BufId], outs: &[BufId], mem: &Memory) -> f64 {
+    let numel = |b: BufId| mem.buffer(b).len() as f64;
+    let last = |b: BufId| *mem.buffer(b).shape.last().unwrap_or(&1) as f64;
+    match op {
+        // x[m,k] · w -> y[m,n]: 2·numel(x)·n
+        OpKind::Linear { .. } => 2.0 * numel(ins[0]) * last(outs[0]),
+        // dy[m,n] · w -> dx[m,k]: 2·numel(dy)·k
+        OpKind::LinearGradInput { .. } => 2.0 * numel(ins[0]) * last(outs[0]),
+        // xᵀ · dy -> dw: 2·numel(x)·n
+        OpKind::LinearGradWeight { .. } => 2.0 * numel(ins[0]) * last(ins[1]),
+        _ => 0.0,
+    }
 }
 
 fn run_kernel(

@@ -25,6 +25,8 @@ pub struct RunOptions {
     pub save_params: Option<PathBuf>,
     /// Print a progress line per step (on by default when stderr is a terminal).
     pub progress: Option<bool>,
+    /// Time every kernel (after the first step, which warms up) and report by op.
+    pub profile: bool,
 }
 
 /// One step of the report.
@@ -51,6 +53,8 @@ pub struct RunReport {
     pub peak_rss_bytes: u64,
     /// Bytes of each arena: params, grads, optimizer state, activations, inputs.
     pub arena_bytes: [u64; 5],
+    /// Per-op timings (with `profile`).
+    pub profile: Option<crate::exec::Profile>,
 }
 
 impl RunReport {
@@ -102,6 +106,8 @@ pub struct Session<'p> {
     labels_buf: megac_ir::plan::BufId,
     inputs: Vec<i32>,
     labels: Vec<i32>,
+    /// Per-op timings, when profiling.
+    pub profile: Option<crate::exec::Profile>,
 }
 
 impl<'p> Session<'p> {
@@ -145,6 +151,7 @@ impl<'p> Session<'p> {
             labels_buf: input("labels")?,
             inputs: vec![0; n],
             labels: vec![0; n],
+            profile: None,
         };
         session.init_params(init)?;
         Ok(session)
@@ -203,14 +210,26 @@ impl<'p> Session<'p> {
             .i32_mut(self.labels_buf)
             .copy_from_slice(&self.labels);
         let ctx = self.context(step);
-        run_program(&self.plan.roles[0].microbatch, self.plan, &self.mem, &ctx)?;
+        run_program(
+            &self.plan.roles[0].microbatch,
+            self.plan,
+            &self.mem,
+            &ctx,
+            self.profile.as_mut(),
+        )?;
         Ok(f64::from(self.mem.f32(self.loss_buf)[0]))
     }
 
     /// One optimizer step (1-based); returns the gradient norm before clipping.
     pub fn optimizer_step(&mut self, step: u64) -> Result<f64, RuntimeError> {
         let ctx = self.context(step);
-        run_program(&self.plan.roles[0].optimizer, self.plan, &self.mem, &ctx)?;
+        run_program(
+            &self.plan.roles[0].optimizer,
+            self.plan,
+            &self.mem,
+            &ctx,
+            self.profile.as_mut(),
+        )?;
         Ok(f64::from(self.mem.f32(self.norm_buf)[0]))
     }
 
@@ -269,6 +288,9 @@ pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> 
     let mut records = Vec::new();
     let start = Instant::now();
     for step in 1..=steps {
+        if opts.profile && step == 2.min(steps) {
+            session.profile = Some(Default::default());
+        }
         let t0 = Instant::now();
         let (loss, grad_norm) = session.step(step)?;
         let seconds = t0.elapsed().as_secs_f64();
@@ -300,6 +322,7 @@ pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> 
         steps: records,
         peak_rss_bytes: peak_rss_bytes(),
         arena_bytes: session.mem.bytes(),
+        profile: session.profile.take(),
     })
 }
 

@@ -32,6 +32,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         init: args.init.clone(),
         save_params: args.save_params.clone(),
         progress: None,
+        profile: args.profile,
     })
 }
 
@@ -54,6 +55,9 @@ pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
             report.tokens_per_s,
             report.peak_rss_bytes as f64 / (1u64 << 20) as f64
         );
+    }
+    if let Some(profile) = &report.profile {
+        print!("{}", profile.render());
     }
     if let Some(p) = &args.save_params {
         println!("saved parameters to {}", p.display());
