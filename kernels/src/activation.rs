@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{sigmoid, simd_dispatch};
+use crate::simd::{sigmoid, sigmoid_pair, simd_dispatch};
 use crate::util::{elem_chunk, PAR_MIN_ELEMS};
 
 /// `sqrt(2 / pi)` as GPT-2's `gelu_new` rounds it to f32.
@@ -25,10 +25,10 @@ simd_dispatch! {
         let (gate, up, dy, dup) = (&gate[..n], &up[..n], &dy[..n], &mut dup[..n]);
         for i in 0..n {
             let (g, u, d) = (gate[i], up[i], dy[i]);
-            let sg = sigmoid(g);
+            let (sg, one_minus) = sigmoid_pair(g);
             dup[i] += d * (g * sg);
             // d silu / dg = sg * (1 + g * (1 - sg)).
-            dgate[i] += d * u * (sg * (1.0 + g * (1.0 - sg)));
+            dgate[i] += d * u * (sg * (1.0 + g * one_minus));
         }
     }
 }
@@ -49,9 +49,9 @@ simd_dispatch! {
             let x2 = x * x;
             let u = SQRT_2_OVER_PI * (x + GELU_C * (x2 * x));
             let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x2);
-            let sg = sigmoid(2.0 * u);
+            let (sg, one_minus) = sigmoid_pair(2.0 * u);
             // d/dx [x σ(2u)] = σ(2u) + 2 x σ(2u) (1 - σ(2u)) u'.
-            *dx += dy * (sg + 2.0 * x * sg * (1.0 - sg) * du);
+            *dx += dy * (sg + 2.0 * x * sg * one_minus * du);
         }
     }
 }

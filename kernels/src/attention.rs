@@ -13,7 +13,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::linear::{gemm_strided, rm, rm_mut, rm_t, MatMut, MatRef};
-use crate::simd::{dot_f64, exp, max, simd_dispatch};
+use crate::simd::{dot_f64, exp, max, simd_dispatch, sum_f64};
 use crate::util::{SendConstPtr, SendPtr};
 
 /// Queries per block (the rows of one scores gemm).
@@ -25,13 +25,12 @@ fn softmax_scale(d: usize) -> f32 {
 }
 
 /// Shape checks shared by forward and backward.
-fn check_shapes(b: usize, s: usize, nh: usize, nkv: usize, d: usize) {
+fn check_heads(nh: usize, nkv: usize, d: usize) {
     assert!(
         nkv > 0 && nh.is_multiple_of(nkv),
         "attention: heads ({nh}) must be a multiple of kv heads ({nkv})"
     );
     assert!(d > 0, "attention: head_dim must be positive");
-    let _ = (b, s);
 }
 
 simd_dispatch! {
@@ -43,12 +42,10 @@ simd_dispatch! {
             let valid = q0 + r + 1;
             let (live, masked) = row.split_at_mut(valid);
             let m = max(live);
-            let mut sum = 0.0f64;
             for x in live.iter_mut() {
-                let e = exp(*x - m);
-                *x = e;
-                sum += e as f64;
+                *x = exp(*x - m);
             }
+            let sum = sum_f64(live);
             let inv = (1.0 / sum) as f32;
             for x in live.iter_mut() {
                 *x *= inv;
@@ -96,7 +93,7 @@ pub fn attention_fwd(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    check_shapes(b, s, nh, nkv, d);
+    check_heads(nh, nkv, d);
     assert_eq!(
         q.len(),
         b * s * nh * d,
@@ -220,7 +217,7 @@ pub fn attention_bwd(
     dk: &mut [f32],
     dv: &mut [f32],
 ) {
-    check_shapes(b, s, nh, nkv, d);
+    check_heads(nh, nkv, d);
     let (qn, kn) = (b * s * nh * d, b * s * nkv * d);
     assert_eq!(q.len(), qn, "attention_bwd: q must be [b, s, nh, d]");
     assert_eq!(k.len(), kn, "attention_bwd: k must be [b, s, nkv, d]");

@@ -8,14 +8,19 @@
 //! - Forward kernels overwrite their outputs.
 //! - **Backward kernels accumulate** (`+=`) into every gradient output; the runtime zeroes
 //!   gradients before the first contribution.
-//! - Matmuls go through the `gemm` crate; everything else is split over rows (or heads)
-//!   with rayon once the work is large enough to pay for it. Reductions that produce a
+//! - Matmuls go through the `gemm` crate (with its AVX-512 kernels compiled in and picked
+//!   at run time), threaded only above ~2^18 multiply-adds; everything else is split over
+//!   rows (or heads) with rayon once the work is large enough to pay for it, and the
+//!   exp/sigmoid-heavy loops are compiled twice (baseline and AVX2+FMA) and dispatched on
+//!   the CPU's features. Reductions that produce a
 //!   scalar use a fixed chunking, so results do not depend on the number of threads.
 //! - Sizes are checked with `assert!`: a wrong slice length is a bug in the caller, and
 //!   the kernel panics rather than reading out of bounds.
 //!
 //! One module per concept: [`linear`], [`embedding`], [`norm`], [`rope`], [`attention`],
 //! [`activation`], [`elementwise`], [`loss`], [`optim`].
+
+#![warn(missing_docs)]
 
 pub mod activation;
 pub mod attention;

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::{exp, max, simd_dispatch};
+use crate::simd::{exp, max, simd_dispatch, sum_f64};
 
 /// The label value whose rows are skipped, as `torch.nn.CrossEntropyLoss(ignore_index=-100)`
 /// (Hugging Face's default) does.
@@ -25,45 +25,38 @@ fn label_index(label: i32, vocab: usize) -> Option<usize> {
 }
 
 simd_dispatch! {
-    /// `(max, Σ e^(x - max))` of one row, the exponentials summed in f64 lanes.
+    /// `(max, Σ e^(x - max))` of one row.
     fn max_and_sum_exp(x: &[f32]) -> (f32, f64) {
         let m = max(x);
-        let mut acc = [0.0f64; 8];
-        let chunks = x.chunks_exact(8);
-        let tail = chunks.remainder();
-        for c in chunks {
-            for l in 0..8 {
-                acc[l] += exp(c[l] - m) as f64;
-            }
-        }
-        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for &v in tail {
-            s += exp(v - m) as f64;
-        }
-        (m, s)
+        (m, sum_exp_shifted(x, m))
     }
+}
+
+/// `Σ e^(x - m)`: the exponentials of each block of 256 values go through a stack
+/// buffer (a plain map loop, which LLVM vectorizes reliably) and are summed in f64.
+#[inline(always)]
+fn sum_exp_shifted(x: &[f32], m: f32) -> f64 {
+    let mut buf = [0.0f32; 256];
+    let mut total = 0.0f64;
+    for blk in x.chunks(256) {
+        let e = &mut buf[..blk.len()];
+        for (e, &v) in e.iter_mut().zip(blk) {
+            *e = exp(v - m);
+        }
+        total += sum_f64(e);
+    }
+    total
 }
 
 simd_dispatch! {
     /// `dl += scale * (softmax(x) - onehot(t))`, with `e` as scratch for the exponentials.
     fn softmax_accumulate(x: &[f32], t: usize, scale: f32, e: &mut [f32], dl: &mut [f32]) {
         let m = max(x);
-        let mut acc = [0.0f64; 8];
-        let mut ec = e.chunks_exact_mut(8);
-        let mut xc = x.chunks_exact(8);
-        for (ec, xc) in (&mut ec).zip(&mut xc) {
-            for l in 0..8 {
-                let v = exp(xc[l] - m);
-                ec[l] = v;
-                acc[l] += v as f64;
-            }
+        let e = &mut e[..x.len()];
+        for (e, &v) in e.iter_mut().zip(x) {
+            *e = exp(v - m);
         }
-        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for (ev, &xv) in ec.into_remainder().iter_mut().zip(xc.remainder()) {
-            *ev = exp(xv - m);
-            s += *ev as f64;
-        }
-        let inv = (1.0 / s) as f32;
+        let inv = (1.0 / sum_f64(e)) as f32;
         let before = dl[t];
         for (d, &ev) in dl.iter_mut().zip(e.iter()) {
             *d += scale * (ev * inv);

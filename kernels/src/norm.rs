@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use crate::linear::COL_BLOCK;
-use crate::simd::{simd_dispatch, sum_f64, sum_sq_f64};
+use crate::simd::{dot3_f64, simd_dispatch, sum_f64, sum_sq_dev_f64, sum_sq_f64};
 use crate::util::{row_chunk, PAR_MIN_ELEMS};
 
 /// `1 / sqrt(mean(x²) + eps)` of one row, as `LlamaRMSNorm` computes it in f32.
@@ -26,12 +26,7 @@ fn rms_rstd(x: &[f32], eps: f32) -> f32 {
 fn ln_stats(x: &[f32], eps: f32) -> (f32, f32, f32) {
     let h = x.len() as f64;
     let mean = sum_f64(x) / h;
-    let mut var = 0.0f64;
-    for &v in x {
-        let d = v as f64 - mean;
-        var += d * d;
-    }
-    let var = (var / h) as f32;
+    let var = (sum_sq_dev_f64(x, mean) / h) as f32;
     let hi = mean as f32;
     let lo = (mean - hi as f64) as f32;
     let rstd = 1.0 / (var.max(0.0) + eps).sqrt();
@@ -65,11 +60,7 @@ simd_dispatch! {
             *rs = r;
             // y = w * x * r with r = (Σx²/h + eps)^-1/2:
             // dx = r * (g - (x r) * (Σ g x) r / h), g = dy * w.
-            let mut acc = 0.0f64;
-            for ((&x, &dy), &w) in xr.iter().zip(dyr).zip(w) {
-                acc += (dy * w) as f64 * x as f64;
-            }
-            let c = (acc * r as f64 / h as f64) as f32;
+            let c = (dot3_f64(dyr, w, xr) * r as f64 / h as f64) as f32;
             for (((dx, &x), &dy), &w) in dxr.iter_mut().zip(xr).zip(dyr).zip(w) {
                 *dx += r * (dy * w - (x * r) * c);
             }
@@ -106,11 +97,20 @@ simd_dispatch! {
             st[2] = rstd;
             // xhat = (x - mean) * rstd, g = dy * w:
             // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
-            let (mut sg, mut sgx) = (0.0f64, 0.0f64);
-            for ((&x, &dy), &w) in xr.iter().zip(dyr).zip(w) {
-                let g = (dy * w) as f64;
+            let (mut sg, mut sgx) = ([0.0f64; 8], [0.0f64; 8]);
+            let n8 = h - h % 8;
+            for i in (0..n8).step_by(8) {
+                for l in 0..8 {
+                    let g = (dyr[i + l] * w[i + l]) as f64;
+                    sg[l] += g;
+                    sgx[l] += g * (((xr[i + l] - hi) - lo) * rstd) as f64;
+                }
+            }
+            let (mut sg, mut sgx) = (sg.iter().sum::<f64>(), sgx.iter().sum::<f64>());
+            for i in n8..h {
+                let g = (dyr[i] * w[i]) as f64;
                 sg += g;
-                sgx += g * (((x - hi) - lo) * rstd) as f64;
+                sgx += g * (((xr[i] - hi) - lo) * rstd) as f64;
             }
             let a = (sg / h as f64) as f32;
             let c = (sgx / h as f64) as f32;

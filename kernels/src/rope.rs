@@ -26,8 +26,9 @@ pub fn rope_tables(s: usize, d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
     (cos, sin)
 }
 
-/// Rotates one `[nh, d]` row of heads at one position: `sign = 1` applies the rotation,
-/// `sign = -1` its transpose (the backward). `acc` adds instead of overwriting.
+/// Rotates one `[nh, d]` row of heads at one position with that position's `cos`/`sin`
+/// (`[d/2]` each). Forward overwrites `y`; `inverse` applies the transposed rotation
+/// (the backward) and adds into `y`.
 #[inline(always)]
 fn rotate_row(x: &[f32], cos: &[f32], sin: &[f32], d: usize, inverse: bool, y: &mut [f32]) {
     let half = d / 2;
@@ -49,6 +50,7 @@ fn rotate_row(x: &[f32], cos: &[f32], sin: &[f32], d: usize, inverse: bool, y: &
     }
 }
 
+/// Shared body of [`rope_fwd`] and [`rope_bwd`].
 #[allow(clippy::too_many_arguments)]
 fn rope_apply(
     x: &[f32],

@@ -79,6 +79,20 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
 
+/// `(sigmoid(z), 1 - sigmoid(z))`, both to a few ulp even where one of them is tiny
+/// (`1 - sigmoid(z)` is not formed by a cancelling subtraction).
+#[inline(always)]
+pub(crate) fn sigmoid_pair(z: f32) -> (f32, f32) {
+    let e = exp(-z.abs());
+    let r = 1.0 / (1.0 + e);
+    let small = e * r;
+    if z >= 0.0 {
+        (r, small)
+    } else {
+        (small, r)
+    }
+}
+
 /// Number of lanes used by the reductions below.
 const LANES: usize = 8;
 
@@ -143,6 +157,39 @@ pub(crate) fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
         }
     }
     finish(acc, ta.iter().zip(tb).map(|(&x, &y)| x as f64 * y as f64))
+}
+
+/// `Σ (a * b) * c`, each product `a * b` rounded to f32 and the rest in f64 lanes.
+#[inline(always)]
+pub(crate) fn dot3_f64(a: &[f32], b: &[f32], c: &[f32]) -> f64 {
+    let n = a.len();
+    let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+    let mut acc = [0.0f64; LANES];
+    let main = n - n % LANES;
+    for i in (0..main).step_by(LANES) {
+        for l in 0..LANES {
+            acc[l] += (a[i + l] * b[i + l]) as f64 * c[i + l] as f64;
+        }
+    }
+    finish(acc, (main..n).map(|i| (a[i] * b[i]) as f64 * c[i] as f64))
+}
+
+/// `Σ (x - mean)²` for an f64 `mean`, in f64 lanes.
+#[inline(always)]
+pub(crate) fn sum_sq_dev_f64(x: &[f32], mean: f64) -> f64 {
+    let mut acc = [0.0f64; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..LANES {
+            let d = c[l] as f64 - mean;
+            acc[l] += d * d;
+        }
+    }
+    finish(
+        acc,
+        tail.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)),
+    )
 }
 
 #[inline(always)]

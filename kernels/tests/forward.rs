@@ -17,7 +17,13 @@ fn nan(n: usize) -> Vec<f32> {
 fn linear_all_layouts_bias_and_sizes() {
     let mut rng = Rng::new(1);
     // (m, k, n): tiny, ragged, and large enough for gemm's threaded path.
-    for &(m, k, n) in &[(1, 1, 1), (3, 5, 7), (17, 33, 9), (96, 80, 130), (200, 128, 96)] {
+    for &(m, k, n) in &[
+        (1, 1, 1),
+        (3, 5, 7),
+        (17, 33, 9),
+        (96, 80, 130),
+        (200, 128, 96),
+    ] {
         for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
             for with_bias in [false, true] {
                 let x = rng.vec(m * k, -1.0, 1.0);
@@ -27,8 +33,22 @@ fn linear_all_layouts_bias_and_sizes() {
                 let b = with_bias.then_some(&bias[..]);
                 linear_fwd(&x, &w, b, &mut y, m, k, n, layout);
                 let b64 = to64(&bias);
-                let want = linear_ref(&to64(&x), &to64(&w), with_bias.then_some(&b64[..]), m, k, n, layout);
-                assert_close(&format!("linear {m}x{k}x{n} {layout:?} bias={with_bias}"), &y, &want, RTOL, 1e-1);
+                let want = linear_ref(
+                    &to64(&x),
+                    &to64(&w),
+                    with_bias.then_some(&b64[..]),
+                    m,
+                    k,
+                    n,
+                    layout,
+                );
+                assert_close(
+                    &format!("linear {m}x{k}x{n} {layout:?} bias={with_bias}"),
+                    &y,
+                    &want,
+                    RTOL,
+                    1e-1,
+                );
             }
         }
     }
@@ -61,7 +81,13 @@ fn embeddings() {
         let ids: Vec<i32> = (0..tokens).map(|_| rng.below(vocab) as i32).collect();
         let mut out = nan(tokens * h);
         embedding_fwd(&ids, &table, h, &mut out);
-        assert_close("embedding", &out, &embedding_ref(&ids, &to64(&table), h), 0.0, 0.0);
+        assert_close(
+            "embedding",
+            &out,
+            &embedding_ref(&ids, &to64(&table), h),
+            0.0,
+            0.0,
+        );
     }
     for &(b, s, h, maxpos) in &[(2, 3, 4, 5), (4, 128, 96, 130)] {
         let x = rng.vec(b * s * h, -1.0, 1.0);
@@ -104,7 +130,11 @@ fn layer_norm_of_offset_rows() {
     // A large common offset must not cost precision (two-pass variance).
     let (rows, h) = (4, 32);
     let mut rng = Rng::new(5);
-    let x: Vec<f32> = rng.vec(rows * h, -1.0, 1.0).iter().map(|v| v + 1000.0).collect();
+    let x: Vec<f32> = rng
+        .vec(rows * h, -1.0, 1.0)
+        .iter()
+        .map(|v| v + 1000.0)
+        .collect();
     let w = vec![1.0; h];
     let b = vec![0.0; h];
     let mut y = nan(rows * h);
@@ -116,7 +146,11 @@ fn layer_norm_of_offset_rows() {
 #[test]
 fn rope() {
     let mut rng = Rng::new(6);
-    for &(b, s, nh, d, theta) in &[(1, 3, 1, 2, 10000.0f32), (2, 70, 4, 16, 10000.0), (2, 300, 2, 64, 500000.0)] {
+    for &(b, s, nh, d, theta) in &[
+        (1, 3, 1, 2, 10000.0f32),
+        (2, 70, 4, 16, 10000.0),
+        (2, 300, 2, 64, 500000.0),
+    ] {
         let x = rng.vec(b * s * nh * d, -1.0, 1.0);
         let mut y = nan(x.len());
         rope_fwd(&x, b, s, nh, d, theta, &mut y);
@@ -137,7 +171,13 @@ fn rope_position_zero_is_identity() {
 fn attention() {
     let mut rng = Rng::new(7);
     // (b, s, nh, nkv, d): tiny, MHA, GQA with a ragged last query block, several blocks.
-    for &(b, s, nh, nkv, d) in &[(1, 1, 1, 1, 4), (2, 5, 2, 2, 8), (2, 70, 4, 2, 16), (1, 150, 4, 1, 32), (3, 64, 2, 1, 8)] {
+    for &(b, s, nh, nkv, d) in &[
+        (1, 1, 1, 1, 4),
+        (2, 5, 2, 2, 8),
+        (2, 70, 4, 2, 16),
+        (1, 150, 4, 1, 32),
+        (3, 64, 2, 1, 8),
+    ] {
         let q = rng.normal(b * s * nh * d, 1.0);
         let k = rng.normal(b * s * nkv * d, 1.0);
         let v = rng.normal(b * s * nkv * d, 1.0);
@@ -173,7 +213,11 @@ fn activations() {
         let u = rng.normal(n, 1.0);
         let mut y = nan(n);
         swiglu_fwd(&g, &u, &mut y);
-        let want: Vec<f64> = g.iter().zip(&u).map(|(&g, &u)| silu_ref(g as f64) * u as f64).collect();
+        let want: Vec<f64> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| silu_ref(g as f64) * u as f64)
+            .collect();
         assert_close("swiglu", &y, &want, RTOL, 1e-4);
         let mut y = nan(n);
         gelu_tanh_fwd(&g, &mut y);
@@ -200,7 +244,11 @@ fn elementwise() {
         let b = rng.vec(n, -1.0, 1.0);
         let mut y = nan(n);
         add_fwd(&a, &b, &mut y);
-        let want: Vec<f64> = a.iter().zip(&b).map(|(&a, &b)| a as f64 + b as f64).collect();
+        let want: Vec<f64> = a
+            .iter()
+            .zip(&b)
+            .map(|(&a, &b)| a as f64 + b as f64)
+            .collect();
         assert_close("add", &y, &want, 1e-7, 1e-6);
 
         let mut d = a.clone();
@@ -214,7 +262,10 @@ fn elementwise() {
 
         let want: f64 = a.iter().map(|&v| v as f64 * v as f64).sum();
         let got = sum_squares(&a);
-        assert!((got - want).abs() <= 1e-12 * want, "sum_squares {got} vs {want}");
+        assert!(
+            (got - want).abs() <= 1e-12 * want,
+            "sum_squares {got} vs {want}"
+        );
     }
     assert_eq!(sum_squares(&[]), 0.0);
     // Large enough for several partial sums; chunked summation must stay exact-ish.

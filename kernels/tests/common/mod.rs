@@ -1,6 +1,6 @@
 //! Helpers shared by the kernel tests: a deterministic RNG, float64 reference
 //! implementations written as plain loops, comparison and finite-difference checkers.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::too_many_arguments, clippy::needless_range_loop)]
 
 use megac_kernels::WeightLayout;
 
@@ -118,7 +118,11 @@ pub fn check_grad(
     rtol: f64,
     objective: &dyn Fn(&[Vec<f64>]) -> f64,
 ) {
-    assert_eq!(analytic.len(), inputs[which].len(), "{name}: gradient length");
+    assert_eq!(
+        analytic.len(),
+        inputs[which].len(),
+        "{name}: gradient length"
+    );
     let rms = (analytic.iter().map(|&g| (g as f64).powi(2)).sum::<f64>()
         / analytic.len().max(1) as f64)
         .sqrt();
@@ -213,7 +217,14 @@ pub fn rms_norm_ref(x: &[f64], w: &[f64], eps: f64, rows: usize, h: usize) -> Ve
     y
 }
 
-pub fn layer_norm_ref(x: &[f64], w: &[f64], b: &[f64], eps: f64, rows: usize, h: usize) -> Vec<f64> {
+pub fn layer_norm_ref(
+    x: &[f64],
+    w: &[f64],
+    b: &[f64],
+    eps: f64,
+    rows: usize,
+    h: usize,
+) -> Vec<f64> {
     let mut y = vec![0.0; rows * h];
     for r in 0..rows {
         let row = &x[r * h..(r + 1) * h];
@@ -251,7 +262,11 @@ pub fn rope_ref(x: &[f64], b: usize, s: usize, nh: usize, d: usize, theta: f32) 
                 let o = ((bi * s + p) * nh + hh) * d;
                 for i in 0..d {
                     let a = ang[p * half + i % half];
-                    let rot = if i < half { -x[o + i + half] } else { x[o + i - half] };
+                    let rot = if i < half {
+                        -x[o + i + half]
+                    } else {
+                        x[o + i - half]
+                    };
                     y[o + i] = x[o + i] * a.cos() + rot * a.sin();
                 }
             }
