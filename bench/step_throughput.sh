@@ -25,7 +25,7 @@ PY
 )
 echo "megac tokens/s: $megac_tps"
 if python3 -c "import torch, transformers" 2>/dev/null; then
-  torch_tps=$(python3 bench/pytorch_step.py "$steps" | sed -n 's/^pytorch tokens\/s: //p')
+  torch_tps=$(python3 bench/pytorch_step.py "$steps" 2>/dev/null | sed -n 's/^pytorch tokens\/s: //p')
   echo "pytorch tokens/s: $torch_tps"
   python3 -c "print(f'ratio megac/pytorch: {$megac_tps / $torch_tps:.2f}')"
 else

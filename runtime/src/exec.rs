@@ -4,6 +4,7 @@ use megac_ir::plan::{BufId, Instr, Plan};
 use megac_ir::{OpKind, WeightLayout};
 use megac_kernels as k;
 
+use crate::comm::Communicator;
 use crate::error::RuntimeError;
 use crate::memory::Memory;
 
@@ -83,6 +84,7 @@ pub fn run_program(
     plan: &Plan,
     mem: &Memory,
     ctx: &StepContext,
+    comm: &mut dyn Communicator,
     mut profile: Option<&mut Profile>,
 ) -> Result<(), RuntimeError> {
     let tokens = plan.batch.tokens_per_step as f64;
@@ -99,7 +101,7 @@ pub fn run_program(
                 outputs,
                 ..
             } => {
-                run_kernel(op, inputs, outputs, mem, tokens, ctx)?;
+                run_kernel(op, inputs, outputs, mem, tokens, ctx, comm)?;
                 op.name()
             }
         };
@@ -186,6 +188,7 @@ fn run_kernel(
     mem: &Memory,
     tokens: f64,
     ctx: &StepContext,
+    comm: &mut dyn Communicator,
 ) -> Result<(), RuntimeError> {
     let shape = |b: BufId| mem.buffer(b).shape.clone();
     let last = |b: BufId| *mem.buffer(b).shape.last().unwrap_or(&1) as usize;
@@ -494,8 +497,10 @@ fn run_kernel(
             if outs.len() != 1 {
                 return arity(op, ins, outs, ins.len(), 1);
             }
-            let total: f64 = ins.iter().map(|&g| k::sum_squares(mem.f32(g))).sum();
-            mem.f32_mut(outs[0])[0] = total.sqrt() as f32;
+            // Each rank sums the squares of the gradient elements it owns; the norm is global.
+            let mut total = [ins.iter().map(|&g| k::sum_squares(mem.f32(g))).sum::<f64>()];
+            comm.all_reduce_sum_f64(&mut total)?;
+            mem.f32_mut(outs[0])[0] = total[0].sqrt() as f32;
         }
         OpKind::AdamW {
             beta1,

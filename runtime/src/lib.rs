@@ -2,12 +2,15 @@
 //!
 //! - [`memory`]: the rank's arenas, laid out by the plan's static memory plan.
 //! - [`exec`]: one kernel call per instruction (cpu backend).
+//! - [`comm`]: the communicator trait; the single-rank `local` world today.
 //! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report.
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
 //!
-//! Communicators (local threads, MPI, NCCL) and the cuda backend come with later issues.
+//! Multi-rank communicators (local threads, MPI, NCCL) and the cuda backend come with later
+//! issues and implement [`comm::Communicator`].
 
+pub mod comm;
 pub mod data;
 pub mod error;
 pub mod exec;

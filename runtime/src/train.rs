@@ -108,6 +108,7 @@ pub struct Session<'p> {
     labels: Vec<i32>,
     /// Per-op timings, when profiling.
     pub profile: Option<crate::exec::Profile>,
+    comm: Box<dyn crate::comm::Communicator>,
 }
 
 impl<'p> Session<'p> {
@@ -152,6 +153,7 @@ impl<'p> Session<'p> {
             inputs: vec![0; n],
             labels: vec![0; n],
             profile: None,
+            comm: Box::new(crate::comm::SingleRank),
         };
         session.init_params(init)?;
         Ok(session)
@@ -215,6 +217,7 @@ impl<'p> Session<'p> {
             self.plan,
             &self.mem,
             &ctx,
+            self.comm.as_mut(),
             self.profile.as_mut(),
         )?;
         Ok(f64::from(self.mem.f32(self.loss_buf)[0]))
@@ -228,6 +231,7 @@ impl<'p> Session<'p> {
             self.plan,
             &self.mem,
             &ctx,
+            self.comm.as_mut(),
             self.profile.as_mut(),
         )?;
         Ok(f64::from(self.mem.f32(self.norm_buf)[0]))
