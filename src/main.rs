@@ -58,6 +58,10 @@ pub struct RunArgs {
     /// Time every kernel after the first step and print a table by op (matmul share, GFLOP/s).
     #[arg(long)]
     pub profile: bool,
+    /// Write a Chrome-trace timeline (DIR/rank-0.trace.json, opens in Perfetto) of every
+    /// step's kernels.
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]

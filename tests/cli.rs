@@ -389,3 +389,36 @@ fn inspect_memory_matches_peak_rss() {
         rel * 100.0
     );
 }
+
+#[test]
+fn trace_writes_a_chrome_timeline_and_profile_prints_the_op_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace");
+    let o = megac(&[
+        "train",
+        "examples/llama-tiny.toml",
+        "--steps",
+        "2",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--profile",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(trace.join("rank-0.trace.json")).unwrap())
+            .unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let steps = events.iter().filter(|e| e["cat"] == "step").count();
+    assert_eq!(steps, 2);
+    let kernels: Vec<&serde_json::Value> = events.iter().filter(|e| e["cat"] == "kernel").collect();
+    assert!(kernels
+        .iter()
+        .any(|e| e["name"] == "attention_grad"
+            && e["args"]["path"] == "model.layers.1.self_attn.core"));
+    assert!(kernels.iter().all(|e| e["dur"].as_f64().unwrap() >= 0.0));
+    let out = stdout(&o);
+    assert!(
+        out.contains("linear_grad_weight") && out.contains("matmuls:"),
+        "{out}"
+    );
+}

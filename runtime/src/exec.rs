@@ -115,23 +115,87 @@ pub fn run_program(
                 } => matmul_flops(op, inputs, outputs, mem),
                 Instr::Zero { .. } => 0.0,
             };
+            let secs = t0.elapsed().as_secs_f64();
             let e = p.by_op.entry(name).or_default();
-            e.0 += t0.elapsed().as_secs_f64();
+            e.0 += secs;
             e.1 += flops;
             e.2 += 1;
+            if let Some(events) = p.events.as_mut() {
+                let path = match instr {
+                    Instr::Kernel { path, .. } => path.clone(),
+                    Instr::Zero { .. } => String::new(),
+                };
+                events.push(TraceEvent {
+                    name,
+                    path,
+                    start_s: t0.duration_since(p.origin).as_secs_f64(),
+                    seconds: secs,
+                });
+            }
         }
     }
     Ok(())
 }
 
-/// Time and matmul FLOPs per op name, gathered with `--profile`.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// Time and matmul FLOPs per op name, gathered with `--profile`; with `--trace`, also every
+/// kernel call as a timeline event.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Profile {
     /// op name -> (seconds, matmul FLOPs, calls).
     pub by_op: std::collections::BTreeMap<&'static str, (f64, f64, u64)>,
+    /// Timeline events, when tracing.
+    pub events: Option<Vec<TraceEvent>>,
+    /// Time zero of the timeline.
+    pub origin: std::time::Instant,
+}
+
+impl Default for Profile {
+    fn default() -> Self {
+        Profile {
+            by_op: Default::default(),
+            events: None,
+            origin: std::time::Instant::now(),
+        }
+    }
+}
+
+/// One kernel call on the timeline.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceEvent {
+    /// Op name.
+    pub name: &'static str,
+    /// Provenance path of the instruction.
+    pub path: String,
+    /// Start, in seconds since the profile's origin.
+    pub start_s: f64,
+    /// Duration in seconds.
+    pub seconds: f64,
 }
 
 impl Profile {
+    /// The timeline as a Chrome trace (opens in Perfetto / chrome://tracing): one track of
+    /// kernels and one of steps (`steps` holds each step's (start, seconds) on the same clock).
+    pub fn chrome_trace(&self, rank: usize, steps: &[(u64, f64, f64)]) -> String {
+        let us = |s: f64| (s * 1e6 * 1000.0).round() / 1000.0;
+        let mut events: Vec<serde_json::Value> = Vec::new();
+        for (step, start, secs) in steps {
+            events.push(serde_json::json!({
+                "name": format!("step {step}"), "cat": "step", "ph": "X",
+                "ts": us(*start), "dur": us(*secs), "pid": rank, "tid": 0
+            }));
+        }
+        for e in self.events.iter().flatten() {
+            events.push(serde_json::json!({
+                "name": e.name, "cat": "kernel", "ph": "X", "ts": us(e.start_s), "dur": us(e.seconds),
+                "pid": rank, "tid": 1, "args": { "path": e.path }
+            }));
+        }
+        let v = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
+        let mut s = serde_json::to_string(&v).expect("trace serializes");
+        s.push('\n');
+        s
+    }
+
     /// A table, most expensive first, with the matmul share and achieved GFLOP/s.
     pub fn render(&self) -> String {
         let total: f64 = self.by_op.values().map(|v| v.0).sum();

@@ -27,6 +27,8 @@ pub struct RunOptions {
     pub progress: Option<bool>,
     /// Time every kernel (after the first step, which warms up) and report by op.
     pub profile: bool,
+    /// Write a Chrome-trace timeline of every step's kernels to this directory.
+    pub trace: Option<PathBuf>,
 }
 
 /// One step of the report.
@@ -291,13 +293,23 @@ pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> 
         .unwrap_or_else(|| std::io::stderr().is_terminal());
     let mut records = Vec::new();
     let start = Instant::now();
+    let mut step_times = Vec::new();
+    if opts.trace.is_some() {
+        session.profile = Some(crate::exec::Profile {
+            events: Some(Vec::new()),
+            ..Default::default()
+        });
+    }
     for step in 1..=steps {
-        if opts.profile && step == 2.min(steps) {
+        if opts.profile && opts.trace.is_none() && step == 2.min(steps) {
             session.profile = Some(Default::default());
         }
         let t0 = Instant::now();
         let (loss, grad_norm) = session.step(step)?;
         let seconds = t0.elapsed().as_secs_f64();
+        if let Some(p) = &session.profile {
+            step_times.push((step, t0.duration_since(p.origin).as_secs_f64(), seconds));
+        }
         records.push(StepRecord {
             step,
             loss,
@@ -320,6 +332,21 @@ pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> 
     let elapsed = start.elapsed().as_secs_f64();
     if let Some(path) = &opts.save_params {
         session.save_params(path)?;
+    }
+    if let (Some(dir), Some(p)) = (&opts.trace, &session.profile) {
+        let io = |e: std::io::Error| RuntimeError::Io {
+            path: dir.display().to_string(),
+            message: e.to_string(),
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let file = dir.join("rank-0.trace.json");
+        let tmp = dir.join(".rank-0.trace.json.tmp");
+        std::fs::write(&tmp, p.chrome_trace(0, &step_times))
+            .and_then(|()| std::fs::rename(&tmp, &file))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                io(e)
+            })?;
     }
     Ok(RunReport {
         tokens_per_s: (steps * b.tokens_per_step) as f64 / elapsed.max(1e-9),

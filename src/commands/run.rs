@@ -33,6 +33,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         save_params: args.save_params.clone(),
         progress: None,
         profile: args.profile,
+        trace: args.trace.clone(),
     })
 }
 
@@ -56,7 +57,7 @@ pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
             report.peak_rss_bytes as f64 / (1u64 << 20) as f64
         );
     }
-    if let Some(profile) = &report.profile {
+    if let (true, Some(profile)) = (args.profile, &report.profile) {
         print!("{}", profile.render());
     }
     if let Some(p) = &args.save_params {
