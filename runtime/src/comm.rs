@@ -8,34 +8,86 @@
 
 use crate::error::RuntimeError;
 
-/// Collective and point-to-point operations over a group of ranks. Every member calls each
-/// collective in the same order with the same sizes (the plan validator proves it).
-pub trait Communicator {
+/// Collective and point-to-point operations. A group is the sorted list of world ranks that
+/// take part (e.g. one tp group of the mesh); the calling rank is always a member. Every member
+/// calls each collective in the same order with the same sizes (the plan validator proves it;
+/// the local communicator also detects violations at run time and reports them).
+pub trait Communicator: Send {
     /// This rank's index in the world.
     fn rank(&self) -> usize;
     /// Number of ranks in the world.
     fn size(&self) -> usize;
-    /// Sum `data` element-wise over every rank, in place.
-    fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<(), RuntimeError>;
-    /// Sum f64 scalars over every rank (norms, losses), in place.
-    fn all_reduce_sum_f64(&mut self, data: &mut [f64]) -> Result<(), RuntimeError>;
-    /// Concatenate every rank's `send` into `recv` (rank order); `recv.len() == size · send.len()`.
-    fn all_gather(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), RuntimeError>;
-    /// Sum over ranks, then scatter: rank r keeps chunk r; `send.len() == size · recv.len()`.
-    fn reduce_scatter_sum(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), RuntimeError>;
-    /// Send `data` to rank `to`.
+    /// Sum `data` element-wise over the group, in place.
+    fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<(), RuntimeError>;
+    /// Element-wise maximum over the group, in place.
+    fn all_reduce_max(&mut self, group: &[usize], data: &mut [f32]) -> Result<(), RuntimeError>;
+    /// Sum f64 values over the group (norms, losses), in place.
+    fn all_reduce_sum_f64(&mut self, group: &[usize], data: &mut [f64])
+        -> Result<(), RuntimeError>;
+    /// Concatenate every member's `send` into `recv` in group order;
+    /// `recv.len() == group.len() · send.len()`.
+    fn all_gather(
+        &mut self,
+        group: &[usize],
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), RuntimeError>;
+    /// Sum over the group, then member i keeps chunk i; `send.len() == group.len() · recv.len()`.
+    fn reduce_scatter_sum(
+        &mut self,
+        group: &[usize],
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), RuntimeError>;
+    /// Member i sends `send[send_offsets[j]..send_offsets[j+1]]` to member j and receives
+    /// member j's chunk for it into `recv[recv_offsets[j]..recv_offsets[j+1]]` (offsets have
+    /// `group.len() + 1` entries; split sizes may differ per pair).
+    fn all_to_all(
+        &mut self,
+        group: &[usize],
+        send: &[f32],
+        send_offsets: &[usize],
+        recv: &mut [f32],
+        recv_offsets: &[usize],
+    ) -> Result<(), RuntimeError>;
+    /// Send `data` to world rank `to` (blocking until the receiver has taken it or buffered).
     fn send(&mut self, to: usize, data: &[f32]) -> Result<(), RuntimeError>;
-    /// Receive into `data` from rank `from`.
+    /// Receive exactly `data.len()` values from world rank `from`.
     fn recv(&mut self, from: usize, data: &mut [f32]) -> Result<(), RuntimeError>;
 }
 
-/// The world of one rank: every collective is the identity and there is no peer to talk to.
+/// The world of one rank: every collective over the group `[0]` is the identity and there is
+/// no peer to talk to.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SingleRank;
 
 impl SingleRank {
-    fn no_peer(what: &str, peer: usize) -> RuntimeError {
-        RuntimeError::Plan(format!("{what} rank {peer}, but the world has one rank"))
+    fn check(group: &[usize]) -> Result<(), RuntimeError> {
+        if group == [0] {
+            Ok(())
+        } else {
+            Err(RuntimeError::Plan(format!(
+                "collective over ranks {group:?}, but the world has one rank"
+            )))
+        }
+    }
+
+    fn copy(
+        group: &[usize],
+        send: &[f32],
+        recv: &mut [f32],
+        what: &str,
+    ) -> Result<(), RuntimeError> {
+        Self::check(group)?;
+        if recv.len() != send.len() {
+            return Err(RuntimeError::Plan(format!(
+                "{what} of {} elements into {} on one rank",
+                send.len(),
+                recv.len()
+            )));
+        }
+        recv.copy_from_slice(send);
+        Ok(())
     }
 }
 
@@ -48,36 +100,61 @@ impl Communicator for SingleRank {
         1
     }
 
-    fn all_reduce_sum(&mut self, _data: &mut [f32]) -> Result<(), RuntimeError> {
-        Ok(())
+    fn all_reduce_sum(&mut self, group: &[usize], _data: &mut [f32]) -> Result<(), RuntimeError> {
+        Self::check(group)
     }
 
-    fn all_reduce_sum_f64(&mut self, _data: &mut [f64]) -> Result<(), RuntimeError> {
-        Ok(())
+    fn all_reduce_max(&mut self, group: &[usize], _data: &mut [f32]) -> Result<(), RuntimeError> {
+        Self::check(group)
     }
 
-    fn all_gather(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), RuntimeError> {
-        if recv.len() != send.len() {
-            return Err(RuntimeError::Plan(format!(
-                "all_gather of {} elements into {} on one rank",
-                send.len(),
-                recv.len()
-            )));
-        }
-        recv.copy_from_slice(send);
-        Ok(())
+    fn all_reduce_sum_f64(
+        &mut self,
+        group: &[usize],
+        _data: &mut [f64],
+    ) -> Result<(), RuntimeError> {
+        Self::check(group)
     }
 
-    fn reduce_scatter_sum(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), RuntimeError> {
-        self.all_gather(send, recv)
+    fn all_gather(
+        &mut self,
+        group: &[usize],
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), RuntimeError> {
+        Self::copy(group, send, recv, "all_gather")
+    }
+
+    fn reduce_scatter_sum(
+        &mut self,
+        group: &[usize],
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), RuntimeError> {
+        Self::copy(group, send, recv, "reduce_scatter")
+    }
+
+    fn all_to_all(
+        &mut self,
+        group: &[usize],
+        send: &[f32],
+        _send_offsets: &[usize],
+        recv: &mut [f32],
+        _recv_offsets: &[usize],
+    ) -> Result<(), RuntimeError> {
+        Self::copy(group, send, recv, "all_to_all")
     }
 
     fn send(&mut self, to: usize, _data: &[f32]) -> Result<(), RuntimeError> {
-        Err(Self::no_peer("send to", to))
+        Err(RuntimeError::Plan(format!(
+            "send to rank {to}, but the world has one rank"
+        )))
     }
 
     fn recv(&mut self, from: usize, _data: &mut [f32]) -> Result<(), RuntimeError> {
-        Err(Self::no_peer("receive from", from))
+        Err(RuntimeError::Plan(format!(
+            "receive from rank {from}, but the world has one rank"
+        )))
     }
 }
 
@@ -89,12 +166,13 @@ mod tests {
     fn a_world_of_one() {
         let mut c = SingleRank;
         let mut x = [1.0, 2.0];
-        c.all_reduce_sum(&mut x).unwrap();
+        c.all_reduce_sum(&[0], &mut x).unwrap();
         assert_eq!(x, [1.0, 2.0]);
         let mut y = [0.0; 2];
-        c.all_gather(&x, &mut y).unwrap();
+        c.all_gather(&[0], &x, &mut y).unwrap();
         assert_eq!(y, x);
-        assert!(c.all_gather(&x, &mut [0.0; 4]).is_err());
+        assert!(c.all_gather(&[0], &x, &mut [0.0; 4]).is_err());
+        assert!(c.all_reduce_sum(&[0, 1], &mut x).is_err());
         assert!(c.send(1, &x).is_err());
         assert_eq!((c.rank(), c.size()), (0, 1));
     }

@@ -563,7 +563,7 @@ fn run_kernel(
             }
             // Each rank sums the squares of the gradient elements it owns; the norm is global.
             let mut total = [ins.iter().map(|&g| k::sum_squares(mem.f32(g))).sum::<f64>()];
-            comm.all_reduce_sum_f64(&mut total)?;
+            comm.all_reduce_sum_f64(&[comm.rank()], &mut total)?;
             mem.f32_mut(outs[0])[0] = total[0].sqrt() as f32;
         }
         OpKind::AdamW {
