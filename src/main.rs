@@ -73,13 +73,18 @@ enum Command {
         model: ModelArgs,
     },
     /// Print the IR of a model after a pass (default: after the last pass).
-    #[command(after_help = "Example:\n  megac dump examples/llama-tiny.toml --after build")]
+    #[command(
+        after_help = "Example:\n  megac dump examples/llama-tiny.toml --after build\n  megac dump examples/llama-tiny.toml --set parallel.dp=2 --rank 1"
+    )]
     Dump {
         #[command(flatten)]
         model: ModelArgs,
         /// Stop after this pass (see `megac passes`).
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
+        /// Show rank R's local shapes instead of the global ones.
+        #[arg(long, value_name = "R")]
+        rank: Option<usize>,
     },
     /// Compile a model.toml into a plan directory (PLAN_DIR/plan.json).
     #[command(
@@ -132,7 +137,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check { model } => commands::check::run(&model),
-        Command::Dump { model, after } => commands::dump::run(&model, after.as_deref()),
+        Command::Dump { model, after, rank } => commands::dump::run(&model, after.as_deref(), rank),
         Command::Passes => commands::passes::run(),
         Command::Compile { model, out } => commands::compile::run(&model, &out),
         Command::Inspect { plan, json } => commands::inspect::run(&plan, json),

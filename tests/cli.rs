@@ -316,7 +316,7 @@ fn unsupported_layouts_and_bad_plans_are_clear_errors() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("single-device plans only"),
+        stderr(&o).contains("single-device and data-parallel plans only"),
         "{}",
         stderr(&o)
     );

@@ -224,3 +224,30 @@ fn recompute_rewires_backward_uses_to_clones() {
     .unwrap();
     insta::assert_snapshot!("llama-tiny__recompute_full", module.dump());
 }
+
+/// Data parallelism in the IR: inputs sharded over dp along the batch, activations follow,
+/// parameter gradients and the loss are pending sums that the optimizer reduces.
+#[test]
+fn data_parallel_layouts_and_collectives() {
+    let module = run_pipeline(load("llama-tiny.toml", &["parallel.dp=2"]), None, true).unwrap();
+    let g = module.graph.as_ref().unwrap();
+    let text = module.dump();
+    assert!(text.contains("i32[b=8, s=64] {b:dp}"));
+    let reduces = g
+        .ops
+        .iter()
+        .filter(|op| matches!(op.kind, megac_ir::OpKind::AllReduce { .. }))
+        .count();
+    assert_eq!(
+        reduces,
+        g.params().count(),
+        "one gradient reduction per parameter"
+    );
+    let loss = g.outputs.iter().find(|(n, _)| n == "loss").unwrap().1;
+    assert_eq!(g.ty(loss).layout.partial, vec![megac_ir::Axis::Dp]);
+    assert_eq!(parse_graph(&text).unwrap(), *g);
+    insta::assert_snapshot!("llama-tiny__dp2", text);
+    // Rank 1's local view halves the batch.
+    let local = print_graph(&g.localize(1).unwrap());
+    assert!(local.contains("i32[b=4, s=64] {b:dp}"));
+}

@@ -47,28 +47,43 @@ pub fn emit_plan(
     flops_per_step: f64,
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
-    if p.world_size() != 1 {
+    if p.tp > 1 || p.pp > 1 || p.cp > 1 || p.ep > 1 || p.fbd {
         return Err(CodegenError::Unsupported(format!(
-            "this build emits single-device plans only; the layout tp={} pp={} dp={} cp={}{} needs the sharding and pipeline passes, which are not implemented yet",
+            "this build emits single-device and data-parallel plans only; the layout tp={} pp={} cp={} ep={}{} needs the tensor, pipeline, context and expert sharding passes, which are not implemented yet",
             p.tp,
             p.pp,
-            p.dp,
             p.cp,
+            p.ep,
             if p.fbd { " fbd" } else { "" }
         )));
     }
     let mut e = Emitter::new(spec, graph);
     e.emit()?;
+    if p.distributed_optimizer && p.dp > 1 {
+        e.zero1(p.dp)?;
+    } else {
+        e.bucket_reductions();
+    }
     let activation_bytes_unplanned = e.unplanned_activation_bytes();
     let liveness = e.programs_for_liveness();
     let live_to_end = e.live_to_end.clone();
     let activation_elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
+    // Arena extents (buffers may overlap: views, buckets, the distributed optimizer's
+    // flat buffers), with rank-dependent slices at their farthest rank.
+    let mesh = &graph.mesh;
     let bytes = |class: BufferClass| -> u64 {
         e.buffers
             .iter()
             .filter(|b| b.class == class)
-            .map(|b| b.len() * b.dtype.size_bytes())
-            .sum()
+            .map(|b| {
+                let far = b
+                    .rank_offset
+                    .as_ref()
+                    .map_or(0, |r| (mesh.size(r.axis) - 1) * r.stride);
+                (b.offset + far + b.len()) * b.dtype.size_bytes()
+            })
+            .max()
+            .unwrap_or(0)
     };
     let memory = MemoryPlan {
         param_bytes: bytes(BufferClass::Param),
@@ -84,6 +99,7 @@ pub fn emit_plan(
         schema_version: SCHEMA_VERSION,
         model: spec.name.clone(),
         arch: m.arch.as_str().to_string(),
+        mesh: graph.mesh.clone(),
         batch: BatchInfo {
             micro_batch: t.micro_batch,
             global_batch: t.global_batch,
@@ -107,8 +123,9 @@ pub fn emit_plan(
             optimizer: e.optimizer,
             inputs: e.inputs,
             results: e.results,
+            result_axes: e.result_axes,
         }],
-        rank_to_role: vec![0],
+        rank_to_role: vec![0; graph.mesh.world_size()],
         memory,
         flops_per_step,
     })
@@ -172,6 +189,7 @@ struct Emitter<'a> {
     optimizer: Vec<Instr>,
     inputs: BTreeMap<String, BufId>,
     results: BTreeMap<String, BufId>,
+    result_axes: BTreeMap<String, Vec<megac_ir::Axis>>,
     /// Activation buffers read after the micro-batch program (results).
     live_to_end: Vec<BufId>,
     /// Views: buffer -> the buffer whose storage it shares.
@@ -190,6 +208,7 @@ impl<'a> Emitter<'a> {
             optimizer: Vec::new(),
             inputs: BTreeMap::new(),
             results: BTreeMap::new(),
+            result_axes: BTreeMap::new(),
             live_to_end: Vec::new(),
             view_of: BTreeMap::new(),
         }
@@ -228,6 +247,7 @@ impl<'a> Emitter<'a> {
             dtype: self.g.ty(v).dtype,
             shape,
             offset: 0,
+            rank_offset: None,
         });
         id
     }
@@ -246,6 +266,7 @@ impl<'a> Emitter<'a> {
             dtype: megac_ir::DType::F32,
             shape: shape.to_vec(),
             offset,
+            rank_offset: None,
         });
         id
     }
@@ -270,9 +291,19 @@ impl<'a> Emitter<'a> {
             let shape = ty.sizes();
             let buffer = self.persistent(name.to_string(), BufferClass::Param, &shape);
             let grad = self.persistent(format!("grad:{name}"), BufferClass::Grad, &shape);
-            let exp_avg = self.persistent(format!("exp_avg:{name}"), BufferClass::OptState, &shape);
-            let exp_avg_sq =
-                self.persistent(format!("exp_avg_sq:{name}"), BufferClass::OptState, &shape);
+            let zero1 = self.spec.parallel.distributed_optimizer && self.spec.parallel.dp > 1;
+            let (exp_avg, exp_avg_sq) = if zero1 {
+                (None, None)
+            } else {
+                (
+                    Some(self.persistent(format!("exp_avg:{name}"), BufferClass::OptState, &shape)),
+                    Some(self.persistent(
+                        format!("exp_avg_sq:{name}"),
+                        BufferClass::OptState,
+                        &shape,
+                    )),
+                )
+            };
             self.buf_of.insert(v, buffer);
             grad_buf.insert(name.to_string(), grad);
             param_entry.insert(v, self.params.len());
@@ -290,14 +321,13 @@ impl<'a> Emitter<'a> {
             if let ValueDef::Input(name) = &value.def {
                 let v = ValueId(i as u32);
                 let shape = self.local_shape(v);
-                let id = self.new_buffer(name.clone(), BufferClass::Input, v, shape);
                 let offset = self
                     .buffers
                     .iter()
                     .filter(|b| b.class == BufferClass::Input)
-                    .take(self.buffers.len() - 1)
                     .map(Buffer::len)
                     .sum();
+                let id = self.new_buffer(name.clone(), BufferClass::Input, v, shape);
                 self.buffers[id as usize].offset = offset;
                 self.buf_of.insert(v, id);
                 self.inputs.insert(name.clone(), id);
@@ -305,7 +335,10 @@ impl<'a> Emitter<'a> {
         }
 
         for op in &g.ops {
-            let optimizer = matches!(op.kind, OpKind::GradNorm | OpKind::AdamW { .. });
+            let optimizer = matches!(
+                op.kind,
+                OpKind::GradNorm { .. } | OpKind::AdamW { .. } | OpKind::AllReduce { .. }
+            );
             let ins: Vec<BufId> = op.inputs.iter().map(|v| self.buf_of[v]).collect();
             // Views share their operand's storage and need no instruction.
             if matches!(op.kind, OpKind::SplitHeads { .. } | OpKind::MergeHeads) {
@@ -322,8 +355,16 @@ impl<'a> Emitter<'a> {
             let mut outs = Vec::new();
             if let OpKind::AdamW { .. } = op.kind {
                 let entry = &self.params[param_entry[&op.inputs[0]]];
-                outs = vec![entry.buffer, entry.exp_avg, entry.exp_avg_sq];
+                outs = vec![entry.buffer];
+                outs.extend(entry.exp_avg);
+                outs.extend(entry.exp_avg_sq);
                 self.buf_of.insert(op.outputs[0], entry.buffer);
+            } else if matches!(op.kind, OpKind::AllReduce { .. })
+                && self.buffers[ins[0] as usize].class == BufferClass::Grad
+            {
+                // Gradients are reduced in place (and bucketed below).
+                outs = vec![ins[0]];
+                self.buf_of.insert(op.outputs[0], ins[0]);
             } else {
                 for &out in &op.outputs {
                     let id = match grad_outputs.get(&out) {
@@ -365,11 +406,175 @@ impl<'a> Emitter<'a> {
             if name == "loss" || name == "total_loss" || name == "grad_norm" {
                 let b = self.buf_of[v];
                 self.results.insert(name.clone(), b);
+                let partial = g.ty(*v).layout.partial.clone();
+                if !partial.is_empty() {
+                    self.result_axes.insert(name.clone(), partial);
+                }
                 if name != "grad_norm" {
                     self.live_to_end.push(b);
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Elements of a class's arena so far.
+    fn arena_len(&self, class: BufferClass) -> u64 {
+        self.buffers
+            .iter()
+            .filter(|b| b.class == class)
+            .map(|b| b.offset + b.len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn flat(&mut self, name: &str, class: BufferClass, offset: u64, len: u64) -> BufId {
+        let id = self.buffers.len() as BufId;
+        self.buffers.push(Buffer {
+            name: name.to_string(),
+            class,
+            dtype: megac_ir::DType::F32,
+            shape: vec![len],
+            offset,
+            rank_offset: None,
+        });
+        id
+    }
+
+    /// Merge the in-place gradient all-reduces into buckets: runs of adjacent gradient
+    /// buffers over the same axes, up to `BUCKET_ELEMS` each (as Megatron's DDP buckets).
+    fn bucket_reductions(&mut self) {
+        const BUCKET_ELEMS: u64 = 40_000_000;
+        let mut out = Vec::new();
+        let mut run: Option<(Vec<megac_ir::Axis>, u64, u64)> = None; // axes, start, end
+        let program = std::mem::take(&mut self.optimizer);
+        let flush = |run: &mut Option<(Vec<megac_ir::Axis>, u64, u64)>,
+                     out: &mut Vec<Instr>,
+                     e: &mut Self| {
+            if let Some((axes, start, end)) = run.take() {
+                let n = e
+                    .buffers
+                    .iter()
+                    .filter(|b| b.name.starts_with("bucket:"))
+                    .count();
+                let b = e.flat(
+                    &format!("bucket:{n}"),
+                    BufferClass::Grad,
+                    start,
+                    end - start,
+                );
+                out.push(Instr::Kernel {
+                    op: OpKind::AllReduce { axes },
+                    inputs: vec![b],
+                    outputs: vec![b],
+                    path: format!("optimizer.bucket.{n}"),
+                });
+            }
+        };
+        for instr in program {
+            let grad_reduce = match &instr {
+                Instr::Kernel {
+                    op: OpKind::AllReduce { axes },
+                    inputs,
+                    ..
+                } if self.buffers[inputs[0] as usize].class == BufferClass::Grad => {
+                    let b = &self.buffers[inputs[0] as usize];
+                    Some((axes.clone(), b.offset, b.offset + b.len()))
+                }
+                _ => None,
+            };
+            match grad_reduce {
+                Some((axes, start, end)) => {
+                    let extend = matches!(&run, Some((a, s, e)) if *a == axes && *e == start && end - s <= BUCKET_ELEMS);
+                    if extend {
+                        if let Some(r) = run.as_mut() {
+                            r.2 = end;
+                        }
+                    } else {
+                        flush(&mut run, &mut out, self);
+                        run = Some((axes, start, end));
+                    }
+                }
+                None => {
+                    flush(&mut run, &mut out, self);
+                    out.push(instr);
+                }
+            }
+        }
+        flush(&mut run, &mut out, self);
+        self.optimizer = out;
+    }
+
+    /// The distributed optimizer (ZeRO-1, as Megatron's): gradients are reduce-scattered over
+    /// dp so each rank holds the summed gradient of a 1/dp slice of the flat parameter
+    /// arena; each rank updates that slice of the fp32 parameters with its own slice of the
+    /// AdamW state; the parameters are all-gathered back. The gradient norm sums the squares
+    /// of every rank's slice over dp.
+    fn zero1(&mut self, dp: u64) -> Result<(), CodegenError> {
+        let hp = self.optimizer.iter().find_map(|i| match i {
+            Instr::Kernel {
+                op: op @ OpKind::AdamW { .. },
+                ..
+            } => Some(op.clone()),
+            _ => None,
+        });
+        let Some(adamw) = hp else {
+            return Err(CodegenError::Incomplete(
+                "no AdamW step to distribute".into(),
+            ));
+        };
+        let len = self.arena_len(BufferClass::Param);
+        let shard = len.div_ceil(dp);
+        let padded = shard * dp;
+        let dp_axis = vec![megac_ir::Axis::Dp];
+        let grads = self.flat("grad:all", BufferClass::Grad, 0, padded);
+        let grad_shard = self.flat("grad:shard", BufferClass::Grad, padded, shard);
+        let params = self.flat("param:all", BufferClass::Param, 0, padded);
+        let param_shard = self.flat("param:shard", BufferClass::Param, 0, shard);
+        self.buffers[param_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
+            axis: megac_ir::Axis::Dp,
+            stride: shard,
+        });
+        let m = self.flat("exp_avg:shard", BufferClass::OptState, 0, shard);
+        let v = self.flat("exp_avg_sq:shard", BufferClass::OptState, shard, shard);
+        let norm = match self.results.get("grad_norm") {
+            Some(&b) => b,
+            None => return Err(CodegenError::Incomplete("no grad_norm result".into())),
+        };
+        self.optimizer = vec![
+            Instr::Kernel {
+                op: OpKind::ReduceScatter {
+                    axes: dp_axis.clone(),
+                    dim: 0,
+                },
+                inputs: vec![grads],
+                outputs: vec![grad_shard],
+                path: "optimizer.reduce_scatter".into(),
+            },
+            Instr::Kernel {
+                op: OpKind::GradNorm {
+                    axes: dp_axis.clone(),
+                },
+                inputs: vec![grad_shard],
+                outputs: vec![norm],
+                path: "optimizer.grad_norm".into(),
+            },
+            Instr::Kernel {
+                op: adamw,
+                inputs: vec![param_shard, grad_shard, norm],
+                outputs: vec![param_shard, m, v],
+                path: "optimizer.adamw.shard".into(),
+            },
+            Instr::Kernel {
+                op: OpKind::AllGather {
+                    axes: dp_axis,
+                    dim: 0,
+                },
+                inputs: vec![param_shard],
+                outputs: vec![params],
+                path: "optimizer.all_gather".into(),
+            },
+        ];
         Ok(())
     }
 

@@ -4,8 +4,9 @@
 //! naga and Cranelift. Ops are kept in a valid execution order; the verifier checks it.
 
 use crate::infer::infer_types;
+use crate::mesh::Mesh;
 use crate::op::OpKind;
-use crate::types::{Axis, TensorType};
+use crate::types::TensorType;
 use crate::IrError;
 
 /// Index of a value in `Graph::values`.
@@ -47,30 +48,6 @@ pub struct Op {
     pub outputs: Vec<ValueId>,
     /// Provenance path in the model, e.g. `model.layers.3.mlp.down_proj`.
     pub path: String,
-}
-
-/// The device mesh: the size of each axis, in rank order.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Mesh {
-    /// `(axis, size)` pairs, innermost (fastest-varying rank) first.
-    pub axes: Vec<(Axis, u64)>,
-}
-
-impl Mesh {
-    /// A mesh of one device.
-    pub fn single() -> Mesh {
-        Mesh {
-            axes: Axis::ALL.iter().map(|&a| (a, 1)).collect(),
-        }
-    }
-
-    /// Size of `axis` (1 if absent).
-    pub fn size(&self, axis: Axis) -> u64 {
-        self.axes
-            .iter()
-            .find(|(a, _)| *a == axis)
-            .map_or(1, |(_, n)| *n)
-    }
 }
 
 /// A whole graph: inputs, parameters, ops in execution order and named outputs.
@@ -185,5 +162,27 @@ impl Graph {
         let id = ValueId(self.values.len() as u32);
         self.values.push(Value { ty, def });
         id
+    }
+}
+
+impl Graph {
+    /// The graph as rank `rank` holds it: every dim sharded over mesh axes shrinks to its
+    /// local size (the global size divided by the axes' sizes). Used by `megac dump --rank`.
+    pub fn localize(&self, rank: usize) -> Result<Graph, String> {
+        let world = self.mesh.world_size();
+        if rank >= world {
+            return Err(format!("rank {rank} is outside the mesh of {world} ranks"));
+        }
+        let mut g = self.clone();
+        for v in &mut g.values {
+            let ty = &mut v.ty;
+            for (dim, axes) in ty.dims.iter_mut().zip(&ty.layout.shards) {
+                let parts: u64 = axes.iter().map(|&a| self.mesh.size(a)).product();
+                if parts > 1 {
+                    dim.size /= parts;
+                }
+            }
+        }
+        Ok(g)
     }
 }

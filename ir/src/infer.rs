@@ -458,7 +458,20 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(outs)
         }
-        OpKind::GradNorm => {
+        OpKind::AllReduce { .. } | OpKind::AllGather { .. } | OpKind::ReduceScatter { .. } => {
+            // Types are global: a collective changes the layout, not the shape.
+            expect_arity(1)?;
+            if let OpKind::AllGather { dim, .. } | OpKind::ReduceScatter { dim, .. } = kind {
+                if *dim as usize >= ins[0].dims.len() {
+                    return Err(format!(
+                        "dim {dim} is out of range for {}",
+                        shape_str(ins[0])
+                    ));
+                }
+            }
+            Ok(vec![ins[0].clone().replicate()])
+        }
+        OpKind::GradNorm { .. } => {
             if ins.is_empty() {
                 return Err("expects at least one gradient".into());
             }

@@ -11,6 +11,7 @@
 
 pub mod graph;
 pub mod infer;
+pub mod mesh;
 pub mod op;
 pub mod parse;
 pub mod plan;
@@ -19,7 +20,8 @@ pub mod spec;
 pub mod types;
 pub mod verify;
 
-pub use graph::{Graph, Mesh, Op, OpId, Value, ValueDef, ValueId};
+pub use graph::{Graph, Op, OpId, Value, ValueDef, ValueId};
+pub use mesh::Mesh;
 pub use op::{OpKind, WeightLayout};
 pub use parse::parse_graph;
 pub use print::print_graph;

@@ -172,9 +172,35 @@ pub enum OpKind {
     /// `(weights, indices, y_0, .., y_{E-1}, dout) -> (dweights, dy_0, .., dy_{E-1})`.
     CombineGrad,
 
+    // ---- Collectives (inserted by the shard pass). `axes` name the mesh axes of the group.
+    /// `(x) -> x` summed over the group (Partial -> Replicate).
+    AllReduce {
+        /// Mesh axes of the group.
+        axes: Vec<crate::types::Axis>,
+    },
+    /// `(x) -> x` concatenated over the group along `dim` (Shard -> Replicate).
+    AllGather {
+        /// Mesh axes of the group.
+        axes: Vec<crate::types::Axis>,
+        /// The dim that is gathered.
+        dim: u64,
+    },
+    /// `(x) -> x` summed over the group, each member keeping its slice of `dim`
+    /// (Partial -> Shard).
+    ReduceScatter {
+        /// Mesh axes of the group.
+        axes: Vec<crate::types::Axis>,
+        /// The dim that is scattered.
+        dim: u64,
+    },
+
     // ---- Optimizer ops.
-    /// `(g_1, .., g_n) -> f32[]`: global L2 norm of all gradients.
-    GradNorm,
+    /// `(g_1, .., g_n) -> f32[]`: global L2 norm of all gradients; each rank sums the squares
+    /// of what it holds and the sums are added over the group `axes` (empty: local).
+    GradNorm {
+        /// Mesh axes over which the squared sums are added.
+        axes: Vec<crate::types::Axis>,
+    },
     /// `(p, g, norm) -> p'`: clip by `max_norm / (norm + 1e-6)` when below 1 (torch's
     /// clip_grad_norm_; `max_norm = 0` disables clipping), then one torch.optim.AdamW step.
     /// The moments `exp_avg`, `exp_avg_sq` are the op's state, one pair per parameter.
@@ -278,7 +304,10 @@ impl OpKind {
             OpKind::MoeAuxLossGrad { .. } => "moe_aux_loss_grad",
             OpKind::DispatchGrad { .. } => "dispatch_grad",
             OpKind::CombineGrad => "combine_grad",
-            OpKind::GradNorm => "grad_norm",
+            OpKind::AllReduce { .. } => "all_reduce",
+            OpKind::AllGather { .. } => "all_gather",
+            OpKind::ReduceScatter { .. } => "reduce_scatter",
+            OpKind::GradNorm { .. } => "grad_norm",
             OpKind::AdamW { .. } => "adamw",
         }
     }
@@ -309,6 +338,11 @@ impl OpKind {
                 ("capacity", capacity.to_string()),
             ],
             OpKind::DispatchGrad { expert } => vec![("expert", expert.to_string())],
+            OpKind::AllReduce { axes } => vec![("axes", axes_text(axes))],
+            OpKind::AllGather { axes, dim } | OpKind::ReduceScatter { axes, dim } => {
+                vec![("axes", axes_text(axes)), ("dim", dim.to_string())]
+            }
+            OpKind::GradNorm { axes } if !axes.is_empty() => vec![("axes", axes_text(axes))],
             OpKind::AdamW {
                 lr,
                 beta1,
@@ -408,7 +442,23 @@ impl OpKind {
                 expert: num("expert")?,
             },
             "combine_grad" => OpKind::CombineGrad,
-            "grad_norm" => OpKind::GradNorm,
+            "all_reduce" => OpKind::AllReduce {
+                axes: axes(get("axes")?)?,
+            },
+            "all_gather" => OpKind::AllGather {
+                axes: axes(get("axes")?)?,
+                dim: num("dim")?,
+            },
+            "reduce_scatter" => OpKind::ReduceScatter {
+                axes: axes(get("axes")?)?,
+                dim: num("dim")?,
+            },
+            "grad_norm" => OpKind::GradNorm {
+                axes: match attr("axes") {
+                    Some(a) => axes(a)?,
+                    None => Vec::new(),
+                },
+            },
             "adamw" => OpKind::AdamW {
                 lr: float("lr")?,
                 beta1: float("beta1")?,
@@ -420,6 +470,21 @@ impl OpKind {
             _ => return Err(format!("unknown op `{name}`")),
         })
     }
+}
+
+/// `[tp, dp]` -> `tp+dp`.
+pub fn axes_text(axes: &[crate::types::Axis]) -> String {
+    axes.iter()
+        .map(|a| a.as_str())
+        .collect::<Vec<_>>()
+        .join("+")
+}
+
+/// `tp+dp` -> `[tp, dp]`.
+fn axes(text: String) -> Result<Vec<crate::types::Axis>, String> {
+    text.split('+')
+        .map(|a| crate::types::Axis::from_name(a).ok_or_else(|| format!("unknown mesh axis `{a}`")))
+        .collect()
 }
 
 /// Shortest text that parses back to the same `f64`.

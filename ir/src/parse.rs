@@ -3,8 +3,9 @@
 //! Every op's result types are re-derived by shape inference and must equal the printed
 //! ones, so a parsed graph is typed exactly like a built one.
 
-use crate::graph::{Graph, Mesh, Op, OpId, Value, ValueDef, ValueId};
+use crate::graph::{Graph, Op, OpId, Value, ValueDef, ValueId};
 use crate::infer::infer_types;
+use crate::mesh::Mesh;
 use crate::op::OpKind;
 use crate::types::{Axis, DType, Dim, Layout, TensorType};
 use crate::IrError;

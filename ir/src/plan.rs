@@ -28,6 +28,8 @@ pub struct Plan {
     pub model: String,
     /// Architecture (`llama` or `gpt`), for Hugging Face interop.
     pub arch: String,
+    /// Device mesh (axis sizes in rank order); decides every rank's groups.
+    pub mesh: crate::mesh::Mesh,
     /// Batch geometry.
     pub batch: BatchInfo,
     /// Optimizer and run settings.
@@ -149,6 +151,19 @@ pub struct Buffer {
     pub shape: Vec<u64>,
     /// Offset in elements from the start of the class's arena.
     pub offset: u64,
+    /// For buffers that hold each rank's own slice (the distributed optimizer's shards):
+    /// the rank's coordinate along this axis times this stride is added to `offset`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_offset: Option<RankOffset>,
+}
+
+/// A rank-dependent offset: `coord(rank, axis) · stride` elements.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankOffset {
+    /// The mesh axis whose coordinate selects the slice.
+    pub axis: crate::types::Axis,
+    /// Elements per coordinate step.
+    pub stride: u64,
 }
 
 impl Buffer {
@@ -190,10 +205,10 @@ pub struct ParamEntry {
     pub buffer: BufId,
     /// Its gradient.
     pub grad: BufId,
-    /// AdamW first moment.
-    pub exp_avg: BufId,
-    /// AdamW second moment.
-    pub exp_avg_sq: BufId,
+    /// AdamW first moment (None with the distributed optimizer, whose state is one flat shard).
+    pub exp_avg: Option<BufId>,
+    /// AdamW second moment (None with the distributed optimizer).
+    pub exp_avg_sq: Option<BufId>,
     /// Initialisation.
     pub init: Init,
 }
@@ -233,6 +248,10 @@ pub struct Role {
     pub inputs: BTreeMap<String, BufId>,
     /// Scalar results read after each micro-batch (`loss`, ...) or step (`grad_norm`).
     pub results: BTreeMap<String, BufId>,
+    /// Results that are pending sums over these mesh axes (the data-parallel loss): the
+    /// runtime reduces them for reporting.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub result_axes: BTreeMap<String, Vec<crate::types::Axis>>,
 }
 
 /// Sizes of the arenas, in bytes.
@@ -362,5 +381,19 @@ impl Plan {
             ));
         }
         serde_json::from_value(value).map_err(|e| format!("malformed plan: {e}"))
+    }
+}
+
+impl Serialize for crate::types::Axis {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for crate::types::Axis {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        crate::types::Axis::from_name(&s)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown mesh axis `{s}`")))
     }
 }

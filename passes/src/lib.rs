@@ -3,7 +3,7 @@
 //! - [`manager`]: the ordered pipeline of named passes (`megac passes` lists it).
 //! - [`build`]: ModelSpec -> Graph IR.
 //! - [`autodiff`]: backward graph; [`recompute`]: activation recomputation rewrite;
-//!   [`optimizer`]: gradient norm, clipping, AdamW.
+//!   [`shard`]: layouts over the mesh; [`optimizer`]: gradient norm, clipping, AdamW.
 //! - [`flops`]: model FLOPs per step (analysis, not a transformation).
 
 pub mod autodiff;
@@ -12,6 +12,7 @@ pub mod flops;
 pub mod manager;
 pub mod optimizer;
 pub mod recompute;
+pub mod shard;
 
 #[cfg(test)]
 mod test_support;

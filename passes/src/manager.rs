@@ -7,6 +7,7 @@ use crate::autodiff::differentiate;
 use crate::build::build_graph;
 use crate::optimizer::add_optimizer;
 use crate::recompute::recompute;
+use crate::shard::shard;
 use crate::PassError;
 
 /// What the passes transform: the spec and, once built, the graph.
@@ -64,6 +65,14 @@ pub fn pipeline() -> Vec<Pass> {
             run: |m| {
                 let policy = m.spec.train.recompute;
                 recompute(graph_mut(m)?, policy)
+            },
+        },
+        Pass {
+            name: "shard",
+            description: "layouts over the device mesh: data-parallel batch sharding, partial gradients (tp/cp/ep rules: next)",
+            run: |m| {
+                let spec = m.spec.clone();
+                shard(graph_mut(m)?, &spec)
             },
         },
         Pass {

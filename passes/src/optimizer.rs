@@ -21,8 +21,24 @@ pub fn add_optimizer(g: &mut Graph, train: &TrainSection) -> Result<(), PassErro
             "the optimizer pass needs gradients: run autodiff first".into(),
         ));
     }
+    // Gradients that are pending sums over mesh axes (data parallelism) are reduced first.
+    let mut grads = grads;
+    for (name, grad) in grads.iter_mut() {
+        let partial = g.ty(*grad).layout.partial.clone();
+        if !partial.is_empty() {
+            *grad = g.add_op1(
+                OpKind::AllReduce { axes: partial },
+                &[*grad],
+                format!("optimizer.reduce.{name}"),
+            )?;
+        }
+    }
     let all: Vec<ValueId> = grads.iter().map(|(_, v)| *v).collect();
-    let norm = g.add_op1(OpKind::GradNorm, &all, "optimizer.grad_norm")?;
+    let norm = g.add_op1(
+        OpKind::GradNorm { axes: Vec::new() },
+        &all,
+        "optimizer.grad_norm",
+    )?;
     g.add_output("grad_norm", norm);
     let kind = OpKind::AdamW {
         lr: train.lr,

@@ -87,7 +87,12 @@ pub fn run_program(
     comm: &mut dyn Communicator,
     mut profile: Option<&mut Profile>,
 ) -> Result<(), RuntimeError> {
-    let tokens = plan.batch.tokens_per_step as f64;
+    let env = Env {
+        mem,
+        tokens: plan.batch.tokens_per_step as f64,
+        ctx,
+        mesh: &plan.mesh,
+    };
     for instr in program {
         let t0 = profile.as_ref().map(|_| std::time::Instant::now());
         let name = match instr {
@@ -101,7 +106,7 @@ pub fn run_program(
                 outputs,
                 ..
             } => {
-                run_kernel(op, inputs, outputs, mem, tokens, ctx, comm)?;
+                run_kernel(op, inputs, outputs, &env, comm)?;
                 op.name()
             }
         };
@@ -135,6 +140,28 @@ pub fn run_program(
         }
     }
     Ok(())
+}
+
+/// `[member, outer, block]` -> `[outer, member, block]`.
+fn scatter_member_major(src: &[f32], dst: &mut [f32], members: usize, outer: usize, block: usize) {
+    for m in 0..members {
+        for o in 0..outer {
+            let from = (m * outer + o) * block;
+            let to = (o * members + m) * block;
+            dst[to..to + block].copy_from_slice(&src[from..from + block]);
+        }
+    }
+}
+
+/// `[outer, member, block]` -> `[member, outer, block]`.
+fn gather_member_major(src: &[f32], dst: &mut [f32], members: usize, outer: usize, block: usize) {
+    for m in 0..members {
+        for o in 0..outer {
+            let from = (o * members + m) * block;
+            let to = (m * outer + o) * block;
+            dst[to..to + block].copy_from_slice(&src[from..from + block]);
+        }
+    }
 }
 
 /// Time and matmul FLOPs per op name, gathered with `--profile`; with `--trace`, also every
@@ -245,15 +272,30 @@ fn matmul_flops(op: &OpKind, ins: &[BufId], outs: &[BufId], mem: &Memory) -> f64
     }
 }
 
+/// What a kernel call may use besides its buffers.
+struct Env<'a> {
+    mem: &'a Memory,
+    /// Tokens per step: the loss is a mean over these.
+    tokens: f64,
+    ctx: &'a StepContext,
+    mesh: &'a megac_ir::Mesh,
+}
+
 fn run_kernel(
     op: &OpKind,
     ins: &[BufId],
     outs: &[BufId],
-    mem: &Memory,
-    tokens: f64,
-    ctx: &StepContext,
+    env: &Env,
     comm: &mut dyn Communicator,
 ) -> Result<(), RuntimeError> {
+    let (mem, tokens, ctx, mesh) = (env.mem, env.tokens, env.ctx, env.mesh);
+    let group = |axes: &[megac_ir::Axis], rank: usize| -> Vec<usize> {
+        if axes.is_empty() {
+            vec![rank]
+        } else {
+            mesh.group(rank, axes)
+        }
+    };
     let shape = |b: BufId| mem.buffer(b).shape.clone();
     let last = |b: BufId| *mem.buffer(b).shape.last().unwrap_or(&1) as usize;
     let numel = |b: BufId| mem.buffer(b).len() as usize;
@@ -557,13 +599,17 @@ fn run_kernel(
                 mem.f32_mut(outs[0]),
             );
         }
-        OpKind::GradNorm => {
+        OpKind::GradNorm { .. } => {
             if outs.len() != 1 {
                 return arity(op, ins, outs, ins.len(), 1);
             }
             // Each rank sums the squares of the gradient elements it owns; the norm is global.
+            let OpKind::GradNorm { axes } = op else {
+                unreachable!()
+            };
             let mut total = [ins.iter().map(|&g| k::sum_squares(mem.f32(g))).sum::<f64>()];
-            comm.all_reduce_sum_f64(&[comm.rank()], &mut total)?;
+            let members = group(axes, comm.rank());
+            comm.all_reduce_sum_f64(&members, &mut total)?;
             mem.f32_mut(outs[0])[0] = total[0].sqrt() as f32;
         }
         OpKind::AdamW {
@@ -599,6 +645,48 @@ fn run_kernel(
                 &hp,
                 ctx.step,
             );
+        }
+        OpKind::AllReduce { axes } => {
+            arity(op, ins, outs, 1, 1)?;
+            if ins[0] != outs[0] {
+                mem.f32_mut(outs[0]).copy_from_slice(mem.f32(ins[0]));
+            }
+            let members = group(axes, comm.rank());
+            comm.all_reduce_sum(&members, mem.f32_mut(outs[0]))?;
+        }
+        OpKind::AllGather { axes, dim } | OpKind::ReduceScatter { axes, dim } => {
+            arity(op, ins, outs, 1, 1)?;
+            let members = group(axes, comm.rank());
+            let n = members.len();
+            let gather = matches!(op, OpKind::AllGather { .. });
+            // The sharded side's shape: [outer, local, inner] around `dim`.
+            let local_buf = if gather { ins[0] } else { outs[0] };
+            let s = shape(local_buf);
+            let d = *dim as usize;
+            if d >= s.len() {
+                return Err(RuntimeError::Plan(format!(
+                    "`{}` over dim {d} of a {}-d buffer",
+                    op.name(),
+                    s.len()
+                )));
+            }
+            let outer: usize = s[..d].iter().map(|&x| x as usize).product();
+            let local = s[d] as usize;
+            let inner: usize = s[d + 1..].iter().map(|&x| x as usize).product();
+            let chunk = outer * local * inner;
+            if gather {
+                // Copy first: the input may lie inside the output (a rank's own shard).
+                let send = mem.f32(ins[0]).to_vec();
+                let mut member_major = vec![0.0f32; chunk * n];
+                comm.all_gather(&members, &send, &mut member_major)?;
+                let y = mem.f32_mut(outs[0]);
+                scatter_member_major(&member_major, y, n, outer, local * inner);
+            } else {
+                let x = mem.f32(ins[0]);
+                let mut member_major = vec![0.0f32; chunk * n];
+                gather_member_major(x, &mut member_major, n, outer, local * inner);
+                comm.reduce_scatter_sum(&members, &member_major, mem.f32_mut(outs[0]))?;
+            }
         }
         OpKind::SplitHeads { .. } | OpKind::MergeHeads => {
             return Err(RuntimeError::Plan(format!(

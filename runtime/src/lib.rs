@@ -16,5 +16,6 @@ pub mod error;
 pub mod exec;
 pub mod hf;
 pub mod init;
+pub mod local_comm;
 pub mod memory;
 pub mod train;

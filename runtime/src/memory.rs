@@ -10,6 +10,8 @@ use crate::error::RuntimeError;
 /// The arenas of one rank.
 pub struct Memory {
     buffers: Vec<Buffer>,
+    /// Each buffer's offset for this rank (the plan's offset plus any rank-dependent part).
+    offsets: Vec<u64>,
     param: Vec<f32>,
     grad: Vec<f32>,
     opt: Vec<f32>,
@@ -18,12 +20,24 @@ pub struct Memory {
 }
 
 impl Memory {
-    /// Allocate the arenas of `plan` (zeroed) and check every buffer lies inside its arena.
-    pub fn new(plan: &Plan) -> Result<Memory, RuntimeError> {
+    /// Allocate rank `rank`'s arenas of `plan` (zeroed) and check every buffer lies inside
+    /// its arena.
+    pub fn new(plan: &Plan, rank: usize) -> Result<Memory, RuntimeError> {
         let mut need = [0u64; 5];
+        let mut offsets = Vec::with_capacity(plan.buffers.len());
         for b in &plan.buffers {
-            let end = b
-                .offset
+            let offset = match &b.rank_offset {
+                None => b.offset,
+                Some(r) => {
+                    let coord = plan.mesh.coord(rank, r.axis) as u64;
+                    coord
+                        .checked_mul(r.stride)
+                        .and_then(|x| x.checked_add(b.offset))
+                        .ok_or_else(|| bad(b, "overflows"))?
+                }
+            };
+            offsets.push(offset);
+            let end = offset
                 .checked_add(b.len())
                 .ok_or_else(|| bad(b, "overflows"))?;
             let slot = &mut need[class_index(b.class)];
@@ -48,6 +62,7 @@ impl Memory {
         let alloc = |n: u64| vec![0.0f32; n as usize];
         Ok(Memory {
             buffers: plan.buffers.clone(),
+            offsets,
             param: alloc(need[0]),
             grad: alloc(need[1]),
             opt: alloc(need[2]),
@@ -63,7 +78,11 @@ impl Memory {
 
     fn range(&self, b: BufId) -> (BufferClass, usize, usize) {
         let buf = &self.buffers[b as usize];
-        (buf.class, buf.offset as usize, buf.len() as usize)
+        (
+            buf.class,
+            self.offsets[b as usize] as usize,
+            buf.len() as usize,
+        )
     }
 
     fn arena_ptr(&self, class: BufferClass) -> *mut f32 {

@@ -121,15 +121,27 @@ impl<'p> Session<'p> {
         data: &str,
         init: Option<&std::path::Path>,
     ) -> Result<Self, RuntimeError> {
-        if plan.roles.len() != 1 || plan.rank_to_role.len() != 1 {
-            return Err(RuntimeError::Unsupported(format!(
-                "the plan has {} ranks; the local runtime runs single-rank plans in this build",
-                plan.rank_to_role.len()
+        Self::with_comm(plan, data, init, Box::new(crate::comm::SingleRank))
+    }
+
+    /// As [`Session::new`], for the rank `comm` stands for.
+    pub fn with_comm(
+        plan: &'p Plan,
+        data: &str,
+        init: Option<&std::path::Path>,
+        comm: Box<dyn crate::comm::Communicator>,
+    ) -> Result<Self, RuntimeError> {
+        let world = plan.mesh.world_size();
+        if plan.roles.len() != 1 || plan.rank_to_role.len() != world || comm.size() != world {
+            return Err(RuntimeError::Plan(format!(
+                "the mesh has {world} ranks, the rank table {}, the communicator {}; this runtime runs plans with one role",
+                plan.rank_to_role.len(),
+                comm.size()
             )));
         }
         crate::exec::check_supported(plan)?;
         let role = &plan.roles[0];
-        let mem = Memory::new(plan)?;
+        let mem = Memory::new(plan, comm.rank())?;
         let b = &plan.batch;
         let data = DataSource::open(data, b.seq_len as usize, b.vocab as u32, plan.train.seed)?;
         let get = |name: &str| {
@@ -155,7 +167,7 @@ impl<'p> Session<'p> {
             inputs: vec![0; n],
             labels: vec![0; n],
             profile: None,
-            comm: Box::new(crate::comm::SingleRank),
+            comm,
         };
         session.init_params(init)?;
         Ok(session)
@@ -200,7 +212,11 @@ impl<'p> Session<'p> {
     /// returns the micro-batch's share of the step loss.
     pub fn microbatch(&mut self, step: u64, mb: u64) -> Result<f64, RuntimeError> {
         let b = &self.plan.batch;
-        let first = (step - 1) * b.global_batch + mb * b.micro_batch;
+        // Micro-batch k of data-parallel rank r holds global samples (k·dp + r)·mb ..
+        // (k·dp + r + 1)·mb - 1 of the step, as Megatron's sampler does.
+        let dp = self.plan.mesh.size(megac_ir::Axis::Dp);
+        let r = self.plan.mesh.coord(self.comm.rank(), megac_ir::Axis::Dp) as u64;
+        let first = (step - 1) * b.global_batch + (mb * dp + r) * b.micro_batch;
         self.data.fill_batch(
             first,
             b.seq_len as usize,
@@ -246,6 +262,13 @@ impl<'p> Session<'p> {
         for mb in 0..self.plan.batch.microbatches {
             loss += self.microbatch(step, mb)?;
         }
+        // The loss of data-parallel ranks is a pending sum: add it up for the report.
+        if let Some(axes) = self.plan.roles[0].result_axes.get("loss") {
+            let group = self.plan.mesh.group(self.comm.rank(), axes);
+            let mut total = [loss];
+            self.comm.all_reduce_sum_f64(&group, &mut total)?;
+            loss = total[0];
+        }
         Ok((loss, self.optimizer_step(step)?))
     }
 
@@ -283,14 +306,33 @@ impl<'p> Session<'p> {
     }
 }
 
-/// Train with `plan` on one rank (the single-device case).
+/// Train with `plan`: one rank in this thread, or one thread per rank on the local
+/// communicator. Rank 0 prints progress, saves parameters and writes the trace; its report
+/// is returned (every rank computes the same losses and norms).
 pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
-    let mut session = Session::new(plan, &opts.data, opts.init.as_deref())?;
+    crate::exec::check_supported(plan)?;
+    let world = plan.mesh.world_size();
+    if world == 1 {
+        return train_rank(plan, opts, Box::new(crate::comm::SingleRank));
+    }
+    let mut reports =
+        crate::local_comm::run_ranks(world, |comm| train_rank(plan, opts, Box::new(comm)))?;
+    Ok(reports.swap_remove(0))
+}
+
+fn train_rank(
+    plan: &Plan,
+    opts: &RunOptions,
+    comm: Box<dyn crate::comm::Communicator>,
+) -> Result<RunReport, RuntimeError> {
+    let lead = comm.rank() == 0;
+    let mut session = Session::with_comm(plan, &opts.data, opts.init.as_deref(), comm)?;
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);
-    let progress = opts
-        .progress
-        .unwrap_or_else(|| std::io::stderr().is_terminal());
+    let progress = lead
+        && opts
+            .progress
+            .unwrap_or_else(|| std::io::stderr().is_terminal());
     let mut records = Vec::new();
     let start = Instant::now();
     let mut step_times = Vec::new();
@@ -330,10 +372,10 @@ pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> 
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    if let Some(path) = &opts.save_params {
+    if let (true, Some(path)) = (lead, &opts.save_params) {
         session.save_params(path)?;
     }
-    if let (Some(dir), Some(p)) = (&opts.trace, &session.profile) {
+    if let (true, Some(dir), Some(p)) = (lead, &opts.trace, &session.profile) {
         let io = |e: std::io::Error| RuntimeError::Io {
             path: dir.display().to_string(),
             message: e.to_string(),

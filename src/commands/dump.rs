@@ -4,12 +4,21 @@ use std::io::Write;
 
 use crate::ModelArgs;
 
-/// Compile up to `after` and print the IR.
-pub fn run(args: &ModelArgs, after: Option<&str>) -> Result<(), String> {
+/// Compile up to `after` and print the IR (rank `rank`'s local view if given).
+pub fn run(args: &ModelArgs, after: Option<&str>, rank: Option<usize>) -> Result<(), String> {
     let spec = super::load_spec(args)?;
     let module = super::compile(spec, after)?;
+    let text = match (rank, &module.graph) {
+        (Some(r), Some(g)) => {
+            let local = g
+                .localize(r)
+                .map_err(|e| format!("error: --rank {r}: {e}"))?;
+            megac_ir::print_graph(&local)
+        }
+        _ => module.dump(),
+    };
     let mut out = std::io::stdout().lock();
     // A closed pipe (`megac dump ... | head`) is not an error worth a message.
-    let _ = out.write_all(module.dump().as_bytes());
+    let _ = out.write_all(text.as_bytes());
     Ok(())
 }

@@ -12,6 +12,43 @@ pub fn read_plan(dir: &Path) -> Result<Plan, String> {
     Plan::from_json(&text).map_err(|e| format!("error: {}: {e}", path.display()))
 }
 
+/// Bytes each collective kind moves per step and rank (the size of the buffer it reduces or
+/// gathers, per call; micro-batch programs count once per micro-batch).
+pub fn collective_bytes(plan: &Plan) -> std::collections::BTreeMap<&'static str, u64> {
+    use megac_ir::OpKind;
+    let mut out = std::collections::BTreeMap::new();
+    for role in plan.roles.iter().take(1) {
+        let programs = [
+            (&role.microbatch, plan.batch.microbatches),
+            (&role.optimizer, 1),
+        ];
+        for (program, times) in programs {
+            for instr in program {
+                if let Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    ..
+                } = instr
+                {
+                    let size = |b: u32| {
+                        let buf = &plan.buffers[b as usize];
+                        buf.len() * buf.dtype.size_bytes()
+                    };
+                    let bytes = match op {
+                        OpKind::AllReduce { .. } => size(inputs[0]),
+                        OpKind::ReduceScatter { .. } => size(inputs[0]),
+                        OpKind::AllGather { .. } => size(outputs[0]),
+                        _ => continue,
+                    };
+                    *out.entry(op.name()).or_insert(0) += bytes * times;
+                }
+            }
+        }
+    }
+    out
+}
+
 fn mib(bytes: u64) -> String {
     format!("{:>10.2} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
@@ -36,7 +73,7 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
                         "inputs": m.input_bytes,
                         "total": m.total(),
                     },
-                    "collective_bytes_per_step": {},
+                    "collective_bytes_per_step": collective_bytes(&plan),
                     "instructions": { "microbatch": r.microbatch.len(), "optimizer": r.optimizer.len() },
                 })
             })
@@ -89,6 +126,17 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
     );
     println!("  inputs            {}", mib(m.input_bytes));
     println!("  total             {}", mib(m.total()));
+    let coll = collective_bytes(&plan);
+    if coll.is_empty() {
+        println!("collectives   none");
+    } else {
+        for (name, bytes) in &coll {
+            println!(
+                "collective   {name:<16} {} per step and rank",
+                mib(*bytes).trim_start()
+            );
+        }
+    }
     println!(
         "FLOPs        {:.3e} per step (Megatron model FLOPs), {:.3e} per token",
         plan.flops_per_step,
