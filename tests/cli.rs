@@ -310,13 +310,13 @@ fn unsupported_layouts_and_bad_plans_are_clear_errors() {
         "compile",
         "examples/llama-tiny.toml",
         "--set",
-        "parallel.tp=2",
+        "parallel.pp=2",
         "-o",
         out.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("single-device and data-parallel plans only"),
+        stderr(&o).contains("data- and tensor-parallel plans only"),
         "{}",
         stderr(&o)
     );

@@ -112,3 +112,25 @@ fn data_parallel_gpt() {
         ],
     );
 }
+
+#[test]
+fn tensor_parallel_llama() {
+    assert_equivalent(
+        "llama-tiny.toml",
+        BASE,
+        &[&["parallel.tp=2"], &["parallel.tp=2", "parallel.dp=2"]],
+    );
+}
+
+#[test]
+fn tensor_parallel_gpt() {
+    assert_equivalent(
+        "gpt-tiny.toml",
+        BASE,
+        &[
+            &["parallel.tp=2"],
+            &["parallel.tp=4"],
+            &["parallel.tp=2", "parallel.dp=2"],
+        ],
+    );
+}

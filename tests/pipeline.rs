@@ -251,3 +251,50 @@ fn data_parallel_layouts_and_collectives() {
     let local = print_graph(&g.localize(1).unwrap());
     assert!(local.contains("i32[b=4, s=64] {b:dp}"));
 }
+
+/// Tensor parallelism (Megatron's placement without sequence parallelism): per layer, the
+/// forward reduces twice over tp (after the attention and MLP row-parallel linears, before
+/// the next norm) and the backward twice (the input gradients of the column-parallel
+/// linears); the vocab-parallel embedding adds one forward reduction and the vocab-parallel
+/// output layer one backward reduction (its input gradient), as in Megatron.
+#[test]
+fn tensor_parallel_collectives_per_layer() {
+    use megac_ir::OpKind;
+    use megac_passes::recompute::layer_of;
+    for file in ["llama-tiny.toml", "gpt-tiny.toml"] {
+        let module = run_pipeline(load(file, &["parallel.tp=2"]), Some("shard"), true).unwrap();
+        let g = module.graph.as_ref().unwrap();
+        let backward_start = g
+            .ops
+            .iter()
+            .position(|op| op.kind.name().contains("_grad"))
+            .unwrap();
+        let tp_reduce = |op: &megac_ir::Op| matches!(&op.kind, OpKind::AllReduce { axes } if axes == &[megac_ir::Axis::Tp]);
+        let gathers = g
+            .ops
+            .iter()
+            .filter(|op| matches!(op.kind, OpKind::AllGather { .. }))
+            .count();
+        assert_eq!(gathers, 0, "{file}: nothing should need gathering");
+        let fwd: Vec<&megac_ir::Op> = g.ops[..backward_start]
+            .iter()
+            .filter(|op| tp_reduce(op))
+            .collect();
+        let bwd: Vec<&megac_ir::Op> = g.ops[backward_start..]
+            .iter()
+            .filter(|op| tp_reduce(op))
+            .collect();
+        // 2 layers: 2 per layer, plus the embedding (forward) or the output layer (backward).
+        assert_eq!(fwd.len(), 2 * 2 + 1, "{file}: forward tp all-reduces");
+        assert_eq!(bwd.len(), 2 * 2 + 1, "{file}: backward tp all-reduces");
+        for layer in ["0", "1"] {
+            let n = bwd
+                .iter()
+                .filter(|op| layer_of(&op.path).is_some_and(|l| l.ends_with(layer)))
+                .count();
+            assert_eq!(n, 2, "{file}: layer {layer} backward all-reduces");
+        }
+    }
+    let module = run_pipeline(load("llama-tiny.toml", &["parallel.tp=2"]), None, true).unwrap();
+    insta::assert_snapshot!("llama-tiny__tp2", module.dump());
+}

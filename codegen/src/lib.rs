@@ -47,15 +47,44 @@ pub fn emit_plan(
     flops_per_step: f64,
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
-    if p.tp > 1 || p.pp > 1 || p.cp > 1 || p.ep > 1 || p.fbd {
+    let m = &spec.model;
+    if p.pp > 1 || p.cp > 1 || p.ep > 1 || p.fbd || (p.tp > 1 && p.sequence_parallel) {
         return Err(CodegenError::Unsupported(format!(
-            "this build emits single-device and data-parallel plans only; the layout tp={} pp={} cp={} ep={}{} needs the tensor, pipeline, context and expert sharding passes, which are not implemented yet",
-            p.tp,
+            "this build emits data- and tensor-parallel plans only; the layout pp={} cp={} ep={}{}{} needs the pipeline, context, expert or sequence-parallel passes, which are not implemented yet",
             p.pp,
             p.cp,
             p.ep,
-            if p.fbd { " fbd" } else { "" }
+            if p.fbd { " fbd" } else { "" },
+            if p.sequence_parallel && p.tp > 1 { " sequence_parallel" } else { "" }
         )));
+    }
+    if p.tp > 1 {
+        let mut why = Vec::new();
+        if !m.kv_heads.is_multiple_of(p.tp) {
+            why.push(format!(
+                "kv_heads = {} is not a multiple of tp (replicated kv heads)",
+                m.kv_heads
+            ));
+        }
+        if !m.vocab.is_multiple_of(p.tp) {
+            why.push(format!(
+                "vocab = {} is not a multiple of tp (vocabulary padding)",
+                m.vocab
+            ));
+        }
+        if m.moe.is_some() {
+            why.push("the model has MoE layers (expert tensor parallelism)".into());
+        }
+        if p.distributed_optimizer && p.dp > 1 {
+            why.push("tp with the distributed optimizer (per-element norm weights)".into());
+        }
+        if !why.is_empty() {
+            return Err(CodegenError::Unsupported(format!(
+                "tensor parallelism with tp = {} is not implemented for this model yet: {}",
+                p.tp,
+                why.join("; ")
+            )));
+        }
     }
     let mut e = Emitter::new(spec, graph);
     e.emit()?;
@@ -217,20 +246,46 @@ impl<'a> Emitter<'a> {
     /// Local (micro-batch) sizes of a value: the global batch dim becomes the micro-batch.
     fn local_shape(&self, v: ValueId) -> Vec<u64> {
         let t = &self.spec.train;
-        self.g
-            .ty(v)
-            .dims
+        let ty = self.g.ty(v);
+        ty.dims
             .iter()
-            .map(|d| {
+            .zip(&ty.layout.shards)
+            .map(|(d, axes)| {
                 if d.name == "b" {
+                    // The global batch becomes one data-parallel rank's micro-batch.
                     t.micro_batch
                 } else if d.dynamic {
                     d.size * t.micro_batch / t.global_batch
                 } else {
-                    d.size
+                    let parts: u64 = axes
+                        .iter()
+                        .filter(|&&a| a != megac_ir::Axis::Dp)
+                        .map(|&a| self.g.mesh.size(a))
+                        .product();
+                    d.size / parts
                 }
             })
             .collect()
+    }
+
+    /// The non-batch shardings of a value's dims, for the plan's buffer table.
+    fn layout_of(&self, v: ValueId) -> Vec<Vec<megac_ir::Axis>> {
+        let l = &self.g.ty(v).layout;
+        let shards: Vec<Vec<megac_ir::Axis>> = l
+            .shards
+            .iter()
+            .map(|axes| {
+                axes.iter()
+                    .copied()
+                    .filter(|&a| a != megac_ir::Axis::Dp)
+                    .collect()
+            })
+            .collect();
+        if shards.iter().all(Vec::is_empty) {
+            Vec::new()
+        } else {
+            shards
+        }
     }
 
     fn new_buffer(
@@ -247,12 +302,19 @@ impl<'a> Emitter<'a> {
             dtype: self.g.ty(v).dtype,
             shape,
             offset: 0,
+            layout: self.layout_of(v),
             rank_offset: None,
         });
         id
     }
 
-    fn persistent(&mut self, name: String, class: BufferClass, shape: &[u64]) -> BufId {
+    fn persistent(
+        &mut self,
+        name: String,
+        class: BufferClass,
+        shape: &[u64],
+        layout: &[Vec<megac_ir::Axis>],
+    ) -> BufId {
         let id = self.buffers.len() as BufId;
         let offset = self
             .buffers
@@ -266,6 +328,7 @@ impl<'a> Emitter<'a> {
             dtype: megac_ir::DType::F32,
             shape: shape.to_vec(),
             offset,
+            layout: layout.to_vec(),
             rank_offset: None,
         });
         id
@@ -288,33 +351,62 @@ impl<'a> Emitter<'a> {
         let mut grad_buf: BTreeMap<String, BufId> = BTreeMap::new();
         let mut param_entry: BTreeMap<ValueId, usize> = BTreeMap::new();
         for (v, name, ty) in g.params() {
-            let shape = ty.sizes();
-            let buffer = self.persistent(name.to_string(), BufferClass::Param, &shape);
-            let grad = self.persistent(format!("grad:{name}"), BufferClass::Grad, &shape);
+            let global = ty.sizes();
+            let shape = self.local_shape(v);
+            let layout = self.layout_of(v);
+            let buffer = self.persistent(name.to_string(), BufferClass::Param, &shape, &layout);
+            let grad = self.persistent(format!("grad:{name}"), BufferClass::Grad, &shape, &layout);
             let zero1 = self.spec.parallel.distributed_optimizer && self.spec.parallel.dp > 1;
             let (exp_avg, exp_avg_sq) = if zero1 {
                 (None, None)
             } else {
                 (
-                    Some(self.persistent(format!("exp_avg:{name}"), BufferClass::OptState, &shape)),
+                    Some(self.persistent(
+                        format!("exp_avg:{name}"),
+                        BufferClass::OptState,
+                        &shape,
+                        &layout,
+                    )),
                     Some(self.persistent(
                         format!("exp_avg_sq:{name}"),
                         BufferClass::OptState,
                         &shape,
+                        &layout,
                     )),
                 )
             };
             self.buf_of.insert(v, buffer);
             grad_buf.insert(name.to_string(), grad);
             param_entry.insert(v, self.params.len());
+            let shards = g.ty(v).layout.shards.clone();
+            let blocks: Vec<u64> = ty
+                .dims
+                .iter()
+                .map(|d| {
+                    d.name
+                        .split_once('*')
+                        .and_then(|(k, _)| k.parse().ok())
+                        .unwrap_or(1)
+                })
+                .collect();
             self.params.push(ParamEntry {
                 name: name.to_string(),
-                shape: shape.clone(),
+                blocks: if blocks.iter().all(|&b| b == 1) {
+                    Vec::new()
+                } else {
+                    blocks
+                },
+                shards: if shards.iter().all(Vec::is_empty) {
+                    Vec::new()
+                } else {
+                    shards
+                },
+                init: init_for(self.spec, name, &global),
+                shape: global,
                 buffer,
                 grad,
                 exp_avg,
                 exp_avg_sq,
-                init: init_for(self.spec, name, &shape),
             });
         }
         for (i, value) in g.values.iter().enumerate() {
@@ -335,11 +427,15 @@ impl<'a> Emitter<'a> {
         }
 
         for op in &g.ops {
-            let optimizer = matches!(
-                op.kind,
-                OpKind::GradNorm { .. } | OpKind::AdamW { .. } | OpKind::AllReduce { .. }
-            );
             let ins: Vec<BufId> = op.inputs.iter().map(|v| self.buf_of[v]).collect();
+            // The optimizer program: the norm, AdamW, and reductions of parameter gradients.
+            let optimizer = match op.kind {
+                OpKind::GradNorm { .. } | OpKind::AdamW { .. } => true,
+                OpKind::AllReduce { .. } => {
+                    self.buffers[ins[0] as usize].class == BufferClass::Grad
+                }
+                _ => false,
+            };
             // Views share their operand's storage and need no instruction.
             if matches!(op.kind, OpKind::SplitHeads { .. } | OpKind::MergeHeads) {
                 let src = ins[0];
@@ -436,6 +532,7 @@ impl<'a> Emitter<'a> {
             dtype: megac_ir::DType::F32,
             shape: vec![len],
             offset,
+            layout: Vec::new(),
             rank_offset: None,
         });
         id

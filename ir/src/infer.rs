@@ -227,6 +227,18 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             expect_arity(1)?;
             Ok(vec![TensorType::new(*to, ins[0].dims.clone())])
         }
+        OpKind::BiasAdd => {
+            expect_arity(2)?;
+            let (x, b) = (ins[0], ins[1]);
+            if x.dims.is_empty() || b.dims.len() != 1 || b.dims[0] != *x.last() {
+                return Err(format!(
+                    "bias {} does not match {}",
+                    shape_str(b),
+                    shape_str(x)
+                ));
+            }
+            Ok(vec![x.clone().replicate()])
+        }
         OpKind::GeluTanh => {
             expect_arity(1)?;
             Ok(vec![ins[0].clone().replicate()])

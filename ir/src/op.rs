@@ -81,6 +81,9 @@ pub enum OpKind {
     },
     /// `(a, b) -> a + b` (same type).
     Add,
+    /// `(x[..,n], bias[n]) -> x + bias` (the bias of a row-parallel linear, added once after
+    /// its partial sums are reduced).
+    BiasAdd,
     /// `(gate, up) -> silu(gate) * up`.
     SwiGlu,
     /// `(x) -> gelu(x)` with the tanh approximation.
@@ -280,6 +283,7 @@ impl OpKind {
             OpKind::CausalAttention => "causal_attention",
             OpKind::Cast { .. } => "cast",
             OpKind::Add => "add",
+            OpKind::BiasAdd => "bias_add",
             OpKind::SwiGlu => "swiglu",
             OpKind::GeluTanh => "gelu_tanh",
             OpKind::CrossEntropy => "cross_entropy",
@@ -403,6 +407,7 @@ impl OpKind {
                 }
             }
             "add" => OpKind::Add,
+            "bias_add" => OpKind::BiasAdd,
             "swiglu" => OpKind::SwiGlu,
             "gelu_tanh" => OpKind::GeluTanh,
             "cross_entropy" => OpKind::CrossEntropy,

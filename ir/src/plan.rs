@@ -151,6 +151,11 @@ pub struct Buffer {
     pub shape: Vec<u64>,
     /// Offset in elements from the start of the class's arena.
     pub offset: u64,
+    /// How the buffer's dims are sharded over mesh axes (empty: replicated); kernels whose
+    /// meaning depends on it (vocab-parallel embedding and cross-entropy, the gradient norm)
+    /// read it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layout: Vec<Vec<crate::types::Axis>>,
     /// For buffers that hold each rank's own slice (the distributed optimizer's shards):
     /// the rank's coordinate along this axis times this stride is added to `offset`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -201,6 +206,14 @@ pub struct ParamEntry {
     pub name: String,
     /// Global shape (as Hugging Face stores it).
     pub shape: Vec<u64>,
+    /// Per dim, the mesh axes that shard it (a dim named `k*rest` is sharded block-wise:
+    /// each of its k blocks is split); empty when replicated.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<Vec<crate::types::Axis>>,
+    /// Per dim, the number of blocks a sharded dim is split block-wise into (GPT-2's fused
+    /// `c_attn` is `3*heads*head_dim`: each of q, k, v is split); empty means 1 everywhere.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blocks: Vec<u64>,
     /// The parameter's buffer.
     pub buffer: BufId,
     /// Its gradient.
@@ -358,6 +371,49 @@ impl<'de> Deserialize<'de> for DType {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         DType::from_name(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown dtype `{s}`")))
+    }
+}
+
+impl ParamEntry {
+    /// For each element of rank `rank`'s shard (row-major), its index in the global tensor.
+    pub fn global_indices(&self, mesh: &crate::mesh::Mesh, rank: usize) -> Vec<usize> {
+        let n = self.shape.len();
+        // Per dim: (global size, local size, blocks, this rank's slice index).
+        let dims: Vec<(usize, usize, usize, usize)> = (0..n)
+            .map(|d| {
+                let size = self.shape[d] as usize;
+                let axes = self.shards.get(d).map_or(&[][..], |a| a.as_slice());
+                let parts: usize = axes.iter().map(|&a| mesh.size(a) as usize).product();
+                let mut coord = 0;
+                for &a in axes {
+                    coord = coord * mesh.size(a) as usize + mesh.coord(rank, a);
+                }
+                let blocks = self.blocks.get(d).copied().unwrap_or(1).max(1) as usize;
+                (size, size / parts, blocks, coord)
+            })
+            .collect();
+        let local_total: usize = dims.iter().map(|d| d.1).product();
+        let mut out = Vec::with_capacity(local_total);
+        let mut idx = vec![0usize; n];
+        for _ in 0..local_total {
+            let mut flat = 0usize;
+            for (d, &(size, local, blocks, coord)) in dims.iter().enumerate() {
+                let block = size / blocks;
+                let per_rank = local / blocks;
+                let i = idx[d];
+                let g = (i / per_rank) * block + coord * per_rank + i % per_rank;
+                flat = flat * size + g;
+            }
+            out.push(flat);
+            for d in (0..n).rev() {
+                idx[d] += 1;
+                if idx[d] < dims[d].1 {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        out
     }
 }
 

@@ -1,49 +1,505 @@
-//! The `shard` pass: layouts over the device mesh.
+//! The `shard` pass: layouts over the device mesh, and the collectives they require.
 //!
-//! Today it places data parallelism: the data inputs are sharded over `dp` along the batch
-//! dim, and propagation gives every op's results a layout from its operands' — a result
-//! with a batch dim (`b`, or MoE's `tokens`) stays sharded like its operands, and a result
-//! without one (a parameter gradient, the loss) becomes a pending sum, `Partial(dp)`. The
-//! optimizer pass then reduces partial gradients with `all_reduce` over `dp`.
+//! Runs on the differentiated graph, so forward and backward get the same treatment.
 //!
-//! Tensor, sequence, context and expert parallelism add their own layout rules here (the
-//! sharding issue); until then those axes stay replicated and codegen refuses such layouts.
+//! - **Data parallelism**: the data inputs are sharded over `dp` along the batch dim; a
+//!   result with a batch dim (`b`, or MoE's `tokens`) stays sharded like its operands, and a
+//!   result without one (a parameter gradient, the loss) becomes a pending sum, `Partial(dp)`.
+//!   The optimizer pass reduces partial gradients.
+//! - **Tensor parallelism** (Megatron's layout): parameters are sharded by role —
+//!   column-parallel linears (q/k/v, gate/up, GPT-2's `c_attn` and `c_fc`) over their output
+//!   dim, row-parallel linears (o_proj, down_proj, GPT-2's `c_proj`) over their input dim,
+//!   the embedding and output layer over the vocabulary. Every op then has a layout rule
+//!   (heads stay sharded through RoPE and attention, a row-parallel linear gives a partial
+//!   sum, a column-parallel linear's input gradient is a partial sum, ...). Where an op
+//!   needs an operand in another layout, the pass inserts the collective that converts it:
+//!   `all_reduce` for a partial sum that must be whole, `all_gather` for a shard that must be
+//!   whole. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
+//!   so it is added once. Vocab-parallel embedding and cross-entropy are the ordinary ops
+//!   on a vocab-sharded table/logits; the runtime reads the layout and reduces over tp.
+//!
+//! Sequence, context and expert parallelism add their rules here in later work; until then
+//! those axes stay replicated and codegen refuses such layouts.
 
-use megac_ir::spec::ModelSpec;
-use megac_ir::{Axis, Graph, ValueDef, ValueId};
+use std::collections::HashMap;
+
+use megac_ir::spec::{Arch, ModelSpec};
+use megac_ir::{Axis, Graph, Layout, OpKind, ValueDef, ValueId, WeightLayout};
 
 use crate::PassError;
 
-/// Annotate `g` with the layouts of `spec`'s parallel layout.
+/// Where a value stands with respect to the tensor-parallel axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tp {
+    /// Whole on every tp rank.
+    R,
+    /// Split over tp along this dim.
+    S(usize),
+    /// Each tp rank holds a partial sum.
+    P,
+}
+
+/// Annotate `g` with the layouts of `spec`'s parallel layout, inserting collectives.
 pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
-    if spec.parallel.dp == 1 {
+    let p = &spec.parallel;
+    if p.dp == 1 && p.tp == 1 {
         return Ok(());
     }
-    let batch_dim = |g: &Graph, v: ValueId| {
-        g.ty(v)
-            .dims
-            .iter()
-            .position(|d| d.name == "b" || d.name == "tokens")
+    let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
+    let mut s = Sharder {
+        g,
+        tp: p.tp > 1,
+        dp: p.dp > 1,
+        arch: spec.model.arch,
+        whole_of: HashMap::new(),
     };
-    for i in 0..g.values.len() {
-        let v = ValueId(i as u32);
-        let sharded = match &g.values[i].def {
-            ValueDef::Input(_) => true,
-            ValueDef::Param(_) => false,
-            ValueDef::Op(op, _) => g.ops[op.0 as usize].inputs.iter().any(|&x| {
-                let l = &g.ty(x).layout;
-                l.partial.contains(&Axis::Dp) || l.shards.iter().any(|s| s.contains(&Axis::Dp))
-            }),
-        };
-        if !sharded {
-            continue;
+    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    for (i, value) in old.values.iter().enumerate() {
+        let id = ValueId(i as u32);
+        match &value.def {
+            ValueDef::Input(name) => {
+                let v = s.g.add_input(name.clone(), value.ty.clone());
+                if s.dp {
+                    let d = batch_dim(s.g, v);
+                    if let Some(d) = d {
+                        s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Dp];
+                    }
+                }
+                map.insert(id, v);
+            }
+            ValueDef::Param(name) => {
+                let v = s.g.add_param(name.clone(), value.ty.clone());
+                if s.tp {
+                    if let Some(d) = s.param_dim(name) {
+                        s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
+                    }
+                }
+                map.insert(id, v);
+            }
+            ValueDef::Op(op_id, 0) => {
+                let op = &old.ops[op_id.0 as usize];
+                let ins: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();
+                let outs = s.emit(&op.kind, ins, &op.path)?;
+                for (o, n) in op.outputs.iter().zip(outs) {
+                    map.insert(*o, n);
+                }
+            }
+            ValueDef::Op(..) => {}
         }
-        let dim = batch_dim(g, v);
-        let layout = &mut g.values[i].ty.layout;
-        match dim {
-            Some(d) => layout.shards[d] = vec![Axis::Dp],
-            None => layout.partial = vec![Axis::Dp],
+    }
+    s.g.outputs = old
+        .outputs
+        .iter()
+        .map(|(n, v)| (n.clone(), map[v]))
+        .collect();
+    // A parameter's gradient must be laid out like the parameter.
+    let params: HashMap<String, ValueId> =
+        s.g.params().map(|(v, n, _)| (n.to_string(), v)).collect();
+    for (name, v) in s.g.outputs.clone() {
+        if let Some(pname) = name.strip_prefix("grad:") {
+            let (pg, pp) = (s.tp_state(v), s.tp_state(params[pname]));
+            if pg != pp {
+                return Err(PassError::Autodiff(format!(
+                    "shard: the gradient of {pname} is {pg:?} over tp but the parameter is {pp:?}"
+                )));
+            }
         }
     }
     Ok(())
+}
+
+fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {
+    g.ty(v)
+        .dims
+        .iter()
+        .position(|d| d.name == "b" || d.name == "tokens")
+}
+
+struct Sharder<'a> {
+    g: &'a mut Graph,
+    tp: bool,
+    dp: bool,
+    arch: Arch,
+    /// Values already made whole: each conversion is inserted once and reused.
+    whole_of: HashMap<ValueId, ValueId>,
+}
+
+impl Sharder<'_> {
+    /// The dim over which parameter `name` is sharded across tp, if any.
+    fn param_dim(&self, name: &str) -> Option<usize> {
+        let ends = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
+        match self.arch {
+            Arch::Llama => {
+                if ends(&[
+                    "q_proj.weight",
+                    "k_proj.weight",
+                    "v_proj.weight",
+                    "gate_proj.weight",
+                    "up_proj.weight",
+                    "embed_tokens.weight",
+                ]) || name == "lm_head.weight"
+                {
+                    Some(0)
+                } else if ends(&["o_proj.weight", "down_proj.weight"]) {
+                    Some(1)
+                } else {
+                    None
+                }
+            }
+            Arch::Gpt => {
+                if ends(&["attn.c_attn.weight", "mlp.c_fc.weight"]) {
+                    Some(1)
+                } else if ends(&[
+                    "attn.c_attn.bias",
+                    "mlp.c_fc.bias",
+                    "attn.c_proj.weight",
+                    "mlp.c_proj.weight",
+                    "transformer.wte.weight",
+                ]) {
+                    Some(0)
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    fn layout(&self, v: ValueId) -> &Layout {
+        &self.g.ty(v).layout
+    }
+
+    fn tp_state(&self, v: ValueId) -> Tp {
+        let l = self.layout(v);
+        if l.partial.contains(&Axis::Tp) {
+            return Tp::P;
+        }
+        match l.shards.iter().position(|s| s.contains(&Axis::Tp)) {
+            Some(d) => Tp::S(d),
+            None => Tp::R,
+        }
+    }
+
+    fn rank(&self, v: ValueId) -> usize {
+        self.g.ty(v).dims.len()
+    }
+
+    /// Append an op, set its results' layouts (tp as given, dp by the batch rule).
+    fn op(
+        &mut self,
+        kind: OpKind,
+        ins: &[ValueId],
+        path: &str,
+        tp: &[Tp],
+    ) -> Result<Vec<ValueId>, PassError> {
+        let dp_in = self.dp
+            && ins.iter().any(|&x| {
+                let l = self.layout(x);
+                l.partial.contains(&Axis::Dp) || l.shards.iter().any(|s| s.contains(&Axis::Dp))
+            });
+        let outs = self.g.add_op(kind, ins, path)?;
+        for (k, &o) in outs.iter().enumerate() {
+            let bd = batch_dim(self.g, o);
+            let t = tp.get(k).copied().unwrap_or(Tp::R);
+            let l = &mut self.g.values[o.0 as usize].ty.layout;
+            match t {
+                Tp::R => {}
+                Tp::S(d) => l.shards[d].push(Axis::Tp),
+                Tp::P => l.partial.push(Axis::Tp),
+            }
+            if dp_in {
+                match bd {
+                    Some(d) => l.shards[d].insert(0, Axis::Dp),
+                    None => l.partial.insert(0, Axis::Dp),
+                }
+            }
+        }
+        Ok(outs)
+    }
+
+    fn op1(
+        &mut self,
+        kind: OpKind,
+        ins: &[ValueId],
+        path: &str,
+        tp: Tp,
+    ) -> Result<ValueId, PassError> {
+        Ok(self.op(kind, ins, path, &[tp])?[0])
+    }
+
+    /// `v` made whole over tp (the conversion is inserted once per value).
+    fn whole(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+        if let Some(&w) = self.whole_of.get(&v) {
+            return Ok(w);
+        }
+        let w = self.convert_whole(v, path)?;
+        self.whole_of.insert(v, w);
+        Ok(w)
+    }
+
+    fn convert_whole(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+        match self.tp_state(v) {
+            Tp::R => Ok(v),
+            Tp::P => self.op1(
+                OpKind::AllReduce {
+                    axes: vec![Axis::Tp],
+                },
+                &[v],
+                path,
+                Tp::R,
+            ),
+            Tp::S(d) => self.op1(
+                OpKind::AllGather {
+                    axes: vec![Axis::Tp],
+                    dim: d as u64,
+                },
+                &[v],
+                path,
+                Tp::R,
+            ),
+        }
+    }
+
+    /// `v` whole, unless it is already sharded (kept as is).
+    fn not_partial(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+        match self.tp_state(v) {
+            Tp::P => self.whole(v, path),
+            _ => Ok(v),
+        }
+    }
+
+    /// Emit `kind` on operands `ins` with the layout rules; returns the results.
+    fn emit(
+        &mut self,
+        kind: &OpKind,
+        ins: Vec<ValueId>,
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        if !self.tp {
+            let n = self.op(kind.clone(), &ins, path, &[])?;
+            return Ok(n);
+        }
+        let st = |s: &Self, v: ValueId| s.tp_state(v);
+        let last = |s: &Self, v: ValueId| s.rank(v) - 1;
+        let k = kind.clone();
+        match kind {
+            OpKind::Embedding => {
+                let out = if st(self, ins[1]) == Tp::S(0) {
+                    Tp::P
+                } else {
+                    Tp::R
+                };
+                self.op(k, &ins, path, &[out])
+            }
+            OpKind::Linear { weight } => {
+                let (in_dim, out_dim) = match weight {
+                    WeightLayout::OutIn => (1, 0),
+                    WeightLayout::InOut => (0, 1),
+                };
+                match st(self, ins[1]) {
+                    Tp::S(d) if d == out_dim => {
+                        let x = self.whole(ins[0], path)?;
+                        let mut args = vec![x, ins[1]];
+                        args.extend(ins.get(2));
+                        let out = Tp::S(self.rank(x) - 1);
+                        self.op(k, &args, path, &[out])
+                    }
+                    Tp::S(d) if d == in_dim => {
+                        let x = ins[0];
+                        if st(self, x) != Tp::S(last(self, x)) {
+                            return Err(PassError::Autodiff(format!(
+                                "shard: {path}: a row-parallel linear needs its input split over tp"
+                            )));
+                        }
+                        let partial = self.op1(k.clone(), &[x, ins[1]], path, Tp::P)?;
+                        match ins.get(2) {
+                            None => Ok(vec![partial]),
+                            Some(&bias) => {
+                                let whole = self.whole(partial, path)?;
+                                Ok(vec![self.op1(
+                                    OpKind::BiasAdd,
+                                    &[whole, bias],
+                                    path,
+                                    Tp::R,
+                                )?])
+                            }
+                        }
+                    }
+                    _ => {
+                        let args = self.all_whole(&ins, path)?;
+                        self.op(k, &args, path, &[Tp::R])
+                    }
+                }
+            }
+            OpKind::SplitHeads { .. }
+            | OpKind::MergeHeads
+            | OpKind::Split { .. }
+            | OpKind::Concat => {
+                let args: Vec<ValueId> = ins
+                    .iter()
+                    .map(|&x| self.not_partial(x, path))
+                    .collect::<Result<_, _>>()?;
+                let r = self.rank(args[0]);
+                // The sharded dim must be the one the view splits or merges at its leading
+                // factor: `heads*head_dim` <-> `heads`, `3*rest` <-> `rest`.
+                let expected = if matches!(kind, OpKind::MergeHeads) {
+                    r - 2
+                } else {
+                    r - 1
+                };
+                let all_sharded = args.iter().all(|&x| st(self, x) == Tp::S(expected));
+                let all_whole = args.iter().all(|&x| st(self, x) == Tp::R);
+                let n_out = match kind {
+                    OpKind::Split { n } => *n as usize,
+                    _ => 1,
+                };
+                if all_sharded {
+                    let out = match kind {
+                        OpKind::SplitHeads { .. } => Tp::S(r - 1),
+                        OpKind::MergeHeads => Tp::S(r - 2),
+                        _ => Tp::S(r - 1),
+                    };
+                    self.op(k, &args, path, &vec![out; n_out])
+                } else if all_whole {
+                    self.op(k, &args, path, &[])
+                } else {
+                    let args = self.all_whole(&args, path)?;
+                    self.op(k, &args, path, &[])
+                }
+            }
+            OpKind::Rope { .. }
+            | OpKind::RopeGrad { .. }
+            | OpKind::Cast { .. }
+            | OpKind::GeluTanh => {
+                let x = self.not_partial(ins[0], path)?;
+                let out = st(self, x);
+                self.op(k, &[x], path, &[out])
+            }
+            // Attention splits over heads: q, k, v (and in backward every operand) split.
+            OpKind::CausalAttention
+                if [ins[0], ins[1], ins[2]]
+                    .iter()
+                    .all(|&x| st(self, x) == Tp::S(2)) =>
+            {
+                self.op(k, &ins, path, &[Tp::S(2), Tp::S(1)])
+            }
+            OpKind::AttentionGrad if ins.iter().all(|&x| matches!(st(self, x), Tp::S(_))) => {
+                self.op(k, &ins, path, &[Tp::S(2), Tp::S(2), Tp::S(2)])
+            }
+            OpKind::Add
+            | OpKind::GradSum
+            | OpKind::SwiGlu
+            | OpKind::SwiGluGrad
+            | OpKind::GeluTanhGrad => {
+                let states: Vec<Tp> = ins.iter().map(|&x| st(self, x)).collect();
+                let n_out = if matches!(kind, OpKind::SwiGluGrad) {
+                    2
+                } else {
+                    1
+                };
+                let same = states.iter().all(|&t| t == states[0]);
+                let sums = matches!(kind, OpKind::Add | OpKind::GradSum);
+                if same && (states[0] != Tp::P || sums) {
+                    // Elementwise on equal layouts; partial sums add up as partial sums.
+                    self.op(k, &ins, path, &vec![states[0]; n_out])
+                } else {
+                    let args = self.all_whole(&ins, path)?;
+                    self.op(k, &args, path, &[])
+                }
+            }
+            OpKind::BiasAdd => {
+                let x = self.not_partial(ins[0], path)?;
+                let out = st(self, x);
+                let b = if out == Tp::R {
+                    self.whole(ins[1], path)?
+                } else {
+                    ins[1]
+                };
+                self.op(k, &[x, b], path, &[out])
+            }
+            OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
+                let logits = self.not_partial(ins[0], path)?;
+                let out = match (kind, st(self, logits)) {
+                    (OpKind::CrossEntropyGrad, Tp::S(d)) => Tp::S(d),
+                    _ => Tp::R,
+                };
+                self.op(k, &[logits, ins[1]], path, &[out])
+            }
+            OpKind::EmbeddingGrad => {
+                let dy = self.whole(ins[2], path)?;
+                let out = if st(self, ins[1]) == Tp::S(0) {
+                    Tp::S(0)
+                } else {
+                    Tp::R
+                };
+                self.op(k, &[ins[0], ins[1], dy], path, &[out])
+            }
+            OpKind::LinearGradInput { weight } => {
+                let (in_dim, out_dim) = match weight {
+                    WeightLayout::OutIn => (1, 0),
+                    WeightLayout::InOut => (0, 1),
+                };
+                match st(self, ins[1]) {
+                    Tp::S(d) if d == out_dim => {
+                        let dy = ins[0];
+                        if st(self, dy) != Tp::S(last(self, dy)) {
+                            return Err(PassError::Autodiff(format!(
+                                "shard: {path}: the output gradient of a column-parallel linear must be split over tp"
+                            )));
+                        }
+                        self.op(k, &ins, path, &[Tp::P])
+                    }
+                    Tp::S(d) if d == in_dim => {
+                        let dy = self.whole(ins[0], path)?;
+                        let out = Tp::S(self.rank(dy) - 1);
+                        self.op(k, &[dy, ins[1]], path, &[out])
+                    }
+                    _ => {
+                        let args = self.all_whole(&ins, path)?;
+                        self.op(k, &args, path, &[])
+                    }
+                }
+            }
+            OpKind::LinearGradWeight { weight } => {
+                let (in_dim, out_dim) = match weight {
+                    WeightLayout::OutIn => (1, 0),
+                    WeightLayout::InOut => (0, 1),
+                };
+                let x = self.not_partial(ins[0], path)?;
+                let dy = self.not_partial(ins[1], path)?;
+                let (sx, sdy) = (st(self, x), st(self, dy));
+                let out = match (sx, sdy) {
+                    (Tp::R, Tp::S(_)) => Tp::S(out_dim),
+                    (Tp::S(_), Tp::R) => Tp::S(in_dim),
+                    (Tp::R, Tp::R) => Tp::R,
+                    _ => {
+                        let args = self.all_whole(&[x, dy], path)?;
+                        return self.op(k, &args, path, &[]);
+                    }
+                };
+                self.op(k, &[x, dy], path, &[out])
+            }
+            OpKind::BiasGrad => {
+                let dy = self.not_partial(ins[0], path)?;
+                let out = match st(self, dy) {
+                    Tp::S(_) => Tp::S(0),
+                    _ => Tp::R,
+                };
+                self.op(k, &[dy], path, &[out])
+            }
+            OpKind::RmsNormGrad { .. } | OpKind::LayerNormGrad { .. } => {
+                let args = self.all_whole(&ins, path)?;
+                self.op(k, &args, path, &[])
+            }
+            // Everything else (norms, position embeddings, MoE, collectives, optimizer) runs
+            // on whole operands and gives whole results.
+            _ => {
+                let args = self.all_whole(&ins, path)?;
+                self.op(k, &args, path, &[])
+            }
+        }
+    }
+
+    fn all_whole(&mut self, ins: &[ValueId], path: &str) -> Result<Vec<ValueId>, PassError> {
+        ins.iter().map(|&x| self.whole(x, path)).collect()
+    }
 }

@@ -142,6 +142,64 @@ pub fn run_program(
     Ok(())
 }
 
+/// If dim `dim` of buffer `b` is split over tp, this rank's slice: (first index, length).
+fn vocab_shard(
+    mem: &Memory,
+    b: BufId,
+    dim: usize,
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+) -> Option<(usize, usize)> {
+    let buf = mem.buffer(b);
+    let split = buf
+        .layout
+        .get(dim)
+        .is_some_and(|axes| axes.contains(&megac_ir::Axis::Tp));
+    split.then(|| {
+        let len = buf.shape[dim] as usize;
+        (mesh.coord(rank, megac_ir::Axis::Tp) * len, len)
+    })
+}
+
+/// Per-row statistics of a vocab-parallel cross-entropy: the global log-sum-exp and the
+/// target logit, reduced over the tp group.
+struct RowStats {
+    lse: f32,
+    target: f32,
+}
+
+fn vocab_parallel_stats(
+    logits: &[f32],
+    labels: &[i32],
+    v: usize,
+    start: usize,
+    members: &[usize],
+    comm: &mut dyn Communicator,
+) -> Result<Vec<RowStats>, RuntimeError> {
+    let rows = labels.len();
+    let mut max: Vec<f32> = logits
+        .chunks_exact(v)
+        .map(|r| r.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)))
+        .collect();
+    comm.all_reduce_max(members, &mut max)?;
+    // [sum of exp, target logit] per row, summed over the group in f64.
+    let mut sums = vec![0f64; 2 * rows];
+    for (i, r) in logits.chunks_exact(v).enumerate() {
+        sums[2 * i] = r.iter().map(|&x| f64::from((x - max[i]).exp())).sum();
+        let local = labels[i] as i64 - start as i64;
+        if (0..v as i64).contains(&local) {
+            sums[2 * i + 1] = f64::from(r[local as usize]);
+        }
+    }
+    comm.all_reduce_sum_f64(members, &mut sums)?;
+    Ok((0..rows)
+        .map(|i| RowStats {
+            lse: max[i] + sums[2 * i].ln() as f32,
+            target: sums[2 * i + 1] as f32,
+        })
+        .collect())
+}
+
 /// `[member, outer, block]` -> `[outer, member, block]`.
 fn scatter_member_major(src: &[f32], dst: &mut [f32], members: usize, outer: usize, block: usize) {
     for m in 0..members {
@@ -313,12 +371,29 @@ fn run_kernel(
     match op {
         OpKind::Embedding => {
             arity(op, ins, outs, 2, 1)?;
-            k::embedding_fwd(
-                mem.i32(ins[0]),
-                mem.f32(ins[1]),
-                last(ins[1]),
-                mem.f32_mut(outs[0]),
-            );
+            match vocab_shard(mem, ins[1], 0, mesh, comm.rank()) {
+                None => k::embedding_fwd(
+                    mem.i32(ins[0]),
+                    mem.f32(ins[1]),
+                    last(ins[1]),
+                    mem.f32_mut(outs[0]),
+                ),
+                Some((start, rows)) => {
+                    // Vocab-parallel: rows outside this rank's slice contribute zero.
+                    let (ids, table, out) =
+                        (mem.i32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+                    let h = last(ins[1]);
+                    for (&id, row) in ids.iter().zip(out.chunks_exact_mut(h)) {
+                        let local = id as i64 - start as i64;
+                        if (0..rows as i64).contains(&local) {
+                            let l = local as usize;
+                            row.copy_from_slice(&table[l * h..(l + 1) * h]);
+                        } else {
+                            row.fill(0.0);
+                        }
+                    }
+                }
+            }
         }
         OpKind::PosEmbedding => {
             arity(op, ins, outs, 2, 1)?;
@@ -448,6 +523,14 @@ fn run_kernel(
             arity(op, ins, outs, 2, 1)?;
             k::add_fwd(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
         }
+        OpKind::BiasAdd => {
+            arity(op, ins, outs, 2, 1)?;
+            let (x, b, y) = (mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+            let n = b.len();
+            for (yr, xr) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+                k::add_fwd(xr, b, yr);
+            }
+        }
         OpKind::GradSum => {
             arity(op, ins, outs, 2, 1)?;
             let y = mem.f32_mut(outs[0]);
@@ -465,17 +548,47 @@ fn run_kernel(
         OpKind::CrossEntropy => {
             arity(op, ins, outs, 2, 1)?;
             let v = last(ins[0]);
-            let sum = k::cross_entropy_fwd(mem.f32(ins[0]), mem.i32(ins[1]), numel(ins[0]) / v, v);
+            let rank_dims = mem.buffer(ins[0]).shape.len();
+            let sum = match vocab_shard(mem, ins[0], rank_dims - 1, mesh, comm.rank()) {
+                None => {
+                    k::cross_entropy_fwd(mem.f32(ins[0]), mem.i32(ins[1]), numel(ins[0]) / v, v)
+                }
+                Some((start, _)) => {
+                    let members = mesh.group(comm.rank(), &[megac_ir::Axis::Tp]);
+                    let stats = vocab_parallel_stats(
+                        mem.f32(ins[0]),
+                        mem.i32(ins[1]),
+                        v,
+                        start,
+                        &members,
+                        comm,
+                    )?;
+                    stats.iter().map(|s| f64::from(s.lse - s.target)).sum()
+                }
+            };
             mem.f32_mut(outs[0])[0] = (sum / tokens) as f32;
         }
         OpKind::EmbeddingGrad => {
             arity(op, ins, outs, 3, 1)?;
-            k::embedding_bwd(
-                mem.i32(ins[0]),
-                mem.f32(ins[2]),
-                last(ins[1]),
-                mem.f32_mut(outs[0]),
-            );
+            match vocab_shard(mem, ins[1], 0, mesh, comm.rank()) {
+                None => k::embedding_bwd(
+                    mem.i32(ins[0]),
+                    mem.f32(ins[2]),
+                    last(ins[1]),
+                    mem.f32_mut(outs[0]),
+                ),
+                Some((start, rows)) => {
+                    let (ids, dy, dt) = (mem.i32(ins[0]), mem.f32(ins[2]), mem.f32_mut(outs[0]));
+                    let h = last(ins[1]);
+                    for (&id, row) in ids.iter().zip(dy.chunks_exact(h)) {
+                        let local = id as i64 - start as i64;
+                        if (0..rows as i64).contains(&local) {
+                            let l = local as usize;
+                            k::accumulate(&mut dt[l * h..(l + 1) * h], row);
+                        }
+                    }
+                }
+            }
         }
         OpKind::PosEmbeddingGrad => {
             arity(op, ins, outs, 2, 1)?;
@@ -590,6 +703,28 @@ fn run_kernel(
         OpKind::CrossEntropyGrad => {
             arity(op, ins, outs, 2, 1)?;
             let v = last(ins[0]);
+            let rank_dims = mem.buffer(ins[0]).shape.len();
+            if let Some((start, _)) = vocab_shard(mem, ins[0], rank_dims - 1, mesh, comm.rank()) {
+                let members = mesh.group(comm.rank(), &[megac_ir::Axis::Tp]);
+                let (logits, labels) = (mem.f32(ins[0]), mem.i32(ins[1]));
+                let stats = vocab_parallel_stats(logits, labels, v, start, &members, comm)?;
+                let scale = (1.0 / tokens) as f32;
+                let dl = mem.f32_mut(outs[0]);
+                for (row, ((x, d), st)) in logits
+                    .chunks_exact(v)
+                    .zip(dl.chunks_exact_mut(v))
+                    .zip(&stats)
+                    .enumerate()
+                {
+                    for (j, (&xj, dj)) in x.iter().zip(d.iter_mut()).enumerate() {
+                        *dj += scale * (xj - st.lse).exp();
+                        if labels[row] as i64 - start as i64 == j as i64 {
+                            *dj -= scale;
+                        }
+                    }
+                }
+                return Ok(());
+            }
             k::cross_entropy_bwd(
                 mem.f32(ins[0]),
                 mem.i32(ins[1]),
@@ -607,8 +742,26 @@ fn run_kernel(
             let OpKind::GradNorm { axes } = op else {
                 unreachable!()
             };
-            let mut total = [ins.iter().map(|&g| k::sum_squares(mem.f32(g))).sum::<f64>()];
             let members = group(axes, comm.rank());
+            // Gradients split over the group count fully on each member; gradients
+            // replicated over it are counted once in total.
+            let replicated_weight = 1.0 / members.len() as f64;
+            let mut total = [ins
+                .iter()
+                .map(|&g| {
+                    let split = mem
+                        .buffer(g)
+                        .layout
+                        .iter()
+                        .any(|d| d.iter().any(|a| axes.contains(a)));
+                    let w = if split || axes.is_empty() {
+                        1.0
+                    } else {
+                        replicated_weight
+                    };
+                    w * k::sum_squares(mem.f32(g))
+                })
+                .sum::<f64>()];
             comm.all_reduce_sum_f64(&members, &mut total)?;
             mem.f32_mut(outs[0])[0] = total[0].sqrt() as f32;
         }

@@ -26,18 +26,30 @@ fn unit(h: u64) -> f64 {
 
 /// Fill `out` with elements `first..first + out.len()` of parameter `name`.
 pub fn init_param(seed: u64, name: &str, init: &Init, first: u64, out: &mut [f32]) {
+    for (i, x) in out.iter_mut().enumerate() {
+        *x = init_value(seed, name, init, first + i as u64);
+    }
+}
+
+/// Fill `out[i]` with global element `indices[i]` of parameter `name` (a rank's shard).
+pub fn init_at(seed: u64, name: &str, init: &Init, indices: &[usize], out: &mut [f32]) {
+    for (x, &i) in out.iter_mut().zip(indices) {
+        *x = init_value(seed, name, init, i as u64);
+    }
+}
+
+/// Global element `index` of parameter `name`.
+pub fn init_value(seed: u64, name: &str, init: &Init, index: u64) -> f32 {
     match init {
-        Init::Zeros => out.fill(0.0),
-        Init::Ones => out.fill(1.0),
+        Init::Zeros => 0.0,
+        Init::Ones => 1.0,
         Init::Normal { std } => {
             let base = mix(seed ^ mix(name_hash(name)));
-            for (i, x) in out.iter_mut().enumerate() {
-                let h = mix(base ^ (first + i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
-                let (u1, u2) = (unit(h), unit(mix(h)));
-                // Box-Muller.
-                let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-                *x = (z * std) as f32;
-            }
+            let h = mix(base ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03));
+            let (u1, u2) = (unit(h), unit(mix(h)));
+            // Box-Muller.
+            let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+            (z * std) as f32
         }
     }
 }

@@ -189,19 +189,29 @@ impl<'p> Session<'p> {
                     .collect();
                 let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
                 let values = hf::load_params(path, &expected, tied)?;
+                let rank = self.comm.rank();
                 for (p, v) in plan.params.iter().zip(values) {
-                    self.mem.f32_mut(p.buffer).copy_from_slice(&v);
+                    let out = self.mem.f32_mut(p.buffer);
+                    if p.shards.is_empty() {
+                        out.copy_from_slice(&v);
+                    } else {
+                        // This rank's shard of the global tensor.
+                        for (x, i) in out.iter_mut().zip(p.global_indices(&plan.mesh, rank)) {
+                            *x = v[i];
+                        }
+                    }
                 }
             }
             None => {
+                let rank = self.comm.rank();
                 for p in &plan.params {
-                    init::init_param(
-                        plan.train.seed,
-                        &p.name,
-                        &p.init,
-                        0,
-                        self.mem.f32_mut(p.buffer),
-                    );
+                    let out = self.mem.f32_mut(p.buffer);
+                    if p.shards.is_empty() {
+                        init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
+                    } else {
+                        let idx = p.global_indices(&plan.mesh, rank);
+                        init::init_at(plan.train.seed, &p.name, &p.init, &idx, out);
+                    }
                 }
             }
         }
@@ -288,17 +298,51 @@ impl<'p> Session<'p> {
             .map(|p| if grad { p.grad } else { p.buffer })
     }
 
-    /// Write the parameters as Hugging Face safetensors.
-    pub fn save_params(&self, path: &std::path::Path) -> Result<(), RuntimeError> {
+    /// The global parameters, assembled from every rank's shard (a collective: every rank
+    /// calls it; each gets the full tensors).
+    pub fn global_params(&mut self) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        let plan = self.plan;
+        let mut out = Vec::with_capacity(plan.params.len());
+        for p in &plan.params {
+            let local = self.mem.f32(p.buffer);
+            if p.shards.is_empty() {
+                out.push(local.to_vec());
+                continue;
+            }
+            let axes: Vec<megac_ir::Axis> = p.shards.iter().flatten().copied().collect();
+            let members = plan.mesh.group(self.comm.rank(), &axes);
+            let mut all = vec![0f32; local.len() * members.len()];
+            self.comm.all_gather(&members, local, &mut all)?;
+            let total: u64 = p.shape.iter().product();
+            let mut global = vec![0f32; total as usize];
+            for (m, &member) in members.iter().enumerate() {
+                let chunk = &all[m * local.len()..(m + 1) * local.len()];
+                for (x, i) in chunk.iter().zip(p.global_indices(&plan.mesh, member)) {
+                    global[i] = *x;
+                }
+            }
+            out.push(global);
+        }
+        Ok(out)
+    }
+
+    /// Write the global parameters as Hugging Face safetensors (a collective: every rank
+    /// calls it, rank 0 writes).
+    pub fn save_params(&mut self, path: &std::path::Path) -> Result<(), RuntimeError> {
+        let values = self.global_params()?;
+        if self.comm.rank() != 0 {
+            return Ok(());
+        }
         let tensors: Vec<(String, Vec<usize>, &[f32])> = self
             .plan
             .params
             .iter()
-            .map(|p| {
+            .zip(&values)
+            .map(|(p, v)| {
                 (
                     p.name.clone(),
                     p.shape.iter().map(|&d| d as usize).collect(),
-                    self.mem.f32(p.buffer),
+                    v.as_slice(),
                 )
             })
             .collect();
@@ -372,7 +416,7 @@ fn train_rank(
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    if let (true, Some(path)) = (lead, &opts.save_params) {
+    if let Some(path) = &opts.save_params {
         session.save_params(path)?;
     }
     if let (true, Some(dir), Some(p)) = (lead, &opts.trace, &session.profile) {
