@@ -134,3 +134,20 @@ fn tensor_parallel_gpt() {
         ],
     );
 }
+
+#[test]
+fn sequence_parallel() {
+    assert_equivalent(
+        "llama-tiny.toml",
+        BASE,
+        &[
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"],
+        ],
+    );
+    assert_equivalent(
+        "gpt-tiny.toml",
+        BASE,
+        &[&["parallel.tp=2", "parallel.sequence_parallel=true"], &["parallel.tp=4", "parallel.sequence_parallel=true"]],
+    );
+}

@@ -298,3 +298,42 @@ fn tensor_parallel_collectives_per_layer() {
     let module = run_pipeline(load("llama-tiny.toml", &["parallel.tp=2"]), None, true).unwrap();
     insta::assert_snapshot!("llama-tiny__tp2", module.dump());
 }
+
+/// Sequence parallelism: the collective rewrites put norms and residual adds on sequence
+/// shards, so every layer has Megatron's placement — forward 2 all-gathers and
+/// 2 reduce-scatters over tp along the sequence and no all-reduce; backward the mirror.
+#[test]
+fn sequence_parallel_collectives_per_layer() {
+    use megac_ir::{Axis, OpKind};
+    use megac_passes::recompute::layer_of;
+    let sets = ["parallel.tp=2", "parallel.sequence_parallel=true"];
+    let module = run_pipeline(load("llama-tiny.toml", &sets), Some("shard"), true).unwrap();
+    let g = module.graph.as_ref().unwrap();
+    let backward_start = g
+        .ops
+        .iter()
+        .position(|op| op.kind.name().contains("_grad"))
+        .unwrap();
+    let tally = |ops: &[megac_ir::Op], layer: &str| {
+        let mut counts = (0, 0, 0);
+        for op in ops.iter().filter(|op| layer_of(&op.path) == Some(layer)) {
+            match &op.kind {
+                OpKind::AllGather { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => counts.0 += 1,
+                OpKind::ReduceScatter { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => counts.1 += 1,
+                OpKind::AllReduce { axes } if axes == &[Axis::Tp] => counts.2 += 1,
+                _ => {}
+            }
+        }
+        counts
+    };
+    // Layer 1 (layer 0 also takes the embedding's reduce-scatter at its first norm).
+    assert_eq!(tally(&g.ops[..backward_start], "model.layers.1"), (2, 2, 0), "forward");
+    assert_eq!(tally(&g.ops[backward_start..], "model.layers.1"), (2, 2, 0), "backward");
+    let all_reduces = g
+        .ops
+        .iter()
+        .filter(|op| matches!(&op.kind, OpKind::AllReduce { axes } if axes == &[Axis::Tp]))
+        .count();
+    assert_eq!(all_reduces, 0, "no tp all-reduce anywhere in the step");
+    insta::assert_snapshot!("llama-tiny__tp2_sp", module.dump());
+}

@@ -48,14 +48,13 @@ pub fn emit_plan(
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
     let m = &spec.model;
-    if p.pp > 1 || p.cp > 1 || p.ep > 1 || p.fbd || (p.tp > 1 && p.sequence_parallel) {
+    if p.pp > 1 || p.cp > 1 || p.ep > 1 || p.fbd {
         return Err(CodegenError::Unsupported(format!(
-            "this build emits data- and tensor-parallel plans only; the layout pp={} cp={} ep={}{}{} needs the pipeline, context, expert or sequence-parallel passes, which are not implemented yet",
+            "this build emits data- and tensor-parallel plans only (with sequence parallelism and the distributed optimizer); the layout pp={} cp={} ep={}{} needs the pipeline, context or expert passes, which are not implemented yet",
             p.pp,
             p.cp,
             p.ep,
             if p.fbd { " fbd" } else { "" },
-            if p.sequence_parallel && p.tp > 1 { " sequence_parallel" } else { "" }
         )));
     }
     if p.tp > 1 {

@@ -470,10 +470,16 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(outs)
         }
-        OpKind::AllReduce { .. } | OpKind::AllGather { .. } | OpKind::ReduceScatter { .. } => {
+        OpKind::AllReduce { .. }
+        | OpKind::AllGather { .. }
+        | OpKind::ReduceScatter { .. }
+        | OpKind::Slice { .. } => {
             // Types are global: a collective changes the layout, not the shape.
             expect_arity(1)?;
-            if let OpKind::AllGather { dim, .. } | OpKind::ReduceScatter { dim, .. } = kind {
+            if let OpKind::AllGather { dim, .. }
+            | OpKind::ReduceScatter { dim, .. }
+            | OpKind::Slice { dim, .. } = kind
+            {
                 if *dim as usize >= ins[0].dims.len() {
                     return Err(format!(
                         "dim {dim} is out of range for {}",

@@ -188,6 +188,14 @@ pub enum OpKind {
         /// The dim that is gathered.
         dim: u64,
     },
+    /// `(x) -> x` with each member keeping only its slice of `dim` (Replicate -> Shard, no
+    /// communication).
+    Slice {
+        /// Mesh axes of the group.
+        axes: Vec<crate::types::Axis>,
+        /// The dim that is sliced.
+        dim: u64,
+    },
     /// `(x) -> x` summed over the group, each member keeping its slice of `dim`
     /// (Partial -> Shard).
     ReduceScatter {
@@ -311,6 +319,7 @@ impl OpKind {
             OpKind::AllReduce { .. } => "all_reduce",
             OpKind::AllGather { .. } => "all_gather",
             OpKind::ReduceScatter { .. } => "reduce_scatter",
+            OpKind::Slice { .. } => "slice",
             OpKind::GradNorm { .. } => "grad_norm",
             OpKind::AdamW { .. } => "adamw",
         }
@@ -343,7 +352,9 @@ impl OpKind {
             ],
             OpKind::DispatchGrad { expert } => vec![("expert", expert.to_string())],
             OpKind::AllReduce { axes } => vec![("axes", axes_text(axes))],
-            OpKind::AllGather { axes, dim } | OpKind::ReduceScatter { axes, dim } => {
+            OpKind::AllGather { axes, dim }
+            | OpKind::ReduceScatter { axes, dim }
+            | OpKind::Slice { axes, dim } => {
                 vec![("axes", axes_text(axes)), ("dim", dim.to_string())]
             }
             OpKind::GradNorm { axes } if !axes.is_empty() => vec![("axes", axes_text(axes))],
@@ -451,6 +462,10 @@ impl OpKind {
                 axes: axes(get("axes")?)?,
             },
             "all_gather" => OpKind::AllGather {
+                axes: axes(get("axes")?)?,
+                dim: num("dim")?,
+            },
+            "slice" => OpKind::Slice {
                 axes: axes(get("axes")?)?,
                 dim: num("dim")?,
             },

@@ -28,6 +28,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod linear;
 pub mod loss;
+pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod rope;
@@ -40,6 +41,11 @@ pub use elementwise::{accumulate, add_fwd, scale_in_place, sum_squares};
 pub use embedding::{embedding_bwd, embedding_fwd, pos_embedding_bwd, pos_embedding_fwd};
 pub use linear::{linear_bwd_data, linear_bwd_weight, linear_fwd, WeightLayout};
 pub use loss::{cross_entropy_bwd, cross_entropy_fwd};
+pub use moe::{
+    combine_bwd, combine_fwd, dispatch_bwd, dispatch_fwd, dispatch_fwd_routed, moe_aux_loss_bwd,
+    moe_aux_loss_bwd_from_stats, moe_aux_loss_from_stats, moe_aux_loss_fwd, moe_aux_stats,
+    router_bwd, router_fwd, AuxStats, Routing,
+};
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 pub use optim::{adamw_step, AdamW};
 pub use rope::{rope_bwd, rope_fwd};

@@ -8,6 +8,7 @@
 
 pub mod autodiff;
 pub mod build;
+pub mod collectives;
 pub mod flops;
 pub mod manager;
 pub mod optimizer;

@@ -46,12 +46,21 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
         return Ok(());
     }
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
+    // Sequence parallelism: the collective rewrites decide where a layer's collectives go;
+    // when they put norms and residual adds on sequence shards with no all-reduce left,
+    // every layer gets that placement.
+    let sp = p.tp > 1 && p.sequence_parallel && {
+        let placement = crate::collectives::sequence_parallel_placement(p.tp);
+        placement.norms_on_shards && placement.all_reduces == 0
+    };
     let mut s = Sharder {
         g,
         tp: p.tp > 1,
         dp: p.dp > 1,
+        sp,
         arch: spec.model.arch,
         whole_of: HashMap::new(),
+        seq_of: HashMap::new(),
     };
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     for (i, value) in old.values.iter().enumerate() {
@@ -97,8 +106,10 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
         s.g.params().map(|(v, n, _)| (n.to_string(), v)).collect();
     for (name, v) in s.g.outputs.clone() {
         if let Some(pname) = name.strip_prefix("grad:") {
+            // Partial gradients (norm weights under sequence parallelism) are reduced by the
+            // optimizer pass; a split must match the parameter's.
             let (pg, pp) = (s.tp_state(v), s.tp_state(params[pname]));
-            if pg != pp {
+            if pg != pp && pg != Tp::P {
                 return Err(PassError::Autodiff(format!(
                     "shard: the gradient of {pname} is {pg:?} over tp but the parameter is {pp:?}"
                 )));
@@ -119,9 +130,13 @@ struct Sharder<'a> {
     g: &'a mut Graph,
     tp: bool,
     dp: bool,
+    /// Sequence parallelism: per-token ops run on sequence shards.
+    sp: bool,
     arch: Arch,
     /// Values already made whole: each conversion is inserted once and reused.
     whole_of: HashMap<ValueId, ValueId>,
+    /// Values already split along the sequence.
+    seq_of: HashMap<ValueId, ValueId>,
 }
 
 impl Sharder<'_> {
@@ -257,6 +272,35 @@ impl Sharder<'_> {
                 Tp::R,
             ),
         }
+    }
+
+    /// The sequence dim of `v`, if it has one.
+    fn seq_dim(&self, v: ValueId) -> Option<usize> {
+        self.g.ty(v).dims.iter().position(|d| d.name == "s")
+    }
+
+    /// `v` split over tp along the sequence (sequence parallelism): a partial sum is
+    /// reduce-scattered, a whole value sliced locally.
+    fn to_seq(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+        let Some(d) = self.seq_dim(v) else {
+            return self.whole(v, path);
+        };
+        if let Some(&w) = self.seq_of.get(&v) {
+            return Ok(w);
+        }
+        let axes = vec![Axis::Tp];
+        let dim = d as u64;
+        let w = match self.tp_state(v) {
+            Tp::S(x) if x == d => v,
+            Tp::P => self.op1(OpKind::ReduceScatter { axes, dim }, &[v], path, Tp::S(d))?,
+            Tp::R => self.op1(OpKind::Slice { axes, dim }, &[v], path, Tp::S(d))?,
+            Tp::S(_) => {
+                let whole = self.whole(v, path)?;
+                self.op1(OpKind::Slice { axes, dim }, &[whole], path, Tp::S(d))?
+            }
+        };
+        self.seq_of.insert(v, w);
+        Ok(w)
     }
 
     /// `v` whole, unless it is already sharded (kept as is).
@@ -406,6 +450,52 @@ impl Sharder<'_> {
                     self.op(k, &args, path, &[])
                 }
             }
+            OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } if self.sp => {
+                let x = self.to_seq(ins[0], path)?;
+                let mut args = vec![x];
+                for &p in &ins[1..] {
+                    args.push(self.whole(p, path)?);
+                }
+                let out = st(self, x);
+                self.op(k, &args, path, &[out])
+            }
+            OpKind::RmsNormGrad { .. } | OpKind::LayerNormGrad { .. } if self.sp => {
+                // On sequence shards: dx stays split, the weight gradients are partial sums.
+                let x = self.to_seq(ins[0], path)?;
+                let w = self.whole(ins[1], path)?;
+                let dy = self.to_seq(ins[2], path)?;
+                let n = if matches!(kind, OpKind::LayerNormGrad { .. }) { 3 } else { 2 };
+                let mut outs = vec![st(self, x)];
+                outs.extend(std::iter::repeat_n(Tp::P, n - 1));
+                self.op(k, &[x, w, dy], path, &outs)
+            }
+            OpKind::Add | OpKind::GradSum
+                if self.sp
+                    && ins.iter().any(|&x| {
+                        self.seq_dim(x).is_some_and(|d| st(self, x) == Tp::S(d))
+                    }) =>
+            {
+                let args: Vec<ValueId> = ins
+                    .iter()
+                    .map(|&x| self.to_seq(x, path))
+                    .collect::<Result<_, _>>()?;
+                let out = st(self, args[0]);
+                self.op(k, &args, path, &[out])
+            }
+            OpKind::BiasAdd if self.sp && self.seq_dim(ins[0]).is_some() => {
+                let x = self.to_seq(ins[0], path)?;
+                let b = self.whole(ins[1], path)?;
+                let out = st(self, x);
+                self.op(k, &[x, b], path, &[out])
+            }
+            OpKind::BiasGrad
+                if self.sp
+                    && self
+                        .seq_dim(ins[0])
+                        .is_some_and(|d| st(self, ins[0]) == Tp::S(d)) =>
+            {
+                self.op(k, &ins, path, &[Tp::P])
+            }
             OpKind::BiasAdd => {
                 let x = self.not_partial(ins[0], path)?;
                 let out = st(self, x);
@@ -464,17 +554,15 @@ impl Sharder<'_> {
                     WeightLayout::OutIn => (1, 0),
                     WeightLayout::InOut => (0, 1),
                 };
-                let x = self.not_partial(ins[0], path)?;
-                let dy = self.not_partial(ins[1], path)?;
-                let (sx, sdy) = (st(self, x), st(self, dy));
-                let out = match (sx, sdy) {
-                    (Tp::R, Tp::S(_)) => Tp::S(out_dim),
-                    (Tp::S(_), Tp::R) => Tp::S(in_dim),
-                    (Tp::R, Tp::R) => Tp::R,
-                    _ => {
-                        let args = self.all_whole(&[x, dy], path)?;
-                        return self.op(k, &args, path, &[]);
-                    }
+                // Column-parallel: dy split over the output features, x whole.
+                // Row-parallel: x split over the input features, dy whole.
+                let (x, dy) = (ins[0], ins[1]);
+                let (x, dy, out) = if st(self, dy) == Tp::S(last(self, dy)) {
+                    (self.whole(x, path)?, dy, Tp::S(out_dim))
+                } else if st(self, x) == Tp::S(last(self, x)) {
+                    (x, self.whole(dy, path)?, Tp::S(in_dim))
+                } else {
+                    (self.whole(x, path)?, self.whole(dy, path)?, Tp::R)
                 };
                 self.op(k, &[x, dy], path, &[out])
             }

@@ -807,6 +807,21 @@ fn run_kernel(
             let members = group(axes, comm.rank());
             comm.all_reduce_sum(&members, mem.f32_mut(outs[0]))?;
         }
+        OpKind::Slice { axes, dim } => {
+            arity(op, ins, outs, 1, 1)?;
+            let members = group(axes, comm.rank());
+            let me = members.iter().position(|&r| r == comm.rank()).unwrap_or(0);
+            let s = shape(outs[0]);
+            let d = *dim as usize;
+            let outer: usize = s[..d].iter().map(|&x| x as usize).product();
+            let block: usize = s[d..].iter().map(|&x| x as usize).product();
+            let (x, y) = (mem.f32(ins[0]), mem.f32_mut(outs[0]));
+            let n = members.len();
+            for o in 0..outer {
+                let from = (o * n + me) * block;
+                y[o * block..(o + 1) * block].copy_from_slice(&x[from..from + block]);
+            }
+        }
         OpKind::AllGather { axes, dim } | OpKind::ReduceScatter { axes, dim } => {
             arity(op, ins, outs, 1, 1)?;
             let members = group(axes, comm.rank());
