@@ -142,12 +142,31 @@ fn sequence_parallel() {
         BASE,
         &[
             &["parallel.tp=2", "parallel.sequence_parallel=true"],
-            &["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"],
+            &[
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+            ],
         ],
     );
     assert_equivalent(
         "gpt-tiny.toml",
         BASE,
-        &[&["parallel.tp=2", "parallel.sequence_parallel=true"], &["parallel.tp=4", "parallel.sequence_parallel=true"]],
+        &[
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &["parallel.tp=4", "parallel.sequence_parallel=true"],
+        ],
+    );
+}
+
+#[test]
+fn data_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.dp=2"],
+            &["parallel.dp=2", "parallel.distributed_optimizer=true"],
+        ],
     );
 }

@@ -245,7 +245,9 @@ impl<'a> Builder<'a> {
                         &format!("{mp}.aux_loss"),
                     )?);
                 }
-                let tokens = spec.train.global_batch * m.seq_len;
+                // Capacity is per micro-batch, as Megatron computes it: the token count a
+                // dispatch sees at run time.
+                let tokens = spec.train.micro_batch * m.seq_len;
                 let capacity = if moe.capacity_factor > 0.0 {
                     let c = moe.capacity_factor * (tokens * moe.top_k) as f64 / moe.experts as f64;
                     (c.ceil() as u64).min(tokens)

@@ -47,8 +47,10 @@ pub fn check_supported(plan: &Plan) -> Result<(), RuntimeError> {
     for role in &plan.roles {
         for instr in role.microbatch.iter().chain(&role.optimizer) {
             if let Instr::Kernel { op, .. } = instr {
-                if is_moe(op) {
-                    return Err(unsupported_moe(op));
+                if matches!(op, OpKind::Cast { to } if *to != megac_ir::DType::F32) {
+                    return Err(RuntimeError::Unsupported(
+                        "precision = \"bf16\" plans need bf16 kernels, which the cpu backend does not have yet; compile with train.precision = \"fp32\"".into(),
+                    ));
                 }
             }
         }
@@ -56,25 +58,14 @@ pub fn check_supported(plan: &Plan) -> Result<(), RuntimeError> {
     Ok(())
 }
 
-fn is_moe(op: &OpKind) -> bool {
-    matches!(
-        op,
-        OpKind::Router { .. }
-            | OpKind::MoeAuxLoss { .. }
-            | OpKind::Dispatch { .. }
-            | OpKind::Combine
-            | OpKind::RouterGrad { .. }
-            | OpKind::MoeAuxLossGrad { .. }
-            | OpKind::DispatchGrad { .. }
-            | OpKind::CombineGrad
-    )
-}
-
-fn unsupported_moe(op: &OpKind) -> RuntimeError {
-    RuntimeError::Unsupported(format!(
-        "the cpu backend has no `{}` kernel yet: mixture-of-experts training lands with the expert-parallel work",
-        op.name()
-    ))
+/// The routing of a layer's tokens to experts, rebuilt from the router's indices; expert
+/// buffers with fewer rows than tokens hold at most that many (the capacity).
+fn routing(mem: &Memory, indices: BufId, experts: usize, rows: usize) -> k::moe::Routing {
+    let shape = &mem.buffer(indices).shape;
+    let top_k = *shape.last().unwrap_or(&1) as usize;
+    let t = mem.buffer(indices).len() as usize / top_k.max(1);
+    let capacity = if rows < t { rows } else { 0 };
+    k::moe::Routing::new(mem.i32(indices), t, top_k, experts, capacity)
 }
 
 /// Run `program` over `mem`. `tokens_per_step` scales the loss and its gradient (the mean is
@@ -140,6 +131,11 @@ pub fn run_program(
         }
     }
     Ok(())
+}
+
+/// The largest expert index in `indices`.
+fn max_index(indices: &[i32]) -> usize {
+    indices.iter().copied().max().unwrap_or(0).max(0) as usize
 }
 
 /// If dim `dim` of buffer `b` is split over tp, this rank's slice: (first index, length).
@@ -862,14 +858,117 @@ fn run_kernel(
                 op.name()
             )))
         }
-        OpKind::Router { .. }
-        | OpKind::MoeAuxLoss { .. }
-        | OpKind::Dispatch { .. }
-        | OpKind::Combine
-        | OpKind::RouterGrad { .. }
-        | OpKind::MoeAuxLossGrad { .. }
-        | OpKind::DispatchGrad { .. }
-        | OpKind::CombineGrad => return Err(unsupported_moe(op)),
+        OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
+            let e = last(ins[0]);
+            let t = numel(ins[0]) / e;
+            let k_ = *top_k as usize;
+            if matches!(op, OpKind::Router { .. }) {
+                arity(op, ins, outs, 1, 2)?;
+                k::router_fwd(
+                    mem.f32(ins[0]),
+                    t,
+                    e,
+                    k_,
+                    mem.f32_mut(outs[0]),
+                    mem.i32_act_mut(outs[1]),
+                );
+            } else {
+                arity(op, ins, outs, 2, 1)?;
+                // The selection is recomputed from the logits (it is deterministic).
+                let mut w = vec![0f32; t * k_];
+                let mut idx = vec![0i32; t * k_];
+                k::router_fwd(mem.f32(ins[0]), t, e, k_, &mut w, &mut idx);
+                k::router_bwd(
+                    mem.f32(ins[0]),
+                    t,
+                    e,
+                    k_,
+                    &idx,
+                    mem.f32(ins[1]),
+                    mem.f32_mut(outs[0]),
+                );
+            }
+        }
+        OpKind::MoeAuxLoss { coeff } | OpKind::MoeAuxLossGrad { coeff } => {
+            arity(op, ins, outs, 2, 1)?;
+            let e = last(ins[0]);
+            let t = numel(ins[0]) / e;
+            let top_k = last(ins[1]);
+            // Per micro-batch, as Megatron: the step's loss averages the micro-batches of
+            // every data-parallel rank (tokens per step / tokens per micro-batch of them).
+            let share = t as f64 / tokens;
+            if matches!(op, OpKind::MoeAuxLoss { .. }) {
+                let l = k::moe_aux_loss_fwd(mem.f32(ins[0]), t, e, top_k, mem.i32(ins[1]), *coeff);
+                mem.f32_mut(outs[0])[0] = (l * share) as f32;
+            } else {
+                k::moe_aux_loss_bwd(
+                    mem.f32(ins[0]),
+                    t,
+                    e,
+                    mem.i32(ins[1]),
+                    top_k,
+                    *coeff,
+                    share as f32,
+                    mem.f32_mut(outs[0]),
+                );
+            }
+        }
+        OpKind::Dispatch { expert, .. } => {
+            arity(op, ins, outs, 2, 1)?;
+            let rows = shape(outs[0])[0] as usize;
+            let h = last(ins[0]);
+            let experts = usize::MAX.min(1 + (*expert as usize).max(max_index(mem.i32(ins[1]))));
+            let r = routing(mem, ins[1], experts, rows);
+            let out = mem.f32_mut(outs[0]);
+            out.fill(0.0);
+            k::moe::dispatch_fwd_routed(mem.f32(ins[0]), &r, *expert as usize, h, out);
+        }
+        OpKind::DispatchGrad { expert } => {
+            arity(op, ins, outs, 2, 1)?;
+            let rows = shape(ins[0])[0] as usize;
+            let h = last(ins[0]);
+            let experts = 1 + (*expert as usize).max(max_index(mem.i32(ins[1])));
+            let r = routing(mem, ins[1], experts, rows);
+            k::moe::dispatch_bwd(
+                mem.f32(ins[0]),
+                &r,
+                *expert as usize,
+                h,
+                mem.f32_mut(outs[0]),
+            );
+        }
+        OpKind::Combine => {
+            if ins.len() < 3 || outs.len() != 1 {
+                return arity(op, ins, outs, 3, 1);
+            }
+            let ys: Vec<&[f32]> = ins[2..].iter().map(|&y| mem.f32(y)).collect();
+            let rows = shape(ins[2])[0] as usize;
+            let h = last(outs[0]);
+            let r = routing(mem, ins[1], ys.len(), rows);
+            let t = numel(outs[0]) / h;
+            k::moe::combine_fwd(mem.f32(ins[0]), &r, &ys, t, h, mem.f32_mut(outs[0]));
+        }
+        OpKind::CombineGrad => {
+            let experts = ins.len().saturating_sub(3);
+            if experts == 0 || outs.len() != experts + 1 {
+                return arity(op, ins, outs, 4, 2);
+            }
+            let ys: Vec<&[f32]> = ins[2..2 + experts].iter().map(|&y| mem.f32(y)).collect();
+            let rows = shape(ins[2])[0] as usize;
+            let dout = mem.f32(ins[2 + experts]);
+            let h = last(ins[2 + experts]);
+            let r = routing(mem, ins[1], experts, rows);
+            let mut dys: Vec<&mut [f32]> = outs[1..].iter().map(|&o| mem.f32_mut(o)).collect();
+            k::moe::combine_bwd(
+                mem.f32(ins[0]),
+                &r,
+                &ys,
+                dout,
+                h,
+                mem.f32_mut(outs[0]),
+                &mut dys,
+            );
+        }
     }
     Ok(())
 }

@@ -43,7 +43,11 @@ impl Memory {
             let slot = &mut need[class_index(b.class)];
             *slot = (*slot).max(end);
             let int = b.dtype == DType::I32;
-            if int != (b.class == BufferClass::Input) {
+            // i32 lives in the input arena (token ids) or, as MoE expert indices, in the
+            // activation arena (4-byte slots, reinterpreted).
+            if int && !matches!(b.class, BufferClass::Input | BufferClass::Activation)
+                || !int && b.class == BufferClass::Input
+            {
                 return Err(bad(b, "has a dtype this runtime cannot hold in its class"));
             }
             if b.dtype == DType::Bf16 {
@@ -114,8 +118,28 @@ impl Memory {
 
     /// An i32 (input) buffer.
     pub fn i32(&self, b: BufId) -> &[i32] {
-        let (_, off, len) = self.range(b);
+        let (class, off, len) = self.range(b);
+        if class == BufferClass::Activation {
+            // SAFETY: in bounds (checked in `new`); f32 and i32 have the same size and
+            // alignment and every bit pattern is a valid i32.
+            return unsafe {
+                std::slice::from_raw_parts(self.arena_ptr(class).add(off) as *const i32, len)
+            };
+        }
         &self.input[off..off + len]
+    }
+
+    /// An i32 activation buffer (MoE expert indices), writable.
+    #[allow(clippy::mut_from_ref)]
+    pub fn i32_act_mut(&self, b: BufId) -> &mut [i32] {
+        let (class, off, len) = self.range(b);
+        assert_eq!(
+            class,
+            BufferClass::Activation,
+            "i32_act_mut on a {class:?} buffer"
+        );
+        // SAFETY: as in `i32`; the planner never overlaps a kernel's outputs with its inputs.
+        unsafe { std::slice::from_raw_parts_mut(self.arena_ptr(class).add(off) as *mut i32, len) }
     }
 
     /// An i32 (input) buffer, writable (the data loader fills it).
