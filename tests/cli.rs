@@ -429,3 +429,101 @@ fn trace_writes_a_chrome_timeline_and_profile_prints_the_op_table() {
         "{out}"
     );
 }
+
+/// A hand-edited plan whose ranks disagree on a collective is reported, not hung on: rank 1
+/// gets a copy of the program without its first tensor-parallel all-reduce.
+#[test]
+fn mismatched_collective_in_an_edited_plan_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p");
+    let o = megac(&[
+        "compile",
+        "examples/llama-tiny.toml",
+        "--set",
+        "parallel.tp=2",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let path = out.join("plan.json");
+    let mut plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut role = plan["roles"][0].clone();
+    let program = role["microbatch"].as_array_mut().unwrap();
+    let first = program
+        .iter()
+        .position(|i| i["op"] == "all_reduce")
+        .unwrap();
+    program.remove(first);
+    role["name"] = serde_json::json!("edited");
+    plan["roles"].as_array_mut().unwrap().push(role);
+    plan["rank_to_role"] = serde_json::json!([0, 1]);
+    std::fs::write(&path, serde_json::to_string(&plan).unwrap()).unwrap();
+
+    let start = std::time::Instant::now();
+    let o = megac(&["run", out.to_str().unwrap(), "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("mismatch") || err.contains("deadlock"),
+        "{err}"
+    );
+    assert!(
+        err.contains("rank 0") && err.contains("rank 1"),
+        "names the ranks: {err}"
+    );
+    assert!(start.elapsed().as_secs() < 60, "reported promptly");
+}
+
+/// The per-rank memory `inspect` predicts is what rank 0 allocates, class by class, for
+/// tensor parallelism and for the distributed optimizer (which shards AdamW state over dp).
+#[test]
+fn inspect_memory_matches_the_allocated_arenas() {
+    for sets in [
+        vec!["--set", "parallel.tp=2"],
+        vec![
+            "--set",
+            "parallel.dp=2",
+            "--set",
+            "parallel.distributed_optimizer=true",
+        ],
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("p");
+        let report = dir.path().join("r.json");
+        let mut args = vec!["compile", "examples/llama-tiny.toml"];
+        args.extend(&sets);
+        args.extend(["-o", out.to_str().unwrap()]);
+        assert!(megac(&args).status.success());
+        let o = megac(&["inspect", out.to_str().unwrap(), "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let planned = &v["roles"][0]["memory_bytes"];
+        let o = megac(&[
+            "run",
+            out.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--report",
+            report.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let measured = &r["memory_bytes"];
+        for class in ["parameters", "gradients", "optimizer_state"] {
+            assert_eq!(planned[class], measured[class], "{sets:?}: {class}");
+        }
+        assert_eq!(
+            planned["activations_peak"], measured["activations"],
+            "{sets:?}"
+        );
+        if sets.len() > 2 {
+            // AdamW state is half of the unsharded 2 x parameters.
+            assert_eq!(
+                measured["optimizer_state"].as_u64().unwrap(),
+                measured["parameters"].as_u64().unwrap(),
+                "{sets:?}"
+            );
+        }
+    }
+}

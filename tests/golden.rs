@@ -26,6 +26,10 @@ fn read_f32(st: &SafeTensors, name: &str) -> Vec<f32> {
 }
 
 fn golden(name: &str) {
+    golden_with_init(name, "init.safetensors");
+}
+
+fn golden_with_init(name: &str, init_file: &str) {
     let dir = fixture(name);
     let spec = megac_frontend::load(&dir.join("model.toml"), &[])
         .unwrap_or_else(|e| panic!("{}", e.render()));
@@ -50,7 +54,7 @@ fn golden(name: &str) {
         .collect();
 
     let data = dir.join("tokens.bin");
-    let init = dir.join("init.safetensors");
+    let init = dir.join(init_file);
     let mut s = Session::new(&plan, data.to_str().unwrap(), Some(&init)).unwrap();
     for step in 1..=3u64 {
         let (loss, norm) = s.step(step).unwrap();
@@ -115,4 +119,18 @@ fn llama_matches_transformers() {
 #[test]
 fn gpt_matches_transformers() {
     golden("gpt");
+}
+
+/// MixtralForCausalLM (aux_loss_coeff = 0, so the loss is exactly transformers' LM loss):
+/// router softmax in fp32, top-2, renormalised weights, dropless experts.
+#[test]
+fn mixtral_matches_transformers() {
+    golden("mixtral");
+}
+
+/// transformers 5 saves Mixtral's experts fused (`mlp.experts.gate_up_proj`, `down_proj`);
+/// `--init` accepts that layout too and trains identically.
+#[test]
+fn mixtral_fused_checkpoint_loads() {
+    golden_with_init("mixtral", "init_fused.safetensors");
 }

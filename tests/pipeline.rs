@@ -318,8 +318,12 @@ fn sequence_parallel_collectives_per_layer() {
         let mut counts = (0, 0, 0);
         for op in ops.iter().filter(|op| layer_of(&op.path) == Some(layer)) {
             match &op.kind {
-                OpKind::AllGather { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => counts.0 += 1,
-                OpKind::ReduceScatter { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => counts.1 += 1,
+                OpKind::AllGather { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => {
+                    counts.0 += 1
+                }
+                OpKind::ReduceScatter { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => {
+                    counts.1 += 1
+                }
                 OpKind::AllReduce { axes } if axes == &[Axis::Tp] => counts.2 += 1,
                 _ => {}
             }
@@ -327,8 +331,16 @@ fn sequence_parallel_collectives_per_layer() {
         counts
     };
     // Layer 1 (layer 0 also takes the embedding's reduce-scatter at its first norm).
-    assert_eq!(tally(&g.ops[..backward_start], "model.layers.1"), (2, 2, 0), "forward");
-    assert_eq!(tally(&g.ops[backward_start..], "model.layers.1"), (2, 2, 0), "backward");
+    assert_eq!(
+        tally(&g.ops[..backward_start], "model.layers.1"),
+        (2, 2, 0),
+        "forward"
+    );
+    assert_eq!(
+        tally(&g.ops[backward_start..], "model.layers.1"),
+        (2, 2, 0),
+        "backward"
+    );
     let all_reduces = g
         .ops
         .iter()

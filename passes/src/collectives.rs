@@ -20,7 +20,9 @@
 //! layer needs. With these rules it arrives at Megatron's sequence parallelism by itself:
 //! 2 all-gathers and 2 reduce-scatters per layer, no all-reduce.
 
-use egg::{define_language, rewrite as rw, CostFunction, Extractor, Id, RecExpr, Rewrite, Runner, Symbol};
+use egg::{
+    define_language, rewrite as rw, CostFunction, Extractor, Id, RecExpr, Rewrite, Runner, Symbol,
+};
 
 define_language! {
     /// One layer's residual stream and its collectives.
@@ -285,7 +287,11 @@ mod tests {
     fn rewrites_find_megatron_sequence_parallelism() {
         for n in [2, 4, 8] {
             let p = sequence_parallel_placement(n);
-            assert_eq!((p.all_gathers, p.reduce_scatters, p.all_reduces), (2, 2, 0), "{p:?}");
+            assert_eq!(
+                (p.all_gathers, p.reduce_scatters, p.all_reduces),
+                (2, 2, 0),
+                "{p:?}"
+            );
             assert!(p.norms_on_shards, "{p:?}");
             assert!(p.cost < p.tp_cost, "{p:?}");
         }
@@ -294,7 +300,11 @@ mod tests {
     #[test]
     fn the_starting_point_is_tensor_parallel() {
         let t = tensor_parallel_layer();
-        let n = t.as_ref().iter().filter(|n| matches!(n, Coll::AllReduce(_))).count();
+        let n = t
+            .as_ref()
+            .iter()
+            .filter(|n| matches!(n, Coll::AllReduce(_)))
+            .count();
         assert_eq!(n, 2);
         let dist = distributions(&t, 2);
         assert!(dist.iter().all(|d| *d != Dist::Invalid));
@@ -317,7 +327,11 @@ mod tests {
             },
         );
         let (_, best) = extractor.find_best(runner.roots[0]);
-        let ar = best.as_ref().iter().filter(|n| matches!(n, Coll::AllReduce(_))).count();
+        let ar = best
+            .as_ref()
+            .iter()
+            .filter(|n| matches!(n, Coll::AllReduce(_)))
+            .count();
         assert_eq!(ar, 2, "{best}");
     }
 

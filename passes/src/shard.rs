@@ -464,16 +464,20 @@ impl Sharder<'_> {
                 let x = self.to_seq(ins[0], path)?;
                 let w = self.whole(ins[1], path)?;
                 let dy = self.to_seq(ins[2], path)?;
-                let n = if matches!(kind, OpKind::LayerNormGrad { .. }) { 3 } else { 2 };
+                let n = if matches!(kind, OpKind::LayerNormGrad { .. }) {
+                    3
+                } else {
+                    2
+                };
                 let mut outs = vec![st(self, x)];
                 outs.extend(std::iter::repeat_n(Tp::P, n - 1));
                 self.op(k, &[x, w, dy], path, &outs)
             }
             OpKind::Add | OpKind::GradSum
                 if self.sp
-                    && ins.iter().any(|&x| {
-                        self.seq_dim(x).is_some_and(|d| st(self, x) == Tp::S(d))
-                    }) =>
+                    && ins
+                        .iter()
+                        .any(|&x| self.seq_dim(x).is_some_and(|d| st(self, x) == Tp::S(d))) =>
             {
                 let args: Vec<ValueId> = ins
                     .iter()

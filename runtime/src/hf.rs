@@ -68,7 +68,10 @@ pub fn load_params(
         path: path.display().to_string(),
         message,
     };
-    let bytes = std::fs::read(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let mut bytes = std::fs::read(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    if let Some(unfused) = unfuse_moe(&bytes).map_err(err)? {
+        bytes = unfused;
+    }
     let file = SafeTensors::deserialize(&bytes)
         .map_err(|e| err(format!("not a valid safetensors file: {e}")))?;
     let present: HashSet<&str> = file.names().into_iter().collect();
@@ -160,6 +163,94 @@ pub fn load_params(
 }
 
 /// Convert little-endian F32, F16 or BF16 bytes to f32 (the dtype was checked).
+/// transformers 5 stores Mixtral's experts fused per layer: `model.layers.{i}.mlp.gate.weight`
+/// (the router), `mlp.experts.gate_up_proj` `[E, 2·ffn, h]` (rows `0..ffn` are w1, the gate;
+/// rows `ffn..2·ffn` are w3, the up projection) and `mlp.experts.down_proj` `[E, h, ffn]` (w2).
+/// When a file has that layout, rewrite it (in memory, as f32) with the Hub names megac uses
+/// (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{j}.w1/w2/w3.weight`).
+fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
+    let file = SafeTensors::deserialize(bytes)
+        .map_err(|e| format!("not a valid safetensors file: {e}"))?;
+    let names: Vec<String> = file.names().into_iter().map(str::to_string).collect();
+    if !names
+        .iter()
+        .any(|n| n.ends_with(".mlp.experts.gate_up_proj"))
+    {
+        return Ok(None);
+    }
+    let mut out: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for name in &names {
+        let t = file
+            .tensor(name)
+            .map_err(|e| format!("not a valid safetensors file: {e}"))?;
+        let data = to_f32(t.dtype(), t.data());
+        let shape = t.shape().to_vec();
+        if let Some(layer) = name.strip_suffix(".mlp.experts.gate_up_proj") {
+            let [e, two_f, h] = shape[..] else {
+                return Err(format!(
+                    "{name} has shape {shape:?}, expected [experts, 2·ffn, hidden]"
+                ));
+            };
+            let f = two_f / 2;
+            for j in 0..e {
+                let base = j * two_f * h;
+                let w1 = data[base..base + f * h].to_vec();
+                let w3 = data[base + f * h..base + two_f * h].to_vec();
+                out.push((
+                    format!("{layer}.block_sparse_moe.experts.{j}.w1.weight"),
+                    vec![f, h],
+                    w1,
+                ));
+                out.push((
+                    format!("{layer}.block_sparse_moe.experts.{j}.w3.weight"),
+                    vec![f, h],
+                    w3,
+                ));
+            }
+        } else if let Some(layer) = name.strip_suffix(".mlp.experts.down_proj") {
+            let [e, h, f] = shape[..] else {
+                return Err(format!(
+                    "{name} has shape {shape:?}, expected [experts, hidden, ffn]"
+                ));
+            };
+            for j in 0..e {
+                let w2 = data[j * h * f..(j + 1) * h * f].to_vec();
+                out.push((
+                    format!("{layer}.block_sparse_moe.experts.{j}.w2.weight"),
+                    vec![h, f],
+                    w2,
+                ));
+            }
+        } else if let Some(layer) = name.strip_suffix(".mlp.gate.weight").filter(|l| {
+            names
+                .iter()
+                .any(|n| n == &format!("{l}.mlp.experts.gate_up_proj"))
+        }) {
+            out.push((format!("{layer}.block_sparse_moe.gate.weight"), shape, data));
+        } else {
+            out.push((name.clone(), shape, data));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = out
+        .iter()
+        .map(|(n, shape, data)| {
+            let bytes: &[u8] = bytemuck_f32(data);
+            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| format!("cannot unfuse {n}: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
+    safetensors::serialize(views, None)
+        .map(Some)
+        .map_err(|e| format!("cannot unfuse the experts: {e}"))
+}
+
+/// The bytes of an f32 slice (little-endian hosts, as safetensors stores them).
+fn bytemuck_f32(data: &[f32]) -> &[u8] {
+    // SAFETY: any f32 slice is a valid byte slice of 4x its length; the borrow is kept.
+    unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) }
+}
+
 fn to_f32(dtype: Dtype, data: &[u8]) -> Vec<f32> {
     match dtype {
         Dtype::F32 => data

@@ -75,6 +75,13 @@ impl RunReport {
             "steps": steps,
             "tokens_per_s": self.tokens_per_s,
             "peak_rss_bytes": self.peak_rss_bytes,
+            "memory_bytes": {
+                "parameters": self.arena_bytes[0],
+                "gradients": self.arena_bytes[1],
+                "optimizer_state": self.arena_bytes[2],
+                "activations": self.arena_bytes[3],
+                "inputs": self.arena_bytes[4],
+            },
         });
         let mut s = serde_json::to_string_pretty(&v).expect("report serializes");
         s.push('\n');
@@ -132,15 +139,20 @@ impl<'p> Session<'p> {
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
         let world = plan.mesh.world_size();
-        if plan.roles.len() != 1 || plan.rank_to_role.len() != world || comm.size() != world {
+        let bad_role = plan
+            .rank_to_role
+            .iter()
+            .any(|&r| r as usize >= plan.roles.len());
+        if bad_role || plan.rank_to_role.len() != world || comm.size() != world {
             return Err(RuntimeError::Plan(format!(
-                "the mesh has {world} ranks, the rank table {}, the communicator {}; this runtime runs plans with one role",
+                "the mesh has {world} ranks, the rank table {} (over {} roles), the communicator {}",
                 plan.rank_to_role.len(),
+                plan.roles.len(),
                 comm.size()
             )));
         }
         crate::exec::check_supported(plan)?;
-        let role = &plan.roles[0];
+        let role = &plan.roles[plan.rank_to_role[comm.rank()] as usize];
         let mem = Memory::new(plan, comm.rank())?;
         let b = &plan.batch;
         let data = DataSource::open(data, b.seq_len as usize, b.vocab as u32, plan.train.seed)?;
@@ -241,7 +253,7 @@ impl<'p> Session<'p> {
             .copy_from_slice(&self.labels);
         let ctx = self.context(step);
         run_program(
-            &self.plan.roles[0].microbatch,
+            &self.role().microbatch,
             self.plan,
             &self.mem,
             &ctx,
@@ -255,7 +267,7 @@ impl<'p> Session<'p> {
     pub fn optimizer_step(&mut self, step: u64) -> Result<f64, RuntimeError> {
         let ctx = self.context(step);
         run_program(
-            &self.plan.roles[0].optimizer,
+            &self.role().optimizer,
             self.plan,
             &self.mem,
             &ctx,
@@ -273,13 +285,19 @@ impl<'p> Session<'p> {
             loss += self.microbatch(step, mb)?;
         }
         // The loss of data-parallel ranks is a pending sum: add it up for the report.
-        if let Some(axes) = self.plan.roles[0].result_axes.get("loss") {
+        if let Some(axes) = self.role().result_axes.get("loss") {
             let group = self.plan.mesh.group(self.comm.rank(), axes);
             let mut total = [loss];
             self.comm.all_reduce_sum_f64(&group, &mut total)?;
             loss = total[0];
         }
         Ok((loss, self.optimizer_step(step)?))
+    }
+
+    /// This rank's role.
+    fn role(&self) -> &'p megac_ir::plan::Role {
+        let plan: &'p Plan = self.plan;
+        &plan.roles[plan.rank_to_role[self.comm.rank()] as usize]
     }
 
     fn context(&self, step: u64) -> StepContext {

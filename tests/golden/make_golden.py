@@ -4,7 +4,7 @@
 CI never runs this script: it only reads the files committed next to it. Run it by hand
 (see README.md in this folder for the exact install commands and versions) to regenerate:
 
-    python3 tests/golden/make_golden.py            # writes tests/golden/{llama,gpt}/
+    python3 tests/golden/make_golden.py            # writes tests/golden/{llama,gpt,mixtral}/
     python3 tests/golden/make_golden.py --check    # regenerate in a temp dir, compare bytes
 
 For each model it writes, into tests/golden/<name>/:
@@ -15,6 +15,14 @@ For each model it writes, into tests/golden/<name>/:
     tokens.bin          little-endian uint32 token ids
     expected.json       per-step loss and global grad norm (before clipping), versions
     final.safetensors   weights after `steps` optimizer steps (HF layout)
+
+and for the MoE model (mixtral) also
+
+    init_fused.safetensors  the same initial weights as transformers 5's state_dict holds
+                            them (experts fused into 3-D tensors; see hub_from_fused)
+
+mixtral's init/final.safetensors use the Hub checkpoint names and layout of Mixtral
+(block_sparse_moe.gate, per-expert w1/w2/w3), which is what megac names its parameters.
 
 Training semantics (what megac implements and is checked against):
   * sample i is the window tokens[i*(S+1) : (i+1)*(S+1)]; inputs = its first S tokens,
@@ -42,7 +50,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,7 +68,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # margin (the script asserts it): llama clips every step (1.0: the strongest effect on
 # the later losses, norms and final weights; no threshold separates its step 0 from step 1
 # with a margin and 2.05, clipping step 2 only, moves just the final weights by 4e-4);
-# gpt clips step 0 only (2.0), so the unclipped path is covered too.
+# gpt clips step 0 only (2.0), so the unclipped path is covered too. mixtral (unclipped
+# norms 1.766, 1.604, 2.763: no threshold separates steps 0 and 1 with a margin) uses 2.0:
+# steps 0 and 1 don't clip, step 2 does (leaving the losses and norms as unclipped, but
+# moving the final weights by up to 1.6e-3, 2.7e-2 relative to a tensor; clipping every
+# step with 1.0 would change the step 2 loss by only 1.1e-4 relative).
 TRAIN = dict(
     micro_batch=2,
     global_batch=4,
@@ -96,11 +117,66 @@ MODELS = {
         tie_embeddings=True,
         grad_clip=2.0,
     ),
+    # Mixtral: the llama fixture's shapes with every layer's MLP replaced by 4 SwiGLU
+    # experts of ffn_hidden 96, top-2 routing. aux_loss_coeff = 0: megac's load-balancing
+    # loss is per layer (Megatron's), transformers' is one formula over the whole model,
+    # so the golden leaves it out and the loss is exactly the LM cross entropy.
+    # capacity_factor = 0: dropless (transformers never drops tokens).
+    "mixtral": dict(
+        arch="llama",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=96,
+        vocab=128,
+        seq_len=16,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        moe=dict(experts=4, top_k=2, layer_freq=1, aux_loss_coeff=0.0, capacity_factor=0.0),
+        grad_clip=2.0,
+    ),
 }
+
+# Minimum gap between the top_k-th and the (top_k+1)-th router logit of any token in any
+# MoE layer over all the training forwards (mixtral): far above float32 rounding, so
+# megac's routing can't pick a different expert than transformers' does.
+MIN_ROUTER_GAP = 1e-4
 
 
 def build_model(m):
-    if m["arch"] == "llama":
+    if m.get("moe") is not None:
+        moe = m["moe"]
+        assert m["arch"] == "llama" and moe["layer_freq"] == 1
+        assert moe["aux_loss_coeff"] == 0.0 and moe["capacity_factor"] == 0.0
+        cfg = MixtralConfig(
+            vocab_size=m["vocab"],
+            hidden_size=m["hidden"],
+            intermediate_size=m["ffn_hidden"],
+            num_hidden_layers=m["layers"],
+            num_attention_heads=m["heads"],
+            num_key_value_heads=m["kv_heads"],
+            max_position_embeddings=m["seq_len"],
+            rms_norm_eps=m["norm_eps"],
+            rope_theta=m["rope_theta"],
+            tie_word_embeddings=m["tie_embeddings"],
+            num_local_experts=moe["experts"],
+            num_experts_per_tok=moe["top_k"],
+            router_aux_loss_coef=0.0,
+            output_router_logits=False,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+            attention_dropout=0.0,
+            hidden_act="silu",
+            dtype="float32",
+        )
+        cfg._attn_implementation = "eager"
+        # The plain per-expert loop of MixtralExperts.forward (not grouped_mm).
+        cfg._experts_implementation = "eager"
+        model = MixtralForCausalLM(cfg)
+        assert model.config._experts_implementation == "eager"
+    elif m["arch"] == "llama":
         cfg = LlamaConfig(
             vocab_size=m["vocab"],
             hidden_size=m["hidden"],
@@ -167,6 +243,131 @@ def save_weights(model, dst_safetensors, dst_config=None):
             shutil.copyfile(os.path.join(tmp, "config.json"), dst_config)
 
 
+def hub_from_fused(sd, m):
+    """transformers 5 Mixtral state dict -> Hub checkpoint names and layout.
+
+    transformers 5 (MixtralSparseMoeBlock) holds, per layer i,
+      model.layers.{i}.mlp.gate.weight               [E, hidden]         (router)
+      model.layers.{i}.mlp.experts.gate_up_proj      [E, 2*ffn, hidden]
+      model.layers.{i}.mlp.experts.down_proj         [E, hidden, ffn]
+    and computes expert e as
+      gate, up = linear(x, gate_up_proj[e]).chunk(2, dim=-1)
+      y = linear(silu(gate) * up, down_proj[e])
+    so gate_up_proj[e] rows [0, ffn) are the gate projection (Hub w1) and rows
+    [ffn, 2*ffn) the up projection (Hub w3), both already [out, in] as nn.Linear stores
+    them; down_proj[e] is w2 as is. Nothing is transposed:
+      model.layers.{i}.block_sparse_moe.gate.weight          = mlp.gate.weight
+      model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight = gate_up_proj[e, :ffn, :]
+      model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight = gate_up_proj[e, ffn:, :]
+      model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight = down_proj[e]
+    (the inverse of transformers' own conversion_mapping["mixtral"], which loads Hub files
+    by renaming .block_sparse_moe. -> .mlp. and concatenating [w1; w3] along dim 1).
+    Every other tensor keeps its name.
+    """
+    E, F_ = m["moe"]["experts"], m["ffn_hidden"]
+    out = {}
+    for k, v in sd.items():
+        v = v.detach().contiguous()
+        if ".mlp.experts.gate_up_proj" in k:
+            pre = k[: -len(".mlp.experts.gate_up_proj")] + ".block_sparse_moe.experts"
+            assert v.shape == (E, 2 * F_, m["hidden"]), (k, v.shape)
+            for e in range(E):
+                out[f"{pre}.{e}.w1.weight"] = v[e, :F_, :].clone()
+                out[f"{pre}.{e}.w3.weight"] = v[e, F_:, :].clone()
+        elif ".mlp.experts.down_proj" in k:
+            pre = k[: -len(".mlp.experts.down_proj")] + ".block_sparse_moe.experts"
+            assert v.shape == (E, m["hidden"], F_), (k, v.shape)
+            for e in range(E):
+                out[f"{pre}.{e}.w2.weight"] = v[e].clone()
+        elif ".mlp.gate.weight" in k:
+            assert v.shape == (E, m["hidden"]), (k, v.shape)
+            out[k.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = v.clone()
+        else:
+            assert ".mlp." not in k, k
+            out[k] = v.clone()
+    return out
+
+
+def fused_from_hub(hub, m):
+    """The inverse of hub_from_fused: Hub names -> transformers 5 state dict."""
+    E = m["moe"]["experts"]
+    out = {}
+    for k, v in hub.items():
+        if ".block_sparse_moe.experts." in k:
+            continue
+        out[k.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = v
+    for i in range(m["layers"]):
+        pre = f"model.layers.{i}.block_sparse_moe.experts"
+        w = lambda e, n: hub[f"{pre}.{e}.{n}.weight"]
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w(e, "w1"), w(e, "w3")], dim=0) for e in range(E)]
+        )
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack([w(e, "w2") for e in range(E)])
+    return out
+
+
+def save_hub_weights(model, m, dst_safetensors, dst_config=None):
+    """MoE models: write the state dict converted to Hub names (hub_from_fused).
+
+    Cross-checks the conversion: the names and values equal what save_pretrained writes
+    (transformers 5.24 converts back to the Hub layout when saving), and converting back
+    and loading into the model reproduces the state dict exactly.
+    """
+    sd = model.state_dict()
+    hub = hub_from_fused(sd, m)
+    back = fused_from_hub(hub, m)
+    assert sorted(back) == sorted(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        with safe_open(os.path.join(tmp, "model.safetensors"), "pt") as f:
+            assert sorted(f.keys()) == sorted(hub), (sorted(f.keys()), sorted(hub))
+            for k in hub:
+                assert torch.equal(f.get_tensor(k), hub[k]), k
+        if dst_config is not None:
+            shutil.copyfile(os.path.join(tmp, "config.json"), dst_config)
+    save_file(hub, dst_safetensors, metadata={"format": "pt"})
+
+
+def check_conversion(model, m, hub_path, fused_path, toks):
+    """Load the Hub-named file (via fused_from_hub, and via transformers' own loader) and
+    the fused file into fresh models: each must give the original model's loss bit for
+    bit."""
+    S = m["seq_len"]
+    windows = torch.from_numpy(toks.astype(np.int64))
+    batch = torch.stack([windows[i * (S + 1) : (i + 1) * (S + 1)] for i in range(4)])
+
+    def loss_of(mod):
+        mod.eval()
+        with torch.no_grad():
+            logits = mod(input_ids=batch[:, :S]).logits
+        return F.cross_entropy(logits.reshape(-1, m["vocab"]), batch[:, 1:].reshape(-1))
+
+    want = loss_of(model)
+    model.train()
+    with safe_open(hub_path, "pt") as f:
+        hub = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(fused_path, "pt") as f:
+        fused = {k: f.get_tensor(k) for k in f.keys()}
+    losses = {}
+    for label, sd in (("hub->fused", fused_from_hub(hub, m)), ("fused", fused)):
+        torch.manual_seed(12345)  # fresh, different weights until loaded
+        fresh = build_model(m)
+        fresh.load_state_dict(sd, strict=True)
+        losses[label] = loss_of(fresh)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.config.save_pretrained(tmp)
+        shutil.copyfile(hub_path, os.path.join(tmp, "model.safetensors"))
+        fresh = MixtralForCausalLM.from_pretrained(
+            tmp, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
+        )
+        losses["from_pretrained(hub)"] = loss_of(fresh)
+    for label, l in losses.items():
+        assert torch.equal(l, want), f"conversion check {label}: loss {l.item()} != {want.item()}"
+    return float(want.item())
+
+
 def fnum(x):
     """A float as a short TOML number: 1e-05 -> 1e-5, 0.01 -> 0.01, 10000.0 -> 10000.0."""
     r = repr(float(x))
@@ -196,6 +397,19 @@ def model_toml(name, m):
         f"rope_theta = {fnum(m['rope_theta'])}",
         f"tie_embeddings = {'true' if m['tie_embeddings'] else 'false'}",
         "",
+    ]
+    if m.get("moe") is not None:
+        moe = m["moe"]
+        lines += [
+            "[model.moe]",
+            f"experts = {moe['experts']}",
+            f"top_k = {moe['top_k']}",
+            f"layer_freq = {moe['layer_freq']}",
+            f"aux_loss_coeff = {fnum(moe['aux_loss_coeff'])}",
+            f"capacity_factor = {fnum(moe['capacity_factor'])}",
+            "",
+        ]
+    lines += [
         "[train]",
         f"micro_batch = {t['micro_batch']}",
         f"global_batch = {t['global_batch']}",
@@ -218,6 +432,24 @@ def make_tokens(m, seed):
     rng = np.random.RandomState(seed)
     toks = rng.randint(0, m["vocab"], size=n).astype("<u4")
     return toks
+
+
+def router_gaps(model):
+    """Hooks recording, for every MoE router call, each token's gap between its top_k-th
+    and (top_k+1)-th router logit. Returns the list they append to."""
+    gaps = []
+    if model.config.model_type != "mixtral":
+        return gaps
+    k = model.config.num_experts_per_tok
+
+    def hook(_mod, _inp, out):
+        logits = out[0].detach()
+        top = torch.topk(logits, k + 1, dim=-1).values
+        gaps.append(float((top[:, k - 1] - top[:, k]).min().item()))
+
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(hook)
+    return gaps
 
 
 def train(model, toks, m):
@@ -267,18 +499,43 @@ def generate(name, m, outdir):
     seed = TRAIN["seed"]
     torch.manual_seed(seed)
     model = build_model(m)
-    save_weights(
-        model,
-        os.path.join(outdir, "init.safetensors"),
-        os.path.join(outdir, "init_config.json"),
-    )
+    is_moe = m.get("moe") is not None
     toks = make_tokens(m, seed)
+    if is_moe:
+        save_hub_weights(
+            model,
+            m,
+            os.path.join(outdir, "init.safetensors"),
+            os.path.join(outdir, "init_config.json"),
+        )
+        save_file(
+            {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+            os.path.join(outdir, "init_fused.safetensors"),
+            metadata={"format": "pt"},
+        )
+        check_conversion(
+            model,
+            m,
+            os.path.join(outdir, "init.safetensors"),
+            os.path.join(outdir, "init_fused.safetensors"),
+            toks,
+        )
+    else:
+        save_weights(
+            model,
+            os.path.join(outdir, "init.safetensors"),
+            os.path.join(outdir, "init_config.json"),
+        )
     with open(os.path.join(outdir, "tokens.bin"), "wb") as f:
         f.write(toks.tobytes())
     with open(os.path.join(outdir, "model.toml"), "w") as f:
         f.write(model_toml(name, m))
 
+    gaps = router_gaps(model)
     losses, norms = train(model, toks, m)
+    if is_moe:
+        assert len(gaps) == TRAIN["steps"] * (TRAIN["global_batch"] // TRAIN["micro_batch"]) * m["layers"]
+        assert min(gaps) > MIN_ROUTER_GAP, f"{name}: router near-tie {min(gaps)}"
     clip = m["grad_clip"]
     clipped = [n > clip for n in norms]
     for n in norms:
@@ -288,14 +545,19 @@ def generate(name, m, outdir):
     assert any(clipped), f"{name}: no step clipped (norms {norms}, clip {clip})"
     assert all(math.isfinite(x) for x in losses + norms)
 
-    save_weights(model, os.path.join(outdir, "final.safetensors"))
+    if is_moe:
+        save_hub_weights(model, m, os.path.join(outdir, "final.safetensors"))
+    else:
+        save_weights(model, os.path.join(outdir, "final.safetensors"))
     expected = {
         "losses": losses,
         "grad_norms": norms,
         "clipped": clipped,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
     }
+    if is_moe:
+        expected["min_router_logit_gap"] = min(gaps)
+    expected["torch_version"] = torch.__version__
+    expected["transformers_version"] = transformers.__version__
     with open(os.path.join(outdir, "expected.json"), "w") as f:
         json.dump(expected, f, indent=2)
         f.write("\n")
@@ -329,9 +591,11 @@ def main():
             print(f"== {name} ({m['arch']}), grad_clip {m['grad_clip']}")
             for k, (l, n, c) in enumerate(zip(exp["losses"], exp["grad_norms"], exp["clipped"])):
                 print(f"  step {k}: loss {l:.9g}  grad_norm {n:.9g}  {'clipped' if c else ''}")
+            if "min_router_logit_gap" in exp:
+                print(f"  min router logit gap (top_k vs next): {exp['min_router_logit_gap']:.3g}")
             for fn in sorted(os.listdir(outdir)):
                 p = os.path.join(outdir, fn)
-                print(f"  {fn:20s} {os.path.getsize(p):8d} B  sha256 {sha256(p)[:16]}")
+                print(f"  {fn:24s} {os.path.getsize(p):8d} B  sha256 {sha256(p)[:16]}")
                 assert not fn.endswith(".safetensors") or os.path.getsize(p) < 1 << 20
         print(f"torch {torch.__version__}, transformers {transformers.__version__}")
         if args.check:
