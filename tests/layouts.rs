@@ -170,3 +170,47 @@ fn data_parallel_moe() {
         ],
     );
 }
+
+#[test]
+fn context_parallel() {
+    assert_equivalent(
+        "llama-tiny.toml",
+        BASE,
+        &[
+            &["parallel.cp=2"],
+            &["parallel.cp=2", "parallel.tp=2"],
+            &["parallel.cp=2", "parallel.dp=2"],
+        ],
+    );
+    assert_equivalent(
+        "gpt-tiny.toml",
+        BASE,
+        &[&["parallel.cp=2"], &["parallel.cp=4"]],
+    );
+}
+
+#[test]
+fn tensor_parallel_with_the_distributed_optimizer() {
+    assert_equivalent(
+        "llama-tiny.toml",
+        BASE,
+        &[
+            &[
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.distributed_optimizer=true",
+            ],
+            &[
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=true",
+            ],
+            &[
+                "parallel.cp=2",
+                "parallel.dp=2",
+                "parallel.distributed_optimizer=true",
+            ],
+        ],
+    );
+}

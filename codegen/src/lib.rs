@@ -48,9 +48,9 @@ pub fn emit_plan(
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
     let m = &spec.model;
-    if p.pp > 1 || p.cp > 1 || p.ep > 1 || p.fbd {
+    if p.pp > 1 || p.ep > 1 || p.fbd || (p.cp > 1 && m.moe.is_some()) {
         return Err(CodegenError::Unsupported(format!(
-            "this build emits data- and tensor-parallel plans only (with sequence parallelism and the distributed optimizer); the layout pp={} cp={} ep={}{} needs the pipeline, context or expert passes, which are not implemented yet",
+            "this build emits data-, tensor- (with sequence parallelism) and context-parallel plans only; the layout pp={} cp={} ep={}{} needs the pipeline or expert passes (or context parallelism for MoE), which are not implemented yet",
             p.pp,
             p.cp,
             p.ep,
@@ -74,9 +74,7 @@ pub fn emit_plan(
         if m.moe.is_some() {
             why.push("the model has MoE layers (expert tensor parallelism)".into());
         }
-        if p.distributed_optimizer && p.dp > 1 {
-            why.push("tp with the distributed optimizer (per-element norm weights)".into());
-        }
+
         if !why.is_empty() {
             return Err(CodegenError::Unsupported(format!(
                 "tensor parallelism with tp = {} is not implemented for this model yet: {}",
@@ -513,16 +511,6 @@ impl<'a> Emitter<'a> {
         Ok(())
     }
 
-    /// Elements of a class's arena so far.
-    fn arena_len(&self, class: BufferClass) -> u64 {
-        self.buffers
-            .iter()
-            .filter(|b| b.class == class)
-            .map(|b| b.offset + b.len())
-            .max()
-            .unwrap_or(0)
-    }
-
     fn flat(&mut self, name: &str, class: BufferClass, offset: u64, len: u64) -> BufId {
         let id = self.buffers.len() as BufId;
         self.buffers.push(Buffer {
@@ -607,6 +595,7 @@ impl<'a> Emitter<'a> {
     /// AdamW state; the parameters are all-gathered back. The gradient norm sums the squares
     /// of every rank's slice over dp.
     fn zero1(&mut self, dp: u64) -> Result<(), CodegenError> {
+        use megac_ir::Axis;
         let hp = self.optimizer.iter().find_map(|i| match i {
             Instr::Kernel {
                 op: op @ OpKind::AdamW { .. },
@@ -619,58 +608,146 @@ impl<'a> Emitter<'a> {
                 "no AdamW step to distribute".into(),
             ));
         };
-        let len = self.arena_len(BufferClass::Param);
-        let shard = len.div_ceil(dp);
-        let padded = shard * dp;
-        let dp_axis = vec![megac_ir::Axis::Dp];
-        let grads = self.flat("grad:all", BufferClass::Grad, 0, padded);
-        let grad_shard = self.flat("grad:shard", BufferClass::Grad, padded, shard);
-        let params = self.flat("param:all", BufferClass::Param, 0, padded);
-        let param_shard = self.flat("param:shard", BufferClass::Param, 0, shard);
-        self.buffers[param_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
-            axis: megac_ir::Axis::Dp,
-            stride: shard,
-        });
-        let m = self.flat("exp_avg:shard", BufferClass::OptState, 0, shard);
-        let v = self.flat("exp_avg_sq:shard", BufferClass::OptState, shard, shard);
         let norm = match self.results.get("grad_norm") {
             Some(&b) => b,
             None => return Err(CodegenError::Incomplete("no grad_norm result".into())),
         };
-        self.optimizer = vec![
-            Instr::Kernel {
+        // Gradients that are also pending sums over other axes (cp, or tp for norm weights
+        // under sequence parallelism) are reduced over those first, in place.
+        let mut program = Vec::new();
+        for instr in &self.optimizer {
+            if let Instr::Kernel {
+                op: OpKind::AllReduce { axes },
+                inputs,
+                ..
+            } = instr
+            {
+                let rest: Vec<Axis> = axes.iter().copied().filter(|&a| a != Axis::Dp).collect();
+                if !rest.is_empty() && self.buffers[inputs[0] as usize].class == BufferClass::Grad {
+                    program.push(Instr::Kernel {
+                        op: OpKind::AllReduce { axes: rest },
+                        inputs: inputs.clone(),
+                        outputs: inputs.clone(),
+                        path: format!("optimizer.reduce.{}", self.buffers[inputs[0] as usize].name),
+                    });
+                }
+            }
+        }
+        // Two segments of the flat arenas: parameters replicated over tp first, then those
+        // split over tp. Each is sharded over dp on its own, so every shard knows whether its
+        // squares count once per tp group (replicated) or per rank (split).
+        let tp_split = |e: &ParamEntry| e.shards.iter().any(|a| a.contains(&Axis::Tp));
+        let mut order: Vec<usize> = (0..self.params.len())
+            .filter(|&i| !tp_split(&self.params[i]))
+            .collect();
+        let split_start = order.len();
+        order.extend((0..self.params.len()).filter(|&i| tp_split(&self.params[i])));
+        let mut segments: Vec<(u64, u64, bool)> = Vec::new(); // (offset, padded length, tp split)
+        let mut offset = 0u64;
+        for (seg, range) in [(false, 0..split_start), (true, split_start..order.len())] {
+            let start = offset;
+            for &i in &order[range] {
+                let (pb, gb) = (self.params[i].buffer, self.params[i].grad);
+                self.buffers[pb as usize].offset = offset;
+                self.buffers[gb as usize].offset = offset;
+                offset += self.buffers[pb as usize].len();
+            }
+            let len = offset - start;
+            if len > 0 {
+                let padded = len.div_ceil(dp) * dp;
+                segments.push((start, padded, seg));
+                offset = start + padded;
+            }
+        }
+        let total = offset;
+        let mut opt_offset = 0u64;
+        let mut norm_inputs = Vec::new();
+        let mut updates = Vec::new();
+        for (k, &(start, padded, split)) in segments.iter().enumerate() {
+            let shard = padded / dp;
+            let layout = if split {
+                vec![vec![Axis::Dp, Axis::Tp]]
+            } else {
+                vec![vec![Axis::Dp]]
+            };
+            let grads = self.flat(
+                &format!("grad:segment{k}"),
+                BufferClass::Grad,
+                start,
+                padded,
+            );
+            let grad_shard = self.flat(
+                &format!("grad:shard{k}"),
+                BufferClass::Grad,
+                total + start / dp,
+                shard,
+            );
+            self.buffers[grad_shard as usize].layout = layout.clone();
+            let params = self.flat(
+                &format!("param:segment{k}"),
+                BufferClass::Param,
+                start,
+                padded,
+            );
+            let param_shard =
+                self.flat(&format!("param:shard{k}"), BufferClass::Param, start, shard);
+            self.buffers[param_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
+                axis: Axis::Dp,
+                stride: shard,
+            });
+            let m = self.flat(
+                &format!("exp_avg:shard{k}"),
+                BufferClass::OptState,
+                opt_offset,
+                shard,
+            );
+            let v = self.flat(
+                &format!("exp_avg_sq:shard{k}"),
+                BufferClass::OptState,
+                opt_offset + shard,
+                shard,
+            );
+            opt_offset += 2 * shard;
+            program.push(Instr::Kernel {
                 op: OpKind::ReduceScatter {
-                    axes: dp_axis.clone(),
+                    axes: vec![Axis::Dp],
                     dim: 0,
                 },
                 inputs: vec![grads],
                 outputs: vec![grad_shard],
-                path: "optimizer.reduce_scatter".into(),
-            },
-            Instr::Kernel {
-                op: OpKind::GradNorm {
-                    axes: dp_axis.clone(),
-                },
-                inputs: vec![grad_shard],
-                outputs: vec![norm],
-                path: "optimizer.grad_norm".into(),
-            },
-            Instr::Kernel {
-                op: adamw,
+                path: format!("optimizer.reduce_scatter.segment{k}"),
+            });
+            norm_inputs.push(grad_shard);
+            updates.push((k, grad_shard, params, param_shard, m, v));
+        }
+        let mut norm_axes = vec![Axis::Dp];
+        if segments.iter().any(|s| s.2) {
+            norm_axes.push(Axis::Tp);
+        }
+        program.push(Instr::Kernel {
+            op: OpKind::GradNorm { axes: norm_axes },
+            inputs: norm_inputs,
+            outputs: vec![norm],
+            path: "optimizer.grad_norm".into(),
+        });
+        for (k, grad_shard, params, param_shard, m, v) in updates {
+            program.push(Instr::Kernel {
+                op: adamw.clone(),
                 inputs: vec![param_shard, grad_shard, norm],
                 outputs: vec![param_shard, m, v],
-                path: "optimizer.adamw.shard".into(),
-            },
-            Instr::Kernel {
+                path: format!("optimizer.adamw.segment{k}"),
+            });
+            program.push(Instr::Kernel {
                 op: OpKind::AllGather {
-                    axes: dp_axis,
+                    axes: vec![Axis::Dp],
                     dim: 0,
                 },
                 inputs: vec![param_shard],
                 outputs: vec![params],
-                path: "optimizer.all_gather".into(),
-            },
-        ];
+                path: format!("optimizer.all_gather.segment{k}"),
+            });
+        }
+        self.optimizer = program;
         Ok(())
     }
 

@@ -24,6 +24,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod context;
 pub mod elementwise;
 pub mod embedding;
 pub mod linear;
@@ -37,6 +38,10 @@ mod util;
 
 pub use activation::{gelu_tanh_bwd, gelu_tanh_fwd, swiglu_bwd, swiglu_fwd};
 pub use attention::{attention_bwd, attention_fwd};
+pub use context::{
+    attention_block_bwd, attention_block_fwd, attention_merge, attention_merge_into,
+    cp_local_positions, rope_bwd_positions, rope_fwd_positions,
+};
 pub use elementwise::{accumulate, add_fwd, scale_in_place, sum_squares};
 pub use embedding::{embedding_bwd, embedding_fwd, pos_embedding_bwd, pos_embedding_fwd};
 pub use linear::{linear_bwd_data, linear_bwd_weight, linear_fwd, WeightLayout};

@@ -42,7 +42,7 @@ enum Tp {
 /// Annotate `g` with the layouts of `spec`'s parallel layout, inserting collectives.
 pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
     let p = &spec.parallel;
-    if p.dp == 1 && p.tp == 1 {
+    if p.dp == 1 && p.tp == 1 && p.cp == 1 {
         return Ok(());
     }
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
@@ -57,6 +57,7 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
         g,
         tp: p.tp > 1,
         dp: p.dp > 1,
+        cp: p.cp > 1,
         sp,
         arch: spec.model.arch,
         whole_of: HashMap::new(),
@@ -72,6 +73,11 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
                     let d = batch_dim(s.g, v);
                     if let Some(d) = d {
                         s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Dp];
+                    }
+                }
+                if s.cp {
+                    if let Some(d) = s.seq_dim(v) {
+                        s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Cp];
                     }
                 }
                 map.insert(id, v);
@@ -130,6 +136,8 @@ struct Sharder<'a> {
     g: &'a mut Graph,
     tp: bool,
     dp: bool,
+    /// Context parallelism: the sequence is split over cp everywhere (load-balanced chunks).
+    cp: bool,
     /// Sequence parallelism: per-token ops run on sequence shards.
     sp: bool,
     arch: Arch,
@@ -211,9 +219,15 @@ impl Sharder<'_> {
                 let l = self.layout(x);
                 l.partial.contains(&Axis::Dp) || l.shards.iter().any(|s| s.contains(&Axis::Dp))
             });
+        let cp_in = self.cp
+            && ins.iter().any(|&x| {
+                let l = self.layout(x);
+                l.partial.contains(&Axis::Cp) || l.shards.iter().any(|s| s.contains(&Axis::Cp))
+            });
         let outs = self.g.add_op(kind, ins, path)?;
         for (k, &o) in outs.iter().enumerate() {
             let bd = batch_dim(self.g, o);
+            let sd = self.seq_dim(o);
             let t = tp.get(k).copied().unwrap_or(Tp::R);
             let l = &mut self.g.values[o.0 as usize].ty.layout;
             match t {
@@ -225,6 +239,14 @@ impl Sharder<'_> {
                 match bd {
                     Some(d) => l.shards[d].insert(0, Axis::Dp),
                     None => l.partial.insert(0, Axis::Dp),
+                }
+            }
+            // Context parallelism: the sequence stays split over cp (outermost), and what
+            // has no sequence dim (parameter gradients, the loss) is a partial sum over cp.
+            if cp_in {
+                match sd {
+                    Some(d) => l.shards[d].insert(0, Axis::Cp),
+                    None => l.partial.push(Axis::Cp),
                 }
             }
         }
@@ -281,7 +303,7 @@ impl Sharder<'_> {
 
     /// `v` split over tp along the sequence (sequence parallelism): a partial sum is
     /// reduce-scattered, a whole value sliced locally.
-    fn to_seq(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+    fn seq_shard(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
         let Some(d) = self.seq_dim(v) else {
             return self.whole(v, path);
         };
@@ -332,7 +354,13 @@ impl Sharder<'_> {
                 } else {
                     Tp::R
                 };
-                self.op(k, &ins, path, &[out])
+                let y = self.op1(k, &ins, path, out)?;
+                if self.sp && out == Tp::P {
+                    // Sequence parallelism: the residual stream starts on sequence shards
+                    // (Megatron reduce-scatters the vocab-parallel embedding's output).
+                    return Ok(vec![self.seq_shard(y, path)?]);
+                }
+                Ok(vec![y])
             }
             OpKind::Linear { weight } => {
                 let (in_dim, out_dim) = match weight {
@@ -429,6 +457,22 @@ impl Sharder<'_> {
             OpKind::AttentionGrad if ins.iter().all(|&x| matches!(st(self, x), Tp::S(_))) => {
                 self.op(k, &ins, path, &[Tp::S(2), Tp::S(2), Tp::S(2)])
             }
+            // Sequence parallelism: residual adds (and their gradient sums) run on sequence
+            // shards, as the collective rewrites placed them.
+            OpKind::Add | OpKind::GradSum
+                if self.sp
+                    && ins.iter().all(|&x| self.seq_dim(x).is_some())
+                    && ins
+                        .iter()
+                        .any(|&x| self.seq_dim(x).is_some_and(|d| st(self, x) == Tp::S(d))) =>
+            {
+                let args: Vec<ValueId> = ins
+                    .iter()
+                    .map(|&x| self.seq_shard(x, path))
+                    .collect::<Result<_, _>>()?;
+                let out = st(self, args[0]);
+                self.op(k, &args, path, &[out])
+            }
             OpKind::Add
             | OpKind::GradSum
             | OpKind::SwiGlu
@@ -451,7 +495,7 @@ impl Sharder<'_> {
                 }
             }
             OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } if self.sp => {
-                let x = self.to_seq(ins[0], path)?;
+                let x = self.seq_shard(ins[0], path)?;
                 let mut args = vec![x];
                 for &p in &ins[1..] {
                     args.push(self.whole(p, path)?);
@@ -461,9 +505,9 @@ impl Sharder<'_> {
             }
             OpKind::RmsNormGrad { .. } | OpKind::LayerNormGrad { .. } if self.sp => {
                 // On sequence shards: dx stays split, the weight gradients are partial sums.
-                let x = self.to_seq(ins[0], path)?;
+                let x = self.seq_shard(ins[0], path)?;
                 let w = self.whole(ins[1], path)?;
-                let dy = self.to_seq(ins[2], path)?;
+                let dy = self.seq_shard(ins[2], path)?;
                 let n = if matches!(kind, OpKind::LayerNormGrad { .. }) {
                     3
                 } else {
@@ -473,21 +517,8 @@ impl Sharder<'_> {
                 outs.extend(std::iter::repeat_n(Tp::P, n - 1));
                 self.op(k, &[x, w, dy], path, &outs)
             }
-            OpKind::Add | OpKind::GradSum
-                if self.sp
-                    && ins
-                        .iter()
-                        .any(|&x| self.seq_dim(x).is_some_and(|d| st(self, x) == Tp::S(d))) =>
-            {
-                let args: Vec<ValueId> = ins
-                    .iter()
-                    .map(|&x| self.to_seq(x, path))
-                    .collect::<Result<_, _>>()?;
-                let out = st(self, args[0]);
-                self.op(k, &args, path, &[out])
-            }
             OpKind::BiasAdd if self.sp && self.seq_dim(ins[0]).is_some() => {
-                let x = self.to_seq(ins[0], path)?;
+                let x = self.seq_shard(ins[0], path)?;
                 let b = self.whole(ins[1], path)?;
                 let out = st(self, x);
                 self.op(k, &[x, b], path, &[out])

@@ -133,6 +133,61 @@ pub fn run_program(
     Ok(())
 }
 
+/// Global positions under context parallelism: this rank's tokens, every rank's tokens in
+/// group order, and the cp group.
+struct CpPositions {
+    local: Vec<u32>,
+    all: Vec<u32>,
+    group: Vec<usize>,
+}
+
+/// If dim `dim` of buffer `b` is split over cp, the positions of the load-balanced chunks.
+fn cp_positions(
+    mem: &Memory,
+    b: BufId,
+    dim: usize,
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+) -> Option<CpPositions> {
+    let buf = mem.buffer(b);
+    let split = buf
+        .layout
+        .get(dim)
+        .is_some_and(|axes| axes.contains(&megac_ir::Axis::Cp));
+    if !split {
+        return None;
+    }
+    let cp = mesh.size(megac_ir::Axis::Cp) as usize;
+    let s = buf.shape[dim] as usize * cp;
+    let group = mesh.group(rank, &[megac_ir::Axis::Cp]);
+    let me = mesh.coord(rank, megac_ir::Axis::Cp);
+    let all = (0..cp)
+        .flat_map(|m| k::context::cp_local_positions(s, cp, m))
+        .collect();
+    Some(CpPositions {
+        local: k::context::cp_local_positions(s, cp, me),
+        all,
+        group,
+    })
+}
+
+/// All-gather a `[b, s_local, ..]` tensor along the sequence over `group`: the result is
+/// `[b, members · s_local, ..]` with each member's tokens in group order.
+fn gather_seq(
+    comm: &mut dyn Communicator,
+    group: &[usize],
+    x: &[f32],
+    b: usize,
+    block: usize,
+) -> Result<Vec<f32>, RuntimeError> {
+    let n = group.len();
+    let mut member_major = vec![0f32; x.len() * n];
+    comm.all_gather(group, x, &mut member_major)?;
+    let mut out = vec![0f32; x.len() * n];
+    scatter_member_major(&member_major, &mut out, n, b, block);
+    Ok(out)
+}
+
 /// The largest expert index in `indices`.
 fn max_index(indices: &[i32]) -> usize {
     indices.iter().copied().max().unwrap_or(0).max(0) as usize
@@ -395,14 +450,26 @@ fn run_kernel(
             arity(op, ins, outs, 2, 1)?;
             let s = shape(ins[0]);
             let (b, sl, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
-            k::pos_embedding_fwd(
-                mem.f32(ins[0]),
-                mem.f32(ins[1]),
-                b,
-                sl,
-                h,
-                mem.f32_mut(outs[0]),
-            );
+            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None => k::pos_embedding_fwd(
+                    mem.f32(ins[0]),
+                    mem.f32(ins[1]),
+                    b,
+                    sl,
+                    h,
+                    mem.f32_mut(outs[0]),
+                ),
+                Some(pos) => {
+                    let (x, wpe, y) = (mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+                    for bi in 0..b {
+                        for (i, &p) in pos.local.iter().enumerate() {
+                            let at = (bi * sl + i) * h;
+                            let w = &wpe[p as usize * h..(p as usize + 1) * h];
+                            k::add_fwd(&x[at..at + h], w, &mut y[at..at + h]);
+                        }
+                    }
+                }
+            }
         }
         OpKind::Linear { weight } => {
             if ins.len() != 2 && ins.len() != 3 {
@@ -472,8 +539,9 @@ fn run_kernel(
         OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
             arity(op, ins, outs, 1, 1)?;
             let [b, s, nh, d] = dims4(ins[0])?;
-            if matches!(op, OpKind::Rope { .. }) {
-                k::rope_fwd(
+            let fwd = matches!(op, OpKind::Rope { .. });
+            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None if fwd => k::rope_fwd(
                     mem.f32(ins[0]),
                     b,
                     s,
@@ -481,9 +549,8 @@ fn run_kernel(
                     d,
                     *theta as f32,
                     mem.f32_mut(outs[0]),
-                );
-            } else {
-                k::rope_bwd(
+                ),
+                None => k::rope_bwd(
                     mem.f32(ins[0]),
                     b,
                     s,
@@ -491,25 +558,71 @@ fn run_kernel(
                     d,
                     *theta as f32,
                     mem.f32_mut(outs[0]),
-                );
+                ),
+                // Context parallelism: the local tokens sit at their chunks' global positions.
+                Some(pos) if fwd => k::context::rope_fwd_positions(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    &pos.local,
+                    mem.f32_mut(outs[0]),
+                ),
+                Some(pos) => k::context::rope_bwd_positions(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    &pos.local,
+                    mem.f32_mut(outs[0]),
+                ),
             }
         }
         OpKind::CausalAttention => {
             arity(op, ins, outs, 3, 2)?;
             let [b, s, nh, d] = dims4(ins[0])?;
             let nkv = dims4(ins[1])?[2];
-            k::attention_fwd(
-                mem.f32(ins[0]),
-                mem.f32(ins[1]),
-                mem.f32(ins[2]),
-                b,
-                s,
-                nh,
-                nkv,
-                d,
-                mem.f32_mut(outs[0]),
-                mem.f32_mut(outs[1]),
-            );
+            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None => k::attention_fwd(
+                    mem.f32(ins[0]),
+                    mem.f32(ins[1]),
+                    mem.f32(ins[2]),
+                    b,
+                    s,
+                    nh,
+                    nkv,
+                    d,
+                    mem.f32_mut(outs[0]),
+                    mem.f32_mut(outs[1]),
+                ),
+                Some(pos) => {
+                    // Context parallelism, all-gather variant: every rank gathers the
+                    // sequence's keys and values and attends its local queries by global
+                    // position.
+                    let block = s * nkv * d;
+                    let kk = gather_seq(comm, &pos.group, mem.f32(ins[1]), b, block)?;
+                    let vv = gather_seq(comm, &pos.group, mem.f32(ins[2]), b, block)?;
+                    k::context::attention_block_fwd(
+                        mem.f32(ins[0]),
+                        &kk,
+                        &vv,
+                        &pos.local,
+                        &pos.all,
+                        b,
+                        s,
+                        s * pos.group.len(),
+                        nh,
+                        nkv,
+                        d,
+                        mem.f32_mut(outs[0]),
+                        mem.f32_mut(outs[1]),
+                    );
+                }
+            }
         }
         OpKind::Cast { .. } => {
             arity(op, ins, outs, 1, 1)?;
@@ -591,8 +704,23 @@ fn run_kernel(
             let s = shape(ins[1]);
             let (b, sl, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
             let (dy, dwpe) = (mem.f32(ins[1]), mem.f32_mut(outs[0]));
-            for bi in 0..b {
-                k::accumulate(&mut dwpe[..sl * h], &dy[bi * sl * h..(bi + 1) * sl * h]);
+            match cp_positions(mem, ins[1], 1, mesh, comm.rank()) {
+                None => {
+                    for bi in 0..b {
+                        k::accumulate(&mut dwpe[..sl * h], &dy[bi * sl * h..(bi + 1) * sl * h]);
+                    }
+                }
+                Some(pos) => {
+                    for bi in 0..b {
+                        for (i, &p) in pos.local.iter().enumerate() {
+                            let at = (bi * sl + i) * h;
+                            k::accumulate(
+                                &mut dwpe[p as usize * h..(p as usize + 1) * h],
+                                &dy[at..at + h],
+                            );
+                        }
+                    }
+                }
             }
         }
         OpKind::LinearGradInput { weight } => {
@@ -665,22 +793,60 @@ fn run_kernel(
             arity(op, ins, outs, 6, 3)?;
             let [b, s, nh, d] = dims4(ins[0])?;
             let nkv = dims4(ins[1])?[2];
-            k::attention_bwd(
-                mem.f32(ins[0]),
-                mem.f32(ins[1]),
-                mem.f32(ins[2]),
-                mem.f32(ins[3]),
-                mem.f32(ins[4]),
-                mem.f32(ins[5]),
-                b,
-                s,
-                nh,
-                nkv,
-                d,
-                mem.f32_mut(outs[0]),
-                mem.f32_mut(outs[1]),
-                mem.f32_mut(outs[2]),
-            );
+            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None => k::attention_bwd(
+                    mem.f32(ins[0]),
+                    mem.f32(ins[1]),
+                    mem.f32(ins[2]),
+                    mem.f32(ins[3]),
+                    mem.f32(ins[4]),
+                    mem.f32(ins[5]),
+                    b,
+                    s,
+                    nh,
+                    nkv,
+                    d,
+                    mem.f32_mut(outs[0]),
+                    mem.f32_mut(outs[1]),
+                    mem.f32_mut(outs[2]),
+                ),
+                Some(pos) => {
+                    // Gather K and V again, accumulate their gradients for the whole
+                    // sequence, and send each rank the sum for its own chunks.
+                    let n = pos.group.len();
+                    let block = s * nkv * d;
+                    let kk = gather_seq(comm, &pos.group, mem.f32(ins[1]), b, block)?;
+                    let vv = gather_seq(comm, &pos.group, mem.f32(ins[2]), b, block)?;
+                    let mut dk_all = vec![0f32; kk.len()];
+                    let mut dv_all = vec![0f32; vv.len()];
+                    k::context::attention_block_bwd(
+                        mem.f32(ins[0]),
+                        &kk,
+                        &vv,
+                        mem.f32(ins[3]),
+                        mem.f32(ins[4]),
+                        mem.f32(ins[5]),
+                        &pos.local,
+                        &pos.all,
+                        b,
+                        s,
+                        s * n,
+                        nh,
+                        nkv,
+                        d,
+                        mem.f32_mut(outs[0]),
+                        &mut dk_all,
+                        &mut dv_all,
+                    );
+                    for (all, out) in [(dk_all, outs[1]), (dv_all, outs[2])] {
+                        let mut member_major = vec![0f32; all.len()];
+                        gather_member_major(&all, &mut member_major, n, b, block);
+                        let mut mine = vec![0f32; b * block];
+                        comm.reduce_scatter_sum(&pos.group, &member_major, &mut mine)?;
+                        k::accumulate(mem.f32_mut(out), &mine);
+                    }
+                }
+            }
         }
         OpKind::SwiGluGrad => {
             arity(op, ins, outs, 3, 2)?;
@@ -739,23 +905,18 @@ fn run_kernel(
                 unreachable!()
             };
             let members = group(axes, comm.rank());
-            // Gradients split over the group count fully on each member; gradients
-            // replicated over it are counted once in total.
-            let replicated_weight = 1.0 / members.len() as f64;
+            // Each member's squares count once per group of members that hold the same
+            // elements: a gradient replicated over some of the axes is divided by their size.
             let mut total = [ins
                 .iter()
                 .map(|&g| {
-                    let split = mem
-                        .buffer(g)
-                        .layout
+                    let layout = &mem.buffer(g).layout;
+                    let replicas: u64 = axes
                         .iter()
-                        .any(|d| d.iter().any(|a| axes.contains(a)));
-                    let w = if split || axes.is_empty() {
-                        1.0
-                    } else {
-                        replicated_weight
-                    };
-                    w * k::sum_squares(mem.f32(g))
+                        .filter(|a| !layout.iter().any(|d| d.contains(a)))
+                        .map(|&a| mesh.size(a))
+                        .product();
+                    k::sum_squares(mem.f32(g)) / replicas as f64
                 })
                 .sum::<f64>()];
             comm.all_reduce_sum_f64(&members, &mut total)?;
@@ -917,7 +1078,7 @@ fn run_kernel(
             arity(op, ins, outs, 2, 1)?;
             let rows = shape(outs[0])[0] as usize;
             let h = last(ins[0]);
-            let experts = usize::MAX.min(1 + (*expert as usize).max(max_index(mem.i32(ins[1]))));
+            let experts = 1 + (*expert as usize).max(max_index(mem.i32(ins[1])));
             let r = routing(mem, ins[1], experts, rows);
             let out = mem.f32_mut(outs[0]);
             out.fill(0.0);

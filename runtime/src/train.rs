@@ -245,12 +245,11 @@ impl<'p> Session<'p> {
             &mut self.inputs,
             &mut self.labels,
         );
-        self.mem
-            .i32_mut(self.tokens_buf)
-            .copy_from_slice(&self.inputs);
-        self.mem
-            .i32_mut(self.labels_buf)
-            .copy_from_slice(&self.labels);
+        let (rank, mesh) = (self.comm.rank(), &self.plan.mesh);
+        let local = local_tokens(&self.inputs, self.mem.buffer(self.tokens_buf), mesh, rank);
+        self.mem.i32_mut(self.tokens_buf).copy_from_slice(&local);
+        let local = local_tokens(&self.labels, self.mem.buffer(self.labels_buf), mesh, rank);
+        self.mem.i32_mut(self.labels_buf).copy_from_slice(&local);
         let ctx = self.context(step);
         run_program(
             &self.role().microbatch,
@@ -366,6 +365,31 @@ impl<'p> Session<'p> {
             .collect();
         hf::save_params(path, &tensors)
     }
+}
+
+/// This rank's part of a `[mb, S]` batch: all of it, or under context parallelism the
+/// tokens of its two load-balanced chunks (r and 2·cp-1-r) of every sample.
+fn local_tokens(
+    full: &[i32],
+    buf: &megac_ir::plan::Buffer,
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+) -> Vec<i32> {
+    let split = buf
+        .layout
+        .get(1)
+        .is_some_and(|a| a.contains(&megac_ir::Axis::Cp));
+    if !split {
+        return full.to_vec();
+    }
+    let cp = mesh.size(megac_ir::Axis::Cp) as usize;
+    let s_local = buf.shape[1] as usize;
+    let s = s_local * cp;
+    let pos =
+        megac_kernels::context::cp_local_positions(s, cp, mesh.coord(rank, megac_ir::Axis::Cp));
+    full.chunks_exact(s)
+        .flat_map(|row| pos.iter().map(move |&p| row[p as usize]))
+        .collect()
 }
 
 /// Train with `plan`: one rank in this thread, or one thread per rank on the local
