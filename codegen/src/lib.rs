@@ -126,6 +126,7 @@ pub fn emit_plan(
         model: spec.name.clone(),
         arch: m.arch.as_str().to_string(),
         mesh: graph.mesh.clone(),
+        cp_comm: p.cp_comm,
         batch: BatchInfo {
             micro_batch: t.micro_batch,
             global_batch: t.global_batch,

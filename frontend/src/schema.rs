@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use megac_ir::spec::{
-    Arch, ClusterSection, CosineSchedule, DppPolicy, ModelSection, ModelSpec, MoeSpec,
+    Arch, ClusterSection, CosineSchedule, CpComm, DppPolicy, ModelSection, ModelSpec, MoeSpec,
     ParallelSection, Precision, Recompute, Schedule, TrainSection,
 };
 
@@ -64,6 +64,7 @@ const PARALLEL_KEYS: &[&str] = &[
     "schedule",
     "dpp_policy",
     "fbd",
+    "cp_comm",
 ];
 const CLUSTER_KEYS: &[&str] = &["device", "nodes", "gpus_per_node"];
 const TOP_KEYS: &[&str] = &["model", "train", "parallel", "cluster"];
@@ -694,6 +695,12 @@ fn read_parallel(
         )?
         .unwrap_or(DppPolicy::Adaptive);
     let fbd = s.boolean("fbd", false)?;
+    let cp_comm = s
+        .choice(
+            "cp_comm",
+            &[("ring", CpComm::Ring), ("all-gather", CpComm::AllGather)],
+        )?
+        .unwrap_or(CpComm::Ring);
     s.finish()?;
     Ok(ParallelSection {
         tp,
@@ -707,6 +714,7 @@ fn read_parallel(
         schedule,
         dpp_policy,
         fbd,
+        cp_comm,
     })
 }
 

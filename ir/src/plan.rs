@@ -30,6 +30,9 @@ pub struct Plan {
     pub arch: String,
     /// Device mesh (axis sizes in rank order); decides every rank's groups.
     pub mesh: crate::mesh::Mesh,
+    /// How context-parallel attention exchanges keys and values.
+    #[serde(default)]
+    pub cp_comm: crate::spec::CpComm,
     /// Batch geometry.
     pub batch: BatchInfo,
     /// Optimizer and run settings.

@@ -246,6 +246,19 @@ pub struct ParallelSection {
     pub dpp_policy: DppPolicy,
     /// MegaFBD forward/backward decoupling.
     pub fbd: bool,
+    /// How context-parallel attention exchanges keys and values.
+    pub cp_comm: CpComm,
+}
+
+/// Context-parallel attention's communication (`parallel.cp_comm`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CpComm {
+    /// K/V blocks travel around the cp ring (and dK/dV in backward), merged by log-sum-exp.
+    #[default]
+    Ring,
+    /// Every rank all-gathers K and V and reduce-scatters their gradients.
+    AllGather,
 }
 
 impl ParallelSection {

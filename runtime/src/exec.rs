@@ -80,6 +80,7 @@ pub fn run_program(
 ) -> Result<(), RuntimeError> {
     let env = Env {
         mem,
+        cp_comm: plan.cp_comm,
         tokens: plan.batch.tokens_per_step as f64,
         ctx,
         mesh: &plan.mesh,
@@ -139,6 +140,8 @@ struct CpPositions {
     local: Vec<u32>,
     all: Vec<u32>,
     group: Vec<usize>,
+    /// This rank's index in `group`.
+    me: usize,
 }
 
 /// If dim `dim` of buffer `b` is split over cp, the positions of the load-balanced chunks.
@@ -168,7 +171,33 @@ fn cp_positions(
         local: k::context::cp_local_positions(s, cp, me),
         all,
         group,
+        me,
     })
+}
+
+/// Pass `bufs` one step around the ring `group` (to the next member, from the previous),
+/// in place. Even members send first and odd members receive first, so the exchange cannot
+/// deadlock even on communicators whose sends block.
+fn ring_pass(
+    comm: &mut dyn Communicator,
+    group: &[usize],
+    me: usize,
+    bufs: &mut [&mut Vec<f32>],
+) -> Result<(), RuntimeError> {
+    let n = group.len();
+    let (next, prev) = (group[(me + 1) % n], group[(me + n - 1) % n]);
+    for buf in bufs.iter_mut() {
+        let mut incoming = vec![0f32; buf.len()];
+        if me.is_multiple_of(2) {
+            comm.send(next, buf)?;
+            comm.recv(prev, &mut incoming)?;
+        } else {
+            comm.recv(prev, &mut incoming)?;
+            comm.send(next, buf)?;
+        }
+        **buf = incoming;
+    }
+    Ok(())
 }
 
 /// All-gather a `[b, s_local, ..]` tensor along the sequence over `group`: the result is
@@ -384,6 +413,8 @@ fn matmul_flops(op: &OpKind, ins: &[BufId], outs: &[BufId], mem: &Memory) -> f64
 /// What a kernel call may use besides its buffers.
 struct Env<'a> {
     mem: &'a Memory,
+    /// How context-parallel attention exchanges K/V.
+    cp_comm: megac_ir::spec::CpComm,
     /// Tokens per step: the loss is a mean over these.
     tokens: f64,
     ctx: &'a StepContext,
@@ -599,7 +630,7 @@ fn run_kernel(
                     mem.f32_mut(outs[0]),
                     mem.f32_mut(outs[1]),
                 ),
-                Some(pos) => {
+                Some(pos) if env.cp_comm == megac_ir::spec::CpComm::AllGather => {
                     // Context parallelism, all-gather variant: every rank gathers the
                     // sequence's keys and values and attends its local queries by global
                     // position.
@@ -621,6 +652,50 @@ fn run_kernel(
                         mem.f32_mut(outs[0]),
                         mem.f32_mut(outs[1]),
                     );
+                }
+                Some(pos) => {
+                    // Ring variant: each rank's K/V block travels around the cp ring; every
+                    // rank attends its queries to each block as it passes and merges the
+                    // partial results by log-sum-exp.
+                    let n = pos.group.len();
+                    let me = pos.me;
+                    let mut kb = mem.f32(ins[1]).to_vec();
+                    let mut vb = mem.f32(ins[2]).to_vec();
+                    let (out, lse) = (mem.f32_mut(outs[0]), mem.f32_mut(outs[1]));
+                    let q = mem.f32(ins[0]);
+                    let mut part_out = vec![0f32; out.len()];
+                    let mut part_lse = vec![0f32; lse.len()];
+                    for step in 0..n {
+                        let owner = (me + n - step) % n;
+                        let k_pos = &pos.all[owner * s..(owner + 1) * s];
+                        if step == 0 {
+                            k::context::attention_block_fwd(
+                                q, &kb, &vb, &pos.local, k_pos, b, s, s, nh, nkv, d, out, lse,
+                            );
+                        } else {
+                            k::context::attention_block_fwd(
+                                q,
+                                &kb,
+                                &vb,
+                                &pos.local,
+                                k_pos,
+                                b,
+                                s,
+                                s,
+                                nh,
+                                nkv,
+                                d,
+                                &mut part_out,
+                                &mut part_lse,
+                            );
+                            k::context::attention_merge_into(
+                                out, lse, &part_out, &part_lse, b, s, nh, d,
+                            );
+                        }
+                        if step + 1 < n {
+                            ring_pass(comm, &pos.group, me, &mut [&mut kb, &mut vb])?;
+                        }
+                    }
                 }
             }
         }
@@ -810,7 +885,7 @@ fn run_kernel(
                     mem.f32_mut(outs[1]),
                     mem.f32_mut(outs[2]),
                 ),
-                Some(pos) => {
+                Some(pos) if env.cp_comm == megac_ir::spec::CpComm::AllGather => {
                     // Gather K and V again, accumulate their gradients for the whole
                     // sequence, and send each rank the sum for its own chunks.
                     let n = pos.group.len();
@@ -845,6 +920,40 @@ fn run_kernel(
                         comm.reduce_scatter_sum(&pos.group, &member_major, &mut mine)?;
                         k::accumulate(mem.f32_mut(out), &mine);
                     }
+                }
+                Some(pos) => {
+                    // Ring variant: K, V and their gradient accumulators travel together; each
+                    // rank adds its queries' share for every block (with the final lse), and
+                    // after a full turn every accumulator is back with its block's owner.
+                    let n = pos.group.len();
+                    let me = pos.me;
+                    let mut kb = mem.f32(ins[1]).to_vec();
+                    let mut vb = mem.f32(ins[2]).to_vec();
+                    let mut dkb = vec![0f32; kb.len()];
+                    let mut dvb = vec![0f32; vb.len()];
+                    let (q, out, lse, dout) = (
+                        mem.f32(ins[0]),
+                        mem.f32(ins[3]),
+                        mem.f32(ins[4]),
+                        mem.f32(ins[5]),
+                    );
+                    let dq = mem.f32_mut(outs[0]);
+                    for step in 0..n {
+                        let owner = (me + n - step) % n;
+                        let k_pos = &pos.all[owner * s..(owner + 1) * s];
+                        k::context::attention_block_bwd(
+                            q, &kb, &vb, out, lse, dout, &pos.local, k_pos, b, s, s, nh, nkv, d,
+                            dq, &mut dkb, &mut dvb,
+                        );
+                        ring_pass(
+                            comm,
+                            &pos.group,
+                            me,
+                            &mut [&mut kb, &mut vb, &mut dkb, &mut dvb],
+                        )?;
+                    }
+                    k::accumulate(mem.f32_mut(outs[1]), &dkb);
+                    k::accumulate(mem.f32_mut(outs[2]), &dvb);
                 }
             }
         }
