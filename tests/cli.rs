@@ -316,7 +316,7 @@ fn unsupported_layouts_and_bad_plans_are_clear_errors() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("data- and tensor-parallel plans only"),
+        stderr(&o).contains("the layout pp=2 cp=1 ep=1 needs the pipeline"),
         "{}",
         stderr(&o)
     );
