@@ -17,8 +17,11 @@ fn plan(file: &str, sets: &[String]) -> megac_ir::plan::Plan {
         .unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"))
 }
 
-/// Losses and final parameters (name, values) of 3 steps.
-fn run(file: &str, sets: &[String]) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
+/// (loss, grad norm) per step and final parameters (name, values) of 3 steps.
+/// What a run leaves to compare: (loss, grad norm) per step, and (name, values) per parameter.
+type Outcome = (Vec<(f64, f64)>, Vec<(String, Vec<f32>)>);
+
+fn run(file: &str, sets: &[String]) -> Outcome {
     let plan = plan(file, sets);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("final.safetensors");
@@ -36,14 +39,17 @@ fn run(file: &str, sets: &[String]) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
         .map(|p| {
             (
                 p.name.clone(),
-                p.shape.iter().map(|&d| d as usize).collect(),
+                p.hf_shape().iter().map(|&d| d as usize).collect(),
             )
         })
         .collect();
     let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
     let values = megac_runtime::hf::load_params(&out, &expected, tied).unwrap();
     let params = expected.into_iter().map(|(n, _)| n).zip(values).collect();
-    (report.steps.iter().map(|s| s.loss).collect(), params)
+    (
+        report.steps.iter().map(|s| (s.loss, s.grad_norm)).collect(),
+        params,
+    )
 }
 
 fn assert_equivalent(file: &str, base: &[&str], layouts: &[&[&str]]) {
@@ -53,11 +59,17 @@ fn assert_equivalent(file: &str, base: &[&str], layouts: &[&[&str]]) {
     let (ref_losses, ref_params) = run(file, &with(&[]));
     for layout in layouts {
         let (losses, params) = run(file, &with(layout));
-        for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+        for (step, ((a, na), (b, nb))) in losses.iter().zip(&ref_losses).enumerate() {
             let rel = (a - b).abs() / b.abs();
             assert!(
                 rel < 1e-5,
                 "{file} {layout:?} step {}: loss {a} vs single device {b}",
+                step + 1
+            );
+            let rel = (na - nb).abs() / nb.abs();
+            assert!(
+                rel < 1e-5,
+                "{file} {layout:?} step {}: grad norm {na} vs single device {nb}",
                 step + 1
             );
         }
@@ -211,6 +223,24 @@ fn tensor_parallel_with_the_distributed_optimizer() {
                 "parallel.dp=2",
                 "parallel.distributed_optimizer=true",
             ],
+        ],
+    );
+}
+
+/// A vocabulary that tp does not divide is padded (to a multiple of 128·tp, as Megatron
+/// does); the padding changes neither the loss nor the saved Hugging Face tensors.
+#[test]
+fn vocabulary_padding() {
+    assert_equivalent(
+        "llama-tiny.toml",
+        &[
+            "train.micro_batch=2",
+            "train.global_batch=8",
+            "model.vocab=250",
+        ],
+        &[
+            &["parallel.tp=2"],
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
         ],
     );
 }

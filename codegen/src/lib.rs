@@ -65,12 +65,7 @@ pub fn emit_plan(
                 m.kv_heads
             ));
         }
-        if !m.vocab.is_multiple_of(p.tp) {
-            why.push(format!(
-                "vocab = {} is not a multiple of tp (vocabulary padding)",
-                m.vocab
-            ));
-        }
+
         if m.moe.is_some() {
             why.push("the model has MoE layers (expert tensor parallelism)".into());
         }
@@ -387,8 +382,11 @@ impl<'a> Emitter<'a> {
                         .unwrap_or(1)
                 })
                 .collect();
+            let padded_vocab = global.first().copied().unwrap_or(0) > self.spec.model.vocab
+                && g.ty(v).dims.first().is_some_and(|d| d.name == "vocab");
             self.params.push(ParamEntry {
                 name: name.to_string(),
+                hf_rows: padded_vocab.then_some(self.spec.model.vocab),
                 blocks: if blocks.iter().all(|&b| b == 1) {
                     Vec::new()
                 } else {

@@ -186,3 +186,16 @@ impl Graph {
         Ok(g)
     }
 }
+
+impl Graph {
+    /// Parameter elements as Hugging Face counts them: tables whose first dim is the
+    /// vocabulary count `vocab` rows, whatever padding tensor parallelism added.
+    pub fn param_count_unpadded(&self, vocab: u64) -> u64 {
+        self.params()
+            .map(|(_, _, ty)| match ty.dims.first() {
+                Some(d) if d.name == "vocab" && d.size > vocab => ty.numel() / d.size * vocab,
+                _ => ty.numel(),
+            })
+            .sum()
+    }
+}

@@ -207,8 +207,12 @@ pub enum Init {
 pub struct ParamEntry {
     /// Hugging Face name.
     pub name: String,
-    /// Global shape (as Hugging Face stores it).
+    /// Global shape (the vocabulary padded for tensor parallelism where it applies).
     pub shape: Vec<u64>,
+    /// Rows of dim 0 that Hugging Face stores, when `shape` pads the vocabulary (the rest are
+    /// zero padding, dropped on save and filled with zeros on load).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hf_rows: Option<u64>,
     /// Per dim, the mesh axes that shard it (a dim named `k*rest` is sharded block-wise:
     /// each of its k blocks is split); empty when replicated.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -378,6 +382,15 @@ impl<'de> Deserialize<'de> for DType {
 }
 
 impl ParamEntry {
+    /// The shape Hugging Face stores (without vocabulary padding).
+    pub fn hf_shape(&self) -> Vec<u64> {
+        let mut s = self.shape.clone();
+        if let (Some(rows), Some(first)) = (self.hf_rows, s.first_mut()) {
+            *first = rows;
+        }
+        s
+    }
+
     /// For each element of rank `rank`'s shard (row-major), its index in the global tensor.
     pub fn global_indices(&self, mesh: &crate::mesh::Mesh, rank: usize) -> Vec<usize> {
         let n = self.shape.len();

@@ -67,7 +67,15 @@ impl<'a> Builder<'a> {
         let labels = self
             .g
             .add_input("labels", t(DType::I32, &[("b", bsz), ("s", s)]));
-        let (h, vocab) = (m.hidden, m.vocab);
+        // With tensor parallelism the vocabulary is padded as Megatron pads it (a multiple of
+        // 128·tp) so it splits evenly; the padding rows are zero, never looked up, and the
+        // cross-entropy ignores their logits, so the loss is unchanged.
+        let vocab = if spec.parallel.tp > 1 {
+            spec.padded_vocab()
+        } else {
+            m.vocab
+        };
+        let h = m.hidden;
         let (embed_name, prefix, final_norm) = match m.arch {
             Arch::Llama => ("model.embed_tokens", "model.layers", "model.norm"),
             Arch::Gpt => ("transformer.wte", "transformer.h", "transformer.ln_f"),

@@ -24,21 +24,35 @@ pub fn add_optimizer(g: &mut Graph, train: &TrainSection) -> Result<(), PassErro
     // Gradients that are pending sums over mesh axes (data parallelism) are reduced first.
     let mut grads = grads;
     for (name, grad) in grads.iter_mut() {
-        let partial = g.ty(*grad).layout.partial.clone();
-        if !partial.is_empty() {
+        let layout = g.ty(*grad).layout.clone();
+        if !layout.partial.is_empty() {
             *grad = g.add_op1(
-                OpKind::AllReduce { axes: partial },
+                OpKind::AllReduce {
+                    axes: layout.partial.clone(),
+                },
                 &[*grad],
                 format!("optimizer.reduce.{name}"),
             )?;
+            // The reduced gradient keeps its split (e.g. over tp); only the sum is done.
+            g.values[grad.0 as usize].ty.layout.shards = layout.shards;
         }
     }
     let all: Vec<ValueId> = grads.iter().map(|(_, v)| *v).collect();
-    let norm = g.add_op1(
-        OpKind::GradNorm { axes: Vec::new() },
-        &all,
-        "optimizer.grad_norm",
-    )?;
+    // With tensor parallelism some gradients are split over tp: the squares are summed over
+    // the tp group, and gradients replicated over it count once.
+    let tp_split = all.iter().any(|&v| {
+        g.ty(v)
+            .layout
+            .shards
+            .iter()
+            .any(|s| s.contains(&megac_ir::Axis::Tp))
+    });
+    let axes = if tp_split {
+        vec![megac_ir::Axis::Tp]
+    } else {
+        Vec::new()
+    };
+    let norm = g.add_op1(OpKind::GradNorm { axes }, &all, "optimizer.grad_norm")?;
     g.add_output("grad_norm", norm);
     let kind = OpKind::AdamW {
         lr: train.lr,

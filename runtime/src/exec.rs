@@ -81,6 +81,7 @@ pub fn run_program(
     let env = Env {
         mem,
         cp_comm: plan.cp_comm,
+        vocab: plan.batch.vocab as usize,
         tokens: plan.batch.tokens_per_step as f64,
         ctx,
         mesh: &plan.mesh,
@@ -248,24 +249,35 @@ struct RowStats {
     target: f32,
 }
 
+/// Columns of a vocab-parallel shard starting at `start` that are real vocabulary (the rest
+/// is padding, excluded from the softmax).
+fn real_columns(v: usize, start: usize, vocab: usize) -> usize {
+    vocab.saturating_sub(start).min(v)
+}
+
 fn vocab_parallel_stats(
     logits: &[f32],
     labels: &[i32],
     v: usize,
     start: usize,
+    vocab: usize,
     members: &[usize],
     comm: &mut dyn Communicator,
 ) -> Result<Vec<RowStats>, RuntimeError> {
     let rows = labels.len();
+    let real = real_columns(v, start, vocab);
     let mut max: Vec<f32> = logits
         .chunks_exact(v)
-        .map(|r| r.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)))
+        .map(|r| r[..real].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)))
         .collect();
     comm.all_reduce_max(members, &mut max)?;
     // [sum of exp, target logit] per row, summed over the group in f64.
     let mut sums = vec![0f64; 2 * rows];
     for (i, r) in logits.chunks_exact(v).enumerate() {
-        sums[2 * i] = r.iter().map(|&x| f64::from((x - max[i]).exp())).sum();
+        sums[2 * i] = r[..real]
+            .iter()
+            .map(|&x| f64::from((x - max[i]).exp()))
+            .sum();
         let local = labels[i] as i64 - start as i64;
         if (0..v as i64).contains(&local) {
             sums[2 * i + 1] = f64::from(r[local as usize]);
@@ -415,6 +427,8 @@ struct Env<'a> {
     mem: &'a Memory,
     /// How context-parallel attention exchanges K/V.
     cp_comm: megac_ir::spec::CpComm,
+    /// The model's real vocabulary (padding columns beyond it are ignored by the loss).
+    vocab: usize,
     /// Tokens per step: the loss is a mean over these.
     tokens: f64,
     ctx: &'a StepContext,
@@ -744,6 +758,7 @@ fn run_kernel(
                         mem.i32(ins[1]),
                         v,
                         start,
+                        env.vocab,
                         &members,
                         comm,
                     )?;
@@ -978,7 +993,9 @@ fn run_kernel(
             if let Some((start, _)) = vocab_shard(mem, ins[0], rank_dims - 1, mesh, comm.rank()) {
                 let members = mesh.group(comm.rank(), &[megac_ir::Axis::Tp]);
                 let (logits, labels) = (mem.f32(ins[0]), mem.i32(ins[1]));
-                let stats = vocab_parallel_stats(logits, labels, v, start, &members, comm)?;
+                let stats =
+                    vocab_parallel_stats(logits, labels, v, start, env.vocab, &members, comm)?;
+                let real = real_columns(v, start, env.vocab);
                 let scale = (1.0 / tokens) as f32;
                 let dl = mem.f32_mut(outs[0]);
                 for (row, ((x, d), st)) in logits
@@ -987,7 +1004,7 @@ fn run_kernel(
                     .zip(&stats)
                     .enumerate()
                 {
-                    for (j, (&xj, dj)) in x.iter().zip(d.iter_mut()).enumerate() {
+                    for (j, (&xj, dj)) in x[..real].iter().zip(d.iter_mut()).enumerate() {
                         *dj += scale * (xj - st.lse).exp();
                         if labels[row] as i64 - start as i64 == j as i64 {
                             *dj -= scale;

@@ -195,7 +195,7 @@ impl<'p> Session<'p> {
                     .map(|p| {
                         (
                             p.name.clone(),
-                            p.shape.iter().map(|&d| d as usize).collect(),
+                            p.hf_shape().iter().map(|&d| d as usize).collect(),
                         )
                     })
                     .collect();
@@ -204,12 +204,13 @@ impl<'p> Session<'p> {
                 let rank = self.comm.rank();
                 for (p, v) in plan.params.iter().zip(values) {
                     let out = self.mem.f32_mut(p.buffer);
-                    if p.shards.is_empty() {
+                    if p.shards.is_empty() && p.hf_rows.is_none() {
                         out.copy_from_slice(&v);
                     } else {
-                        // This rank's shard of the global tensor.
+                        // This rank's shard of the global tensor; vocabulary padding rows
+                        // (beyond what the file holds) are zero.
                         for (x, i) in out.iter_mut().zip(p.global_indices(&plan.mesh, rank)) {
-                            *x = v[i];
+                            *x = v.get(i).copied().unwrap_or(0.0);
                         }
                     }
                 }
@@ -218,11 +219,18 @@ impl<'p> Session<'p> {
                 let rank = self.comm.rank();
                 for p in &plan.params {
                     let out = self.mem.f32_mut(p.buffer);
-                    if p.shards.is_empty() {
+                    if p.shards.is_empty() && p.hf_rows.is_none() {
                         init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
                     } else {
                         let idx = p.global_indices(&plan.mesh, rank);
                         init::init_at(plan.train.seed, &p.name, &p.init, &idx, out);
+                        // Vocabulary padding rows start (and stay) zero.
+                        let real = p.hf_shape().iter().product::<u64>() as usize;
+                        for (x, &i) in out.iter_mut().zip(&idx) {
+                            if i >= real {
+                                *x = 0.0;
+                            }
+                        }
                     }
                 }
             }
@@ -356,11 +364,10 @@ impl<'p> Session<'p> {
             .iter()
             .zip(&values)
             .map(|(p, v)| {
-                (
-                    p.name.clone(),
-                    p.shape.iter().map(|&d| d as usize).collect(),
-                    v.as_slice(),
-                )
+                // Drop vocabulary padding: Hugging Face's shape.
+                let shape: Vec<usize> = p.hf_shape().iter().map(|&d| d as usize).collect();
+                let n: usize = shape.iter().product();
+                (p.name.clone(), shape, &v[..n])
             })
             .collect();
         hf::save_params(path, &tensors)

@@ -106,7 +106,7 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
             ),
         );
     }
-    let params = graph.param_count();
+    let params = graph.param_count_unpadded(m.vocab);
     let tensors = graph.params().count();
     line(
         "parameters",
