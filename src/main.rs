@@ -128,9 +128,24 @@ enum Command {
         #[command(flatten)]
         run: RunArgs,
     },
+    /// Run a plan on N processes with mpirun (one per rank; across nodes with a hostfile).
+    #[command(
+        after_help = "Run options are those of `megac run`; every rank runs `megac run PLAN_DIR --comm mpi`.\nThe mpirun command is printed first. OMPI_MCA_<name> variables override megac's --mca choices;\nMEGAC_MPIRUN names the mpirun to use.\n\nExample:\n  megac compile examples/llama-tiny.toml --set parallel.dp=2 -o /tmp/dp2\n  megac launch -n 2 /tmp/dp2 --steps 20 --report run.json\n  megac launch -n 16 --hostfile hosts /tmp/plan --steps 100"
+    )]
+    Launch(commands::launch::LaunchArgs),
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
     Passes,
+    /// Predict a plan's step time, tokens/s, MFU, bubble and memory on a cluster.
+    #[command(
+        after_help = "Example:\n  megac simulate /tmp/llama-plan --cluster h100-sxm --format json --trace sim.json"
+    )]
+    Simulate(commands::simulate::SimulateArgs),
+    /// Search every layout of a model on N GPUs and print the fastest that fit in memory.
+    #[command(
+        after_help = "Example:\n  megac plan examples/llama3-8b.toml --gpus 8 --top 5 --emit best.toml"
+    )]
+    Plan(commands::plan::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -139,9 +154,12 @@ fn main() -> ExitCode {
         Command::Check { model } => commands::check::run(&model),
         Command::Dump { model, after, rank } => commands::dump::run(&model, after.as_deref(), rank),
         Command::Passes => commands::passes::run(),
+        Command::Simulate(args) => commands::simulate::run(&args),
+        Command::Plan(args) => commands::plan::run(&args),
         Command::Compile { model, out } => commands::compile::run(&model, &out),
         Command::Inspect { plan, json } => commands::inspect::run(&plan, json),
         Command::Run { plan, run } => commands::run::run(&plan, &run),
+        Command::Launch(args) => commands::launch::run(&args),
         Command::Train { model, run } => commands::compile::build_plan(&model)
             .and_then(|plan| commands::run::execute(&plan, &run)),
     };

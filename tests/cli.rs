@@ -122,7 +122,10 @@ fn passes_lists_the_pipeline() {
 
 #[test]
 fn every_command_has_help_with_an_example() {
-    for cmd in ["check", "dump", "passes"] {
+    for cmd in [
+        "check", "dump", "passes", "compile", "inspect", "run", "train", "launch", "simulate",
+        "plan",
+    ] {
         let o = megac(&[cmd, "--help"]);
         assert!(o.status.success(), "{cmd} --help failed");
         let out = stdout(&o);

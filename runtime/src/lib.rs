@@ -2,13 +2,14 @@
 //!
 //! - [`memory`]: the rank's arenas, laid out by the plan's static memory plan.
 //! - [`exec`]: one kernel call per instruction (cpu backend).
-//! - [`comm`]: the communicator trait; the single-rank `local` world today.
+//! - [`comm`]: the communicator trait and the single-rank world; `local_comm`: one thread
+//!   per rank in this process; `mpi_comm` (feature `mpi`): one process per rank over MPI.
 //! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report.
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
 //!
-//! Multi-rank communicators (local threads, MPI, NCCL) and the cuda backend come with later
-//! issues and implement [`comm::Communicator`].
+//! The NCCL communicator and the cuda backend come with later issues; communicators implement
+//! [`comm::Communicator`].
 
 pub mod comm;
 pub mod data;
@@ -18,4 +19,6 @@ pub mod hf;
 pub mod init;
 pub mod local_comm;
 pub mod memory;
+#[cfg(feature = "mpi")]
+pub mod mpi_comm;
 pub mod train;

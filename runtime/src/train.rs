@@ -413,6 +413,58 @@ pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> 
     Ok(reports.swap_remove(0))
 }
 
+/// Train with `plan` as one process of an MPI job (`mpirun -np N megac run PLAN --comm mpi`):
+/// initialise MPI, check that the job has as many processes as the plan has ranks, and run
+/// this process's rank (its MPI world rank) on the [`crate::mpi_comm::MpiComm`]. Every rank
+/// returns its own report (all ranks compute the same losses and norms); rank 0 prints
+/// progress, saves parameters and writes the trace, and [`crate::mpi_comm::world_rank`] tells
+/// the caller which rank it is.
+///
+/// On success MPI is finalised before returning. On failure it is not: the process should
+/// report the error and exit non-zero, and mpirun then ends the ranks that may be waiting for
+/// this one in a collective (finalising would wait for them).
+#[cfg(feature = "mpi")]
+pub fn train_mpi(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    crate::exec::check_supported(plan)?;
+    let world = plan.mesh.world_size();
+    if world > 1 && !crate::mpi_comm::started_by_launcher() {
+        return Err(RuntimeError::Unsupported(format!(
+            "--comm mpi: the plan has {world} ranks but this process was not started by mpirun; \
+             run `megac launch -n {world} PLAN_DIR` or `mpirun -np {world} megac run PLAN_DIR --comm mpi`"
+        )));
+    }
+    let (universe, _) =
+        mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| {
+            RuntimeError::Unsupported(
+                "--comm mpi: MPI is already initialised in this process (one MPI run per process)"
+                    .to_string(),
+            )
+        })?;
+    let result = crate::mpi_comm::MpiComm::new(universe.world()).and_then(|comm| {
+        let started = crate::comm::Communicator::size(&comm);
+        if started != world {
+            crate::mpi_comm::set_error_on_every_rank();
+            return Err(RuntimeError::Unsupported(format!(
+                "the plan has {world} rank{} but mpirun started {started} process{}; \
+                 launch it with `megac launch -n {world}` (or `mpirun -np {world}`)",
+                if world == 1 { "" } else { "s" },
+                if started == 1 { "" } else { "es" },
+            )));
+        }
+        train_rank(plan, opts, Box::new(comm))
+    });
+    match result {
+        Ok(report) => {
+            drop(universe); // MPI_Finalize
+            Ok(report)
+        }
+        Err(e) => {
+            std::mem::forget(universe);
+            Err(e)
+        }
+    }
+}
+
 fn train_rank(
     plan: &Plan,
     opts: &RunOptions,

@@ -4,8 +4,11 @@ pub mod check;
 pub mod compile;
 pub mod dump;
 pub mod inspect;
+pub mod launch;
 pub mod passes;
+pub mod plan;
 pub mod run;
+pub mod simulate;
 
 use megac_ir::ModelSpec;
 use megac_passes::{Module, PassError};

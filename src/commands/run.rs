@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use megac_ir::plan::Plan;
-use megac_runtime::train::{train, RunOptions};
+use megac_runtime::train::{train, RunOptions, RunReport};
 
 use crate::RunArgs;
 
@@ -11,7 +11,10 @@ use crate::RunArgs;
 fn options(args: &RunArgs) -> Result<RunOptions, String> {
     match args.comm.as_str() {
         "local" => {}
-        "mpi" => return Err("error: --comm mpi: this build has no MPI communicator yet (it comes with multi-process runs); use --comm local".into()),
+        #[cfg(feature = "mpi")]
+        "mpi" => {}
+        #[cfg(not(feature = "mpi"))]
+        "mpi" => return Err("error: --comm mpi: this megac was built without MPI (cargo feature `mpi`, which needs OpenMPI: apt-get install libopenmpi-dev openmpi-bin); use --comm local".into()),
         other => return Err(format!("error: --comm {other}: expected local or mpi")),
     }
     match args.device.as_str() {
@@ -31,7 +34,10 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         data: args.data.clone(),
         init: args.init.clone(),
         save_params: args.save_params.clone(),
-        progress: None,
+        // `megac launch` asks for progress lines (the ranks' stderr is a pipe to mpirun).
+        progress: (args.comm == "mpi"
+            && std::env::var_os("MEGAC_PROGRESS").is_some_and(|v| v == "1"))
+        .then_some(true),
         profile: args.profile,
         trace: args.trace.clone(),
     })
@@ -40,7 +46,14 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
 /// Run `plan` with `args`, write the report, print a summary.
 pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
     let opts = options(args)?;
-    let report = train(plan, &opts).map_err(|e| format!("error: {e}"))?;
+    let report = if args.comm == "mpi" {
+        match train_on_mpi(plan, &opts)? {
+            Some(report) => report,
+            None => return Ok(()), // ranks other than 0 print and write nothing
+        }
+    } else {
+        train(plan, &opts).map_err(|e| format!("error: {e}"))?
+    };
     if let Some(path) = &args.report {
         write_atomically(path, &report.to_json())?;
     }
@@ -64,6 +77,27 @@ pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
         println!("saved parameters to {}", p.display());
     }
     Ok(())
+}
+
+/// Run `plan` as one process of an MPI job; rank 0's report, None on the other ranks. An
+/// error on a rank other than 0 names the rank (and is left to rank 0 when every rank has it).
+#[cfg(feature = "mpi")]
+fn train_on_mpi(plan: &Plan, opts: &RunOptions) -> Result<Option<RunReport>, String> {
+    use megac_runtime::mpi_comm;
+    let result = megac_runtime::train::train_mpi(plan, opts);
+    let rank = mpi_comm::world_rank().unwrap_or(0);
+    match result {
+        Ok(report) => Ok((rank == 0).then_some(report)),
+        Err(e) if rank == 0 => Err(format!("error: {e}")),
+        // main prints a message and exits 1; an empty one would print an empty line.
+        Err(_) if mpi_comm::error_on_every_rank() => std::process::exit(1),
+        Err(e) => Err(format!("error: rank {rank}: {e}")),
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn train_on_mpi(_plan: &Plan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
+    Err("error: --comm mpi: this megac was built without MPI".to_string())
 }
 
 /// Write `text` to `path` via a temporary file, so no half-written file is left behind.

@@ -1,0 +1,309 @@
+//! Calibration against Megatron-LM's published H100 weak-scaling table
+//! (shared/reference/megatron-lm.md §10.1; Megatron-Core r0.8.0, 2024).
+//!
+//! The table gives, per GPT model, the layout (TP, PP, DP), the global batch and the
+//! achieved TFLOP/s per GPU. It does not give the measured step time; it is recovered from
+//! the FLOPs formula the r0.8 code used to compute those TFLOP/s (`training.py`,
+//! `num_floating_point_operations`, before the causal-mask correction):
+//! `72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`, so `time = F / (TFLOP/s · GPUs)`.
+//!
+//! The runtime is Megatron's: overlapped data-parallel, tensor-parallel and pipeline
+//! communication (the table's flags; the [`crate::cost::CostParams`] defaults), and a
+//! mixed precision with bf16 parameter copies, whose distributed optimizer gathers them
+//! (`bf16_params`, set here), and sequence parallelism that keeps the norm outputs sharded
+//! and gathers them again in backward (`sp_regather`, set here).
+//!
+//! The table does not give the micro-batch size, the virtual pipeline size or the
+//! recomputation either. With a pipeline the micro-batch is 1, as in Megatron's pipelined
+//! examples (GPT-3 175B: `--micro-batch-size 1`); NVIDIA tuned the rest for throughput, so
+//! the prediction for a row is the best the model finds over them (the micro-batch when
+//! PP = 1; vpp with the interleaved schedule, or plain 1F1B; no, selective or full
+//! recomputation) with the row's TP, PP and DP, sequence parallelism and the distributed
+//! optimizer, among the layouts that fit in 80 GiB. (With PP = 1 this picks one micro-batch
+//! per step: the data-parallel reduction then overlaps the whole backward, which the 16B and
+//! 32B rows need.)
+
+use megac_ir::spec::{
+    Arch, ModelSection, ModelSpec, ParallelSection, Precision, Recompute, Schedule, TrainSection,
+};
+
+use crate::cluster::Cluster;
+use crate::cost::CostModel;
+use crate::model::{estimate, Estimate, Layout};
+use crate::search::divisors;
+
+/// One row of the published table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TableRow {
+    /// Model name in the table.
+    pub name: &'static str,
+    /// Attention heads.
+    pub heads: u64,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Layers.
+    pub layers: u64,
+    /// Tensor-parallel size.
+    pub tp: u64,
+    /// Pipeline-parallel size.
+    pub pp: u64,
+    /// Data-parallel size.
+    pub dp: u64,
+    /// Global batch (sequences).
+    pub batch: u64,
+    /// Achieved TFLOP/s per GPU.
+    pub tflops: f64,
+}
+
+/// Megatron-LM README, "Training Speed and Scalability" (r0.8.0, H100, vocab 131,072,
+/// sequence 4,096).
+pub const MEGATRON_H100: &[TableRow] = &[
+    row("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    row("7.1B", 32, 4096, 30, 2, 1, 48, 192, 465.9),
+    row("16B", 48, 6144, 32, 4, 1, 48, 192, 489.1),
+    row("32B", 56, 7168, 48, 8, 1, 48, 192, 459.6),
+    row("70B", 64, 8192, 84, 8, 2, 48, 384, 419.7),
+    row("119B", 80, 10240, 92, 8, 4, 48, 768, 420.5),
+    row("177B", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
+    row("314B", 128, 16384, 96, 8, 8, 48, 1536, 474.4),
+    row("462B", 144, 18432, 112, 8, 16, 48, 3072, 459.9),
+];
+
+#[allow(clippy::too_many_arguments)]
+const fn row(
+    name: &'static str,
+    heads: u64,
+    hidden: u64,
+    layers: u64,
+    tp: u64,
+    pp: u64,
+    dp: u64,
+    batch: u64,
+    tflops: f64,
+) -> TableRow {
+    TableRow {
+        name,
+        heads,
+        hidden,
+        layers,
+        tp,
+        pp,
+        dp,
+        batch,
+        tflops,
+    }
+}
+
+/// Vocabulary of the table's models.
+pub const VOCAB: u64 = 131_072;
+/// Sequence length of the table's models.
+pub const SEQ: u64 = 4096;
+
+impl TableRow {
+    /// GPUs of the row.
+    pub fn gpus(&self) -> u64 {
+        self.tp * self.pp * self.dp
+    }
+
+    /// FLOPs per step by the r0.8 formula (the one behind the published TFLOP/s).
+    pub fn flops_r08(&self) -> f64 {
+        let (b, s, l, h, v) = (
+            self.batch as f64,
+            SEQ as f64,
+            self.layers as f64,
+            self.hidden as f64,
+            VOCAB as f64,
+        );
+        72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+    }
+
+    /// The step time the published TFLOP/s imply.
+    pub fn measured_seconds(&self) -> f64 {
+        self.flops_r08() / (self.tflops * 1e12 * self.gpus() as f64)
+    }
+
+    /// The row's model as a spec (GPT: LayerNorm, GELU MLP of 4·hidden, untied embeddings,
+    /// bf16), with the row's layout.
+    pub fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            name: format!("gpt-{}", self.name),
+            model: ModelSection {
+                arch: Arch::Gpt,
+                layers: self.layers,
+                hidden: self.hidden,
+                heads: self.heads,
+                kv_heads: self.heads,
+                ffn_hidden: 4 * self.hidden,
+                vocab: VOCAB,
+                seq_len: SEQ,
+                tie_embeddings: false,
+                norm_eps: 1e-5,
+                rope_theta: 10000.0,
+                moe: None,
+            },
+            train: TrainSection {
+                micro_batch: 1,
+                global_batch: self.batch,
+                steps: 10,
+                seed: 1234,
+                precision: Precision::Bf16,
+                lr: 3e-4,
+                betas: (0.9, 0.95),
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+                recompute: Recompute::None,
+                lr_schedule: None,
+            },
+            parallel: ParallelSection {
+                tp: self.tp,
+                pp: self.pp,
+                vpp: 1,
+                dp: self.dp,
+                cp: 1,
+                ep: 1,
+                sequence_parallel: self.tp > 1,
+                distributed_optimizer: true,
+                schedule: Schedule::OneFOneB,
+                dpp_policy: megac_ir::spec::DppPolicy::Adaptive,
+                fbd: false,
+                cp_comm: Default::default(),
+            },
+            cluster: None,
+        }
+    }
+}
+
+/// The prediction for one row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibrated {
+    /// The table row.
+    pub row: TableRow,
+    /// The layout the model found fastest (among those that fit).
+    pub layout: Layout,
+    /// Its prediction.
+    pub estimate: Estimate,
+    /// `predicted / measured − 1` of the step time.
+    pub error: f64,
+}
+
+/// Predict every row of [`MEGATRON_H100`] on `cluster` (an H100 preset or file).
+pub fn calibrate(cluster: &Cluster) -> Vec<Calibrated> {
+    let mut cluster = cluster.clone();
+    // Megatron's mixed precision: bf16 parameter copies, fp32 gradients, master weights and
+    // moments in the (distributed) optimizer, which gathers the bf16 copies.
+    cluster.cost.bf16_params = true;
+    // Megatron's sequence parallelism keeps the norm outputs sharded and gathers them again.
+    cluster.cost.sp_regather = true;
+    MEGATRON_H100
+        .iter()
+        .map(|r| {
+            let spec = r.spec();
+            let cost = CostModel::new(cluster.fit(r.gpus()).expect("unsized cluster"));
+            let mut best: Option<(Layout, Estimate)> = None;
+            let base = Layout::of_spec(&spec);
+            // Pipelined rows: micro-batch 1 (Megatron's pipelined examples); without a
+            // pipeline, any micro-batch.
+            let mbs: Vec<u64> = if r.pp > 1 {
+                vec![1]
+            } else {
+                divisors(r.batch / r.dp)
+            };
+            for mb in mbs {
+                let vpps = if r.pp > 1 {
+                    divisors(r.layers / r.pp)
+                } else {
+                    vec![1]
+                };
+                for vpp in vpps {
+                    let schedule = if vpp > 1 {
+                        Schedule::Interleaved
+                    } else {
+                        Schedule::OneFOneB
+                    };
+                    let m = r.batch / (r.dp * mb);
+                    if schedule == Schedule::Interleaved && m % r.pp != 0 {
+                        continue;
+                    }
+                    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                        let layout = Layout {
+                            micro_batch: mb,
+                            vpp,
+                            schedule,
+                            recompute,
+                            ..base.clone()
+                        };
+                        let e = estimate(&spec, &layout, &cost);
+                        if e.fits
+                            && best
+                                .as_ref()
+                                .is_none_or(|(_, b)| e.step_seconds < b.step_seconds)
+                        {
+                            best = Some((layout, e));
+                        }
+                    }
+                }
+            }
+            let (layout, estimate) = best.expect("some layout of every row fits");
+            let error = estimate.step_seconds / r.measured_seconds() - 1.0;
+            Calibrated {
+                row: r.clone(),
+                layout,
+                estimate,
+                error,
+            }
+        })
+        .collect()
+}
+
+/// The calibration table as text: per row the published and predicted step time and
+/// TFLOP/s (r0.8 formula), the relative error and the layout chosen; then the mean absolute
+/// error.
+pub fn report(rows: &[Calibrated]) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "{:<5} {:>5} {:>3} {:>3} {:>3} {:>6} {:>10} {:>10} {:>9} {:>9} {:>7}  layout chosen\n",
+        "model",
+        "GPUs",
+        "TP",
+        "PP",
+        "DP",
+        "batch",
+        "meas. s",
+        "pred. s",
+        "TFLOP/s",
+        "pred.",
+        "error"
+    ));
+    for c in rows {
+        let r = &c.row;
+        let pred_tflops = r.flops_r08() / (c.estimate.step_seconds * r.gpus() as f64) / 1e12;
+        s.push_str(&format!(
+            "{:<5} {:>5} {:>3} {:>3} {:>3} {:>6} {:>10.3} {:>10.3} {:>9.1} {:>9.1} {:>+6.1}%  mb={} vpp={} {} recompute={}\n",
+            r.name,
+            r.gpus(),
+            r.tp,
+            r.pp,
+            r.dp,
+            r.batch,
+            r.measured_seconds(),
+            c.estimate.step_seconds,
+            r.tflops,
+            pred_tflops,
+            100.0 * c.error,
+            c.layout.micro_batch,
+            c.layout.vpp,
+            c.layout.schedule.as_str(),
+            c.layout.recompute.as_str(),
+        ));
+    }
+    let mean = rows.iter().map(|c| c.error.abs()).sum::<f64>() / rows.len().max(1) as f64;
+    let max = rows.iter().map(|c| c.error.abs()).fold(0.0, f64::max);
+    s.push_str(&format!(
+        "mean |error| {:.1}%, max |error| {:.1}% over {} rows (targets: every row within 10%, mean within 5%)\n",
+        100.0 * mean,
+        100.0 * max,
+        rows.len()
+    ));
+    s
+}

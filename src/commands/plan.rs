@@ -1,0 +1,129 @@
+//! `megac plan`: search every valid layout of a model on N GPUs with the analytic cost model
+//! and print the fastest that fit in memory.
+
+use std::path::PathBuf;
+
+use megac_sim::cluster::{Cluster, GIB};
+use megac_sim::search::emit_model_toml;
+use megac_sim::CostModel;
+
+use crate::ModelArgs;
+
+/// Options of `megac plan`.
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// The model and its `--set` overrides.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Number of GPUs the layout must use (tp·pp·dp·cp).
+    #[arg(long, value_name = "N")]
+    pub gpus: u64,
+    /// A cluster.toml, or a preset: a100-80g, h100-sxm, h200 (default: model.toml's
+    /// [cluster], else h100-sxm).
+    #[arg(long, value_name = "CLUSTER.toml|PRESET")]
+    pub cluster: Option<String>,
+    /// How many layouts to print.
+    #[arg(long, default_value_t = 10, value_name = "K")]
+    pub top: usize,
+    /// Write the best layout as a complete model.toml.
+    #[arg(long, value_name = "F.toml")]
+    pub emit: Option<PathBuf>,
+}
+
+/// The cluster: `--cluster`, else model.toml's `[cluster]` (a preset with its node count),
+/// else h100-sxm.
+fn cluster_for(args: &PlanArgs, spec: &megac_ir::ModelSpec) -> Result<Cluster, String> {
+    if let Some(a) = &args.cluster {
+        return Cluster::load(a).map_err(|e| e.render());
+    }
+    match &spec.cluster {
+        Some(c) => {
+            let mut cl = Cluster::preset(&c.device).map_err(|e| {
+                format!(
+                    "error: {}: cluster.device = \"{}\" is not a cluster preset\nhelp: {}; or pass --cluster CLUSTER.toml\n",
+                    args.model.model.display(),
+                    c.device,
+                    e.help.unwrap_or_default()
+                )
+            })?;
+            cl.nodes = Some(c.nodes);
+            cl.gpus_per_node = c.gpus_per_node;
+            cl.source = format!("{} [cluster]", args.model.model.display());
+            Ok(cl)
+        }
+        None => Cluster::preset("h100-sxm").map_err(|e| e.render()),
+    }
+}
+
+/// Run `megac plan`.
+pub fn run(args: &PlanArgs) -> Result<(), String> {
+    if args.gpus == 0 {
+        return Err("error: --gpus 0: the layout needs at least one GPU".into());
+    }
+    let spec = super::load_spec(&args.model)?;
+    let cluster = cluster_for(args, &spec)?
+        .fit(args.gpus)
+        .map_err(|e| e.render())?;
+    let cost = CostModel::new(cluster);
+    let result = megac_sim::search(&spec, args.gpus, &cost, args.top).map_err(|e| e.render())?;
+    let tokens = (spec.train.global_batch * spec.model.seq_len) as f64;
+    println!(
+        "model        {}: {} layers, hidden {}, global batch {} × {} tokens ({:.3e} tokens per step)",
+        spec.name,
+        spec.model.layers,
+        spec.model.hidden,
+        spec.train.global_batch,
+        spec.model.seq_len,
+        tokens
+    );
+    println!("cluster      {}", cost.cluster.describe());
+    println!(
+        "{:>4}  {:>10}  {:>12}  {:>6}  {:>7}  {:>9}  layout",
+        "rank", "step (s)", "tokens/s", "MFU", "bubble", "GiB/GPU"
+    );
+    for (i, c) in result.best.iter().enumerate() {
+        let e = &c.estimate;
+        println!(
+            "{:>4}  {:>10.4}  {:>12.0}  {:>5.1}%  {:>6.1}%  {:>9.1}  {}",
+            i + 1,
+            e.step_seconds,
+            e.tokens_per_s,
+            100.0 * e.mfu,
+            100.0 * e.bubble_fraction,
+            e.peak_memory_bytes / GIB,
+            c.layout.label()
+        );
+    }
+    if let Some(path) = &args.emit {
+        let best = &result.best[0];
+        let header = vec![
+            format!(
+                "Written by `megac plan {} --gpus {}`: the fastest of {} layouts that fit ({} searched).",
+                args.model.model.display(),
+                args.gpus,
+                result.fitting,
+                result.searched
+            ),
+            format!(
+                "Predicted on {}: {:.4} s per step, {:.0} tokens/s, MFU {:.1}%, {:.1} GiB per GPU.",
+                cost.cluster.name,
+                best.estimate.step_seconds,
+                best.estimate.tokens_per_s,
+                100.0 * best.estimate.mfu,
+                best.estimate.peak_memory_bytes / GIB
+            ),
+        ];
+        let text = emit_model_toml(&spec, &best.layout, &cost.cluster, &header);
+        super::simulate::write_atomic(path, &text)?;
+        println!("wrote {}", path.display());
+    }
+    println!(
+        "{} of {} layouts fit in memory",
+        result.fitting, result.searched
+    );
+    println!(
+        "searched {} layouts in {:.3} s",
+        result.searched, result.seconds
+    );
+    Ok(())
+}

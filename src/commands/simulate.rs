@@ -1,0 +1,141 @@
+//! `megac simulate`: predict a compiled plan's step time, throughput, MFU and memory on a
+//! cluster, and optionally write its timeline.
+
+use std::path::{Path, PathBuf};
+
+use megac_sim::cluster::{Cluster, GIB};
+use megac_sim::{simulate, CostModel};
+
+/// Options of `megac simulate`.
+#[derive(clap::Args)]
+pub struct SimulateArgs {
+    /// Plan directory written by `megac compile`.
+    #[arg(value_name = "PLAN_DIR")]
+    pub plan: PathBuf,
+    /// A cluster.toml, or a preset: a100-80g, h100-sxm, h200 (default: h100-sxm, with as
+    /// many 8-GPU nodes as the plan needs).
+    #[arg(long, value_name = "CLUSTER.toml|PRESET")]
+    pub cluster: Option<String>,
+    /// Output format.
+    #[arg(long, default_value = "text", value_name = "text|json")]
+    pub format: String,
+    /// Write a Chrome-trace timeline (opens in Perfetto) of the simulated step.
+    #[arg(long, value_name = "F.json")]
+    pub trace: Option<PathBuf>,
+}
+
+/// The cluster named by `--cluster`, or the default preset.
+pub fn cluster_arg(arg: Option<&str>) -> Result<Cluster, String> {
+    match arg {
+        Some(a) => Cluster::load(a).map_err(|e| e.render()),
+        None => Cluster::preset("h100-sxm").map_err(|e| e.render()),
+    }
+}
+
+/// Write `text` to `path` atomically (a temporary file renamed into place).
+pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
+    let tmp = path.with_extension(format!(
+        "{}.tmp{}",
+        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, text)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("error: {}: cannot write: {e}", path.display())
+        })
+}
+
+/// Run `megac simulate`.
+pub fn run(args: &SimulateArgs) -> Result<(), String> {
+    if args.format != "text" && args.format != "json" {
+        return Err(format!(
+            "error: --format {}: expected `text` or `json`",
+            args.format
+        ));
+    }
+    let plan = super::inspect::read_plan(&args.plan)?;
+    let world = plan.mesh.world_size() as u64;
+    let cluster = cluster_arg(args.cluster.as_deref())?
+        .fit(world)
+        .map_err(|e| e.render())?;
+    let cost = CostModel::new(cluster);
+    let megac_sim::simulate::Simulation {
+        report,
+        events,
+        streams,
+    } = simulate(&plan, &cost, args.trace.is_some())
+        .map_err(|e| format!("error: {}: {e}", args.plan.join("plan.json").display()))?;
+    if let Some(path) = &args.trace {
+        write_atomic(
+            path,
+            &megac_sim::simulate::trace_json(&plan, &events, &streams),
+        )?;
+    }
+    if args.format == "json" {
+        let mut v = report.to_json();
+        v["cluster"] = serde_json::json!({
+            "name": cost.cluster.name,
+            "source": cost.cluster.source,
+            "nodes": cost.cluster.nodes,
+            "gpus_per_node": cost.cluster.gpus_per_node,
+            "device": cost.cluster.device.name,
+            "memory_bytes": cost.cluster.device.memory_bytes,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    let b = &plan.batch;
+    println!(
+        "plan         {}: {} rank(s), {} role(s), {} micro-batch(es) of {} × {} tokens per step",
+        plan.model,
+        report.world,
+        plan.roles.len(),
+        b.microbatches,
+        b.micro_batch,
+        b.seq_len
+    );
+    println!("cluster      {}", cost.cluster.describe());
+    println!(
+        "step         {:.4} s   ({:.0} tokens/s, MFU {:.1}%, bubble {:.1}%)",
+        report.step_seconds,
+        report.tokens_per_s,
+        100.0 * report.mfu,
+        100.0 * report.bubble_fraction
+    );
+    for r in &report.roles {
+        println!(
+            "role {:<7} {} rank(s): micro-batch {:.2} ms, optimizer {:.2} ms, compute {:.4} s, exposed communication {:.4} s, {} kernels",
+            r.name,
+            r.ranks,
+            1e3 * r.microbatch_seconds,
+            1e3 * r.optimizer_seconds,
+            r.compute_seconds,
+            r.exposed_comm_seconds,
+            r.kernels
+        );
+        for (axes, t) in &r.comm_seconds {
+            println!("  comm {axes:<8} {t:.4} s per step (hidden or not)");
+        }
+        let cap = cost.cluster.device.memory_bytes;
+        let fit = if (r.memory_bytes as f64) <= cap {
+            "fits"
+        } else {
+            "does NOT fit"
+        };
+        println!(
+            "  memory      {:.2} GiB per rank (static plan; live activations at least {:.2} GiB) of {:.0} GiB: {fit}",
+            r.memory_bytes as f64 / GIB,
+            r.activation_live_bytes as f64 / GIB,
+            cap / GIB
+        );
+    }
+    if let Some(path) = &args.trace {
+        println!("trace        wrote {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,188 @@
+//! Multi-process runs: `megac launch` (mpirun, one process per rank) gives the same losses,
+//! gradient norms and trained parameters as the local-thread run of the same plan, bit for
+//! bit (both communicators reduce in group order); wrong process counts are clear errors.
+
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn megac(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_megac"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        // Other tests run at the same time: let ranks waiting in MPI yield their core.
+        .env("OMPI_MCA_mpi_yield_when_idle", "1")
+        .env_remove("MEGAC_PROGRESS")
+        .output()
+        .expect("run megac")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn compile(dir: &Path, sets: &[&str]) -> String {
+    let plan = dir.join("plan").to_string_lossy().into_owned();
+    let mut args = vec!["compile", "examples/llama-tiny.toml"];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    args.extend(["-o", &plan]);
+    let o = megac(&args);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    plan
+}
+
+/// (loss, grad norm) per step of a `--report` file.
+fn steps(report: &Path) -> Vec<(f64, f64)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report).expect("report")).unwrap();
+    v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["loss"].as_f64().unwrap(),
+                s["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Run `plan` with `megac launch -n ranks` and with the local communicator; check that
+/// both report the same losses and norms and save the same parameters, bit for bit.
+fn mpi_matches_local(sets: &[&str], ranks: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), sets);
+    let path = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+    let n = ranks.to_string();
+    let common = ["--steps", "3"];
+
+    let mut args = vec!["launch", "-n", &n, &plan];
+    args.extend(common);
+    let (mpi_report, mpi_params) = (path("mpi.json"), path("mpi.safetensors"));
+    args.extend(["--report", &mpi_report, "--save-params", &mpi_params]);
+    let o = megac(&args);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert!(o.status.success(), "{out}{err}");
+    // The mpirun command comes first, on one line.
+    let first = err.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("mpirun -np ") && first.contains(" run "),
+        "{err}"
+    );
+    assert!(first.contains("--comm mpi"), "{err}");
+    // Only rank 0 prints.
+    assert_eq!(out.matches("trained 3 steps").count(), 1, "{out}");
+
+    let mut args = vec!["run", &plan];
+    args.extend(common);
+    let (local_report, local_params) = (path("local.json"), path("local.safetensors"));
+    args.extend(["--report", &local_report, "--save-params", &local_params]);
+    let o = megac(&args);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+
+    let (a, b) = (
+        steps(Path::new(&mpi_report)),
+        steps(Path::new(&local_report)),
+    );
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.0.to_bits(), y.0.to_bits(), "loss: mpi {a:?}, local {b:?}");
+        assert_eq!(
+            x.1.to_bits(),
+            y.1.to_bits(),
+            "grad norm: mpi {a:?}, local {b:?}"
+        );
+    }
+    let (p, q) = (
+        std::fs::read(&mpi_params).unwrap(),
+        std::fs::read(&local_params).unwrap(),
+    );
+    assert!(p == q, "the trained parameters differ");
+}
+
+const BATCH: [&str; 2] = ["train.micro_batch=2", "train.global_batch=8"];
+
+#[test]
+fn data_parallel_over_mpi_matches_local_threads() {
+    mpi_matches_local(&["parallel.dp=2", BATCH[0], BATCH[1]], 2);
+}
+
+#[test]
+fn tensor_parallel_over_mpi_matches_local_threads() {
+    mpi_matches_local(&["parallel.tp=2", BATCH[0], BATCH[1]], 2);
+}
+
+/// Four processes (oversubscribed on small machines): tp and dp sub-communicators.
+#[test]
+fn tp_and_dp_over_mpi_match_local_threads() {
+    mpi_matches_local(&["parallel.tp=2", "parallel.dp=2", BATCH[0], BATCH[1]], 4);
+}
+
+#[test]
+fn launch_with_the_wrong_process_count_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    let o = megac(&["launch", "-n", "3", &plan, "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("has 2 ranks") && err.contains("use -n 2"),
+        "{err}"
+    );
+    assert!(!err.contains("mpirun -np"), "nothing is started: {err}");
+}
+
+#[test]
+fn mpirun_with_the_wrong_process_count_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    let o = Command::new("mpirun")
+        .args(["-np", "3", "--oversubscribe", "--mca", "btl", "self,vader"])
+        .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+        .args(["--mca", "mpi_yield_when_idle", "1"])
+        .args([env!("CARGO_BIN_EXE_megac"), "run", &plan, "--comm", "mpi"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("run mpirun");
+    assert!(!o.status.success());
+    let err = text(&o.stderr);
+    let message = "the plan has 2 ranks but mpirun started 3 processes";
+    // Every rank finds it; rank 0 reports it.
+    assert_eq!(err.matches(message).count(), 1, "{err}");
+    assert!(text(&o.stdout).is_empty(), "{}", text(&o.stdout));
+}
+
+#[test]
+fn comm_mpi_without_mpirun_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    let o = megac(&["run", &plan, "--comm", "mpi", "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("the plan has 2 ranks but this process was not started by mpirun")
+            && err.contains("megac launch -n 2"),
+        "{err}"
+    );
+}
+
+#[test]
+fn launch_rejects_bad_run_options_before_starting_mpirun() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    let o = megac(&["launch", "-n", "2", &plan, "--stepz", "1"]);
+    assert_ne!(o.status.code(), Some(0));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("--stepz") && !err.contains("mpirun -np"),
+        "{err}"
+    );
+    let o = megac(&["launch", "-n", "2", &plan, "--comm", "local"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("--comm"));
+}

@@ -1,0 +1,380 @@
+//! The cost model, the plan simulator and the layout search, through the library and the CLI.
+
+use std::process::{Command, Output};
+
+use megac_ir::plan::Plan;
+use megac_ir::ModelSpec;
+use megac_sim::{estimate, simulate, Cluster, CostModel, Layout};
+
+fn megac(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_megac"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run megac")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn spec(path: &str, sets: &[&str]) -> ModelSpec {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let file = format!("{}/{path}", env!("CARGO_MANIFEST_DIR"));
+    megac_frontend::load(std::path::Path::new(&file), &sets).expect("valid model")
+}
+
+fn plan_of(spec: &ModelSpec) -> Plan {
+    let flops = megac_passes::flops::step_flops(spec).total;
+    let module = megac_passes::run_pipeline(spec.clone(), None, false).expect("compiles");
+    megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).expect("plan")
+}
+
+/// The analytic model and the simulator agree on plans megac emits today (data, tensor,
+/// sequence and context parallelism; with Megatron's overlaps and with a serial runtime).
+#[test]
+fn analytic_model_agrees_with_the_simulator() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "parallel.sequence_parallel=false",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "parallel.sequence_parallel=false",
+                "parallel.tp=1",
+                "parallel.dp=8",
+            ],
+        ),
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "parallel.tp=1",
+                "parallel.cp=2",
+                "parallel.dp=4",
+                "parallel.sequence_parallel=false",
+            ],
+        ),
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "parallel.tp=2",
+                "parallel.cp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=false",
+                "parallel.cp_comm=all-gather",
+            ],
+        ),
+        (
+            "examples/gpt3-175b.toml",
+            &[
+                "parallel.pp=1",
+                "parallel.vpp=1",
+                "parallel.dp=128",
+                "model.vocab=51200",
+                "parallel.sequence_parallel=false",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
+    ];
+    for (path, sets) in cases {
+        let s = spec(path, sets);
+        let plan = plan_of(&s);
+        for serial in [false, true] {
+            let mut cl = Cluster::preset("h100-sxm").unwrap();
+            if serial {
+                cl.cost = cl.cost.clone().serial();
+            }
+            let cost = CostModel::new(cl.fit(plan.mesh.world_size() as u64).unwrap());
+            let sim = simulate(&plan, &cost, false).unwrap().report;
+            let est = estimate(&s, &Layout::of_spec(&s), &cost);
+            let rel = (est.step_seconds - sim.step_seconds).abs() / sim.step_seconds;
+            assert!(
+                rel < 0.03,
+                "{path} {sets:?} serial={serial}: model {} s vs simulated {} s",
+                est.step_seconds,
+                sim.step_seconds
+            );
+            assert!((est.mfu / sim.mfu - 1.0).abs() < 0.03);
+            // Parameters, gradients and optimizer state as codegen lays them out.
+            let m = &plan.memory;
+            let state = (m.param_bytes + m.grad_bytes + m.opt_state_bytes) as f64;
+            let model_state = est.memory.params + est.memory.grads + est.memory.optimizer;
+            assert!(
+                (model_state / state - 1.0).abs() < 0.01,
+                "{path} {sets:?}: state {model_state} vs {state}"
+            );
+            // Activations: the model's count against the plan's live activations (the
+            // placement's arena is larger: fragmentation).
+            let live = sim.roles[0].activation_live_bytes as f64;
+            let act = est.memory.activations + est.memory.head;
+            assert!(
+                (act / live - 1.0).abs() < 0.05,
+                "{path} {sets:?}: activations {act} vs live {live}"
+            );
+        }
+    }
+}
+
+fn compile_to(dir: &std::path::Path, model: &str, sets: &[&str]) {
+    let mut args = vec!["compile", model];
+    for s in sets {
+        args.push("--set");
+        args.push(s);
+    }
+    let out = dir.to_str().unwrap();
+    args.extend(["-o", out]);
+    let o = megac(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `simulate` on a compiled dp2 × tp2 plan: sane numbers, the JSON contract, a trace.
+#[test]
+fn simulate_a_dp_tp_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan_dir = dir.path().join("plan");
+    compile_to(
+        &plan_dir,
+        "examples/llama-tiny.toml",
+        &["parallel.dp=2", "parallel.tp=2"],
+    );
+    let trace = dir.path().join("sim.trace.json");
+    let o = megac(&[
+        "simulate",
+        plan_dir.to_str().unwrap(),
+        "--format",
+        "json",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("JSON on stdout");
+    let step = v["step_seconds"].as_f64().unwrap();
+    let tps = v["tokens_per_s"].as_f64().unwrap();
+    let mfu = v["mfu"].as_f64().unwrap();
+    assert!(
+        step > 0.0 && step < 1.0,
+        "a tiny model steps in well under a second: {step}"
+    );
+    // llama-tiny: global batch 8 × 64 tokens.
+    assert!((tps * step / 512.0 - 1.0).abs() < 1e-9);
+    assert!(mfu > 0.0 && mfu < 0.5, "{mfu}");
+    assert_eq!(v["bubble_fraction"].as_f64(), Some(0.0));
+    let mem = v["peak_memory_bytes"].as_array().unwrap();
+    assert_eq!(mem.len(), 4);
+    let text = std::fs::read_to_string(plan_dir.join("plan.json")).unwrap();
+    let plan = Plan::from_json(&text).unwrap();
+    assert!(mem.iter().all(|m| m.as_u64() == Some(plan.memory.total())));
+    // The timeline has compute and tensor-parallel communication.
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    assert!(events
+        .iter()
+        .any(|e| e["name"] == "linear" && e["ph"] == "X"));
+    assert!(events
+        .iter()
+        .any(|e| e["name"] == "all_reduce" && e["cat"] == "comm"));
+    assert!(events.iter().any(|e| e["name"] == "adamw"));
+
+    // The text form says the same.
+    let o = megac(&[
+        "simulate",
+        plan_dir.to_str().unwrap(),
+        "--cluster",
+        "a100-80g",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("step "), "{out}");
+    assert!(out.contains("A100"), "{out}");
+    assert!(out.contains("comm tp"), "{out}");
+}
+
+/// Unit costs through the simulator: F, B and W of one micro-batch take 1 each.
+#[test]
+fn simulator_unit_costs() {
+    let s = spec("examples/llama-tiny.toml", &["parallel.dp=2"]);
+    let plan = plan_of(&s);
+    let cost = CostModel::unit(Cluster::preset("h100-sxm").unwrap().fit(2).unwrap());
+    let r = simulate(&plan, &cost, false).unwrap().report;
+    let want = 3.0 * plan.batch.microbatches as f64;
+    assert!(
+        (r.step_seconds - want).abs() < 1e-9,
+        "{} vs {want}",
+        r.step_seconds
+    );
+}
+
+/// `plan` on Llama-3 8B and 8 GPUs: K layouts, fastest first, all fitting, the last line.
+#[test]
+fn plan_llama3_8b_on_8_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let emit = dir.path().join("best.toml");
+    let o = megac(&[
+        "plan",
+        "examples/llama3-8b.toml",
+        "--gpus",
+        "8",
+        "--top",
+        "6",
+        "--emit",
+        emit.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| l.contains(" tp="))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 6, "{out}");
+    let steps: Vec<f64> = rows.iter().map(|r| r[1].parse().unwrap()).collect();
+    assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{out}");
+    // 80 GiB minus 2 GiB reserved.
+    assert!(
+        rows.iter().all(|r| r[5].parse::<f64>().unwrap() <= 78.0),
+        "{out}"
+    );
+    let last = out.lines().last().unwrap();
+    let words: Vec<&str> = last.split_whitespace().collect();
+    assert_eq!(words[0], "searched", "{out}");
+    assert!(words[1].parse::<u64>().unwrap() > 1000, "{last}");
+    assert_eq!(&words[2..4], ["layouts", "in"]);
+    assert!(words[4].parse::<f64>().is_ok() && words[5] == "s", "{last}");
+    // The emitted file is a valid model.toml with the best layout.
+    let o = megac(&["check", emit.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let best_layout = rows[0][6..].join(" ");
+    let text = std::fs::read_to_string(&emit).unwrap();
+    let tp = best_layout
+        .split("tp=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    assert!(text.contains(&format!("\ntp = {tp}\n")), "{text}");
+}
+
+#[test]
+fn plan_errors_are_one_clear_message() {
+    // A model that fits no layout.
+    let o = megac(&[
+        "plan",
+        "examples/llama3-70b.toml",
+        "--gpus",
+        "1",
+        "--cluster",
+        "h100-sxm",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.starts_with("error: no layout of llama3-70b fits on 1 × h100-sxm"),
+        "{err}"
+    );
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "{err}"
+    );
+    assert!(!err.contains("panicked"));
+
+    // A malformed cluster file: file, line and column.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("cluster.toml");
+    std::fs::write(
+        &bad,
+        "preset = \"h100-sxm\"\n[inter_node]\ngb_per_s = \"fast\"\n",
+    )
+    .unwrap();
+    let o = megac(&[
+        "plan",
+        "examples/llama-tiny.toml",
+        "--gpus",
+        "2",
+        "--cluster",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.starts_with(&format!("error: {}:3:12:", bad.display())),
+        "{err}"
+    );
+    assert!(err.contains("gb_per_s = \"fast\""), "{err}");
+
+    // An unknown preset.
+    let o = megac(&[
+        "plan",
+        "examples/llama-tiny.toml",
+        "--gpus",
+        "2",
+        "--cluster",
+        "b300",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("unknown cluster preset `b300`"),
+        "{}",
+        stderr(&o)
+    );
+
+    // A cluster too small for the GPU count (llama3-8b's [cluster] is one 8-GPU node).
+    let o = megac(&["plan", "examples/llama3-8b.toml", "--gpus", "16"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("too small"), "{}", stderr(&o));
+}
+
+#[test]
+fn simulate_errors_are_one_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan_dir = dir.path().join("plan");
+    compile_to(
+        &plan_dir,
+        "examples/llama-tiny.toml",
+        &["parallel.dp=4", "train.micro_batch=2"],
+    );
+    let small = dir.path().join("small.toml");
+    std::fs::write(
+        &small,
+        "preset = \"h100-sxm\"\nnodes = 1\ngpus_per_node = 2\n",
+    )
+    .unwrap();
+    let o = megac(&[
+        "simulate",
+        plan_dir.to_str().unwrap(),
+        "--cluster",
+        small.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("too small for the layout"), "{err}");
+    assert!(err.contains("the layout needs 4"), "{err}");
+    let o = megac(&["simulate", dir.path().join("nothing").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("cannot read the plan"),
+        "{}",
+        stderr(&o)
+    );
+    let o = megac(&["simulate", plan_dir.to_str().unwrap(), "--format", "yaml"]);
+    assert_eq!(o.status.code(), Some(1));
+}
