@@ -13,6 +13,7 @@ pub mod flops;
 pub mod manager;
 pub mod optimizer;
 pub mod recompute;
+pub mod schedule;
 pub mod shard;
 
 #[cfg(test)]
