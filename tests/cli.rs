@@ -530,3 +530,51 @@ fn inspect_memory_matches_the_allocated_arenas() {
         }
     }
 }
+
+fn collective_bytes(sets: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p");
+    let mut args = vec!["compile", "examples/llama-tiny.toml"];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    args.extend(["-o", out.to_str().unwrap()]);
+    let o = megac(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = megac(&["inspect", out.to_str().unwrap(), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["roles"][0]["collective_bytes_per_step"].clone()
+}
+
+/// Bytes each collective moves per step and rank, for the layouts whose collectives are
+/// explicit in the plan: data parallelism reduces every gradient once (4 bytes per
+/// parameter); the distributed optimizer reduce-scatters and all-gathers the flat (padded)
+/// arena instead; tensor parallelism reduces a [micro-batch, seq, hidden] activation
+/// 2 times per layer forward and 2 backward, plus the embedding and the output layer;
+/// sequence parallelism replaces each of those all-reduces by a gather and a scatter.
+#[test]
+fn collective_bytes_per_step() {
+    let params: u64 = 123_712;
+    let act = |mb: u64| mb * 64 * 64 * 4; // one [mb, s=64, h=64] f32 activation
+    let v = collective_bytes(&["parallel.dp=2"]);
+    assert_eq!(v["all_reduce"].as_u64(), Some(params * 4), "{v}");
+    let v = collective_bytes(&["parallel.dp=2", "parallel.distributed_optimizer=true"]);
+    assert_eq!(v["reduce_scatter"].as_u64(), Some(params * 4), "{v}");
+    // (gathers count the gathered buffer: the whole arena)
+    assert_eq!(v["all_gather"].as_u64(), Some(params * 4), "{v}");
+    assert!(v.get("all_reduce").is_none(), "{v}");
+    // tp2: micro-batch 4, 2 micro-batches per step, 2 layers: (2·2 + 1) forward and
+    // (2·2 + 1) backward all-reduces of one activation each per micro-batch.
+    let v = collective_bytes(&["parallel.tp=2"]);
+    assert_eq!(v["all_reduce"].as_u64(), Some(2 * 10 * act(4)), "{v}");
+    // tp2 + sp: gathers and scatters along the sequence of the local [4, 32, 64] halves.
+    let v = collective_bytes(&["parallel.tp=2", "parallel.sequence_parallel=true"]);
+    assert!(
+        v.get("all_reduce").is_none() || v["all_reduce"].as_u64().unwrap() < act(4),
+        "{v}"
+    );
+    assert!(
+        v["all_gather"].as_u64().unwrap() > 0 && v["reduce_scatter"].as_u64().unwrap() > 0,
+        "{v}"
+    );
+}
