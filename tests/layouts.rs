@@ -130,7 +130,16 @@ fn tensor_parallel_llama() {
     assert_equivalent(
         "llama-tiny.toml",
         BASE,
-        &[&["parallel.tp=2"], &["parallel.tp=2", "parallel.dp=2"]],
+        &[
+            &["parallel.tp=2"],
+            &["parallel.tp=2", "parallel.dp=2"],
+            // A rank order with dp innermost: other groups, same training.
+            &[
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.order=\"dp-tp-cp-ep-pp\"",
+            ],
+        ],
     );
 }
 

@@ -8,6 +8,8 @@ use megac_ir::spec::{
     ParallelSection, Precision, Recompute, Schedule, TrainSection,
 };
 
+use megac_ir::Axis;
+
 use crate::error::{Origin, SpecError};
 use crate::raw::{Entry, Raw, Table};
 
@@ -65,6 +67,7 @@ const PARALLEL_KEYS: &[&str] = &[
     "dpp_policy",
     "fbd",
     "cp_comm",
+    "order",
 ];
 const CLUSTER_KEYS: &[&str] = &["device", "nodes", "gpus_per_node"];
 const TOP_KEYS: &[&str] = &["model", "train", "parallel", "cluster"];
@@ -701,6 +704,28 @@ fn read_parallel(
             &[("ring", CpComm::Ring), ("all-gather", CpComm::AllGather)],
         )?
         .unwrap_or(CpComm::Ring);
+    let order = match s.string("order")? {
+        None => Axis::ALL.to_vec(),
+        Some((text, origin)) => {
+            let parsed: Option<Vec<Axis>> = text.split('-').map(Axis::from_name).collect();
+            let valid = parsed.as_ref().is_some_and(|axes| {
+                axes.len() == Axis::ALL.len() && Axis::ALL.iter().all(|a| axes.contains(a))
+            });
+            match parsed {
+                Some(axes) if valid => axes,
+                _ => {
+                    return Err(SpecError::new(
+                        file,
+                        origin,
+                        format!("parallel.order = \"{text}\" is not an order of the five mesh axes"),
+                    )
+                    .with_help(
+                        "name each of tp, cp, ep, dp, pp once, innermost (fastest-varying rank) first, e.g. \"tp-cp-ep-dp-pp\" (Megatron's default) or \"tp-cp-ep-pp-dp\"",
+                    ))
+                }
+            }
+        }
+    };
     s.finish()?;
     Ok(ParallelSection {
         tp,
@@ -715,6 +740,7 @@ fn read_parallel(
         dpp_policy,
         fbd,
         cp_comm,
+        order,
     })
 }
 

@@ -248,6 +248,9 @@ pub struct ParallelSection {
     pub fbd: bool,
     /// How context-parallel attention exchanges keys and values.
     pub cp_comm: CpComm,
+    /// Rank order: the mesh axes innermost (fastest-varying rank) first
+    /// (`parallel.order`, default Megatron's `tp-cp-ep-dp-pp`).
+    pub order: Vec<crate::types::Axis>,
 }
 
 /// Context-parallel attention's communication (`parallel.cp_comm`).
@@ -262,6 +265,18 @@ pub enum CpComm {
 }
 
 impl ParallelSection {
+    /// Size of `axis` in this layout.
+    pub fn size(&self, axis: crate::types::Axis) -> u64 {
+        use crate::types::Axis;
+        match axis {
+            Axis::Tp => self.tp,
+            Axis::Cp => self.cp,
+            Axis::Ep => self.ep,
+            Axis::Dp => self.dp,
+            Axis::Pp => self.pp,
+        }
+    }
+
     /// Number of ranks the layout needs (each FBD stage has a forward and a backward role).
     pub fn world_size(&self) -> u64 {
         let base = self.tp * self.pp * self.dp * self.cp;

@@ -29,13 +29,7 @@ impl<'a> Builder<'a> {
     fn new(spec: &'a ModelSpec) -> Self {
         let p = &spec.parallel;
         let mesh = Mesh {
-            axes: vec![
-                (megac_ir::Axis::Tp, p.tp),
-                (megac_ir::Axis::Cp, p.cp),
-                (megac_ir::Axis::Ep, p.ep),
-                (megac_ir::Axis::Dp, p.dp),
-                (megac_ir::Axis::Pp, p.pp),
-            ],
+            axes: p.order.iter().map(|&a| (a, p.size(a))).collect(),
         };
         let act = match spec.train.precision {
             Precision::Fp32 => DType::F32,

@@ -168,6 +168,7 @@ impl TableRow {
                 dpp_policy: megac_ir::spec::DppPolicy::Adaptive,
                 fbd: false,
                 cp_comm: Default::default(),
+                order: megac_ir::Axis::ALL.to_vec(),
             },
             cluster: None,
         }

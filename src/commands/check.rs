@@ -190,13 +190,18 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
     line(
         "ranks",
         format!(
-            "{} (tp·pp·dp·cp = {}·{}·{}·{}{}; rank order tp-cp-ep-dp-pp)",
+            "{} (tp·pp·dp·cp = {}·{}·{}·{}{}; rank order {})",
             p.world_size(),
             p.tp,
             p.pp,
             p.dp,
             p.cp,
-            if p.fbd { ", ×2 FBD roles" } else { "" }
+            if p.fbd { ", ×2 FBD roles" } else { "" },
+            p.order
+                .iter()
+                .map(|a| a.as_str())
+                .collect::<Vec<_>>()
+                .join("-")
         ),
     );
     if let Some(c) = &spec.cluster {
