@@ -8,8 +8,13 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn megac(args: &[&str]) -> Output {
+    megac_env(args, &[])
+}
+
+fn megac_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_megac"))
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         // Other tests run at the same time: let ranks waiting in MPI yield their core.
         .env("OMPI_MCA_mpi_yield_when_idle", "1")
@@ -83,6 +88,19 @@ fn mpi_matches_local(sets: &[&str], ranks: usize) {
     args.extend(["--report", &local_report, "--save-params", &local_params]);
     let o = megac(&args);
     assert!(o.status.success(), "{}", text(&o.stderr));
+
+    // One report, written by rank 0, with every rank's peak memory.
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mpi_report).unwrap()).unwrap();
+    let per_rank: Vec<u64> = v["peak_rss_bytes_per_rank"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no peak_rss_bytes_per_rank: {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(per_rank.len(), ranks, "{v}");
+    assert!(per_rank.iter().all(|&b| b > 0), "{v}");
+    assert_eq!(v["peak_rss_bytes"].as_u64(), per_rank.iter().max().copied());
 
     let (a, b) = (
         steps(Path::new(&mpi_report)),
@@ -185,4 +203,131 @@ fn launch_rejects_bad_run_options_before_starting_mpirun() {
     let o = megac(&["launch", "-n", "2", &plan, "--comm", "local"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o.stderr).contains("--comm"));
+}
+
+/// A rank that dies mid-run (killed, or exits early) ends the job with an error naming it,
+/// long before the step count is reached.
+#[test]
+fn a_rank_that_dies_ends_the_job_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    for (mode, named) in [
+        ("kill", "process rank 1 with PID"),
+        ("exit", "rank 1: MEGAC_TEST_FAIL"),
+    ] {
+        let start = std::time::Instant::now();
+        // Rank 1 fails at its 20th communicator operation (during step 2 or 3).
+        let fail = format!("1:20:{mode}");
+        let o = megac_env(
+            &["launch", "-n", "2", &plan, "--steps", "1000"],
+            &[("MEGAC_TEST_FAIL", &fail), ("MEGAC_COMM_TIMEOUT", "20")],
+        );
+        let err = text(&o.stderr);
+        assert!(!o.status.success(), "{mode}: {err}");
+        assert!(err.contains(named), "{mode}: {err}");
+        assert!(
+            err.contains("megac launch: the job failed"),
+            "{mode}: {err}"
+        );
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "{mode}: took {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+/// A rank that hangs (alive, but never reaching the next collective) is caught by the
+/// others' communication timeout, which names the rank they wait for.
+#[test]
+fn a_rank_that_hangs_is_caught_by_the_comm_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    let start = std::time::Instant::now();
+    let o = megac_env(
+        &["launch", "-n", "2", &plan, "--steps", "1000"],
+        &[
+            ("MEGAC_TEST_FAIL", "1:20:hang"),
+            ("MEGAC_COMM_TIMEOUT", "3"),
+        ],
+    );
+    let elapsed = start.elapsed();
+    let err = text(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("error: rank 0: ")
+            && err.contains("(waiting for rank 1) did not complete within 3 s")
+            && err.contains("MEGAC_COMM_TIMEOUT"),
+        "{err}"
+    );
+    assert!(
+        elapsed < std::time::Duration::from_secs(45),
+        "took {elapsed:?}"
+    );
+}
+
+#[test]
+fn a_bad_comm_timeout_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    let o = megac_env(
+        &["launch", "-n", "2", &plan, "--steps", "1"],
+        &[("MEGAC_COMM_TIMEOUT", "soon")],
+    );
+    assert!(!o.status.success());
+    let err = text(&o.stderr);
+    // Every rank finds it; rank 0 reports it.
+    assert_eq!(err.matches("MEGAC_COMM_TIMEOUT=soon").count(), 1, "{err}");
+}
+
+#[test]
+fn launch_with_a_bad_hostfile_or_plan_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.dp=2", BATCH[0], BATCH[1]]);
+    let hosts = dir.path().join("hosts");
+    let hosts = hosts.to_string_lossy().into_owned();
+    let cases: [(Option<&str>, &str); 3] = [
+        (None, "cannot read"),
+        (
+            Some("node1 slots=two\n"),
+            "slots must be a positive whole number",
+        ),
+        (
+            Some("node1 slots=1\n"),
+            "1 slot on 1 host, but megac launch -n 2",
+        ),
+    ];
+    for (content, message) in cases {
+        match content {
+            Some(c) => std::fs::write(&hosts, c).unwrap(),
+            None => {
+                let _ = std::fs::remove_file(&hosts);
+            }
+        }
+        let o = megac(&["launch", "-n", "2", "--hostfile", &hosts, &plan]);
+        assert_eq!(o.status.code(), Some(1));
+        let err = text(&o.stderr);
+        assert!(
+            err.contains("--hostfile") && err.contains(message),
+            "{content:?}: {err}"
+        );
+        assert!(!err.contains("mpirun -np"), "nothing is started: {err}");
+    }
+    // A plan directory without its plan file.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let empty = empty.to_string_lossy().into_owned();
+    for args in [
+        vec!["launch", "-n", "2", &empty],
+        vec!["launch", "-n", "2", "no/such/plan"],
+    ] {
+        let o = megac(&args);
+        assert_eq!(o.status.code(), Some(1));
+        let err = text(&o.stderr);
+        assert!(
+            err.starts_with("error: ") && err.lines().count() <= 2,
+            "{err}"
+        );
+        assert!(!err.contains("mpirun -np"), "nothing is started: {err}");
+    }
 }

@@ -28,12 +28,21 @@
 //! - **Failures.** MPI's default error handler aborts the job on a transport error. A rank
 //!   whose training fails returns its error without finalising MPI (see
 //!   [`crate::train::train_mpi`]); the command line prints it and exits non-zero, and mpirun
-//!   then terminates the other ranks, which may be blocked in a collective.
+//!   then terminates the other ranks, which may be blocked in a collective. A rank that dies
+//!   (a signal, an early exit) is noticed by mpirun, which names it and ends the job. A rank
+//!   that stops answering without dying (it hangs, or its node is cut off) is caught by a
+//!   watchdog thread: when one operation of this communicator has waited longer than the
+//!   communication timeout (`MEGAC_COMM_TIMEOUT` seconds, default 60; `0` turns it off) the
+//!   rank prints which operation, on which group, and which other ranks it was waiting for,
+//!   and calls `MPI_Abort`, which ends the whole job.
+//! - **Failure injection (tests only).** `MEGAC_TEST_FAIL=RANK:CALL:MODE` makes world rank
+//!   RANK fail at its CALL-th communicator operation (1-based): `exit` exits with status 3,
+//!   `kill` kills the process with SIGKILL, `hang` sleeps forever.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use mpi::datatype::{Equivalence, Partition, PartitionMut};
@@ -79,6 +88,94 @@ pub fn error_on_every_rank() -> bool {
     ERROR_ON_EVERY_RANK.load(Ordering::Relaxed)
 }
 
+/// The default communication timeout (`MEGAC_COMM_TIMEOUT`), in seconds.
+pub const DEFAULT_COMM_TIMEOUT_S: f64 = 60.0;
+
+/// The communication timeout from `MEGAC_COMM_TIMEOUT` (seconds, fractions allowed): None
+/// when it is `0` (no watchdog); [`DEFAULT_COMM_TIMEOUT_S`] when unset.
+pub fn comm_timeout() -> Result<Option<Duration>, RuntimeError> {
+    let Some(v) = std::env::var_os("MEGAC_COMM_TIMEOUT") else {
+        return Ok(Some(Duration::from_secs_f64(DEFAULT_COMM_TIMEOUT_S)));
+    };
+    let text = v.to_string_lossy();
+    match text.trim().parse::<f64>() {
+        Ok(0.0) => Ok(None),
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
+        _ => Err(RuntimeError::Unsupported(format!(
+            "MEGAC_COMM_TIMEOUT={text}: expected a number of seconds (e.g. 60; 0 turns the \
+             communication timeout off)"
+        ))),
+    }
+}
+
+/// The operation this process's communicator is blocked in, and since when (for the
+/// watchdog).
+static WAITING: Mutex<Option<(Instant, String)>> = Mutex::new(None);
+
+/// Whether the watchdog thread has been started (once per process).
+static WATCHDOG: OnceLock<()> = OnceLock::new();
+
+/// Marks an operation as in progress for the watchdog while it lives.
+struct Waiting;
+
+impl Waiting {
+    fn start(what: String) -> Self {
+        *WAITING.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), what));
+        Waiting
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        *WAITING.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+/// Start the watchdog thread (once): it aborts the MPI job when one operation has waited
+/// longer than `timeout`.
+fn start_watchdog(rank: usize, timeout: Duration) {
+    WATCHDOG.get_or_init(|| {
+        let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        std::thread::Builder::new()
+            .name("megac-comm-watchdog".to_string())
+            .spawn(move || loop {
+                std::thread::sleep(tick);
+                let late = WAITING
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_ref()
+                    .filter(|(since, _)| since.elapsed() > timeout)
+                    .map(|(_, what)| what.clone());
+                if let Some(what) = late {
+                    eprintln!(
+                        "error: rank {rank}: {what} did not complete within {} s \
+                         (MEGAC_COMM_TIMEOUT): a rank it waits for has stopped, hangs or \
+                         cannot be reached; aborting the job",
+                        timeout.as_secs_f64()
+                    );
+                    // SAFETY: MPI_Abort on the world communicator ends every process of the
+                    // job (this one included); the main thread is blocked in MPI and never
+                    // returns from it.
+                    unsafe {
+                        mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 1);
+                    }
+                    std::process::exit(1);
+                }
+            })
+            .expect("spawn the communication watchdog");
+    });
+}
+
+/// Failure injection for tests (`MEGAC_TEST_FAIL=RANK:CALL:MODE`, see the module
+/// documentation): the call number and mode when they apply to `rank`.
+fn test_failure(rank: usize) -> Option<(u64, String)> {
+    let v = std::env::var("MEGAC_TEST_FAIL").ok()?;
+    let mut it = v.split(':');
+    let (r, call, mode) = (it.next()?, it.next()?, it.next()?);
+    (r.parse::<usize>().ok()? == rank).then_some(())?;
+    Some((call.parse().ok()?, mode.to_string()))
+}
+
 /// Whether this process was started by an MPI launcher (mpirun, mpiexec, srun), judged by
 /// the environment variables OpenMPI, MPICH (Hydra), PMIx and Slurm set. A process started
 /// otherwise is a world of one ("singleton") when it initialises MPI.
@@ -107,6 +204,10 @@ pub struct MpiComm {
     groups: HashMap<Vec<usize>, SimpleCommunicator>,
     /// Sends started and not yet known to be complete, with their (leaked) buffers.
     pending: Vec<PendingSend>,
+    /// Communicator operations so far (for failure injection).
+    calls: u64,
+    /// Injected failure (tests): at which call, and how.
+    fail: Option<(u64, String)>,
 }
 
 // SAFETY: the MPI handles inside are plain pointers into the MPI library, which is thread
@@ -233,7 +334,21 @@ impl MpiComm {
         let rank = world.rank() as usize;
         let size = world.size() as usize;
         let _ = WORLD_RANK.set(rank);
-        let p2p = world.duplicate();
+        let timeout = match comm_timeout() {
+            Ok(t) => t,
+            Err(e) => {
+                LIVE.store(false, Ordering::SeqCst);
+                set_error_on_every_rank();
+                return Err(e);
+            }
+        };
+        if let (Some(t), true) = (timeout, size > 1) {
+            start_watchdog(rank, t);
+        }
+        let p2p = {
+            let _w = Waiting::start("creating the point-to-point communicator".to_string());
+            world.duplicate()
+        };
         Ok(MpiComm {
             world,
             p2p,
@@ -241,7 +356,45 @@ impl MpiComm {
             size,
             groups: HashMap::new(),
             pending: Vec::new(),
+            calls: 0,
+            fail: test_failure(rank),
         })
+    }
+
+    /// Count an operation, apply an injected failure, and mark the operation as waiting
+    /// for the watchdog (`what` names it; `peers` are the ranks it waits for).
+    fn begin(&mut self, what: &str, group: &[usize]) -> Waiting {
+        self.calls += 1;
+        if let Some((call, mode)) = &self.fail {
+            if *call == self.calls {
+                eprintln!(
+                    "rank {}: MEGAC_TEST_FAIL: {mode} at communicator call {call}",
+                    self.rank
+                );
+                match mode.as_str() {
+                    "exit" => std::process::exit(3),
+                    "kill" => {
+                        let _ = std::process::Command::new("kill")
+                            .args(["-KILL", &std::process::id().to_string()])
+                            .status();
+                        std::process::abort();
+                    }
+                    _ => loop {
+                        std::thread::sleep(Duration::from_secs(3600));
+                    },
+                }
+            }
+        }
+        let peers: Vec<usize> = group.iter().copied().filter(|&r| r != self.rank).collect();
+        Waiting::start(format!(
+            "{what} on group {group:?} (waiting for rank{} {})",
+            if peers.len() == 1 { "" } else { "s" },
+            peers
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
     }
 
     /// Check that `group` is sorted, inside the world and contains this rank; return this
@@ -371,6 +524,7 @@ impl Communicator for MpiComm {
         if group.len() == 1 {
             return Ok(());
         }
+        let _w = self.begin("all_reduce_sum", group);
         let n = group.len();
         let comm = self.comm(group)?;
         reduce_in_order(comm, n, me, data, "all_reduce_sum", add_f32)
@@ -381,6 +535,7 @@ impl Communicator for MpiComm {
         if group.len() == 1 {
             return Ok(());
         }
+        let _w = self.begin("all_reduce_max", group);
         let n = group.len();
         let comm = self.comm(group)?;
         reduce_in_order(comm, n, me, data, "all_reduce_max", max_f32)
@@ -395,6 +550,7 @@ impl Communicator for MpiComm {
         if group.len() == 1 {
             return Ok(());
         }
+        let _w = self.begin("all_reduce_sum_f64", group);
         let n = group.len();
         let comm = self.comm(group)?;
         reduce_in_order(comm, n, me, data, "all_reduce_sum_f64", add_f64)
@@ -422,6 +578,7 @@ impl Communicator for MpiComm {
             recv.copy_from_slice(send);
             return Ok(());
         }
+        let _w = self.begin("all_gather", group);
         let comm = self.comm(group)?;
         comm.all_gather_into(send, recv);
         Ok(())
@@ -451,6 +608,7 @@ impl Communicator for MpiComm {
             recv.copy_from_slice(send);
             return Ok(());
         }
+        let _w = self.begin("reduce_scatter_sum", group);
         let comm = self.comm(group)?;
         // Member j gets chunk j of every member, then sums them in group order.
         let c = recv.len();
@@ -494,6 +652,7 @@ impl Communicator for MpiComm {
             return Ok(());
         }
         let rank = self.rank;
+        let _w = self.begin("all_to_all", group);
         let comm = self.comm(group)?;
         // What each peer will send this member, against what it expects.
         let mut incoming = vec![0 as Count; group.len()];
@@ -519,6 +678,7 @@ impl Communicator for MpiComm {
             )));
         }
         count(data.len(), "send")?;
+        drop(self.begin("send", &[self.rank.min(to), self.rank.max(to)]));
         self.reap_sends();
         let buf: &'static [f32] = Box::leak(data.to_vec().into_boxed_slice());
         let request = self
@@ -537,6 +697,7 @@ impl Communicator for MpiComm {
             )));
         }
         count(data.len(), "recv")?;
+        let _w = self.begin("recv", &[self.rank.min(from), self.rank.max(from)]);
         self.reap_sends();
         let (message, status) = self
             .p2p

@@ -51,8 +51,10 @@ pub struct RunReport {
     pub steps: Vec<StepRecord>,
     /// Training tokens per second over the whole run.
     pub tokens_per_s: f64,
-    /// Peak resident memory of the process.
+    /// Peak resident memory of the process (of the largest rank in an MPI run).
     pub peak_rss_bytes: u64,
+    /// Peak resident memory of every rank's process in an MPI run (empty otherwise).
+    pub peak_rss_bytes_per_rank: Vec<u64>,
     /// Bytes of each arena: params, grads, optimizer state, activations, inputs.
     pub arena_bytes: [u64; 5],
     /// Per-op timings (with `profile`).
@@ -71,7 +73,7 @@ impl RunReport {
                 })
             })
             .collect();
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "steps": steps,
             "tokens_per_s": self.tokens_per_s,
             "peak_rss_bytes": self.peak_rss_bytes,
@@ -83,6 +85,9 @@ impl RunReport {
                 "inputs": self.arena_bytes[4],
             },
         });
+        if !self.peak_rss_bytes_per_rank.is_empty() {
+            v["peak_rss_bytes_per_rank"] = serde_json::json!(self.peak_rss_bytes_per_rank);
+        }
         let mut s = serde_json::to_string_pretty(&v).expect("report serializes");
         s.push('\n');
         s
@@ -453,6 +458,40 @@ pub fn train_mpi(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeErr
         }
         train_rank(plan, opts, Box::new(comm))
     });
+    // One report: rank 0 gathers every rank's peak RSS and step times (losses and norms are
+    // the same on every rank: they are reduced over the world).
+    let result = result.and_then(|mut report| {
+        use crate::comm::Communicator as _;
+        let mut comm = crate::mpi_comm::MpiComm::new(universe.world())?;
+        let (rank, n) = (comm.rank(), comm.size());
+        let steps = report.steps.len();
+        // Row r of the table is rank r's: peak RSS, tokens/s, then the step times; every
+        // other rank adds zeros, so the sum is exact.
+        let width = 2 + steps;
+        let mut table = vec![0f64; n * width];
+        let row = &mut table[rank * width..(rank + 1) * width];
+        row[0] = report.peak_rss_bytes as f64;
+        row[1] = report.tokens_per_s;
+        for (x, s) in row[2..].iter_mut().zip(&report.steps) {
+            *x = s.seconds;
+        }
+        let world_ranks: Vec<usize> = (0..n).collect();
+        comm.all_reduce_sum_f64(&world_ranks, &mut table)?;
+        let rows: Vec<&[f64]> = table.chunks_exact(width).collect();
+        report.peak_rss_bytes_per_rank = rows.iter().map(|r| r[0] as u64).collect();
+        report.peak_rss_bytes = report
+            .peak_rss_bytes_per_rank
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0);
+        // The job runs at the pace of its slowest rank.
+        report.tokens_per_s = rows.iter().map(|r| r[1]).fold(f64::INFINITY, f64::min);
+        for (i, s) in report.steps.iter_mut().enumerate() {
+            s.seconds = rows.iter().map(|r| r[2 + i]).fold(0.0, f64::max);
+        }
+        Ok(report)
+    });
     match result {
         Ok(report) => {
             drop(universe); // MPI_Finalize
@@ -539,6 +578,7 @@ fn train_rank(
         tokens_per_s: (steps * b.tokens_per_step) as f64 / elapsed.max(1e-9),
         steps: records,
         peak_rss_bytes: peak_rss_bytes(),
+        peak_rss_bytes_per_rank: Vec::new(),
         arena_bytes: session.mem.bytes(),
         profile: session.profile.take(),
     })

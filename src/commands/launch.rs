@@ -125,6 +125,12 @@ pub fn mpirun_command(args: &LaunchArgs, mpirun: &Path, exe: &Path, host: &Host)
         let threads = (host.cores / args.n.max(1)).max(1);
         push(&["-x", &format!("RAYON_NUM_THREADS={threads}")]);
     }
+    // The communication timeout, and the tests' failure injection, reach every node.
+    for name in ["MEGAC_COMM_TIMEOUT", "MEGAC_TEST_FAIL"] {
+        if (host.env)(name).is_some() {
+            push(&["-x", name]);
+        }
+    }
     if host.tty && (host.env)("MEGAC_PROGRESS").is_none() {
         // The ranks' stderr is a pipe to mpirun: ask rank 0 for progress lines explicitly.
         push(&["-x", "MEGAC_PROGRESS=1"]);
@@ -167,6 +173,68 @@ fn quote(s: &OsStr) -> String {
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
     }
+}
+
+/// Check an OpenMPI hostfile (`host [slots=N] [max_slots=N]` per line, `#` comments) for
+/// `n` processes: one clear error for a malformed line, an empty file, or fewer slots than
+/// processes (when every line gives its slots).
+pub fn check_hostfile(path: &Path, text: &str, n: usize) -> Result<(), String> {
+    let bad =
+        |line: usize, why: String| format!("error: --hostfile {}:{line}: {why}", path.display());
+    let mut hosts = 0;
+    let mut slots = Some(0usize);
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.split('#').next().unwrap_or("").trim();
+        let mut words = line.split_whitespace();
+        let Some(_host) = words.next() else { continue };
+        hosts += 1;
+        let mut line_slots = None;
+        for w in words {
+            let (key, value) = w.split_once('=').unwrap_or((w, ""));
+            match key {
+                "slots" | "max_slots" | "max-slots" => {
+                    let v = value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|&v| v > 0)
+                        .ok_or_else(|| {
+                            bad(
+                                i + 1,
+                                format!("`{w}`: {key} must be a positive whole number"),
+                            )
+                        })?;
+                    if key == "slots" {
+                        line_slots = Some(v);
+                    }
+                }
+                _ => {
+                    return Err(bad(
+                        i + 1,
+                        format!(
+                            "`{w}`: expected `HOST [slots=N] [max_slots=N]` (one node per line)"
+                        ),
+                    ))
+                }
+            }
+        }
+        slots = slots.zip(line_slots).map(|(a, b)| a + b);
+    }
+    if hosts == 0 {
+        return Err(format!(
+            "error: --hostfile {}: no hosts (expected one node per line: `HOST slots=N`)",
+            path.display()
+        ));
+    }
+    if let Some(total) = slots.filter(|&t| t < n) {
+        return Err(format!(
+            "error: --hostfile {}: {total} slot{} on {hosts} host{}, but megac launch -n {n} \
+             starts {n} processes; add slots or hosts",
+            path.display(),
+            if total == 1 { "" } else { "s" },
+            if hosts == 1 { "" } else { "s" },
+        ));
+    }
+    Ok(())
 }
 
 /// mpirun's path: `$MEGAC_MPIRUN`, else `mpirun` or `mpiexec` on PATH.
@@ -241,9 +309,9 @@ pub fn run(args: &LaunchArgs) -> Result<(), String> {
         ));
     }
     if let Some(f) = &args.hostfile {
-        if !f.is_file() {
-            return Err(format!("error: --hostfile {}: no such file", f.display()));
-        }
+        let text = std::fs::read_to_string(f)
+            .map_err(|e| format!("error: --hostfile {}: cannot read: {e}", f.display()))?;
+        check_hostfile(f, &text, args.n)?;
     }
     let mpirun = find_mpirun()?;
     let exe = std::env::current_exe()
@@ -284,8 +352,13 @@ pub fn run(args: &LaunchArgs) -> Result<(), String> {
         (None, None) => 1,
     };
     if code != 0 {
-        // mpirun and the ranks have reported the failure; pass its exit code on.
+        // mpirun and the ranks have reported the failure (naming the rank); pass its exit
+        // code on.
         let _ = std::io::stdout().flush();
+        eprintln!(
+            "error: megac launch: the job failed (mpirun exit status {code}); the failing rank \
+             is named above"
+        );
         std::process::exit(code);
     }
     Ok(())
@@ -318,6 +391,25 @@ mod tests {
             &host,
         )
         .shell_line()
+    }
+
+    #[test]
+    fn hostfiles_are_checked() {
+        let p = Path::new("hosts");
+        let ok = "# nodes\nnode1 slots=2\n\nnode2 slots=2 max_slots=4 # two more\n";
+        assert_eq!(check_hostfile(p, ok, 4), Ok(()));
+        assert_eq!(check_hostfile(p, "node1\nnode2\n", 64), Ok(()));
+        let e = check_hostfile(p, ok, 5).unwrap_err();
+        assert!(
+            e.contains("4 slots on 2 hosts") && e.contains("-n 5"),
+            "{e}"
+        );
+        let e = check_hostfile(p, "node1 slots=two\n", 1).unwrap_err();
+        assert!(e.contains("hosts:1") && e.contains("slots=two"), "{e}");
+        let e = check_hostfile(p, "node1 slots=1\nnode2 cpus=4\n", 1).unwrap_err();
+        assert!(e.contains("hosts:2") && e.contains("cpus=4"), "{e}");
+        let e = check_hostfile(p, "# nothing\n\n", 1).unwrap_err();
+        assert!(e.contains("no hosts"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# 4 MiB f32 all-reduce through megac's MPI communicator vs a plain MPI_Allreduce of the same
+# buffer, in the same run, on 2 and 4 ranks of this machine (shared memory, OpenMPI's vader;
+# 4 ranks oversubscribe machines with fewer cores). Prints both times and the ratio.
+#
+#   bash bench/mpi_allreduce.sh [NP...]      (default: 2 4)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+# A crate of its own (bench/mpi_allreduce), pinned to the workspace's lock file.
+build=$root/target/bench-mpi-allreduce
+mkdir -p "$build"
+cp bench/mpi_allreduce/Cargo.toml bench/mpi_allreduce/main.rs "$build/"
+sed -i "s|path = \"../../runtime\"|path = \"$root/runtime\"|" "$build/Cargo.toml"
+cp Cargo.lock "$build/Cargo.lock"
+cargo build --release --quiet --manifest-path "$build/Cargo.toml" --target-dir "$root/target"
+exe=$root/target/release/mpi_allreduce
+root_flags=()
+if [[ $(id -u) == 0 ]]; then
+  root_flags=(--allow-run-as-root)
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+cores=$(nproc)
+for np in "${@:-2 4}"; do
+  for n in $np; do
+    extra=()
+    ((n > cores)) && extra=(--oversubscribe --mca mpi_yield_when_idle 1)
+    mpirun -np "$n" "${root_flags[@]}" "${extra[@]}" --bind-to none --mca pml ob1 \
+      --mca btl self,vader --mca btl_vader_single_copy_mechanism none "$exe"
+  done
+done
