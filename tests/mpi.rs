@@ -331,3 +331,21 @@ fn launch_with_a_bad_hostfile_or_plan_is_a_clear_error() {
         assert!(!err.contains("mpirun -np"), "nothing is started: {err}");
     }
 }
+
+/// The other layouts of the sharding work over MPI: sequence parallelism with the
+/// distributed optimizer, and ring context parallelism (point-to-point sends).
+#[test]
+fn sharded_layouts_over_mpi_match_local_threads() {
+    mpi_matches_local(
+        &[
+            "parallel.tp=2",
+            "parallel.dp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.distributed_optimizer=true",
+            BATCH[0],
+            BATCH[1],
+        ],
+        4,
+    );
+    mpi_matches_local(&["parallel.cp=2", BATCH[0], BATCH[1]], 2);
+}
