@@ -133,6 +133,14 @@ enum Command {
         after_help = "Run options are those of `megac run`; every rank runs `megac run PLAN_DIR --comm mpi`.\nThe mpirun command is printed first. OMPI_MCA_<name> variables override megac's --mca choices;\nMEGAC_MPIRUN names the mpirun to use.\n\nExample:\n  megac compile examples/llama-tiny.toml --set parallel.dp=2 -o /tmp/dp2\n  megac launch -n 2 /tmp/dp2 --steps 20 --report run.json\n  megac launch -n 16 --hostfile hosts /tmp/plan --steps 100"
     )]
     Launch(commands::launch::LaunchArgs),
+    /// Prove before a run that every process group's members make the same collective calls
+    /// in the same order with the same sizes (`megac run` checks this too).
+    #[command(after_help = "Example:\n  megac check-plan /tmp/llama-plan")]
+    CheckPlan {
+        /// Plan directory written by `megac compile`.
+        #[arg(value_name = "PLAN_DIR")]
+        plan: PathBuf,
+    },
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
     Passes,
@@ -154,6 +162,7 @@ fn main() -> ExitCode {
         Command::Check { model } => commands::check::run(&model),
         Command::Dump { model, after, rank } => commands::dump::run(&model, after.as_deref(), rank),
         Command::Passes => commands::passes::run(),
+        Command::CheckPlan { plan } => commands::check_plan::run(&plan),
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Plan(args) => commands::plan::run(&args),
         Command::Compile { model, out } => commands::compile::run(&model, &out),

@@ -434,7 +434,8 @@ fn trace_writes_a_chrome_timeline_and_profile_prints_the_op_table() {
 }
 
 /// A hand-edited plan whose ranks disagree on a collective is reported, not hung on: rank 1
-/// gets a copy of the program without its first tensor-parallel all-reduce.
+/// gets a copy of the program without its first tensor-parallel all-reduce. (The local
+/// communicator's own run-time detection is tested in runtime/tests/local_comm.rs.)
 #[test]
 fn mismatched_collective_in_an_edited_plan_is_reported() {
     let dir = tempfile::tempdir().unwrap();

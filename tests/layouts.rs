@@ -13,8 +13,11 @@ fn plan(file: &str, sets: &[String]) -> megac_ir::plan::Plan {
     let spec = megac_frontend::load(&path, sets).unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
     let module = megac_passes::run_pipeline(spec, None, true).unwrap();
-    megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
-        .unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"))
+    let plan = megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
+        .unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"));
+    // Every compiled layout passes the plan validator.
+    megac_ir::check::check_plan(&plan).unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"));
+    plan
 }
 
 /// (loss, grad norm) per step and final parameters (name, values) of 3 steps.

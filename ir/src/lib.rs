@@ -9,6 +9,7 @@
 //!
 //! The sharded and staged levels will build on these types.
 
+pub mod check;
 pub mod graph;
 pub mod infer;
 pub mod mesh;

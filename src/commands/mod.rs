@@ -1,6 +1,7 @@
 //! One module per subcommand. Each `run` returns the rendered error message on failure.
 
 pub mod check;
+pub mod check_plan;
 pub mod compile;
 pub mod dump;
 pub mod inspect;

@@ -45,6 +45,8 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
 
 /// Run `plan` with `args`, write the report, print a summary.
 pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
+    megac_ir::check::check_plan(plan)
+        .map_err(|e| format!("error: the plan does not check: {e}"))?;
     let opts = options(args)?;
     let report = if args.comm == "mpi" {
         match train_on_mpi(plan, &opts)? {
