@@ -35,13 +35,45 @@ pub fn collective_bytes(plan: &Plan) -> std::collections::BTreeMap<&'static str,
                         let buf = &plan.buffers[b as usize];
                         buf.len() * buf.dtype.size_bytes()
                     };
-                    let bytes = match op {
-                        OpKind::AllReduce { .. } => size(inputs[0]),
-                        OpKind::ReduceScatter { .. } => size(inputs[0]),
-                        OpKind::AllGather { .. } => size(outputs[0]),
+                    let layout_has = |b: u32, dim: usize, axis: megac_ir::Axis| {
+                        plan.buffers[b as usize]
+                            .layout
+                            .get(dim)
+                            .is_some_and(|a| a.contains(&axis))
+                    };
+                    let (key, bytes) = match op {
+                        OpKind::AllReduce { .. } => (op.name(), size(inputs[0])),
+                        OpKind::ReduceScatter { .. } => (op.name(), size(inputs[0])),
+                        OpKind::AllGather { .. } => (op.name(), size(outputs[0])),
+                        // Vocab-parallel cross-entropy reduces a max (f32) and two sums (f64)
+                        // per token over tp.
+                        OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
+                            let logits = &plan.buffers[inputs[0] as usize];
+                            let last = logits.shape.len().saturating_sub(1);
+                            if !layout_has(inputs[0], last, megac_ir::Axis::Tp) {
+                                continue;
+                            }
+                            let rows = logits.len() / logits.shape[last].max(1);
+                            ("vocab_parallel_loss", rows * (4 + 16))
+                        }
+                        // Context-parallel attention moves every other cp rank's K and V to
+                        // each rank (ring or all-gather), and in backward also dK and dV back.
+                        OpKind::CausalAttention | OpKind::AttentionGrad => {
+                            if !layout_has(inputs[0], 1, megac_ir::Axis::Cp) {
+                                continue;
+                            }
+                            let cp = plan.mesh.size(megac_ir::Axis::Cp);
+                            let kv = size(inputs[1]) + size(inputs[2]);
+                            let factor = if matches!(op, OpKind::AttentionGrad) {
+                                2
+                            } else {
+                                1
+                            };
+                            ("context_parallel_kv", kv * (cp - 1) * factor)
+                        }
                         _ => continue,
                     };
-                    *out.entry(op.name()).or_insert(0) += bytes * times;
+                    *out.entry(key).or_insert(0) += bytes * times;
                 }
             }
         }
