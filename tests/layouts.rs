@@ -256,3 +256,21 @@ fn vocabulary_padding() {
         ],
     );
 }
+
+/// MoE under tensor parallelism: attention is tensor-parallel; the router, dispatch, experts
+/// and combine run on whole activations (experts replicated over tp for now).
+#[test]
+fn tensor_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &[
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+            ],
+        ],
+    );
+}

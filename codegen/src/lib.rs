@@ -66,10 +66,6 @@ pub fn emit_plan(
             ));
         }
 
-        if m.moe.is_some() {
-            why.push("the model has MoE layers (expert tensor parallelism)".into());
-        }
-
         if !why.is_empty() {
             return Err(CodegenError::Unsupported(format!(
                 "tensor parallelism with tp = {} is not implemented for this model yet: {}",
