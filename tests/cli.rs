@@ -579,3 +579,32 @@ fn collective_bytes_per_step() {
         "{v}"
     );
 }
+
+/// The memory planner's arena is within 5% of the activations live at once (a lower bound
+/// for any placement) on the benchmark model and the tiny examples.
+#[test]
+fn activation_arena_is_close_to_the_live_peak() {
+    for file in [
+        "bench/llama-bench.toml",
+        "examples/llama-tiny.toml",
+        "examples/gpt-tiny.toml",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("p");
+        assert!(megac(&["compile", file, "-o", out.to_str().unwrap()])
+            .status
+            .success());
+        let o = megac(&["inspect", out.to_str().unwrap(), "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let m = &v["roles"][0]["memory_bytes"];
+        let (arena, live) = (
+            m["activations_peak"].as_u64().unwrap() as f64,
+            m["activations_live"].as_u64().unwrap() as f64,
+        );
+        assert!(
+            arena >= live,
+            "{file}: the arena cannot be smaller than the live peak"
+        );
+        assert!(arena <= live * 1.05, "{file}: arena {arena} vs live {live}");
+    }
+}

@@ -18,9 +18,80 @@ pub struct Liveness {
     pub view_of: BTreeMap<BufId, BufId>,
 }
 
+/// Peak of the activation elements live at the same time (a lower bound for any placement).
+pub fn live_peak(buffers: &[Buffer], live: &Liveness, live_to_end: &[BufId]) -> u64 {
+    let intervals = intervals(buffers, live, live_to_end);
+    let end = intervals.values().map(|i| i.1).max().unwrap_or(0);
+    let mut delta = vec![0i64; end + 2];
+    for (&b, &(s, e)) in &intervals {
+        let len = buffers[b as usize].len() as i64;
+        delta[s] += len;
+        delta[e + 1] -= len;
+    }
+    let mut cur = 0i64;
+    let mut peak = 0i64;
+    for d in delta {
+        cur += d;
+        peak = peak.max(cur);
+    }
+    peak as u64
+}
+
 /// Assign offsets (in elements) to every activation buffer; returns the arena size.
 /// `live_to_end` buffers stay live to the end of the first program (results read after it).
 pub fn assign_offsets(buffers: &mut [Buffer], live: &Liveness, live_to_end: &[BufId]) -> u64 {
+    let interval = intervals(buffers, live, live_to_end);
+    // Largest first; ties by id, so the plan is deterministic.
+    let mut order: Vec<(BufId, u64)> = interval
+        .keys()
+        .map(|&b| (b, buffers[b as usize].len()))
+        .collect();
+    order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut placed: Vec<(u64, u64, usize, usize)> = Vec::new(); // offset, len, start, end
+    let mut arena = 0u64;
+    for (b, len) in order {
+        let (s, e) = interval[&b];
+        let mut busy: Vec<(u64, u64)> = placed
+            .iter()
+            .filter(|p| p.2 <= e && s <= p.3)
+            .map(|p| (p.0, p.0 + p.1))
+            .collect();
+        busy.sort_unstable();
+        // Best fit: the smallest gap between conflicting buffers that holds this one (or the
+        // end of the arena), which fragments less than the first gap that fits.
+        let mut best: Option<(u64, u64)> = None; // (gap size, offset)
+        let mut cursor = 0u64;
+        for (lo, hi) in busy {
+            if lo > cursor && lo - cursor >= len {
+                let gap = lo - cursor;
+                if best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, cursor));
+                }
+            }
+            cursor = cursor.max(hi);
+        }
+        let offset = match best {
+            Some((_, at)) => at,
+            None => cursor,
+        };
+        placed.push((offset, len, s, e));
+        arena = arena.max(offset + len);
+        buffers[b as usize].offset = offset;
+    }
+    // Views take their root's offset.
+    for (&v, &r) in &live.view_of {
+        buffers[v as usize].offset = buffers[r as usize].offset;
+    }
+    arena
+}
+
+/// The lifetime (first and last instruction) of every activation allocation unit (a buffer
+/// and its views).
+fn intervals(
+    buffers: &[Buffer],
+    live: &Liveness,
+    live_to_end: &[BufId],
+) -> BTreeMap<BufId, (usize, usize)> {
     let root = |b: BufId| *live.view_of.get(&b).unwrap_or(&b);
     let mut interval: BTreeMap<BufId, (usize, usize)> = BTreeMap::new();
     let mut t = 0usize;
@@ -53,36 +124,5 @@ pub fn assign_offsets(buffers: &mut [Buffer], live: &Liveness, live_to_end: &[Bu
         }
     }
 
-    // Largest first; ties by id, so the plan is deterministic.
-    let mut order: Vec<(BufId, u64)> = interval
-        .keys()
-        .map(|&b| (b, buffers[b as usize].len()))
-        .collect();
-    order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let mut placed: Vec<(u64, u64, usize, usize)> = Vec::new(); // offset, len, start, end
-    let mut arena = 0u64;
-    for (b, len) in order {
-        let (s, e) = interval[&b];
-        let mut busy: Vec<(u64, u64)> = placed
-            .iter()
-            .filter(|p| p.2 <= e && s <= p.3)
-            .map(|p| (p.0, p.0 + p.1))
-            .collect();
-        busy.sort_unstable();
-        let mut offset = 0u64;
-        for (lo, hi) in busy {
-            if offset + len <= lo {
-                break;
-            }
-            offset = offset.max(hi);
-        }
-        placed.push((offset, len, s, e));
-        arena = arena.max(offset + len);
-        buffers[b as usize].offset = offset;
-    }
-    // Views take their root's offset.
-    for (&v, &r) in &live.view_of {
-        buffers[v as usize].offset = buffers[r as usize].offset;
-    }
-    arena
+    interval
 }

@@ -287,6 +287,9 @@ pub struct MemoryPlan {
     pub activation_bytes: u64,
     /// Activations without reuse (sum of all activation buffers), for comparison.
     pub activation_bytes_unplanned: u64,
+    /// The most activation bytes live at one time: a lower bound for any placement.
+    #[serde(default)]
+    pub activation_bytes_live: u64,
     /// Data inputs.
     pub input_bytes: u64,
 }

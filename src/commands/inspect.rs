@@ -102,6 +102,7 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
                         "optimizer_state": m.opt_state_bytes,
                         "activations_peak": m.activation_bytes,
                         "activations_unplanned": m.activation_bytes_unplanned,
+                        "activations_live": m.activation_bytes_live,
                         "inputs": m.input_bytes,
                         "total": m.total(),
                     },
@@ -152,8 +153,9 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
     println!("  gradients         {}", mib(m.grad_bytes));
     println!("  optimizer state   {}", mib(m.opt_state_bytes));
     println!(
-        "  activations peak  {}   (without reuse {})",
+        "  activations peak  {}   (live at once {}, without reuse {})",
         mib(m.activation_bytes),
+        mib(m.activation_bytes_live).trim_start(),
         mib(m.activation_bytes_unplanned).trim_start()
     );
     println!("  inputs            {}", mib(m.input_bytes));
