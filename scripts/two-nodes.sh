@@ -57,7 +57,7 @@ done
 
 if [[ -z ${MEGAC:-} ]]; then
   cargo build --release --bin megac
-  MEGAC=$PWD/target/release/megac
+  MEGAC=${CARGO_TARGET_DIR:-$PWD/target}/release/megac
 fi
 MEGAC=$(realpath "$MEGAC")
 
