@@ -28,8 +28,12 @@ fn text(bytes: &[u8]) -> String {
 }
 
 fn compile(dir: &Path, sets: &[&str]) -> String {
+    compile_model(dir, "examples/llama-tiny.toml", sets)
+}
+
+fn compile_model(dir: &Path, model: &str, sets: &[&str]) -> String {
     let plan = dir.join("plan").to_string_lossy().into_owned();
-    let mut args = vec!["compile", "examples/llama-tiny.toml"];
+    let mut args = vec!["compile", model];
     for s in sets {
         args.extend(["--set", s]);
     }
@@ -59,8 +63,12 @@ fn steps(report: &Path) -> Vec<(f64, f64)> {
 /// Run `plan` with `megac launch -n ranks` and with the local communicator; check that
 /// both report the same losses and norms and save the same parameters, bit for bit.
 fn mpi_matches_local(sets: &[&str], ranks: usize) {
+    mpi_matches_local_model("examples/llama-tiny.toml", sets, ranks);
+}
+
+fn mpi_matches_local_model(model: &str, sets: &[&str], ranks: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let plan = compile(dir.path(), sets);
+    let plan = compile_model(dir.path(), model, sets);
     let path = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
     let n = ranks.to_string();
     let common = ["--steps", "3"];
@@ -348,4 +356,43 @@ fn sharded_layouts_over_mpi_match_local_threads() {
         4,
     );
     mpi_matches_local(&["parallel.cp=2", BATCH[0], BATCH[1]], 2);
+}
+
+/// The rest of the layouts that compile today, over MPI: MoE with data parallelism and the
+/// distributed optimizer, MoE under tp+sp, GPT-2 at tp4 (vocabulary padding), context
+/// parallelism with the all-gather variant next to data parallelism.
+#[test]
+fn more_layouts_over_mpi_match_local_threads() {
+    let b = [BATCH[0], BATCH[1]];
+    mpi_matches_local_model(
+        "examples/moe-tiny.toml",
+        &[
+            "parallel.dp=2",
+            "parallel.distributed_optimizer=true",
+            b[0],
+            b[1],
+        ],
+        2,
+    );
+    mpi_matches_local_model(
+        "examples/moe-tiny.toml",
+        &[
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            b[0],
+            b[1],
+        ],
+        2,
+    );
+    mpi_matches_local_model("examples/gpt-tiny.toml", &["parallel.tp=4", b[0], b[1]], 4);
+    mpi_matches_local(
+        &[
+            "parallel.cp=2",
+            "parallel.dp=2",
+            "parallel.cp_comm=\"all-gather\"",
+            b[0],
+            b[1],
+        ],
+        4,
+    );
 }
