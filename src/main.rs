@@ -141,6 +141,21 @@ enum Command {
         #[arg(value_name = "PLAN_DIR")]
         plan: PathBuf,
     },
+    /// Show the pipeline schedule each pipeline rank follows (per-rank timelines and the
+    /// bubble, with unit costs), from a model.toml's [parallel] section.
+    #[command(
+        after_help = "Example:\n  megac schedule examples/llama3-70b.toml --set parallel.schedule=\"zb-h1\"\n  megac schedule examples/gpt3-175b.toml --format json"
+    )]
+    Schedule {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// `text` (one row per rank) or `json`.
+        #[arg(long, default_value = "text", value_name = "text|json")]
+        format: String,
+        /// Also show the sends and receives between pipeline ranks.
+        #[arg(long)]
+        comm: bool,
+    },
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
     Passes,
@@ -163,6 +178,11 @@ fn main() -> ExitCode {
         Command::Dump { model, after, rank } => commands::dump::run(&model, after.as_deref(), rank),
         Command::Passes => commands::passes::run(),
         Command::CheckPlan { plan } => commands::check_plan::run(&plan),
+        Command::Schedule {
+            model,
+            format,
+            comm,
+        } => commands::schedule::run(&model, &format, comm),
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Plan(args) => commands::plan::run(&args),
         Command::Compile { model, out } => commands::compile::run(&model, &out),

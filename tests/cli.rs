@@ -608,3 +608,42 @@ fn activation_arena_is_close_to_the_live_peak() {
         assert!(arena <= live * 1.05, "{file}: arena {arena} vs live {live}");
     }
 }
+
+/// `megac schedule`: per-rank timelines and the bubble of the model's pipeline layout, with
+/// unit costs reproducing the formulas ((p-1)/(m+p-1) of the step for 1F1B; a third of
+/// 1F1B's idle time for ZB-H1).
+#[test]
+fn schedule_shows_timelines_and_the_bubble() {
+    let o = megac(&[
+        "schedule",
+        "examples/llama-tiny.toml",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "train.global_batch=16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("rank 0 | F0 F1 BW0 F2 BW1 F3 BW2 BW3"),
+        "{out}"
+    );
+    assert!(
+        out.contains("bubble fraction 0.2000"),
+        "(p-1)/(m+p-1) = 1/5: {out}"
+    );
+    let o = megac(&[
+        "schedule",
+        "examples/llama3-70b.toml",
+        "--set",
+        "parallel.schedule=\"zb-h1\"",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let b = v["bubble_fraction"].as_f64().unwrap();
+    // pp 4, 64 micro-batches: (p-1)/(3m+p-1) = 3/195.
+    assert!((b - 3.0 / 195.0).abs() < 1e-9, "{b}");
+    assert_eq!(v["ranks"].as_array().unwrap().len(), 4);
+}

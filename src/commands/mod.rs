@@ -9,6 +9,7 @@ pub mod launch;
 pub mod passes;
 pub mod plan;
 pub mod run;
+pub mod schedule;
 pub mod simulate;
 
 use megac_ir::ModelSpec;
