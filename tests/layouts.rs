@@ -136,6 +136,9 @@ fn tensor_parallel_llama() {
         &[
             &["parallel.tp=2"],
             &["parallel.tp=2", "parallel.dp=2"],
+            // tp4 > 2 kv heads: k/v heads repeated and sliced per rank.
+            &["parallel.tp=4"],
+            &["parallel.tp=4", "parallel.sequence_parallel=true"],
             // A rank order with dp innermost: other groups, same training.
             &[
                 "parallel.tp=2",

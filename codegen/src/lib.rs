@@ -57,23 +57,6 @@ pub fn emit_plan(
             if p.fbd { " fbd" } else { "" },
         )));
     }
-    if p.tp > 1 {
-        let mut why = Vec::new();
-        if !m.kv_heads.is_multiple_of(p.tp) {
-            why.push(format!(
-                "kv_heads = {} is not a multiple of tp (replicated kv heads)",
-                m.kv_heads
-            ));
-        }
-
-        if !why.is_empty() {
-            return Err(CodegenError::Unsupported(format!(
-                "tensor parallelism with tp = {} is not implemented for this model yet: {}",
-                p.tp,
-                why.join("; ")
-            )));
-        }
-    }
     let mut e = Emitter::new(spec, graph);
     e.emit()?;
     if p.distributed_optimizer && p.dp > 1 {

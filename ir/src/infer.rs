@@ -227,6 +227,22 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             expect_arity(1)?;
             Ok(vec![TensorType::new(*to, ins[0].dims.clone())])
         }
+        OpKind::RepeatKv { n } | OpKind::RepeatKvGrad { n } => {
+            expect_arity(1)?;
+            let x = ins[0];
+            want_rank(x, 4, "heads tensor [b, s, heads, head_dim]")?;
+            let mut dims = x.dims.clone();
+            let h = &x.dims[2];
+            dims[2] = if matches!(kind, OpKind::RepeatKv { .. }) {
+                Dim::new("heads", h.size * n)
+            } else {
+                if *n == 0 || !h.size.is_multiple_of(*n) {
+                    return Err(format!("{} heads are not a multiple of {n}", h.size));
+                }
+                Dim::new("kv_heads", h.size / n)
+            };
+            Ok(vec![TensorType::new(x.dtype, dims)])
+        }
         OpKind::BiasAdd => {
             expect_arity(2)?;
             let (x, b) = (ins[0], ins[1]);

@@ -79,6 +79,18 @@ pub enum OpKind {
         /// Target dtype.
         to: crate::types::DType,
     },
+    /// `(x[b,s,kv_heads,d]) -> [b,s,heads,d]`: each key/value head repeated `n` times in
+    /// place (transformers' `repeat_kv`), so attention can be split over more tensor-parallel
+    /// ranks than there are key/value heads.
+    RepeatKv {
+        /// Query heads per key/value head.
+        n: u64,
+    },
+    /// `(dy[b,s,heads,d]) -> dx[b,s,kv_heads,d]`: the sum over each head's `n` repeats.
+    RepeatKvGrad {
+        /// Query heads per key/value head.
+        n: u64,
+    },
     /// `(a, b) -> a + b` (same type).
     Add,
     /// `(x[..,n], bias[n]) -> x + bias` (the bias of a row-parallel linear, added once after
@@ -290,6 +302,8 @@ impl OpKind {
             OpKind::Rope { .. } => "rope",
             OpKind::CausalAttention => "causal_attention",
             OpKind::Cast { .. } => "cast",
+            OpKind::RepeatKv { .. } => "repeat_kv",
+            OpKind::RepeatKvGrad { .. } => "repeat_kv_grad",
             OpKind::Add => "add",
             OpKind::BiasAdd => "bias_add",
             OpKind::SwiGlu => "swiglu",
@@ -335,7 +349,10 @@ impl OpKind {
             | OpKind::LayerNorm { eps }
             | OpKind::RmsNormGrad { eps }
             | OpKind::LayerNormGrad { eps } => vec![("eps", fmt_f64(*eps))],
-            OpKind::SplitHeads { n } | OpKind::Split { n } => vec![("n", n.to_string())],
+            OpKind::SplitHeads { n }
+            | OpKind::Split { n }
+            | OpKind::RepeatKv { n }
+            | OpKind::RepeatKvGrad { n } => vec![("n", n.to_string())],
             OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
                 vec![("theta", fmt_f64(*theta))]
             }
@@ -418,6 +435,8 @@ impl OpKind {
                 }
             }
             "add" => OpKind::Add,
+            "repeat_kv" => OpKind::RepeatKv { n: num("n")? },
+            "repeat_kv_grad" => OpKind::RepeatKvGrad { n: num("n")? },
             "bias_add" => OpKind::BiasAdd,
             "swiglu" => OpKind::SwiGlu,
             "gelu_tanh" => OpKind::GeluTanh,

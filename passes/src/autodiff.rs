@@ -96,6 +96,10 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                 let d = acc.emit(OpKind::Concat, &parts)?;
                 acc.add(x[0], d[0])?;
             }
+            OpKind::RepeatKv { n } => {
+                let d = acc.emit(OpKind::RepeatKvGrad { n: *n }, &[need(dy, &op.path)?])?;
+                acc.add(x[0], d[0])?;
+            }
             OpKind::Rope { theta } => {
                 let d = acc.emit(OpKind::RopeGrad { theta: *theta }, &[need(dy, &op.path)?])?;
                 acc.add(x[0], d[0])?;

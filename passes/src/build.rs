@@ -188,11 +188,18 @@ impl<'a> Builder<'a> {
         let (heads, kv, theta) = (m.heads, m.kv_heads, m.rope_theta);
         let mut q = self.op(OpKind::SplitHeads { n: heads }, &[q], path)?;
         let mut k = self.op(OpKind::SplitHeads { n: kv }, &[k], path)?;
-        let v = self.op(OpKind::SplitHeads { n: kv }, &[v], path)?;
+        let mut v = self.op(OpKind::SplitHeads { n: kv }, &[v], path)?;
         if rope {
             let rp = format!("{path}.rotary_emb");
             q = self.op(OpKind::Rope { theta }, &[q], &rp)?;
             k = self.op(OpKind::Rope { theta }, &[k], &rp)?;
+        }
+        if spec.parallel.tp > kv {
+            // More tensor-parallel ranks than key/value heads: repeat them (transformers'
+            // repeat_kv) so attention splits over query heads; k and v stay whole on every rank.
+            let n = heads / kv;
+            k = self.op(OpKind::RepeatKv { n }, &[k], path)?;
+            v = self.op(OpKind::RepeatKv { n }, &[v], path)?;
         }
         let a = self.op(OpKind::CausalAttention, &[q, k, v], &format!("{path}.core"))?;
         self.op(OpKind::MergeHeads, &[a], path)

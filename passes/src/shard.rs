@@ -62,6 +62,8 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
         arch: spec.model.arch,
         whole_of: HashMap::new(),
         seq_of: HashMap::new(),
+        head_slice_of: HashMap::new(),
+        kv_split: spec.model.kv_heads.is_multiple_of(p.tp),
     };
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     for (i, value) in old.values.iter().enumerate() {
@@ -145,6 +147,11 @@ struct Sharder<'a> {
     whole_of: HashMap<ValueId, ValueId>,
     /// Values already split along the sequence.
     seq_of: HashMap<ValueId, ValueId>,
+    /// Repeated key/value heads already sliced to this rank's query heads.
+    head_slice_of: HashMap<ValueId, ValueId>,
+    /// Whether tp divides the key/value heads (else k/v projections stay whole and the heads
+    /// are repeated before attention).
+    kv_split: bool,
 }
 
 impl Sharder<'_> {
@@ -153,7 +160,9 @@ impl Sharder<'_> {
         let ends = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
         match self.arch {
             Arch::Llama => {
-                if ends(&[
+                if !self.kv_split && ends(&["k_proj.weight", "v_proj.weight"]) {
+                    None
+                } else if ends(&[
                     "q_proj.weight",
                     "k_proj.weight",
                     "v_proj.weight",
@@ -294,6 +303,24 @@ impl Sharder<'_> {
                 Tp::R,
             ),
         }
+    }
+
+    /// `v` (whole, `[b, s, heads, d]`) sliced to this rank's heads.
+    fn head_slice(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+        if let Some(&w) = self.head_slice_of.get(&v) {
+            return Ok(w);
+        }
+        let w = self.op1(
+            OpKind::Slice {
+                axes: vec![Axis::Tp],
+                dim: 2,
+            },
+            &[v],
+            path,
+            Tp::S(2),
+        )?;
+        self.head_slice_of.insert(v, w);
+        Ok(w)
     }
 
     /// The sequence dim of `v`, if it has one.
@@ -445,6 +472,22 @@ impl Sharder<'_> {
                 let x = self.not_partial(ins[0], path)?;
                 let out = st(self, x);
                 self.op(k, &[x], path, &[out])
+            }
+            // More tp ranks than kv heads: k and v are whole (heads repeated); each rank takes
+            // the repeated heads of its query heads.
+            OpKind::CausalAttention | OpKind::AttentionGrad
+                if st(self, ins[0]) == Tp::S(2) && st(self, ins[1]) == Tp::R =>
+            {
+                let mut args = ins.clone();
+                for a in [1, 2] {
+                    args[a] = self.head_slice(ins[a], path)?;
+                }
+                let outs: &[Tp] = if matches!(kind, OpKind::CausalAttention) {
+                    &[Tp::S(2), Tp::S(1)]
+                } else {
+                    &[Tp::S(2), Tp::S(2), Tp::S(2)]
+                };
+                self.op(k, &args, path, outs)
             }
             // Attention splits over heads: q, k, v (and in backward every operand) split.
             OpKind::CausalAttention

@@ -721,6 +721,26 @@ fn run_kernel(
             arity(op, ins, outs, 2, 1)?;
             k::add_fwd(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
         }
+        OpKind::RepeatKv { n } | OpKind::RepeatKvGrad { n } => {
+            arity(op, ins, outs, 1, 1)?;
+            let n = *n as usize;
+            let d = last(ins[0]);
+            let (x, y) = (mem.f32(ins[0]), mem.f32_mut(outs[0]));
+            if matches!(op, OpKind::RepeatKv { .. }) {
+                // Each kv head's row of d values is written n times in a row.
+                for (src, dst) in x.chunks_exact(d).zip(y.chunks_exact_mut(d * n)) {
+                    for rep in dst.chunks_exact_mut(d) {
+                        rep.copy_from_slice(src);
+                    }
+                }
+            } else {
+                for (src, dst) in x.chunks_exact(d * n).zip(y.chunks_exact_mut(d)) {
+                    for rep in src.chunks_exact(d) {
+                        k::accumulate(dst, rep);
+                    }
+                }
+            }
+        }
         OpKind::BiasAdd => {
             arity(op, ins, outs, 2, 1)?;
             let (x, b, y) = (mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
