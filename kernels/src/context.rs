@@ -53,95 +53,6 @@ pub fn cp_local_positions(s: usize, cp: usize, rank: usize) -> Vec<u32> {
 // RoPE with explicit positions
 // ---------------------------------------------------------------------------------------
 
-/// `[positions.len(), d/2]` cos and sin tables for the given positions, with exactly the
-/// f32 arithmetic of [`crate::rope::rope_tables`] (so position `p` gets the same values).
-fn rope_tables_at(positions: &[u32], d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
-    let half = d / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0f32 / theta.powf((2 * i) as f32 / d as f32))
-        .collect();
-    let mut cos = vec![0.0f32; positions.len() * half];
-    let mut sin = vec![0.0f32; positions.len() * half];
-    for (r, &p) in positions.iter().enumerate() {
-        for i in 0..half {
-            let a = p as f32 * inv_freq[i];
-            cos[r * half + i] = a.cos();
-            sin[r * half + i] = a.sin();
-        }
-    }
-    (cos, sin)
-}
-
-/// Rotates one `[nh, d]` row (same arithmetic as the private helper of [`crate::rope`]).
-/// Forward overwrites `y`; `inverse` applies the transposed rotation and adds into `y`.
-#[inline(always)]
-fn rotate_row(x: &[f32], cos: &[f32], sin: &[f32], d: usize, inverse: bool, y: &mut [f32]) {
-    let half = d / 2;
-    for (xh, yh) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-        let (x1, x2) = xh.split_at(half);
-        let (y1, y2) = yh.split_at_mut(half);
-        for i in 0..half {
-            let (c, s) = (cos[i], sin[i]);
-            if inverse {
-                y1[i] += x1[i] * c + x2[i] * s;
-                y2[i] += x2[i] * c - x1[i] * s;
-            } else {
-                y1[i] = x1[i] * c + (-x2[i]) * s;
-                y2[i] = x2[i] * c + x1[i] * s;
-            }
-        }
-    }
-}
-
-/// Shared body of [`rope_fwd_positions`] and [`rope_bwd_positions`].
-#[allow(clippy::too_many_arguments)]
-fn rope_apply_positions(
-    x: &[f32],
-    b: usize,
-    s: usize,
-    nh: usize,
-    d: usize,
-    theta: f32,
-    positions: &[u32],
-    y: &mut [f32],
-    inverse: bool,
-) {
-    assert!(d.is_multiple_of(2), "rope: head_dim must be even");
-    assert_eq!(
-        positions.len(),
-        s,
-        "rope: positions must have one entry per local token"
-    );
-    assert_eq!(x.len(), b * s * nh * d, "rope: input must be [b, s, nh, d]");
-    assert_eq!(
-        y.len(),
-        b * s * nh * d,
-        "rope: output must be [b, s, nh, d]"
-    );
-    let w = nh * d;
-    if w == 0 || s == 0 {
-        return;
-    }
-    let half = d / 2;
-    let (cos, sin) = rope_tables_at(positions, d, theta);
-    let row = |(r, (yr, xr)): (usize, (&mut [f32], &[f32]))| {
-        let p = r % s;
-        let (c, sn) = (
-            &cos[p * half..(p + 1) * half],
-            &sin[p * half..(p + 1) * half],
-        );
-        rotate_row(xr, c, sn, d, inverse, yr);
-    };
-    if row_chunk(b * s, w).is_some() {
-        y.par_chunks_mut(w)
-            .zip(x.par_chunks(w))
-            .enumerate()
-            .for_each(row);
-    } else {
-        y.chunks_mut(w).zip(x.chunks(w)).enumerate().for_each(row);
-    }
-}
-
 /// [`crate::rope_fwd`] for a local sequence whose token `i` sits at global position
 /// `positions[i]` (`x`, `y` are `[b, s_local, nh, d]`, `positions.len() == s_local`).
 /// Bit-identical to `rope_fwd` on the rows at those positions. Overwrites `y`.
@@ -156,7 +67,7 @@ pub fn rope_fwd_positions(
     positions: &[u32],
     y: &mut [f32],
 ) {
-    rope_apply_positions(x, b, s_local, nh, d, theta, positions, y, false);
+    crate::rope::rope_apply_at(x, b, s_local, nh, d, theta, positions, y, false);
 }
 
 /// Backward of [`rope_fwd_positions`]: `dx += Rᵀ dy`.
@@ -171,7 +82,7 @@ pub fn rope_bwd_positions(
     positions: &[u32],
     dx: &mut [f32],
 ) {
-    rope_apply_positions(dy, b, s_local, nh, d, theta, positions, dx, true);
+    crate::rope::rope_apply_at(dy, b, s_local, nh, d, theta, positions, dx, true);
 }
 
 // ---------------------------------------------------------------------------------------

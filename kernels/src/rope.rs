@@ -8,19 +8,26 @@ use crate::util::row_chunk;
 /// does: `inv_freq[i] = 1 / theta^((2i) / d)`, `angle = pos * inv_freq[i]` (one f32
 /// product), then `cos` and `sin` of the f32 angle.
 pub fn rope_tables(s: usize, d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let positions: Vec<u32> = (0..s as u32).collect();
+    rope_tables_at(&positions, d, theta)
+}
+
+/// The cos and sin tables (`[positions.len(), d/2]`) at the given global positions, with
+/// the same f32 arithmetic as [`rope_tables`].
+pub fn rope_tables_at(positions: &[u32], d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
     assert!(d.is_multiple_of(2), "rope: head_dim must be even");
     let half = d / 2;
     // torch: 1.0 / (base ** (arange(0, d, 2, int64).float() / d)), all in f32.
     let inv_freq: Vec<f32> = (0..half)
         .map(|i| 1.0f32 / theta.powf((2 * i) as f32 / d as f32))
         .collect();
-    let mut cos = vec![0.0f32; s * half];
-    let mut sin = vec![0.0f32; s * half];
-    for p in 0..s {
+    let mut cos = vec![0.0f32; positions.len() * half];
+    let mut sin = vec![0.0f32; positions.len() * half];
+    for (r, &p) in positions.iter().enumerate() {
         for i in 0..half {
             let a = p as f32 * inv_freq[i];
-            cos[p * half + i] = a.cos();
-            sin[p * half + i] = a.sin();
+            cos[r * half + i] = a.cos();
+            sin[r * half + i] = a.sin();
         }
     }
     (cos, sin)
@@ -50,7 +57,7 @@ fn rotate_row(x: &[f32], cos: &[f32], sin: &[f32], d: usize, inverse: bool, y: &
     }
 }
 
-/// Shared body of [`rope_fwd`] and [`rope_bwd`].
+/// Shared body of [`rope_fwd`] and [`rope_bwd`]: positions `0..s`.
 #[allow(clippy::too_many_arguments)]
 fn rope_apply(
     x: &[f32],
@@ -62,7 +69,30 @@ fn rope_apply(
     y: &mut [f32],
     inverse: bool,
 ) {
+    let positions: Vec<u32> = (0..s as u32).collect();
+    rope_apply_at(x, b, s, nh, d, theta, &positions, y, inverse);
+}
+
+/// Rotary embeddings at explicit global positions (`positions.len() == s`, one per local
+/// token): the body of [`rope_fwd`], [`rope_bwd`] and the context-parallel variants.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_apply_at(
+    x: &[f32],
+    b: usize,
+    s: usize,
+    nh: usize,
+    d: usize,
+    theta: f32,
+    positions: &[u32],
+    y: &mut [f32],
+    inverse: bool,
+) {
     assert!(d.is_multiple_of(2), "rope: head_dim must be even");
+    assert_eq!(
+        positions.len(),
+        s,
+        "rope: positions must have one entry per local token"
+    );
     assert_eq!(x.len(), b * s * nh * d, "rope: input must be [b, s, nh, d]");
     assert_eq!(
         y.len(),
@@ -74,7 +104,7 @@ fn rope_apply(
         return;
     }
     let half = d / 2;
-    let (cos, sin) = rope_tables(s, d, theta);
+    let (cos, sin) = rope_tables_at(positions, d, theta);
     let row = |(r, (yr, xr)): (usize, (&mut [f32], &[f32]))| {
         let p = r % s;
         let (c, sn) = (
