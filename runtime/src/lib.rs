@@ -1,7 +1,9 @@
 //! The runtime: executes a Plan. It depends on ir (the Plan) and kernels, never on passes.
 //!
 //! - [`memory`]: the rank's arenas, laid out by the plan's static memory plan.
-//! - [`exec`]: one kernel call per instruction (cpu backend).
+//! - [`exec`]: one kernel call per instruction (cpu backend); `sharded` holds the helpers
+//!   of kernels that communicate (context-parallel K/V exchange, vocab-parallel loss);
+//!   [`profile`]: per-op timings and the Chrome trace.
 //! - [`comm`]: the communicator trait and the single-rank world; `local_comm`: one thread
 //!   per rank in this process; `mpi_comm` (feature `mpi`): one process per rank over MPI.
 //! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report.
@@ -21,4 +23,6 @@ pub mod local_comm;
 pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi_comm;
+pub mod profile;
+mod sharded;
 pub mod train;

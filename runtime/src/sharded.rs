@@ -1,0 +1,196 @@
+//! Helpers of the kernels that communicate: context-parallel positions and K/V exchange
+//! (all-gather and ring), the vocab-parallel cross-entropy's reductions, and the
+//! member-major reordering of gathered tensors.
+
+use megac_ir::plan::BufId;
+use megac_kernels as k;
+
+use crate::comm::Communicator;
+use crate::error::RuntimeError;
+use crate::memory::Memory;
+
+/// Global positions under context parallelism: this rank's tokens, every rank's tokens in
+/// group order, and the cp group.
+pub(crate) struct CpPositions {
+    pub(crate) local: Vec<u32>,
+    pub(crate) all: Vec<u32>,
+    pub(crate) group: Vec<usize>,
+    /// This rank's index in `group`.
+    pub(crate) me: usize,
+}
+
+/// If dim `dim` of buffer `b` is split over cp, the positions of the load-balanced chunks.
+pub(crate) fn cp_positions(
+    mem: &Memory,
+    b: BufId,
+    dim: usize,
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+) -> Option<CpPositions> {
+    let buf = mem.buffer(b);
+    let split = buf
+        .layout
+        .get(dim)
+        .is_some_and(|axes| axes.contains(&megac_ir::Axis::Cp));
+    if !split {
+        return None;
+    }
+    let cp = mesh.size(megac_ir::Axis::Cp) as usize;
+    let s = buf.shape[dim] as usize * cp;
+    let group = mesh.group(rank, &[megac_ir::Axis::Cp]);
+    let me = mesh.coord(rank, megac_ir::Axis::Cp);
+    let all = (0..cp)
+        .flat_map(|m| k::context::cp_local_positions(s, cp, m))
+        .collect();
+    Some(CpPositions {
+        local: k::context::cp_local_positions(s, cp, me),
+        all,
+        group,
+        me,
+    })
+}
+
+/// Pass `bufs` one step around the ring `group` (to the next member, from the previous),
+/// in place. Even members send first and odd members receive first, so the exchange cannot
+/// deadlock even on communicators whose sends block.
+pub(crate) fn ring_pass(
+    comm: &mut dyn Communicator,
+    group: &[usize],
+    me: usize,
+    bufs: &mut [&mut Vec<f32>],
+) -> Result<(), RuntimeError> {
+    let n = group.len();
+    let (next, prev) = (group[(me + 1) % n], group[(me + n - 1) % n]);
+    for buf in bufs.iter_mut() {
+        let mut incoming = vec![0f32; buf.len()];
+        if me.is_multiple_of(2) {
+            comm.send(next, buf)?;
+            comm.recv(prev, &mut incoming)?;
+        } else {
+            comm.recv(prev, &mut incoming)?;
+            comm.send(next, buf)?;
+        }
+        **buf = incoming;
+    }
+    Ok(())
+}
+
+/// All-gather a `[b, s_local, ..]` tensor along the sequence over `group`: the result is
+/// `[b, members · s_local, ..]` with each member's tokens in group order.
+pub(crate) fn gather_seq(
+    comm: &mut dyn Communicator,
+    group: &[usize],
+    x: &[f32],
+    b: usize,
+    block: usize,
+) -> Result<Vec<f32>, RuntimeError> {
+    let n = group.len();
+    let mut member_major = vec![0f32; x.len() * n];
+    comm.all_gather(group, x, &mut member_major)?;
+    let mut out = vec![0f32; x.len() * n];
+    scatter_member_major(&member_major, &mut out, n, b, block);
+    Ok(out)
+}
+
+/// If dim `dim` of buffer `b` is split over tp, this rank's slice: (first index, length).
+pub(crate) fn vocab_shard(
+    mem: &Memory,
+    b: BufId,
+    dim: usize,
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+) -> Option<(usize, usize)> {
+    let buf = mem.buffer(b);
+    let split = buf
+        .layout
+        .get(dim)
+        .is_some_and(|axes| axes.contains(&megac_ir::Axis::Tp));
+    split.then(|| {
+        let len = buf.shape[dim] as usize;
+        (mesh.coord(rank, megac_ir::Axis::Tp) * len, len)
+    })
+}
+
+/// Per-row statistics of a vocab-parallel cross-entropy: the global log-sum-exp and the
+/// target logit, reduced over the tp group.
+pub(crate) struct RowStats {
+    pub(crate) lse: f32,
+    pub(crate) target: f32,
+}
+
+/// Columns of a vocab-parallel shard starting at `start` that are real vocabulary (the rest
+/// is padding, excluded from the softmax).
+pub(crate) fn real_columns(v: usize, start: usize, vocab: usize) -> usize {
+    vocab.saturating_sub(start).min(v)
+}
+
+pub(crate) fn vocab_parallel_stats(
+    logits: &[f32],
+    labels: &[i32],
+    v: usize,
+    start: usize,
+    vocab: usize,
+    members: &[usize],
+    comm: &mut dyn Communicator,
+) -> Result<Vec<RowStats>, RuntimeError> {
+    let rows = labels.len();
+    let real = real_columns(v, start, vocab);
+    let mut max: Vec<f32> = logits
+        .chunks_exact(v)
+        .map(|r| r[..real].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)))
+        .collect();
+    comm.all_reduce_max(members, &mut max)?;
+    // [sum of exp, target logit] per row, summed over the group in f64.
+    let mut sums = vec![0f64; 2 * rows];
+    for (i, r) in logits.chunks_exact(v).enumerate() {
+        sums[2 * i] = r[..real]
+            .iter()
+            .map(|&x| f64::from((x - max[i]).exp()))
+            .sum();
+        let local = labels[i] as i64 - start as i64;
+        if (0..v as i64).contains(&local) {
+            sums[2 * i + 1] = f64::from(r[local as usize]);
+        }
+    }
+    comm.all_reduce_sum_f64(members, &mut sums)?;
+    Ok((0..rows)
+        .map(|i| RowStats {
+            lse: max[i] + sums[2 * i].ln() as f32,
+            target: sums[2 * i + 1] as f32,
+        })
+        .collect())
+}
+
+/// `[member, outer, block]` -> `[outer, member, block]`.
+pub(crate) fn scatter_member_major(
+    src: &[f32],
+    dst: &mut [f32],
+    members: usize,
+    outer: usize,
+    block: usize,
+) {
+    for m in 0..members {
+        for o in 0..outer {
+            let from = (m * outer + o) * block;
+            let to = (o * members + m) * block;
+            dst[to..to + block].copy_from_slice(&src[from..from + block]);
+        }
+    }
+}
+
+/// `[outer, member, block]` -> `[member, outer, block]`.
+pub(crate) fn gather_member_major(
+    src: &[f32],
+    dst: &mut [f32],
+    members: usize,
+    outer: usize,
+    block: usize,
+) {
+    for m in 0..members {
+        for o in 0..outer {
+            let from = (o * members + m) * block;
+            let to = (m * outer + o) * block;
+            dst[to..to + block].copy_from_slice(&src[from..from + block]);
+        }
+    }
+}
