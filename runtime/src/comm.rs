@@ -158,6 +158,56 @@ impl Communicator for SingleRank {
     }
 }
 
+/// Argument checks every communicator makes before a collective: `group` is sorted,
+/// distinct, inside a world of `world` ranks and contains `rank`; returns `rank`'s position
+/// in it.
+pub fn group_position(
+    op: &dyn std::fmt::Display,
+    group: &[usize],
+    rank: usize,
+    world: usize,
+) -> Result<usize, RuntimeError> {
+    if let Some(&bad) = group.iter().find(|&&r| r >= world) {
+        return Err(RuntimeError::Plan(format!(
+            "{op} on group {group:?}: rank {bad} is outside the world of {world} ranks"
+        )));
+    }
+    if group.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(RuntimeError::Plan(format!(
+            "{op} on group {group:?}: ranks must be sorted and distinct"
+        )));
+    }
+    group.iter().position(|&r| r == rank).ok_or_else(|| {
+        RuntimeError::Plan(format!(
+            "rank {rank} calls {op} on group {group:?}, which it is not a member of"
+        ))
+    })
+}
+
+/// Checks `all_to_all` split offsets: `group.len() + 1` non-decreasing entries from 0 to
+/// the buffer length `len`.
+pub fn check_offsets(
+    rank: usize,
+    group: &[usize],
+    what: &str,
+    offsets: &[usize],
+    len: usize,
+) -> Result<(), RuntimeError> {
+    let ok = offsets.len() == group.len() + 1
+        && offsets[0] == 0
+        && offsets.windows(2).all(|w| w[0] <= w[1])
+        && offsets[group.len()] == len;
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::Plan(format!(
+            "rank {rank}: all_to_all on group {group:?}: {what} offsets {offsets:?} must have {} \
+             non-decreasing entries from 0 to the buffer length {len}",
+            group.len() + 1
+        )))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -491,26 +491,9 @@ impl LocalComm {
         RuntimeError::Plan(message)
     }
 
-    /// Check that `group` is sorted, inside the world and contains this rank; return this
-    /// rank's position in it.
+    /// This rank's position in `group`, after [`crate::comm::group_position`]'s checks.
     fn position(&self, op: Op, group: &[usize]) -> Result<usize, RuntimeError> {
-        let n = self.world.size;
-        if let Some(&bad) = group.iter().find(|&&r| r >= n) {
-            return Err(Self::plan(format!(
-                "{op} on group {group:?}: rank {bad} is outside the world of {n} ranks"
-            )));
-        }
-        if group.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(Self::plan(format!(
-                "{op} on group {group:?}: ranks must be sorted and distinct"
-            )));
-        }
-        group.iter().position(|&r| r == self.rank).ok_or_else(|| {
-            Self::plan(format!(
-                "rank {} calls {op} on group {group:?}, which it is not a member of",
-                self.rank
-            ))
-        })
+        crate::comm::group_position(&op, group, self.rank, self.world.size)
     }
 
     fn check_offsets(
@@ -520,20 +503,7 @@ impl LocalComm {
         offsets: &[usize],
         len: usize,
     ) -> Result<(), RuntimeError> {
-        let ok = offsets.len() == group.len() + 1
-            && offsets[0] == 0
-            && offsets.windows(2).all(|w| w[0] <= w[1])
-            && offsets[group.len()] == len;
-        if ok {
-            Ok(())
-        } else {
-            Err(Self::plan(format!(
-                "rank {}: all_to_all on group {group:?}: {what} offsets {offsets:?} must have {} \
-                 non-decreasing entries from 0 to the buffer length {len}",
-                self.rank,
-                group.len() + 1
-            )))
-        }
+        crate::comm::check_offsets(self.rank, group, what, offsets, len)
     }
 
     /// Deposit this member's descriptor and data for its next call on `group` and wait for

@@ -397,26 +397,9 @@ impl MpiComm {
         ))
     }
 
-    /// Check that `group` is sorted, inside the world and contains this rank; return this
-    /// rank's position in it.
+    /// This rank's position in `group`, after [`crate::comm::group_position`]'s checks.
     fn position(&self, op: &str, group: &[usize]) -> Result<usize, RuntimeError> {
-        let n = self.size;
-        if let Some(&bad) = group.iter().find(|&&r| r >= n) {
-            return Err(plan(format!(
-                "{op} on group {group:?}: rank {bad} is outside the world of {n} ranks"
-            )));
-        }
-        if group.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(plan(format!(
-                "{op} on group {group:?}: ranks must be sorted and distinct"
-            )));
-        }
-        group.iter().position(|&r| r == self.rank).ok_or_else(|| {
-            plan(format!(
-                "rank {} calls {op} on group {group:?}, which it is not a member of",
-                self.rank
-            ))
-        })
+        crate::comm::group_position(&op, group, self.rank, self.size)
     }
 
     /// The communicator of `group` (of at least two ranks), created on first use.
@@ -453,20 +436,7 @@ impl MpiComm {
         offsets: &[usize],
         len: usize,
     ) -> Result<(), RuntimeError> {
-        let ok = offsets.len() == group.len() + 1
-            && offsets[0] == 0
-            && offsets.windows(2).all(|w| w[0] <= w[1])
-            && offsets[group.len()] == len;
-        if ok {
-            Ok(())
-        } else {
-            Err(plan(format!(
-                "rank {}: all_to_all on group {group:?}: {what} offsets {offsets:?} must have {} \
-                 non-decreasing entries from 0 to the buffer length {len}",
-                self.rank,
-                group.len() + 1
-            )))
-        }
+        crate::comm::check_offsets(self.rank, group, what, offsets, len)
     }
 
     /// Complete the started sends that have finished and free their buffers.
