@@ -1,22 +1,7 @@
 //! The command line as a user runs it: a real process, its exit code, stdout and stderr.
 
-use std::process::{Command, Output};
-
-fn megac(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_megac"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run megac")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+mod common;
+use common::{megac, stderr, stdout};
 
 #[test]
 fn check_llama3_8b_reports_its_parameter_count() {

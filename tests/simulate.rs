@@ -1,26 +1,11 @@
 //! The cost model, the plan simulator and the layout search, through the library and the CLI.
 
-use std::process::{Command, Output};
-
 use megac_ir::plan::Plan;
 use megac_ir::ModelSpec;
 use megac_sim::{estimate, simulate, Cluster, CostModel, Layout};
 
-fn megac(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_megac"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run megac")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+mod common;
+use common::{megac, stderr, stdout};
 
 fn spec(path: &str, sets: &[&str]) -> ModelSpec {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
