@@ -277,3 +277,69 @@ fn tensor_parallel_moe() {
         ],
     );
 }
+
+/// Pipelines: 8 layers so that pp·vpp up to 8 chunks each get one; 4 micro-batches per step.
+const PIPE: &[&str] = &[
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "model.layers=8",
+];
+
+#[test]
+fn pipeline_parallel_schedules() {
+    assert_equivalent(
+        "llama-tiny.toml",
+        PIPE,
+        &[
+            &["parallel.pp=2"],
+            &["parallel.pp=4"],
+            &["parallel.pp=2", "parallel.schedule=gpipe"],
+            &["parallel.pp=4", "parallel.schedule=zb-h1"],
+            &[
+                "parallel.pp=2",
+                "parallel.vpp=2",
+                "parallel.schedule=interleaved",
+            ],
+            &[
+                "parallel.pp=4",
+                "parallel.vpp=2",
+                "parallel.schedule=interleaved",
+            ],
+        ],
+    );
+}
+
+#[test]
+fn pipeline_dynamic_dpp_policies() {
+    let dpp = |policy: &'static str| -> [&'static str; 4] {
+        [
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.schedule=dpp",
+            policy,
+        ]
+    };
+    assert_equivalent(
+        "llama-tiny.toml",
+        PIPE,
+        &[
+            &dpp("parallel.dpp_policy=bfs"),
+            &dpp("parallel.dpp_policy=dfs"),
+            &dpp("parallel.dpp_policy=adaptive"),
+        ],
+    );
+}
+
+#[test]
+fn pipeline_with_tensor_sequence_and_data_parallelism() {
+    assert_equivalent(
+        "llama-tiny.toml",
+        PIPE,
+        &[&[
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.dp=2",
+            "parallel.sequence_parallel=true",
+        ]],
+    );
+}

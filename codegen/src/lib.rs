@@ -5,6 +5,7 @@
 //! Today plans are single-rank; the sharding and pipeline issues add roles.
 
 mod memory;
+pub mod pipeline;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -48,10 +49,9 @@ pub fn emit_plan(
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
     let m = &spec.model;
-    if p.pp > 1 || p.ep > 1 || p.fbd || (p.cp > 1 && m.moe.is_some()) {
+    if p.ep > 1 || p.fbd || (p.cp > 1 && m.moe.is_some()) {
         return Err(CodegenError::Unsupported(format!(
-            "this build emits data-, tensor- (with sequence parallelism) and context-parallel plans only; the layout pp={} cp={} ep={}{} needs the pipeline or expert passes (or context parallelism for MoE), which are not implemented yet",
-            p.pp,
+            "this build does not emit the layout cp={} ep={}{}: it needs the expert-parallel pass or forward/backward decoupling (or context parallelism for MoE), which are not implemented yet",
             p.cp,
             p.ep,
             if p.fbd { " fbd" } else { "" },
@@ -59,6 +59,14 @@ pub fn emit_plan(
     }
     let mut e = Emitter::new(spec, graph);
     e.emit()?;
+    if p.pp > 1 {
+        let split = pipeline::split(&mut e)?;
+        let mesh = &graph.mesh;
+        let rank_to_role = (0..mesh.world_size())
+            .map(|r| mesh.coord(r, megac_ir::Axis::Pp) as u32)
+            .collect();
+        return Ok(e.into_plan(split.roles, rank_to_role, split.memory, flops_per_step));
+    }
     if p.distributed_optimizer && p.dp > 1 {
         e.zero1(p.dp)?;
     } else {
@@ -95,43 +103,18 @@ pub fn emit_plan(
         activation_bytes_live: live_elems * 4,
         input_bytes: bytes(BufferClass::Input),
     };
-    let t = &spec.train;
-    let m = &spec.model;
-    Ok(Plan {
-        schema_version: SCHEMA_VERSION,
-        model: spec.name.clone(),
-        arch: m.arch.as_str().to_string(),
-        mesh: graph.mesh.clone(),
-        cp_comm: p.cp_comm,
-        batch: BatchInfo {
-            micro_batch: t.micro_batch,
-            global_batch: t.global_batch,
-            seq_len: m.seq_len,
-            vocab: m.vocab,
-            microbatches: t.microbatches(p.dp),
-            tokens_per_step: t.global_batch * m.seq_len,
-        },
-        train: TrainInfo {
-            steps: t.steps,
-            seed: t.seed,
-            lr: t.lr,
-            lr_schedule: lr_schedule(spec),
-            precision: t.precision.as_str().to_string(),
-        },
-        buffers: e.buffers,
-        params: e.params,
-        roles: vec![Role {
-            name: "rank".into(),
-            microbatch: e.microbatch,
-            optimizer: e.optimizer,
-            inputs: e.inputs,
-            results: e.results,
-            result_axes: e.result_axes,
-        }],
-        rank_to_role: vec![0; graph.mesh.world_size()],
-        memory,
-        flops_per_step,
-    })
+    let roles = vec![Role {
+        name: "rank".into(),
+        microbatch: std::mem::take(&mut e.microbatch),
+        optimizer: std::mem::take(&mut e.optimizer),
+        inputs: std::mem::take(&mut e.inputs),
+        results: std::mem::take(&mut e.results),
+        result_axes: std::mem::take(&mut e.result_axes),
+        pipeline: None,
+        memory: None,
+    }];
+    let rank_to_role = vec![0; graph.mesh.world_size()];
+    Ok(e.into_plan(roles, rank_to_role, memory, flops_per_step))
 }
 
 fn lr_schedule(spec: &ModelSpec) -> LrSchedule {
@@ -278,6 +261,8 @@ impl<'a> Emitter<'a> {
             offset: 0,
             layout: self.layout_of(v),
             rank_offset: None,
+            stage: None,
+            chunk: None,
         });
         id
     }
@@ -304,6 +289,8 @@ impl<'a> Emitter<'a> {
             offset,
             layout: layout.to_vec(),
             rank_offset: None,
+            stage: None,
+            chunk: None,
         });
         id
     }
@@ -491,6 +478,46 @@ impl<'a> Emitter<'a> {
         Ok(())
     }
 
+    /// The plan of the emitted buffers and parameters with these roles and memory.
+    fn into_plan(
+        self,
+        roles: Vec<Role>,
+        rank_to_role: Vec<u32>,
+        memory: MemoryPlan,
+        flops_per_step: f64,
+    ) -> Plan {
+        let spec = self.spec;
+        let (t, m, p) = (&spec.train, &spec.model, &spec.parallel);
+        Plan {
+            schema_version: SCHEMA_VERSION,
+            model: spec.name.clone(),
+            arch: m.arch.as_str().to_string(),
+            mesh: self.g.mesh.clone(),
+            cp_comm: p.cp_comm,
+            batch: BatchInfo {
+                micro_batch: t.micro_batch,
+                global_batch: t.global_batch,
+                seq_len: m.seq_len,
+                vocab: m.vocab,
+                microbatches: t.microbatches(p.dp),
+                tokens_per_step: t.global_batch * m.seq_len,
+            },
+            train: TrainInfo {
+                steps: t.steps,
+                seed: t.seed,
+                lr: t.lr,
+                lr_schedule: lr_schedule(spec),
+                precision: t.precision.as_str().to_string(),
+            },
+            buffers: self.buffers,
+            params: self.params,
+            roles,
+            rank_to_role,
+            memory,
+            flops_per_step,
+        }
+    }
+
     fn flat(&mut self, name: &str, class: BufferClass, offset: u64, len: u64) -> BufId {
         let id = self.buffers.len() as BufId;
         self.buffers.push(Buffer {
@@ -501,6 +528,8 @@ impl<'a> Emitter<'a> {
             offset,
             layout: Vec::new(),
             rank_offset: None,
+            stage: None,
+            chunk: None,
         });
         id
     }
@@ -508,10 +537,15 @@ impl<'a> Emitter<'a> {
     /// Merge the in-place gradient all-reduces into buckets: runs of adjacent gradient
     /// buffers over the same axes, up to `BUCKET_ELEMS` each (as Megatron's DDP buckets).
     fn bucket_reductions(&mut self) {
+        let program = std::mem::take(&mut self.optimizer);
+        self.optimizer = self.bucketed(program);
+    }
+
+    /// `program` with its in-place gradient all-reduces merged into buckets.
+    fn bucketed(&mut self, program: Vec<Instr>) -> Vec<Instr> {
         const BUCKET_ELEMS: u64 = 40_000_000;
         let mut out = Vec::new();
         let mut run: Option<(Vec<megac_ir::Axis>, u64, u64)> = None; // axes, start, end
-        let program = std::mem::take(&mut self.optimizer);
         let flush = |run: &mut Option<(Vec<megac_ir::Axis>, u64, u64)>,
                      out: &mut Vec<Instr>,
                      e: &mut Self| {
@@ -566,7 +600,7 @@ impl<'a> Emitter<'a> {
             }
         }
         flush(&mut run, &mut out, self);
-        self.optimizer = out;
+        out
     }
 
     /// The distributed optimizer (ZeRO-1, as Megatron's): gradients are reduce-scattered over

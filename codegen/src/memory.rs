@@ -98,12 +98,7 @@ fn intervals(
     let mut first_end = 0usize;
     for (pi, program) in live.programs.iter().enumerate() {
         for instr in program {
-            let touched: Vec<BufId> = match instr {
-                Instr::Kernel {
-                    inputs, outputs, ..
-                } => inputs.iter().chain(outputs).copied().collect(),
-                Instr::Zero { buffer } => vec![*buffer],
-            };
+            let touched: Vec<BufId> = instr.buffers();
             for b in touched {
                 let r = root(b);
                 if buffers[r as usize].class != BufferClass::Activation {

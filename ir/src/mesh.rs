@@ -54,6 +54,19 @@ impl Mesh {
         0
     }
 
+    /// The rank with `rank`'s coordinates except `coord` along `axis`.
+    pub fn rank_with(&self, rank: usize, axis: Axis, coord: usize) -> usize {
+        let mut stride = 1usize;
+        for (a, n) in self.dense() {
+            if a == axis {
+                let old = rank / stride % n as usize;
+                return rank - old * stride + coord * stride;
+            }
+            stride *= n as usize;
+        }
+        rank
+    }
+
     /// The ranks that differ from `rank` only along `axes` (its group over those axes),
     /// sorted; for one axis this is also the axis order.
     pub fn group(&self, rank: usize, axes: &[Axis]) -> Vec<usize> {

@@ -163,6 +163,14 @@ pub struct Buffer {
     /// the rank's coordinate along this axis times this stride is added to `offset`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank_offset: Option<RankOffset>,
+    /// In a pipelined plan, the pipeline rank (stage) that holds the buffer; other stages
+    /// allocate nothing for it. None: every rank holds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<u32>,
+    /// For activations of a pipeline chunk: the chunk. `offset` is then relative to one of
+    /// the chunk's activation slots (see [`ChunkProgram`]), chosen per micro-batch at run time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<u32>,
 }
 
 /// A rank-dependent offset: `coord(rank, axis) · stride` elements.
@@ -253,6 +261,97 @@ pub enum Instr {
         /// The buffer.
         buffer: BufId,
     },
+    /// Pipeline transfer: send `buffer` of the current micro-batch to the rank that holds
+    /// `chunk` (same coordinates but the pipeline one). Non-blocking: the data is copied.
+    Send {
+        /// The buffer sent.
+        buffer: BufId,
+        /// The chunk (virtual stage) that receives it.
+        chunk: u32,
+        /// Plan-wide id of the transfer; with the micro-batch it tags the message.
+        transfer: u32,
+    },
+    /// Pipeline transfer: receive the current micro-batch's `buffer` from the rank that
+    /// holds `chunk`; blocks until it has arrived.
+    Recv {
+        /// The buffer received into.
+        buffer: BufId,
+        /// The chunk (virtual stage) that sends it.
+        chunk: u32,
+        /// Plan-wide id of the transfer (the matching `Send` has the same).
+        transfer: u32,
+    },
+}
+
+/// What a pipeline action runs of a chunk for one micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PipeKind {
+    /// The forward segment.
+    F,
+    /// The input-gradient backward segment (zero-bubble split; a later `W` follows).
+    B,
+    /// The weight-gradient segment (zero-bubble split).
+    W,
+    /// The whole backward: `B` then `W`.
+    BW,
+}
+
+/// One compute action of a pipeline rank: `kind` of `chunk` for `microbatch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PipeAction {
+    /// Which segment.
+    pub kind: PipeKind,
+    /// Global chunk index.
+    pub chunk: u32,
+    /// Micro-batch index within the step.
+    pub microbatch: u32,
+}
+
+/// The programs of one chunk (virtual stage) held by a pipeline rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkProgram {
+    /// Global chunk index (`0..pp·vpp`; chunk c lives on pipeline rank c % pp).
+    pub chunk: u32,
+    /// Forward of one micro-batch (starts with its `Recv`s, ends with its `Send`s).
+    pub forward: Vec<Instr>,
+    /// Input-gradient backward (the whole backward when `weight` is empty).
+    pub backward: Vec<Instr>,
+    /// Weight-gradient kernels, split out for zero-bubble schedules (else empty).
+    pub weight: Vec<Instr>,
+    /// Activation arena offset (elements) of the chunk's first slot.
+    pub activation_base: u64,
+    /// Elements of one slot (one micro-batch's activations of this chunk).
+    pub activation_elems: u64,
+    /// Slots: the most micro-batches of this chunk in flight at once.
+    pub slots: u32,
+    /// Data inputs (`tokens`, `labels`) the chunk reads.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<BufId>,
+}
+
+/// MegaDPP's dynamic execution: run the highest-priority ready task.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DppExec {
+    /// `bfs`, `dfs` or `adaptive`.
+    pub policy: String,
+    /// Adaptive: breadth-first while fewer than `cap` micro-batches are in flight.
+    pub cap: u32,
+}
+
+/// The pipeline program of a role: its chunks and the order of their actions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Pipeline {
+    /// Schedule name (`gpipe`, `1f1b`, `interleaved`, `zb-h1`, `dpp`).
+    pub schedule: String,
+    /// Chunks of the whole model (`pp·vpp`).
+    pub chunks_total: u32,
+    /// The chunks this role holds, by ascending index.
+    pub chunks: Vec<ChunkProgram>,
+    /// Actions in order (for `dpp`, the reference order of unit costs).
+    pub actions: Vec<PipeAction>,
+    /// Dynamic execution (the `dpp` schedule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dpp: Option<DppExec>,
 }
 
 /// The programs of one role.
@@ -272,6 +371,12 @@ pub struct Role {
     /// runtime reduces them for reporting.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub result_axes: BTreeMap<String, Vec<crate::types::Axis>>,
+    /// Pipelined plans: the chunks and their schedule (then `microbatch` is empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<Pipeline>,
+    /// This role's arenas, when they differ between roles (pipeline stages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryPlan>,
 }
 
 /// Sizes of the arenas, in bytes.
@@ -314,7 +419,7 @@ struct InstrJson {
     attrs: BTreeMap<String, String>,
     #[serde(rename = "in", default, skip_serializing_if = "Vec::is_empty")]
     inputs: Vec<BufId>,
-    #[serde(rename = "out")]
+    #[serde(rename = "out", default, skip_serializing_if = "Vec::is_empty")]
     outputs: Vec<BufId>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     path: String,
@@ -346,6 +451,28 @@ impl Serialize for Instr {
                 outputs: vec![*buffer],
                 path: String::new(),
             },
+            Instr::Send {
+                buffer,
+                chunk,
+                transfer,
+            } => InstrJson {
+                op: "send".into(),
+                attrs: transfer_attrs(*chunk, *transfer),
+                inputs: vec![*buffer],
+                outputs: Vec::new(),
+                path: String::new(),
+            },
+            Instr::Recv {
+                buffer,
+                chunk,
+                transfer,
+            } => InstrJson {
+                op: "recv".into(),
+                attrs: transfer_attrs(*chunk, *transfer),
+                inputs: Vec::new(),
+                outputs: vec![*buffer],
+                path: String::new(),
+            },
         };
         json.serialize(s)
     }
@@ -360,6 +487,38 @@ impl<'de> Deserialize<'de> for Instr {
             };
             return Ok(Instr::Zero { buffer });
         }
+        if j.op == "send" || j.op == "recv" {
+            let num = |k: &str| -> Result<u32, D::Error> {
+                j.attrs.get(k).and_then(|v| v.parse().ok()).ok_or_else(|| {
+                    serde::de::Error::custom(format!("{} needs attribute `{k}`", j.op))
+                })
+            };
+            let (chunk, transfer) = (num("chunk")?, num("transfer")?);
+            let one = if j.op == "send" {
+                &j.inputs
+            } else {
+                &j.outputs
+            };
+            let [buffer] = one[..] else {
+                return Err(serde::de::Error::custom(format!(
+                    "{} takes exactly one buffer",
+                    j.op
+                )));
+            };
+            return Ok(if j.op == "send" {
+                Instr::Send {
+                    buffer,
+                    chunk,
+                    transfer,
+                }
+            } else {
+                Instr::Recv {
+                    buffer,
+                    chunk,
+                    transfer,
+                }
+            });
+        }
         let op = OpKind::from_text(&j.op, &|k| j.attrs.get(k).cloned())
             .map_err(serde::de::Error::custom)?;
         Ok(Instr::Kernel {
@@ -368,6 +527,27 @@ impl<'de> Deserialize<'de> for Instr {
             outputs: j.outputs,
             path: j.path,
         })
+    }
+}
+
+fn transfer_attrs(chunk: u32, transfer: u32) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("chunk".to_string(), chunk.to_string()),
+        ("transfer".to_string(), transfer.to_string()),
+    ])
+}
+
+impl Instr {
+    /// Every buffer the instruction reads or writes.
+    pub fn buffers(&self) -> Vec<BufId> {
+        match self {
+            Instr::Kernel {
+                inputs, outputs, ..
+            } => inputs.iter().chain(outputs).copied().collect(),
+            Instr::Zero { buffer } | Instr::Send { buffer, .. } | Instr::Recv { buffer, .. } => {
+                vec![*buffer]
+            }
+        }
     }
 }
 
@@ -437,6 +617,15 @@ impl ParamEntry {
 }
 
 impl Plan {
+    /// The memory plan of rank `rank`'s role (its own where roles differ).
+    pub fn memory_of(&self, rank: usize) -> &MemoryPlan {
+        self.rank_to_role
+            .get(rank)
+            .and_then(|&r| self.roles.get(r as usize))
+            .and_then(|r| r.memory.as_ref())
+            .unwrap_or(&self.memory)
+    }
+
     /// The plan as pretty JSON (deterministic: same plan, same bytes).
     pub fn to_json(&self) -> String {
         let mut s = serde_json::to_string_pretty(self).expect("plans always serialize");

@@ -54,6 +54,33 @@ pub trait Communicator: Send {
     fn send(&mut self, to: usize, data: &[f32]) -> Result<(), RuntimeError>;
     /// Receive exactly `data.len()` values from world rank `from`.
     fn recv(&mut self, from: usize, data: &mut [f32]) -> Result<(), RuntimeError>;
+    /// Send `data` to world rank `to` as the message tagged `tag` (pipeline transfers);
+    /// never waits for the receiver.
+    fn send_tagged(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), RuntimeError> {
+        let _ = (tag, data);
+        Err(RuntimeError::Plan(format!(
+            "rank {} has no peer {to} to send to",
+            self.rank()
+        )))
+    }
+    /// Receive the message tagged `tag` from world rank `from` (exactly `data.len()` values);
+    /// messages with other tags may be taken in any order.
+    fn recv_tagged(&mut self, from: usize, tag: u64, data: &mut [f32]) -> Result<(), RuntimeError> {
+        let _ = (tag, data);
+        Err(RuntimeError::Plan(format!(
+            "rank {} has no peer {from} to receive from",
+            self.rank()
+        )))
+    }
+    /// Whether the message tagged `tag` from world rank `from` has arrived (so that
+    /// `recv_tagged` would not wait).
+    fn probe_tagged(&mut self, from: usize, tag: u64) -> Result<bool, RuntimeError> {
+        let _ = tag;
+        Err(RuntimeError::Plan(format!(
+            "rank {} has no peer {from} to probe",
+            self.rank()
+        )))
+    }
 }
 
 /// The world of one rank: every collective over the group `[0]` is the identity and there is

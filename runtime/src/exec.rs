@@ -19,6 +19,8 @@ pub struct StepContext {
     pub step: u64,
     /// Learning rate of this step.
     pub lr: f64,
+    /// The micro-batch a pipeline segment runs (tags its transfers).
+    pub microbatch: u64,
 }
 
 fn layout(w: WeightLayout) -> k::WeightLayout {
@@ -107,6 +109,24 @@ pub fn run_program(
                 run_kernel(op, inputs, outputs, &env, comm)?;
                 op.name()
             }
+            Instr::Send {
+                buffer,
+                chunk,
+                transfer,
+            } => {
+                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, ctx);
+                comm.send_tagged(peer, tag, mem.f32(*buffer))?;
+                "send"
+            }
+            Instr::Recv {
+                buffer,
+                chunk,
+                transfer,
+            } => {
+                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, ctx);
+                comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))?;
+                "recv"
+            }
         };
         if let (Some(p), Some(t0)) = (profile.as_deref_mut(), t0) {
             let flops = match instr {
@@ -116,7 +136,7 @@ pub fn run_program(
                     outputs,
                     ..
                 } => matmul_flops(op, inputs, outputs, mem),
-                Instr::Zero { .. } => 0.0,
+                _ => 0.0,
             };
             let secs = t0.elapsed().as_secs_f64();
             let e = p.by_op.entry(name).or_default();
@@ -126,7 +146,7 @@ pub fn run_program(
             if let Some(events) = p.events.as_mut() {
                 let path = match instr {
                     Instr::Kernel { path, .. } => path.clone(),
-                    Instr::Zero { .. } => String::new(),
+                    _ => String::new(),
                 };
                 events.push(TraceEvent {
                     name,
@@ -138,6 +158,23 @@ pub fn run_program(
         }
     }
     Ok(())
+}
+
+/// The peer rank and message tag of a pipeline transfer: the rank with this rank's
+/// coordinates that holds `chunk`, and a tag unique per (transfer, micro-batch).
+pub fn transfer_peer(
+    plan: &Plan,
+    rank: usize,
+    chunk: u32,
+    transfer: u32,
+    ctx: &StepContext,
+) -> (usize, u64) {
+    let pp = plan.mesh.size(megac_ir::Axis::Pp).max(1);
+    let peer = plan
+        .mesh
+        .rank_with(rank, megac_ir::Axis::Pp, (u64::from(chunk) % pp) as usize);
+    let tag = u64::from(transfer) * plan.batch.microbatches.max(1) + ctx.microbatch;
+    (peer, tag)
 }
 
 /// The largest expert index in `indices`.
@@ -791,12 +828,14 @@ fn run_kernel(
             let members = group(axes, comm.rank());
             // Each member's squares count once per group of members that hold the same
             // elements: a gradient replicated over some of the axes is divided by their size.
+            // Pipeline stages hold disjoint gradients: `pp` never replicates.
             let mut total = [ins
                 .iter()
                 .map(|&g| {
                     let layout = &mem.buffer(g).layout;
                     let replicas: u64 = axes
                         .iter()
+                        .filter(|&&a| a != megac_ir::Axis::Pp)
                         .filter(|a| !layout.iter().any(|d| d.contains(a)))
                         .map(|&a| mesh.size(a))
                         .product();

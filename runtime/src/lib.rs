@@ -23,6 +23,7 @@ pub mod local_comm;
 pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi_comm;
+mod pipeline;
 pub mod profile;
 mod sharded;
 pub mod train;

@@ -40,6 +40,9 @@ use crate::error::RuntimeError;
 /// is only the last resort against a rank that runs forever without communicating).
 const SAFETY_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The tag of untagged point-to-point messages (`send`, `recv`).
+const UNTAGGED: u64 = u64::MAX;
+
 /// The state shared by the ranks of one local world: the rendezvous slots of every group, the
 /// point-to-point mailboxes and every rank's status, under one mutex.
 pub struct LocalWorld {
@@ -282,6 +285,7 @@ enum Pending {
     },
     Recv {
         from: usize,
+        tag: u64,
     },
 }
 
@@ -291,7 +295,8 @@ impl fmt::Display for Pending {
             Pending::Collective { op, group, call } => {
                 write!(f, "{op} on {group:?} (call #{call})")
             }
-            Pending::Recv { from } => write!(f, "recv from rank {from}"),
+            Pending::Recv { from, tag } if *tag == UNTAGGED => write!(f, "recv from rank {from}"),
+            Pending::Recv { from, tag } => write!(f, "recv from rank {from} (tag {tag})"),
         }
     }
 }
@@ -303,7 +308,8 @@ struct State {
     /// Set once a deadlock is detected; every waiting and later operation returns it.
     deadlock: Option<String>,
     groups: HashMap<Vec<usize>, HashMap<u64, Call>>,
-    mail: HashMap<(usize, usize), VecDeque<Vec<f32>>>,
+    /// Mailboxes by (from, to, tag); untagged messages use [`UNTAGGED`].
+    mail: HashMap<(usize, usize, u64), VecDeque<Vec<f32>>>,
 }
 
 /// The rendezvous slot of one collective call on one group.
@@ -454,8 +460,12 @@ impl State {
                     None => true,
                 }
             }
-            Status::Waiting(Pending::Recv { from }) => {
-                self.done(*from) || self.mail.get(&(*from, rank)).is_some_and(|q| !q.is_empty())
+            Status::Waiting(Pending::Recv { from, tag }) => {
+                self.done(*from)
+                    || self
+                        .mail
+                        .get(&(*from, rank, *tag))
+                        .is_some_and(|q| !q.is_empty())
             }
             Status::Running | Status::Finished | Status::Failed => true,
         }
@@ -784,6 +794,23 @@ impl Communicator for LocalComm {
     }
 
     fn send(&mut self, to: usize, data: &[f32]) -> Result<(), RuntimeError> {
+        self.send_tagged(to, UNTAGGED, data)
+    }
+
+    fn recv(&mut self, from: usize, data: &mut [f32]) -> Result<(), RuntimeError> {
+        self.recv_tagged(from, UNTAGGED, data)
+    }
+
+    fn probe_tagged(&mut self, from: usize, tag: u64) -> Result<bool, RuntimeError> {
+        let me = self.rank;
+        let st = self.world.lock();
+        if let Some(message) = st.world_error() {
+            return Err(Self::plan(message));
+        }
+        Ok(st.mail.get(&(from, me, tag)).is_some_and(|q| !q.is_empty()))
+    }
+
+    fn send_tagged(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), RuntimeError> {
         let n = self.world.size;
         if to >= n {
             return Err(Self::plan(format!(
@@ -798,7 +825,7 @@ impl Communicator for LocalComm {
             return Err(Self::plan(message));
         }
         st.mail
-            .entry((self.rank, to))
+            .entry((self.rank, to, tag))
             .or_default()
             .push_back(message);
         drop(st);
@@ -806,7 +833,7 @@ impl Communicator for LocalComm {
         Ok(())
     }
 
-    fn recv(&mut self, from: usize, data: &mut [f32]) -> Result<(), RuntimeError> {
+    fn recv_tagged(&mut self, from: usize, tag: u64, data: &mut [f32]) -> Result<(), RuntimeError> {
         let n = self.world.size;
         let me = self.rank;
         if from >= n {
@@ -819,8 +846,12 @@ impl Communicator for LocalComm {
         let number = *count;
         let world = &*self.world;
         let st = world.lock();
-        let message = world.wait_for(st, me, Pending::Recv { from }, |st| {
-            if let Some(m) = st.mail.get_mut(&(from, me)).and_then(VecDeque::pop_front) {
+        let message = world.wait_for(st, me, Pending::Recv { from, tag }, |st| {
+            if let Some(m) = st
+                .mail
+                .get_mut(&(from, me, tag))
+                .and_then(VecDeque::pop_front)
+            {
                 Some(Ok(m))
             } else if st.done(from) {
                 Some(Err(format!(

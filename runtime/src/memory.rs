@@ -2,6 +2,8 @@
 //! Kernels get slices of buffers; the planner guarantees that a kernel's outputs never
 //! overlap its inputs, so handing out a mutable slice next to shared ones is sound.
 
+use std::collections::BTreeMap;
+
 use megac_ir::plan::{BufId, Buffer, BufferClass, Plan};
 use megac_ir::DType;
 
@@ -10,8 +12,11 @@ use crate::error::RuntimeError;
 /// The arenas of one rank.
 pub struct Memory {
     buffers: Vec<Buffer>,
-    /// Each buffer's offset for this rank (the plan's offset plus any rank-dependent part).
+    /// Each buffer's offset for this rank (the plan's offset plus any rank-dependent part,
+    /// plus the chunk slot's start for pipeline activations).
     offsets: Vec<u64>,
+    /// Pipeline chunks: chunk -> (first slot's offset, elements per slot, its buffers).
+    slots: BTreeMap<u32, (u64, u64, Vec<BufId>)>,
     param: Vec<f32>,
     grad: Vec<f32>,
     opt: Vec<f32>,
@@ -20,13 +25,32 @@ pub struct Memory {
 }
 
 impl Memory {
-    /// Allocate rank `rank`'s arenas of `plan` (zeroed) and check every buffer lies inside
-    /// its arena.
+    /// Allocate rank `rank`'s arenas of `plan` (zeroed) and check every buffer it holds lies
+    /// inside its arena. In a pipelined plan the rank holds only its stage's buffers, and each
+    /// of its chunks' activations once per slot.
     pub fn new(plan: &Plan, rank: usize) -> Result<Memory, RuntimeError> {
+        let stage = plan.mesh.coord(rank, megac_ir::Axis::Pp) as u32;
+        let role = plan
+            .rank_to_role
+            .get(rank)
+            .and_then(|&r| plan.roles.get(r as usize))
+            .ok_or_else(|| RuntimeError::Plan(format!("rank {rank} has no role")))?;
+        let mut chunk_info: BTreeMap<u32, (u64, u64, u32)> = BTreeMap::new();
+        if let Some(p) = &role.pipeline {
+            for c in &p.chunks {
+                chunk_info.insert(c.chunk, (c.activation_base, c.activation_elems, c.slots));
+            }
+        }
         let mut need = [0u64; 5];
         let mut offsets = Vec::with_capacity(plan.buffers.len());
-        for b in &plan.buffers {
-            let offset = match &b.rank_offset {
+        let mut slots: BTreeMap<u32, (u64, u64, Vec<BufId>)> = BTreeMap::new();
+        for (id, b) in plan.buffers.iter().enumerate() {
+            if b.stage.is_some_and(|s| s != stage) {
+                // Another pipeline stage's buffer: this rank holds nothing for it.
+                offsets.push(u64::MAX);
+                continue;
+            }
+            let mut offset = match &b.rank_offset {
                 None => b.offset,
                 Some(r) => {
                     let coord = plan.mesh.coord(rank, r.axis) as u64;
@@ -36,10 +60,34 @@ impl Memory {
                         .ok_or_else(|| bad(b, "overflows"))?
                 }
             };
-            offsets.push(offset);
-            let end = offset
+            let mut end = offset
                 .checked_add(b.len())
                 .ok_or_else(|| bad(b, "overflows"))?;
+            if let Some(c) = b.chunk {
+                let &(base, elems, n) = chunk_info.get(&c).ok_or_else(|| {
+                    bad(
+                        b,
+                        &format!("belongs to chunk {c}, which rank {rank} does not run"),
+                    )
+                })?;
+                if end > elems {
+                    return Err(bad(
+                        b,
+                        &format!("does not fit the {elems} elements of a chunk-{c} slot"),
+                    ));
+                }
+                offset += base;
+                end = elems
+                    .checked_mul(u64::from(n))
+                    .and_then(|x| x.checked_add(base))
+                    .ok_or_else(|| bad(b, "overflows"))?;
+                slots
+                    .entry(c)
+                    .or_insert((base, elems, Vec::new()))
+                    .2
+                    .push(id as BufId);
+            }
+            offsets.push(offset);
             let slot = &mut need[class_index(b.class)];
             *slot = (*slot).max(end);
             let int = b.dtype == DType::I32;
@@ -56,23 +104,57 @@ impl Memory {
                 ));
             }
         }
-        if need[class_index(BufferClass::Activation)] * 4 > plan.memory.activation_bytes {
+        // Every buffer this rank's programs touch must be one it holds.
+        let mut programs: Vec<&[megac_ir::plan::Instr]> = vec![&role.microbatch, &role.optimizer];
+        if let Some(p) = &role.pipeline {
+            for c in &p.chunks {
+                programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
+            }
+        }
+        for instr in programs.into_iter().flatten() {
+            for b in instr.buffers() {
+                let held = offsets.get(b as usize).is_some_and(|&o| o != u64::MAX);
+                if !held {
+                    return Err(RuntimeError::Plan(format!(
+                        "rank {rank} (pipeline stage {stage}) runs an instruction on buffer {b}, which it does not hold"
+                    )));
+                }
+            }
+        }
+        let planned = plan.memory_of(rank).activation_bytes;
+        if need[class_index(BufferClass::Activation)] * 4 > planned {
             return Err(RuntimeError::Plan(format!(
-                "activation buffers need {} bytes but the memory plan has {}",
+                "activation buffers need {} bytes but the memory plan has {planned}",
                 need[class_index(BufferClass::Activation)] * 4,
-                plan.memory.activation_bytes
             )));
         }
         let alloc = |n: u64| vec![0.0f32; n as usize];
         Ok(Memory {
             buffers: plan.buffers.clone(),
             offsets,
+            slots,
             param: alloc(need[0]),
             grad: alloc(need[1]),
             opt: alloc(need[2]),
             act: alloc(need[3]),
             input: vec![0; need[4] as usize],
         })
+    }
+
+    /// Whether this rank holds buffer `b` (a pipeline stage holds only its own).
+    pub fn holds(&self, b: BufId) -> bool {
+        self.offsets.get(b as usize).is_some_and(|&o| o != u64::MAX)
+    }
+
+    /// Point the activations of pipeline chunk `chunk` at its slot `slot` (the micro-batch
+    /// that runs next keeps its activations there until its backward is done).
+    pub fn set_slot(&mut self, chunk: u32, slot: u32) {
+        if let Some((base, elems, ids)) = self.slots.get(&chunk) {
+            for &b in ids {
+                self.offsets[b as usize] =
+                    base + u64::from(slot) * elems + self.buffers[b as usize].offset;
+            }
+        }
     }
 
     /// The buffer table entry of `b`.

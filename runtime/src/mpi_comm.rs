@@ -59,6 +59,13 @@ use crate::error::RuntimeError;
 /// The tag of point-to-point messages.
 const P2P_TAG: mpi::Tag = 7;
 
+/// The MPI tag of a pipeline message: MPI guarantees only tags up to 32767, so tags wrap;
+/// messages between a pair with the same tag are not overtaken, and the pipeline never has
+/// 32,000 transfers in flight between one pair.
+fn mpi_tag(tag: u64) -> mpi::Tag {
+    8 + (tag % 32_000) as mpi::Tag
+}
+
 /// How long dropping the communicator waits for its started sends to complete before it
 /// leaves them (the job is failing then; see the module documentation).
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -641,6 +648,39 @@ impl Communicator for MpiComm {
     }
 
     fn send(&mut self, to: usize, data: &[f32]) -> Result<(), RuntimeError> {
+        self.send_with(to, P2P_TAG, data)
+    }
+
+    fn recv(&mut self, from: usize, data: &mut [f32]) -> Result<(), RuntimeError> {
+        self.recv_with(from, P2P_TAG, data)
+    }
+
+    fn send_tagged(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), RuntimeError> {
+        self.send_with(to, mpi_tag(tag), data)
+    }
+
+    fn recv_tagged(&mut self, from: usize, tag: u64, data: &mut [f32]) -> Result<(), RuntimeError> {
+        self.recv_with(from, mpi_tag(tag), data)
+    }
+
+    fn probe_tagged(&mut self, from: usize, tag: u64) -> Result<bool, RuntimeError> {
+        if from >= self.size {
+            return Err(plan(format!(
+                "rank {} probes rank {from}, outside the world of {} ranks",
+                self.rank, self.size
+            )));
+        }
+        self.reap_sends();
+        Ok(self
+            .p2p
+            .process_at_rank(from as Rank)
+            .immediate_probe_with_tag(mpi_tag(tag))
+            .is_some())
+    }
+}
+
+impl MpiComm {
+    fn send_with(&mut self, to: usize, tag: mpi::Tag, data: &[f32]) -> Result<(), RuntimeError> {
         if to >= self.size {
             return Err(plan(format!(
                 "rank {} sends to rank {to}, outside the world of {} ranks",
@@ -654,12 +694,17 @@ impl Communicator for MpiComm {
         let request = self
             .p2p
             .process_at_rank(to as Rank)
-            .immediate_send_with_tag(StaticScope, buf, P2P_TAG);
+            .immediate_send_with_tag(StaticScope, buf, tag);
         self.pending.push(PendingSend { request });
         Ok(())
     }
 
-    fn recv(&mut self, from: usize, data: &mut [f32]) -> Result<(), RuntimeError> {
+    fn recv_with(
+        &mut self,
+        from: usize,
+        tag: mpi::Tag,
+        data: &mut [f32],
+    ) -> Result<(), RuntimeError> {
         if from >= self.size {
             return Err(plan(format!(
                 "rank {} receives from rank {from}, outside the world of {} ranks",
@@ -672,7 +717,7 @@ impl Communicator for MpiComm {
         let (message, status) = self
             .p2p
             .process_at_rank(from as Rank)
-            .matched_probe_with_tag(P2P_TAG);
+            .matched_probe_with_tag(tag);
         let n = status.count(f32::equivalent_datatype()) as usize;
         if n != data.len() {
             // Take the message anyway (a matched message must be received), then fail.

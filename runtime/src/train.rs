@@ -110,19 +110,23 @@ pub fn peak_rss_bytes() -> u64 {
 
 /// One rank's state while training: memory, data and the plan's well-known buffers.
 pub struct Session<'p> {
-    plan: &'p Plan,
+    pub(crate) plan: &'p Plan,
     /// The rank's memory.
     pub mem: Memory,
     data: DataSource,
-    loss_buf: megac_ir::plan::BufId,
+    /// The loss (None on pipeline stages without the head).
+    pub(crate) loss_buf: Option<megac_ir::plan::BufId>,
     norm_buf: megac_ir::plan::BufId,
-    tokens_buf: megac_ir::plan::BufId,
-    labels_buf: megac_ir::plan::BufId,
+    /// Data inputs this rank reads (a pipeline stage may read only one of them).
+    pub(crate) tokens_buf: Option<megac_ir::plan::BufId>,
+    pub(crate) labels_buf: Option<megac_ir::plan::BufId>,
     inputs: Vec<i32>,
     labels: Vec<i32>,
     /// Per-op timings, when profiling.
     pub profile: Option<crate::exec::Profile>,
-    comm: Box<dyn crate::comm::Communicator>,
+    pub(crate) comm: Box<dyn crate::comm::Communicator>,
+    /// The pipeline actions this rank ran in its last step, in order.
+    pub executed: Vec<megac_ir::plan::PipeAction>,
 }
 
 impl<'p> Session<'p> {
@@ -173,18 +177,26 @@ impl<'p> Session<'p> {
                 .ok_or_else(|| RuntimeError::Plan(format!("the plan has no `{name}` input")))
         };
         let n = (b.micro_batch * b.seq_len) as usize;
+        let piped = role.pipeline.is_some();
+        // A pipeline stage holds the inputs and results of its own chunks only.
+        let optional = |r: Result<megac_ir::plan::BufId, RuntimeError>| match r {
+            Ok(b) => Ok(Some(b)),
+            Err(_) if piped => Ok(None),
+            Err(e) => Err(e),
+        };
         let session = Session {
             plan,
             mem,
             data,
-            loss_buf: get("loss")?,
+            loss_buf: optional(get("loss"))?,
             norm_buf: get("grad_norm")?,
-            tokens_buf: input("tokens")?,
-            labels_buf: input("labels")?,
+            tokens_buf: optional(input("tokens"))?,
+            labels_buf: optional(input("labels"))?,
             inputs: vec![0; n],
             labels: vec![0; n],
             profile: None,
             comm,
+            executed: Vec::new(),
         };
         session.init_params(init)?;
         Ok(session)
@@ -208,6 +220,9 @@ impl<'p> Session<'p> {
                 let values = hf::load_params(path, &expected, tied)?;
                 let rank = self.comm.rank();
                 for (p, v) in plan.params.iter().zip(values) {
+                    if !self.mem.holds(p.buffer) {
+                        continue;
+                    }
                     let out = self.mem.f32_mut(p.buffer);
                     if p.shards.is_empty() && p.hf_rows.is_none() {
                         out.copy_from_slice(&v);
@@ -223,6 +238,9 @@ impl<'p> Session<'p> {
             None => {
                 let rank = self.comm.rank();
                 for p in &plan.params {
+                    if !self.mem.holds(p.buffer) {
+                        continue;
+                    }
                     let out = self.mem.f32_mut(p.buffer);
                     if p.shards.is_empty() && p.hf_rows.is_none() {
                         init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
@@ -246,6 +264,33 @@ impl<'p> Session<'p> {
     /// Forward and backward of micro-batch `mb` of 1-based `step`, accumulating gradients;
     /// returns the micro-batch's share of the step loss.
     pub fn microbatch(&mut self, step: u64, mb: u64) -> Result<f64, RuntimeError> {
+        let (tokens, labels) = self.load(step, mb);
+        self.write_inputs(&tokens, &labels);
+        let ctx = self.context(step);
+        run_program(
+            &self.role().microbatch,
+            self.plan,
+            &self.mem,
+            &ctx,
+            self.comm.as_mut(),
+            self.profile.as_mut(),
+        )?;
+        Ok(self.loss_buf.map_or(0.0, |b| f64::from(self.mem.f32(b)[0])))
+    }
+
+    /// Write micro-batch data (this rank's part, from [`Session::load`]) into the input
+    /// buffers this rank holds.
+    pub(crate) fn write_inputs(&mut self, tokens: &[i32], labels: &[i32]) {
+        if let Some(b) = self.tokens_buf {
+            self.mem.i32_mut(b).copy_from_slice(tokens);
+        }
+        if let Some(b) = self.labels_buf {
+            self.mem.i32_mut(b).copy_from_slice(labels);
+        }
+    }
+
+    /// This rank's part of micro-batch `mb` of 1-based `step`: (tokens, labels).
+    pub(crate) fn load(&mut self, step: u64, mb: u64) -> (Vec<i32>, Vec<i32>) {
         let b = &self.plan.batch;
         // Micro-batch k of data-parallel rank r holds global samples (k·dp + r)·mb ..
         // (k·dp + r + 1)·mb - 1 of the step, as Megatron's sampler does.
@@ -258,21 +303,15 @@ impl<'p> Session<'p> {
             &mut self.inputs,
             &mut self.labels,
         );
-        let (rank, mesh) = (self.comm.rank(), &self.plan.mesh);
-        let local = local_tokens(&self.inputs, self.mem.buffer(self.tokens_buf), mesh, rank);
-        self.mem.i32_mut(self.tokens_buf).copy_from_slice(&local);
-        let local = local_tokens(&self.labels, self.mem.buffer(self.labels_buf), mesh, rank);
-        self.mem.i32_mut(self.labels_buf).copy_from_slice(&local);
-        let ctx = self.context(step);
-        run_program(
-            &self.role().microbatch,
-            self.plan,
-            &self.mem,
-            &ctx,
-            self.comm.as_mut(),
-            self.profile.as_mut(),
-        )?;
-        Ok(f64::from(self.mem.f32(self.loss_buf)[0]))
+        let (rank, plan) = (self.comm.rank(), self.plan);
+        let local = |full: &[i32], b: Option<megac_ir::plan::BufId>| match b {
+            Some(b) => local_tokens(full, &plan.buffers[b as usize], &plan.mesh, rank),
+            None => Vec::new(),
+        };
+        (
+            local(&self.inputs, self.tokens_buf),
+            local(&self.labels, self.labels_buf),
+        )
     }
 
     /// One optimizer step (1-based); returns the gradient norm before clipping.
@@ -293,8 +332,12 @@ impl<'p> Session<'p> {
     pub fn step(&mut self, step: u64) -> Result<(f64, f64), RuntimeError> {
         self.mem.zero_grads();
         let mut loss = 0.0;
-        for mb in 0..self.plan.batch.microbatches {
-            loss += self.microbatch(step, mb)?;
+        if self.role().pipeline.is_some() {
+            loss = crate::pipeline::run_step(self, step)?;
+        } else {
+            for mb in 0..self.plan.batch.microbatches {
+                loss += self.microbatch(step, mb)?;
+            }
         }
         // The loss of data-parallel ranks is a pending sum: add it up for the report.
         if let Some(axes) = self.role().result_axes.get("loss") {
@@ -307,15 +350,16 @@ impl<'p> Session<'p> {
     }
 
     /// This rank's role.
-    fn role(&self) -> &'p megac_ir::plan::Role {
+    pub(crate) fn role(&self) -> &'p megac_ir::plan::Role {
         let plan: &'p Plan = self.plan;
         &plan.roles[plan.rank_to_role[self.comm.rank()] as usize]
     }
 
-    fn context(&self, step: u64) -> StepContext {
+    pub(crate) fn context(&self, step: u64) -> StepContext {
         StepContext {
             step,
             lr: self.plan.train.lr_schedule.lr_at(self.plan.train.lr, step),
+            microbatch: 0,
         }
     }
 
@@ -333,10 +377,24 @@ impl<'p> Session<'p> {
     pub fn global_params(&mut self) -> Result<Vec<Vec<f32>>, RuntimeError> {
         let plan = self.plan;
         let mut out = Vec::with_capacity(plan.params.len());
+        let pp = plan.mesh.size(megac_ir::Axis::Pp);
         for p in &plan.params {
+            if !self.mem.holds(p.buffer) {
+                // Another pipeline stage's parameter: it arrives in the sum over pp below.
+                let mut global = vec![0f32; p.shape.iter().product::<u64>() as usize];
+                let stages = plan.mesh.group(self.comm.rank(), &[megac_ir::Axis::Pp]);
+                self.comm.all_reduce_sum(&stages, &mut global)?;
+                out.push(global);
+                continue;
+            }
             let local = self.mem.f32(p.buffer);
             if p.shards.is_empty() {
-                out.push(local.to_vec());
+                let mut global = local.to_vec();
+                if pp > 1 {
+                    let stages = plan.mesh.group(self.comm.rank(), &[megac_ir::Axis::Pp]);
+                    self.comm.all_reduce_sum(&stages, &mut global)?;
+                }
+                out.push(global);
                 continue;
             }
             let axes: Vec<megac_ir::Axis> = p.shards.iter().flatten().copied().collect();
@@ -350,6 +408,10 @@ impl<'p> Session<'p> {
                 for (x, i) in chunk.iter().zip(p.global_indices(&plan.mesh, member)) {
                     global[i] = *x;
                 }
+            }
+            if pp > 1 {
+                let stages = plan.mesh.group(self.comm.rank(), &[megac_ir::Axis::Pp]);
+                self.comm.all_reduce_sum(&stages, &mut global)?;
             }
             out.push(global);
         }

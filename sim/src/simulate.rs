@@ -251,6 +251,8 @@ impl<'a> Ctx<'a> {
             Instr::Zero { buffer } => {
                 return Ok(Work::Compute(cost.memory(bytes(buf(plan, *buffer)?))))
             }
+            // Pipeline transfers are timed by the pipeline simulation, not per kernel.
+            Instr::Send { .. } | Instr::Recv { .. } => return Ok(Work::Nothing),
             Instr::Kernel {
                 op,
                 inputs,
@@ -450,12 +452,7 @@ fn overlaps(a: &[(BufferClass, u64, u64)], b: &[(BufferClass, u64, u64)]) -> boo
 }
 
 fn instr_buffers(i: &Instr) -> Vec<u32> {
-    match i {
-        Instr::Zero { buffer } => vec![*buffer],
-        Instr::Kernel {
-            inputs, outputs, ..
-        } => inputs.iter().chain(outputs).copied().collect(),
-    }
+    i.buffers()
 }
 
 /// Peak bytes of simultaneously live activation buffers in one micro-batch program.
@@ -666,7 +663,10 @@ fn simulate_role(
     let mb_ranges: Vec<(Ranges, Ranges)> = mb
         .iter()
         .map(|i| match i {
-            Instr::Zero { buffer } => (Vec::new(), ranges(plan, &[*buffer])),
+            Instr::Zero { buffer } | Instr::Recv { buffer, .. } => {
+                (Vec::new(), ranges(plan, &[*buffer]))
+            }
+            Instr::Send { buffer, .. } => (ranges(plan, &[*buffer]), Vec::new()),
             Instr::Kernel {
                 inputs, outputs, ..
             } => (ranges(plan, inputs), ranges(plan, outputs)),
@@ -676,7 +676,10 @@ fn simulate_role(
         .optimizer
         .iter()
         .map(|i| match i {
-            Instr::Zero { buffer } => (Vec::new(), ranges(plan, &[*buffer])),
+            Instr::Zero { buffer } | Instr::Recv { buffer, .. } => {
+                (Vec::new(), ranges(plan, &[*buffer]))
+            }
+            Instr::Send { buffer, .. } => (ranges(plan, &[*buffer]), Vec::new()),
             Instr::Kernel {
                 inputs, outputs, ..
             } => (ranges(plan, inputs), ranges(plan, outputs)),
@@ -816,7 +819,7 @@ impl RoleSim {
             let (ins, outs) = &rng[i];
             let path = match instr {
                 Instr::Kernel { path, .. } => path.as_str(),
-                Instr::Zero { .. } => "",
+                _ => "",
             };
             match w {
                 Work::Nothing => {}
@@ -904,6 +907,8 @@ impl RoleSim {
 fn instr_name(i: &Instr) -> String {
     match i {
         Instr::Zero { .. } => "zero".into(),
+        Instr::Send { .. } => "send".into(),
+        Instr::Recv { .. } => "recv".into(),
         Instr::Kernel { op, .. } => op.name().into(),
     }
 }

@@ -1,0 +1,612 @@
+//! Pipeline codegen: the stage split of a compiled graph and the per-stage roles.
+//!
+//! The emitter first lowers the whole graph as for one pipeline stage (one micro-batch
+//! program, one optimizer program). This module then
+//! 1. gives every micro-batch instruction a chunk (virtual stage) from its provenance path:
+//!    the embedding in chunk 0, layer `l` in chunk `l / (layers / (pp·vpp))`, the final norm,
+//!    head and loss in the last chunk; and a phase: forward `F`, input-gradient backward `B`,
+//!    or, for zero-bubble schedules, weight-gradient `W` (kernels that only write parameter
+//!    gradients);
+//! 2. gives every activation the chunk that produces it; a chunk that reads another chunk's
+//!    activation gets its own copy, filled by a `Recv` at the start of its first segment that
+//!    reads it and sent by a `Send` at the end of the producer's segment (transfers go forward
+//!    in the forward pass, backward in the backward pass; anything else is refused);
+//! 3. splits the optimizer program by stage: each stage clips with the global norm (squares
+//!    summed over `pp` too) and updates only its own parameters;
+//! 4. plans each stage's memory on its own: persistent arenas hold only the stage's
+//!    parameters, and every chunk gets `slots` activation slots, one per micro-batch in flight
+//!    at once under the schedule (the runtime picks a free slot at each forward).
+//!
+//! Chunk `c` lives on pipeline rank `c % pp` (Megatron's interleaved placement).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use megac_ir::plan::{
+    BufId, Buffer, BufferClass, ChunkProgram, DppExec, Instr, MemoryPlan, PipeAction, PipeKind,
+    Pipeline, Role,
+};
+use megac_ir::spec::{DppPolicy, Schedule};
+use megac_ir::{Axis, OpKind};
+use megac_passes::schedule::{self, ActionKind, ScheduleKind};
+
+use crate::{memory, CodegenError, Emitter};
+
+/// Segment of a chunk's micro-batch work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    F,
+    B,
+    W,
+}
+
+/// The schedule kind of the spec, as the schedule pass names it.
+pub fn schedule_kind(p: &megac_ir::spec::ParallelSection) -> ScheduleKind {
+    match p.schedule {
+        Schedule::Gpipe => ScheduleKind::GPipe,
+        Schedule::OneFOneB => ScheduleKind::OneFOneB,
+        Schedule::Interleaved => ScheduleKind::Interleaved,
+        Schedule::ZbH1 => ScheduleKind::ZbH1,
+        Schedule::Dpp => ScheduleKind::Dpp(match p.dpp_policy {
+            DppPolicy::Bfs => schedule::DppPolicy::Bfs,
+            DppPolicy::Dfs => schedule::DppPolicy::Dfs,
+            DppPolicy::Adaptive => schedule::DppPolicy::Adaptive { cap: None },
+        }),
+    }
+}
+
+/// What the split produces: one role per pipeline rank and the plan-wide memory summary.
+pub(crate) struct Split {
+    pub roles: Vec<Role>,
+    pub memory: MemoryPlan,
+}
+
+/// The chunk of a micro-batch instruction, from its provenance path.
+fn chunk_of_path(path: &str, layers_per_chunk: u64, chunks: u32) -> u32 {
+    let layer = ["model.layers.", "transformer.h."]
+        .iter()
+        .find_map(|p| path.strip_prefix(p))
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|n| n.parse::<u64>().ok());
+    if let Some(l) = layer {
+        return ((l / layers_per_chunk) as u32).min(chunks - 1);
+    }
+    let first = ["model.embed_tokens", "transformer.wte", "transformer.wpe"];
+    if first
+        .iter()
+        .any(|p| path == *p || path.starts_with(&format!("{p}.")))
+    {
+        0
+    } else {
+        chunks - 1
+    }
+}
+
+fn unsupported(msg: String) -> CodegenError {
+    CodegenError::Unsupported(msg)
+}
+
+/// Split the emitter's single-stage programs into pipeline roles.
+pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
+    let spec = e.spec;
+    let p = &spec.parallel;
+    let (pp, vpp) = (p.pp as u32, p.vpp as u32);
+    let nc = pp * vpp;
+    let m = spec.train.microbatches(p.dp) as u32;
+    if p.distributed_optimizer && p.dp > 1 {
+        return Err(unsupported(
+            "the distributed optimizer is not combined with pipeline parallelism yet; set parallel.distributed_optimizer = false or pp = 1".into(),
+        ));
+    }
+    let layers = spec.model.layers;
+    if layers < u64::from(nc) || !layers.is_multiple_of(u64::from(nc)) {
+        return Err(unsupported(format!(
+            "{layers} layers do not split into pp·vpp = {nc} equal chunks"
+        )));
+    }
+    let lpc = layers / u64::from(nc);
+    let kind = schedule_kind(p);
+    let split_bw = matches!(kind, ScheduleKind::ZbH1);
+    let lists = schedule::schedule(kind, pp, vpp, m)
+        .map_err(|err| unsupported(format!("pipeline schedule: {err}")))?;
+
+    // 1. Chunk and phase of every micro-batch instruction.
+    let program = std::mem::take(&mut e.microbatch);
+    let first_backward = program
+        .iter()
+        .position(|i| matches!(i, Instr::Kernel { op, .. } if crate::accumulates(op)))
+        .unwrap_or(program.len());
+    let mut place: Vec<(u32, Phase)> = vec![(0, Phase::F); program.len()];
+    for i in (0..program.len()).rev() {
+        place[i] = match &program[i] {
+            Instr::Kernel { path, outputs, .. } => {
+                let chunk = chunk_of_path(path, lpc, nc);
+                let phase = if i < first_backward {
+                    Phase::F
+                } else if split_bw
+                    && outputs
+                        .iter()
+                        .all(|&o| e.buffers[o as usize].class == BufferClass::Grad)
+                {
+                    Phase::W
+                } else {
+                    Phase::B
+                };
+                (chunk, phase)
+            }
+            // A zero belongs to the kernel that accumulates into the buffer next.
+            _ => place.get(i + 1).copied().unwrap_or((nc - 1, Phase::B)),
+        };
+    }
+
+    // 2. Owners of activations, copies for other chunks, transfers.
+    let root = |b: BufId, view_of: &BTreeMap<BufId, BufId>| *view_of.get(&b).unwrap_or(&b);
+    let mut owner: BTreeMap<BufId, u32> = BTreeMap::new(); // activation root -> chunk
+    let mut last_write: BTreeMap<BufId, Phase> = BTreeMap::new();
+    let mut first_use: BTreeMap<(BufId, u32), Phase> = BTreeMap::new(); // (root, chunk)
+    let mut persistent_stage: BTreeMap<BufId, BTreeSet<u32>> = BTreeMap::new();
+    let mut chunk_inputs: BTreeMap<u32, BTreeSet<BufId>> = BTreeMap::new();
+    for (i, instr) in program.iter().enumerate() {
+        let (c, ph) = place[i];
+        let writes: Vec<BufId> = match instr {
+            Instr::Kernel { outputs, .. } => outputs.clone(),
+            Instr::Zero { buffer } => vec![*buffer],
+            _ => Vec::new(),
+        };
+        for b in instr.buffers() {
+            let r = root(b, &e.view_of);
+            match e.buffers[r as usize].class {
+                BufferClass::Activation => {
+                    let o = *owner.entry(r).or_insert(c);
+                    if o == c {
+                        if writes.contains(&b) {
+                            last_write.insert(r, ph);
+                        }
+                    } else {
+                        first_use.entry((r, c)).or_insert(ph);
+                        if writes.contains(&b) {
+                            return Err(unsupported(format!(
+                                "activation {} is written by chunks {o} and {c}",
+                                e.buffers[r as usize].name
+                            )));
+                        }
+                    }
+                }
+                BufferClass::Input => {
+                    chunk_inputs.entry(c).or_default().insert(r);
+                }
+                _ => {
+                    persistent_stage.entry(r).or_default().insert(c % pp);
+                }
+            }
+        }
+    }
+    for (&b, stages) in &persistent_stage {
+        if stages.len() > 1 {
+            return Err(unsupported(format!(
+                "`{}` is used by pipeline stages {:?}; tied embeddings across stages are not supported yet (set model.tie_embeddings = false, or pp = 1)",
+                e.buffers[b as usize].name,
+                stages
+            )));
+        }
+    }
+    // Copies: (root, chunk) -> copy root; (view, chunk) -> copy view.
+    let mut copy: BTreeMap<(BufId, u32), BufId> = BTreeMap::new();
+    let mut transfers: Vec<(BufId, u32, Phase, BufId, u32, Phase)> = Vec::new(); // src, chunk, phase, dst, chunk, phase
+    for (&(r, c), &ph) in &first_use {
+        let o = owner[&r];
+        let pw = last_write.get(&r).copied().unwrap_or(Phase::F);
+        let ok = match (pw, ph) {
+            (Phase::F, Phase::F) => c > o,
+            (Phase::F, _) => true,
+            (Phase::B, Phase::B | Phase::W) => c < o,
+            _ => false,
+        };
+        if !ok {
+            return Err(unsupported(format!(
+                "activation {} flows from chunk {o} ({pw:?}) to chunk {c} ({ph:?}), against the pipeline",
+                e.buffers[r as usize].name
+            )));
+        }
+        let mut buf = e.buffers[r as usize].clone();
+        buf.name = format!("{}@{c}", buf.name);
+        let id = e.buffers.len() as BufId;
+        e.buffers.push(buf);
+        copy.insert((r, c), id);
+        transfers.push((r, o, pw, id, c, ph));
+    }
+    let views: Vec<(BufId, BufId)> = e.view_of.iter().map(|(&v, &r)| (v, r)).collect();
+    for (v, r) in views {
+        let chunks: Vec<u32> = copy
+            .keys()
+            .filter(|(cr, _)| *cr == r)
+            .map(|(_, c)| *c)
+            .collect();
+        for c in chunks {
+            let mut buf = e.buffers[v as usize].clone();
+            buf.name = format!("{}@{c}", buf.name);
+            let id = e.buffers.len() as BufId;
+            e.buffers.push(buf);
+            copy.insert((v, c), id);
+            e.view_of.insert(id, copy[&(r, c)]);
+        }
+    }
+    // Chunk of every activation buffer (roots, views and copies).
+    for (&r, &c) in &owner {
+        e.buffers[r as usize].chunk = Some(c);
+    }
+    for (&(_, c), &id) in &copy {
+        e.buffers[id as usize].chunk = Some(c);
+    }
+    let view_list: Vec<(BufId, BufId)> = e.view_of.iter().map(|(&v, &r)| (v, r)).collect();
+    for (v, r) in view_list {
+        if let Some(c) = e.buffers[r as usize].chunk {
+            e.buffers[v as usize].chunk = Some(c);
+        }
+    }
+
+    // Segments with rewritten buffers and transfers.
+    let mut segs: BTreeMap<(u32, Phase), Vec<Instr>> = BTreeMap::new();
+    for c in 0..nc {
+        for ph in [Phase::F, Phase::B, Phase::W] {
+            segs.insert((c, ph), Vec::new());
+        }
+    }
+    for (t, &(_, _, _, dst, c, ph)) in transfers.iter().enumerate() {
+        let o = transfers[t].1;
+        segs.get_mut(&(c, ph)).expect("segment").push(Instr::Recv {
+            buffer: dst,
+            chunk: o,
+            transfer: t as u32,
+        });
+    }
+    for (i, instr) in program.into_iter().enumerate() {
+        let (c, ph) = place[i];
+        let map = |b: BufId| *copy.get(&(b, c)).unwrap_or(&b);
+        let instr = match instr {
+            Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                path,
+            } => Instr::Kernel {
+                op,
+                inputs: inputs.into_iter().map(map).collect(),
+                outputs: outputs.into_iter().map(map).collect(),
+                path,
+            },
+            Instr::Zero { buffer } => Instr::Zero {
+                buffer: map(buffer),
+            },
+            other => other,
+        };
+        segs.get_mut(&(c, ph)).expect("segment").push(instr);
+    }
+    for (t, &(src, o, pw, _, c, _)) in transfers.iter().enumerate() {
+        segs.get_mut(&(o, pw)).expect("segment").push(Instr::Send {
+            buffer: src,
+            chunk: c,
+            transfer: t as u32,
+        });
+    }
+
+    // 3. Stages of persistent buffers; the optimizer program per stage.
+    for (&b, stages) in &persistent_stage {
+        e.buffers[b as usize].stage = stages.iter().next().copied();
+    }
+    for (&r, &c) in &owner {
+        e.buffers[r as usize].stage = Some(c % pp);
+    }
+    for i in 0..e.buffers.len() {
+        if let Some(c) = e.buffers[i].chunk {
+            e.buffers[i].stage = Some(c % pp);
+        }
+    }
+    // Optimizer state follows its parameter.
+    for entry in &e.params {
+        let s = e.buffers[entry.buffer as usize].stage;
+        for b in [entry.grad]
+            .into_iter()
+            .chain(entry.exp_avg)
+            .chain(entry.exp_avg_sq)
+        {
+            e.buffers[b as usize].stage = s;
+        }
+    }
+    let norm = *e
+        .results
+        .get("grad_norm")
+        .ok_or_else(|| CodegenError::Incomplete("no grad_norm result".into()))?;
+    let mut norms = vec![norm; pp as usize];
+    for (s, n) in norms.iter_mut().enumerate().skip(1) {
+        let mut buf = e.buffers[norm as usize].clone();
+        buf.name = format!("{}@stage{s}", buf.name);
+        *n = e.buffers.len() as BufId;
+        e.buffers.push(buf);
+    }
+    for (s, &n) in norms.iter().enumerate() {
+        e.buffers[n as usize].stage = Some(s as u32);
+    }
+    let mut opt: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
+    for instr in std::mem::take(&mut e.optimizer) {
+        match instr {
+            Instr::Kernel {
+                op: OpKind::GradNorm { axes },
+                inputs,
+                path,
+                ..
+            } => {
+                let mut axes = axes.clone();
+                if !axes.contains(&Axis::Pp) {
+                    axes.push(Axis::Pp);
+                }
+                for (s, prog) in opt.iter_mut().enumerate() {
+                    let mine: Vec<BufId> = inputs
+                        .iter()
+                        .copied()
+                        .filter(|&g| e.buffers[g as usize].stage == Some(s as u32))
+                        .collect();
+                    prog.push(Instr::Kernel {
+                        op: OpKind::GradNorm { axes: axes.clone() },
+                        inputs: mine,
+                        outputs: vec![norms[s]],
+                        path: path.clone(),
+                    });
+                }
+            }
+            Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                path,
+            } => {
+                let stages: BTreeSet<u32> = inputs
+                    .iter()
+                    .chain(&outputs)
+                    .filter(|&&b| b != norm)
+                    .filter_map(|&b| e.buffers[b as usize].stage)
+                    .collect();
+                let [s] = stages.iter().copied().collect::<Vec<_>>()[..] else {
+                    return Err(unsupported(format!(
+                        "optimizer instruction `{path}` touches stages {stages:?}"
+                    )));
+                };
+                let fix = |b: BufId| if b == norm { norms[s as usize] } else { b };
+                opt[s as usize].push(Instr::Kernel {
+                    op,
+                    inputs: inputs.into_iter().map(fix).collect(),
+                    outputs: outputs.into_iter().map(fix).collect(),
+                    path,
+                });
+            }
+            other => {
+                let s = other
+                    .buffers()
+                    .iter()
+                    .find_map(|&b| e.buffers[b as usize].stage)
+                    .unwrap_or(0);
+                opt[s as usize].push(other);
+            }
+        }
+    }
+
+    // 4. Memory per stage: persistent arenas packed per stage, then buckets.
+    for class in [BufferClass::Param, BufferClass::Grad, BufferClass::OptState] {
+        for s in 0..pp {
+            let mut offset = 0u64;
+            for b in e.buffers.iter_mut() {
+                if b.class == class && b.stage == Some(s) {
+                    b.offset = offset;
+                    offset += b.len();
+                }
+            }
+        }
+    }
+    for (s, prog) in opt.iter_mut().enumerate() {
+        let before = e.buffers.len();
+        *prog = e.bucketed(std::mem::take(prog));
+        for b in &mut e.buffers[before..] {
+            b.stage = Some(s as u32);
+            b.name = format!("{}@stage{s}", b.name);
+        }
+    }
+
+    // Slots: the most micro-batches of a chunk in flight under the schedule.
+    let mut slots = vec![0u32; nc as usize];
+    let dpp = matches!(kind, ScheduleKind::Dpp(_));
+    for list in &lists {
+        let mut inflight = vec![0u32; nc as usize];
+        for a in list {
+            let c = a.chunk as usize;
+            match a.kind {
+                ActionKind::F => {
+                    inflight[c] += 1;
+                    slots[c] = slots[c].max(inflight[c]);
+                }
+                ActionKind::BW | ActionKind::W => inflight[c] -= 1,
+                _ => {}
+            }
+        }
+    }
+    if dpp {
+        // Executed dynamically: any number of micro-batches may be in flight.
+        slots.iter_mut().for_each(|s| *s = m);
+    }
+
+    let loss_keys: Vec<String> = ["loss", "total_loss"]
+        .iter()
+        .filter(|k| e.results.contains_key(**k))
+        .map(|k| k.to_string())
+        .collect();
+    let live_to_end: Vec<BufId> = loss_keys.iter().map(|k| e.results[k]).collect();
+    let mut roles = Vec::new();
+    let mut mems = Vec::new();
+    for s in 0..pp {
+        let mut chunks = Vec::new();
+        let mut base = 0u64;
+        let (mut unplanned, mut live) = (0u64, 0u64);
+        for c in (s..nc).step_by(pp as usize) {
+            let programs =
+                [Phase::F, Phase::B, Phase::W].map(|ph| segs.remove(&(c, ph)).unwrap_or_default());
+            let [forward, mut backward, weight] = programs;
+            let liveness = memory::Liveness {
+                programs: vec![forward.clone(), backward.clone(), weight.clone()],
+                view_of: e.view_of.clone(),
+            };
+            let elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
+            live += memory::live_peak(&e.buffers, &liveness, &live_to_end)
+                * u64::from(slots[c as usize]);
+            unplanned += e
+                .buffers
+                .iter()
+                .enumerate()
+                .filter(|(i, b)| {
+                    b.chunk == Some(c)
+                        && b.class == BufferClass::Activation
+                        && !e.view_of.contains_key(&(*i as BufId))
+                })
+                .map(|(_, b)| b.len())
+                .sum::<u64>()
+                * u64::from(slots[c as usize]);
+            let inputs: Vec<BufId> = chunk_inputs
+                .get(&c)
+                .map(|s| s.iter().copied().collect())
+                .unwrap_or_default();
+            let weight = if split_bw {
+                weight
+            } else {
+                backward.extend(weight);
+                Vec::new()
+            };
+            chunks.push(ChunkProgram {
+                chunk: c,
+                forward,
+                backward,
+                weight,
+                activation_base: base,
+                activation_elems: elems,
+                slots: slots[c as usize],
+                inputs,
+            });
+            base += elems * u64::from(slots[c as usize]);
+        }
+        // The optimizer's activations (the norm) after the chunks' slots.
+        let liveness = memory::Liveness {
+            programs: vec![opt[s as usize].clone()],
+            view_of: e.view_of.clone(),
+        };
+        let touched: BTreeSet<BufId> = opt[s as usize]
+            .iter()
+            .flat_map(Instr::buffers)
+            .filter(|&b| e.buffers[b as usize].class == BufferClass::Activation)
+            .collect();
+        let elems = memory::assign_offsets(&mut e.buffers, &liveness, &[]);
+        for &b in &touched {
+            e.buffers[b as usize].offset += base;
+        }
+        let act_total = base + elems;
+        let stage_bytes = |class: BufferClass, buffers: &[Buffer]| -> u64 {
+            buffers
+                .iter()
+                .filter(|b| b.class == class && b.stage == Some(s))
+                .map(|b| (b.offset + b.len()) * b.dtype.size_bytes())
+                .max()
+                .unwrap_or(0)
+        };
+        let stage_inputs: BTreeSet<BufId> = chunks.iter().flat_map(|c| c.inputs.clone()).collect();
+        let mem = MemoryPlan {
+            param_bytes: stage_bytes(BufferClass::Param, &e.buffers),
+            grad_bytes: stage_bytes(BufferClass::Grad, &e.buffers),
+            opt_state_bytes: stage_bytes(BufferClass::OptState, &e.buffers),
+            activation_bytes: act_total * 4,
+            activation_bytes_unplanned: (unplanned + elems) * 4,
+            activation_bytes_live: (live + elems) * 4,
+            input_bytes: stage_inputs
+                .iter()
+                .map(|&b| {
+                    let buf = &e.buffers[b as usize];
+                    (buf.offset + buf.len()) * buf.dtype.size_bytes()
+                })
+                .max()
+                .unwrap_or(0),
+        };
+        let has = |b: BufId| stage_inputs.contains(&b);
+        let inputs = e
+            .inputs
+            .iter()
+            .filter(|(_, &b)| has(b))
+            .map(|(k, &b)| (k.clone(), b))
+            .collect();
+        let mut results = BTreeMap::new();
+        let mut result_axes = BTreeMap::new();
+        for k in &loss_keys {
+            let b = e.results[k];
+            if e.buffers[b as usize].stage == Some(s) {
+                results.insert(k.clone(), b);
+            }
+            // Only the last stage has the loss: every stage adds it up over pp to report it.
+            let mut axes = e.result_axes.get(k).cloned().unwrap_or_default();
+            axes.push(Axis::Pp);
+            result_axes.insert(k.clone(), axes);
+        }
+        results.insert("grad_norm".to_string(), norms[s as usize]);
+        let actions = lists[s as usize]
+            .iter()
+            .filter_map(|a| {
+                let kind = match a.kind {
+                    ActionKind::F => PipeKind::F,
+                    ActionKind::B => PipeKind::B,
+                    ActionKind::W => PipeKind::W,
+                    ActionKind::BW => PipeKind::BW,
+                    _ => return None,
+                };
+                Some(PipeAction {
+                    kind,
+                    chunk: a.chunk,
+                    microbatch: a.microbatch,
+                })
+            })
+            .collect();
+        let dpp_exec = match kind {
+            ScheduleKind::Dpp(policy) => Some(DppExec {
+                policy: spec.parallel.dpp_policy.as_str().to_string(),
+                cap: match policy {
+                    schedule::DppPolicy::Adaptive { cap } => cap.unwrap_or(pp),
+                    _ => 0,
+                },
+            }),
+            _ => None,
+        };
+        mems.push(mem.clone());
+        roles.push(Role {
+            name: format!("stage{s}"),
+            microbatch: Vec::new(),
+            optimizer: std::mem::take(&mut opt[s as usize]),
+            inputs,
+            results,
+            result_axes,
+            pipeline: Some(Pipeline {
+                schedule: spec.parallel.schedule.as_str().to_string(),
+                chunks_total: nc,
+                chunks,
+                actions,
+                dpp: dpp_exec,
+            }),
+            memory: Some(mem),
+        });
+    }
+    // Inputs: every stage that reads one holds its own copy at the same offset.
+    for b in e.inputs.values() {
+        e.buffers[*b as usize].stage = None;
+    }
+    let max = |f: fn(&MemoryPlan) -> u64| mems.iter().map(f).max().unwrap_or(0);
+    let memory = MemoryPlan {
+        param_bytes: max(|m| m.param_bytes),
+        grad_bytes: max(|m| m.grad_bytes),
+        opt_state_bytes: max(|m| m.opt_state_bytes),
+        activation_bytes: max(|m| m.activation_bytes),
+        activation_bytes_unplanned: max(|m| m.activation_bytes_unplanned),
+        activation_bytes_live: max(|m| m.activation_bytes_live),
+        input_bytes: max(|m| m.input_bytes),
+    };
+    Ok(Split { roles, memory })
+}

@@ -1,0 +1,275 @@
+//! Pipeline execution: one step of a pipeline stage's role.
+//!
+//! The role's chunks hold forward (`F`), backward (`B`, or the whole backward `BW`) and, for
+//! zero-bubble schedules, weight-gradient (`W`) segments; transfers between chunks are
+//! `Send`/`Recv` instructions inside them, tagged by transfer and micro-batch, so messages
+//! never need to arrive in order. A static schedule runs the plan's action list as it is.
+//! The `dpp` schedule (MegaDPP) runs dynamically: at each point the rank runs the
+//! highest-priority task whose inputs have arrived; the ranks of one tensor- and
+//! context-parallel group agree on the choice (a max-reduction of their "not ready" flags)
+//! before running it, because the task's collectives must match across them.
+//!
+//! Each forward takes a free activation slot of its chunk; the chunk's last backward segment
+//! for that micro-batch frees it.
+
+use std::collections::BTreeMap;
+
+use megac_ir::plan::{ChunkProgram, Instr, PipeAction, PipeKind, Pipeline};
+use megac_ir::Axis;
+
+use crate::error::RuntimeError;
+use crate::exec::{run_program, transfer_peer};
+use crate::train::Session;
+
+/// Per-step state of a rank's pipeline: which slots are free and which tasks are done.
+struct State {
+    free: BTreeMap<u32, Vec<u32>>,
+    slot_of: BTreeMap<(u32, u32), u32>,
+    /// Per (chunk, micro-batch): forward done, input-gradient done, all done.
+    f_done: BTreeMap<(u32, u32), bool>,
+    b_done: BTreeMap<(u32, u32), bool>,
+    loss: f64,
+}
+
+/// Run one step's micro-batches through this rank's pipeline chunks; returns the rank's
+/// share of the step loss (0 on stages without the head).
+pub(crate) fn run_step(session: &mut Session<'_>, step: u64) -> Result<f64, RuntimeError> {
+    let role = session.role();
+    let pipe = role
+        .pipeline
+        .as_ref()
+        .ok_or_else(|| RuntimeError::Plan("run_step needs a pipelined role".into()))?;
+    let m = session.plan.batch.microbatches;
+    let data: Vec<(Vec<i32>, Vec<i32>)> = (0..m).map(|mb| session.load(step, mb)).collect();
+    let mut st = State {
+        free: pipe
+            .chunks
+            .iter()
+            .map(|c| (c.chunk, (0..c.slots).rev().collect()))
+            .collect(),
+        slot_of: BTreeMap::new(),
+        f_done: BTreeMap::new(),
+        b_done: BTreeMap::new(),
+        loss: 0.0,
+    };
+    session.executed.clear();
+    match &pipe.dpp {
+        None => {
+            for &a in &pipe.actions {
+                run_action(session, pipe, &mut st, a, step, &data)?;
+            }
+        }
+        Some(dpp) => run_dynamic(session, pipe, &mut st, dpp, step, &data)?,
+    }
+    Ok(st.loss)
+}
+
+fn chunk_of(pipe: &Pipeline, c: u32) -> Result<&ChunkProgram, RuntimeError> {
+    pipe.chunks
+        .iter()
+        .find(|p| p.chunk == c)
+        .ok_or_else(|| RuntimeError::Plan(format!("the role has no chunk {c}")))
+}
+
+fn run_action(
+    session: &mut Session<'_>,
+    pipe: &Pipeline,
+    st: &mut State,
+    a: PipeAction,
+    step: u64,
+    data: &[(Vec<i32>, Vec<i32>)],
+) -> Result<(), RuntimeError> {
+    let (c, j) = (a.chunk, a.microbatch);
+    let prog = chunk_of(pipe, c)?;
+    let bad = |what: String| RuntimeError::Plan(format!("pipeline action {a:?}: {what}"));
+    let slot = match a.kind {
+        PipeKind::F => {
+            let slot = st
+                .free
+                .get_mut(&c)
+                .and_then(Vec::pop)
+                .ok_or_else(|| bad(format!("chunk {c} has no free activation slot")))?;
+            st.slot_of.insert((c, j), slot);
+            slot
+        }
+        _ => *st
+            .slot_of
+            .get(&(c, j))
+            .ok_or_else(|| bad("runs before its forward".into()))?,
+    };
+    session.mem.set_slot(c, slot);
+    if !prog.inputs.is_empty() {
+        let (tokens, labels) = &data[j as usize];
+        session.write_inputs(tokens, labels);
+    }
+    let mut ctx = session.context(step);
+    ctx.microbatch = u64::from(j);
+    let segments: Vec<&[Instr]> = match a.kind {
+        PipeKind::F => vec![&prog.forward],
+        PipeKind::B => vec![&prog.backward],
+        PipeKind::W => vec![&prog.weight],
+        PipeKind::BW => vec![&prog.backward, &prog.weight],
+    };
+    for seg in segments {
+        run_program(
+            seg,
+            session.plan,
+            &session.mem,
+            &ctx,
+            session.comm.as_mut(),
+            session.profile.as_mut(),
+        )?;
+    }
+    match a.kind {
+        PipeKind::F => {
+            st.f_done.insert((c, j), true);
+            if let Some(b) = session.loss_buf {
+                if session.mem.buffer(b).chunk == Some(c) {
+                    st.loss += f64::from(session.mem.f32(b)[0]);
+                }
+            }
+        }
+        PipeKind::B => {
+            st.b_done.insert((c, j), true);
+        }
+        _ => {}
+    }
+    let last = match a.kind {
+        PipeKind::BW | PipeKind::W => true,
+        PipeKind::B => prog.weight.is_empty(),
+        PipeKind::F => false,
+    };
+    if last {
+        st.b_done.insert((c, j), true);
+        st.slot_of.remove(&(c, j));
+        st.free.entry(c).or_default().push(slot);
+    }
+    session.executed.push(a);
+    Ok(())
+}
+
+/// Whether every message the segment receives has arrived.
+fn arrived(
+    session: &mut Session<'_>,
+    seg: &[Instr],
+    j: u32,
+    step: u64,
+) -> Result<bool, RuntimeError> {
+    let mut ctx = session.context(step);
+    ctx.microbatch = u64::from(j);
+    let rank = session.comm.rank();
+    for instr in seg {
+        if let Instr::Recv {
+            chunk, transfer, ..
+        } = instr
+        {
+            let (peer, tag) = transfer_peer(session.plan, rank, *chunk, *transfer, &ctx);
+            if !session.comm.probe_tagged(peer, tag)? {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// MegaDPP: run the highest-priority ready task until all are done.
+///
+/// Priority (as the schedule pass's reference order): a ready backward before any forward;
+/// among backwards, later chunks first; `bfs` orders by chunk then micro-batch (all
+/// micro-batches of a chunk first), `dfs` by micro-batch then chunk (one micro-batch through
+/// all chunks first), `adaptive` is breadth-first while fewer than `cap` micro-batches are in
+/// flight on the rank and depth-first beyond.
+fn run_dynamic(
+    session: &mut Session<'_>,
+    pipe: &Pipeline,
+    st: &mut State,
+    dpp: &megac_ir::plan::DppExec,
+    step: u64,
+    data: &[(Vec<i32>, Vec<i32>)],
+) -> Result<(), RuntimeError> {
+    let m = session.plan.batch.microbatches as u32;
+    let nc = pipe.chunks_total;
+    let mine: Vec<u32> = pipe.chunks.iter().map(|c| c.chunk).collect();
+    // Every task, in a fixed order that all peers share.
+    let tasks: Vec<PipeAction> = mine
+        .iter()
+        .flat_map(|&c| {
+            (0..m).flat_map(move |j| {
+                [PipeKind::F, PipeKind::BW].map(|kind| PipeAction {
+                    kind,
+                    chunk: c,
+                    microbatch: j,
+                })
+            })
+        })
+        .collect();
+    let rank = session.comm.rank();
+    let peers = session.plan.mesh.group(rank, &[Axis::Tp, Axis::Cp]);
+    let mut done = vec![false; tasks.len()];
+    let mut remaining = tasks.len();
+    let mut idle_rounds = 0u64;
+    while remaining > 0 {
+        // Local readiness.
+        let mut not_ready = vec![1f32; tasks.len()];
+        for (i, t) in tasks.iter().enumerate() {
+            if done[i] {
+                continue;
+            }
+            let prog = chunk_of(pipe, t.chunk)?;
+            let key = (t.chunk, t.microbatch);
+            let local = match t.kind {
+                PipeKind::F => st.free.get(&t.chunk).is_some_and(|f| !f.is_empty()),
+                _ => st.f_done.contains_key(&key),
+            };
+            let seg: &[Instr] = if t.kind == PipeKind::F {
+                &prog.forward
+            } else {
+                &prog.backward
+            };
+            if local && arrived(session, seg, t.microbatch, step)? {
+                not_ready[i] = 0.0;
+            }
+        }
+        if peers.len() > 1 {
+            session.comm.all_reduce_max(&peers, &mut not_ready)?;
+        }
+        let inflight = st.slot_of.len() as u32;
+        let breadth = match dpp.policy.as_str() {
+            "bfs" => true,
+            "dfs" => false,
+            _ => inflight < dpp.cap.max(1),
+        };
+        let key = |t: &PipeAction| {
+            let lc = t.chunk / (nc / pipe.chunks.len() as u32).max(1);
+            let (backward, lc) = match t.kind {
+                PipeKind::F => (1, lc),
+                _ => (0, pipe.chunks.len() as u32 - 1 - lc),
+            };
+            if breadth {
+                (backward, lc, t.microbatch)
+            } else {
+                (backward, t.microbatch, lc)
+            }
+        };
+        let pick = (0..tasks.len())
+            .filter(|&i| !done[i] && not_ready[i] == 0.0)
+            .min_by_key(|&i| key(&tasks[i]));
+        match pick {
+            Some(i) => {
+                idle_rounds = 0;
+                run_action(session, pipe, st, tasks[i], step, data)?;
+                done[i] = true;
+                remaining -= 1;
+            }
+            None => {
+                idle_rounds += 1;
+                if idle_rounds > 10 {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+    Ok(())
+}
