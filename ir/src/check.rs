@@ -1,31 +1,51 @@
-//! The plan validator: proves before a run that every group's members call the same
-//! collectives in the same order with the same sizes.
+//! The plan validator: proves before a run that the plan cannot deadlock and that every
+//! message and collective matches, by simulating all ranks with blocking semantics.
 //!
-//! For each rank it walks its role's programs (one micro-batch, then the optimizer) and
-//! lists, per process group, the communication calls it makes: the explicit collectives
-//! (`all_reduce`, `all_gather`, `reduce_scatter`, the group reduction of `grad_norm`) and the
-//! ones kernels make implicitly from buffer layouts (vocab-parallel embedding is local, the
-//! vocab-parallel cross-entropy reduces over tp, context-parallel attention exchanges over
-//! cp). Every member of a group must list the same sequence. Pipeline send/recv matching
-//! joins this check when plans carry schedules.
+//! The order of every collective, send and receive is fixed at compile time (the plan's
+//! programs and, for pipelines, the schedule's action lists), so the ranks need no run-time
+//! coordinator to agree on it: this check proves the agreement once, before any run.
+//!
+//! **Event streams.** A rank runs its role's programs: without a pipeline, the micro-batch
+//! program once (it repeats identically for every micro-batch) and then the optimizer
+//! program; with one, for each action of `pipeline.actions` in order, the segments of its
+//! chunk (`F` forward, `B` backward, `W` weight, `BW` backward then weight) with the
+//! action's micro-batch, and then the optimizer program. The events of a stream are
+//! - collectives: the explicit ones (`all_reduce`, `all_gather`, `reduce_scatter`, the group
+//!   reduction of `grad_norm`) and the ones kernels make implicitly from buffer layouts
+//!   (the vocab-parallel cross-entropy reduces over tp, context-parallel attention exchanges
+//!   over cp); a group of fewer than two members is no communication;
+//! - `Send`: to the rank with the same mesh coordinates but the pipeline one, which is
+//!   `chunk % pp`; tagged (transfer, micro-batch), as many elements as the buffer;
+//! - `Recv`: from the rank that holds `chunk`, with the same kind of tag.
+//!
+//! **Blocking semantics.** Sends never wait: they deposit their message. A receive proceeds
+//! once the message with its tag from its peer is there (tags match messages, not arrival
+//! order) and must have the sent element count. A collective proceeds when every member of
+//! its group is at a collective on that group; they must agree on the op and the element
+//! count. If no rank can move while some have not finished, the plan deadlocks: the error
+//! lists every blocked rank with its instruction and its schedule position. When every rank
+//! has finished, every message must have been received. Because ranks are deterministic and
+//! a receive names its peer and tag, the outcome does not depend on the order in which the
+//! simulation moves ranks: passing proves the absence of deadlock for every timing.
+//!
+//! **Schedules.** Each pipelined role's action list must run, for every chunk it holds and
+//! every micro-batch, the forward once and the backward once (`BW`, or `B` then `W`), the
+//! forward before the backward. For `dpp` plans the reference order (`actions`) is checked;
+//! the dynamic runtime only reorders it as inputs arrive.
+//!
+//! **Speed.** Ranks whose coordinates differ only along mesh axes on which the role table
+//! does not vary run identical programs; by symmetry they stay in lockstep, so the
+//! simulation runs one representative of each (the ranks whose coordinates along those axes
+//! are 0) and treats collectives over only those axes as agreed. A 1,024-rank plan with 16
+//! pipeline stages simulates 16 ranks.
 
-use std::collections::BTreeMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::op::OpKind;
-use crate::plan::{Instr, Plan};
+use crate::plan::{Instr, PipeAction, PipeKind, Plan, Role};
 use crate::types::Axis;
 
-/// One communication call of a rank.
-#[derive(Clone, Debug, PartialEq)]
-struct Call {
-    what: String,
-    elements: u64,
-    program: &'static str,
-    index: usize,
-    path: String,
-}
-
-/// Check `plan`; the error names the group, the call number, the ranks and their calls.
+/// Check `plan`: the first violation, with ranks, instructions and schedule positions.
 pub fn check_plan(plan: &Plan) -> Result<(), String> {
     let world = plan.mesh.world_size();
     if plan.rank_to_role.len() != world {
@@ -34,84 +54,825 @@ pub fn check_plan(plan: &Plan) -> Result<(), String> {
             plan.rank_to_role.len()
         ));
     }
-    // group -> rank -> calls
-    let mut calls: BTreeMap<Vec<usize>, BTreeMap<usize, Vec<Call>>> = BTreeMap::new();
-    for rank in 0..world {
-        let role = plan
-            .roles
-            .get(plan.rank_to_role[rank] as usize)
-            .ok_or_else(|| {
-                format!(
-                    "rank {rank} has role {}, which does not exist",
-                    plan.rank_to_role[rank]
-                )
-            })?;
-        for (program, instrs) in [
-            ("microbatch", &role.microbatch),
-            ("optimizer", &role.optimizer),
-        ] {
-            for (index, instr) in instrs.iter().enumerate() {
-                let Instr::Kernel {
-                    op, inputs, path, ..
-                } = instr
-                else {
-                    continue;
-                };
-                for (axes, what, elements) in communication(plan, op, inputs)? {
-                    if axes.is_empty() {
-                        continue;
+    for (rank, &role) in plan.rank_to_role.iter().enumerate() {
+        if role as usize >= plan.roles.len() {
+            return Err(format!("rank {rank} has role {role}, which does not exist"));
+        }
+    }
+    let free = free_axes(plan);
+    let roles = plan
+        .roles
+        .iter()
+        .map(|role| RoleProg::build(plan, role, free))
+        .collect::<Result<Vec<_>, String>>()?;
+    for (r, role) in plan.roles.iter().enumerate() {
+        if let Some(rank) = plan.rank_to_role.iter().position(|&x| x as usize == r) {
+            check_actions(plan, role, rank)?;
+            check_placement(plan, role, rank)?;
+        }
+    }
+    Sim::new(plan, &roles, free).run()
+}
+
+/// Bit of a dense mesh axis in an axis mask (`ep` folds over other axes and has none).
+fn bit(axis: Axis) -> u8 {
+    match axis {
+        Axis::Tp => 1,
+        Axis::Cp => 2,
+        Axis::Ep => 0,
+        Axis::Dp => 4,
+        Axis::Pp => 8,
+    }
+}
+
+const DENSE: [Axis; 4] = [Axis::Tp, Axis::Cp, Axis::Dp, Axis::Pp];
+
+fn axes_of(mask: u8) -> Vec<Axis> {
+    DENSE.into_iter().filter(|&a| mask & bit(a) != 0).collect()
+}
+
+/// The axes (of size > 1) along which the role table is constant: ranks that differ only
+/// along them run the same programs. The pipeline axis is never free where it has more than
+/// one rank (transfers address absolute pipeline coordinates).
+fn free_axes(plan: &Plan) -> u8 {
+    let mesh = &plan.mesh;
+    let mut free = 0;
+    for axis in [Axis::Tp, Axis::Cp, Axis::Dp] {
+        if mesh.size(axis) < 2 {
+            continue;
+        }
+        let constant = (0..plan.rank_to_role.len()).all(|r| {
+            let base = mesh.rank_with(r, axis, 0);
+            plan.rank_to_role.get(base) == Some(&plan.rank_to_role[r])
+        });
+        if constant {
+            free |= bit(axis);
+        }
+    }
+    free
+}
+
+/// One communication event of a role's program.
+#[derive(Clone, Debug)]
+struct Event {
+    /// Index of the instruction in its program.
+    index: usize,
+    kind: Ev,
+}
+
+#[derive(Clone, Debug)]
+enum Ev {
+    /// A collective over the axes of `mask` (only axes of size > 1).
+    Coll {
+        mask: u8,
+        what: String,
+        elements: u64,
+    },
+    Send {
+        chunk: u32,
+        transfer: u32,
+        elements: u64,
+    },
+    Recv {
+        chunk: u32,
+        transfer: u32,
+        elements: u64,
+    },
+}
+
+/// A program of a role and the events it makes.
+struct Segment<'a> {
+    /// `microbatch`, `optimizer`, `forward`, `backward` or `weight`.
+    label: &'static str,
+    instrs: &'a [Instr],
+    events: Vec<Event>,
+}
+
+/// One entry of a rank's stream: a segment run for a micro-batch, by an action.
+#[derive(Clone, Copy)]
+struct Step {
+    segment: usize,
+    microbatch: u32,
+    /// Index into `pipeline.actions`.
+    action: Option<usize>,
+}
+
+/// A role's programs, reduced to events, and its stream of segments.
+struct RoleProg<'a> {
+    role: &'a Role,
+    segments: Vec<Segment<'a>>,
+    steps: Vec<Step>,
+}
+
+impl<'a> RoleProg<'a> {
+    fn build(plan: &Plan, role: &'a Role, free: u8) -> Result<RoleProg<'a>, String> {
+        let seg = |label: &'static str, instrs: &'a [Instr]| -> Result<Segment<'a>, String> {
+            Ok(Segment {
+                label,
+                instrs,
+                events: events(plan, instrs, free)
+                    .map_err(|e| format!("role {}: {label}: {e}", role.name))?,
+            })
+        };
+        let mut segments = Vec::new();
+        let mut steps = Vec::new();
+        match &role.pipeline {
+            None => {
+                segments.push(seg("microbatch", &role.microbatch)?);
+                steps.push(Step {
+                    segment: 0,
+                    microbatch: 0,
+                    action: None,
+                });
+            }
+            Some(pipe) => {
+                let mut index: HashMap<u32, usize> = HashMap::new();
+                for (k, c) in pipe.chunks.iter().enumerate() {
+                    if index.insert(c.chunk, k).is_some() {
+                        return Err(format!("role {} holds chunk {} twice", role.name, c.chunk));
                     }
-                    let group = plan.mesh.group(rank, &axes);
-                    if group.len() < 2 {
-                        continue;
-                    }
-                    calls
-                        .entry(group)
-                        .or_default()
-                        .entry(rank)
-                        .or_default()
-                        .push(Call {
-                            what,
-                            elements,
-                            program,
-                            index,
-                            path: path.clone(),
+                    segments.push(seg("forward", &c.forward)?);
+                    segments.push(seg("backward", &c.backward)?);
+                    segments.push(seg("weight", &c.weight)?);
+                }
+                for (i, a) in pipe.actions.iter().enumerate() {
+                    let k = *index.get(&a.chunk).ok_or_else(|| {
+                        format!(
+                            "{} action #{i} ({}): the role does not hold chunk {} (it holds {:?})",
+                            role.name,
+                            show_action(a),
+                            a.chunk,
+                            pipe.chunks.iter().map(|c| c.chunk).collect::<Vec<_>>()
+                        )
+                    })?;
+                    let parts: &[usize] = match a.kind {
+                        PipeKind::F => &[0],
+                        PipeKind::B => &[1],
+                        PipeKind::W => &[2],
+                        PipeKind::BW => &[1, 2],
+                    };
+                    for &p in parts {
+                        steps.push(Step {
+                            segment: 3 * k + p,
+                            microbatch: a.microbatch,
+                            action: Some(i),
                         });
+                    }
                 }
             }
         }
+        segments.push(seg("optimizer", &role.optimizer)?);
+        steps.push(Step {
+            segment: segments.len() - 1,
+            microbatch: 0,
+            action: None,
+        });
+        Ok(RoleProg {
+            role,
+            segments,
+            steps,
+        })
     }
-    for (group, members) in &calls {
-        let first = group[0];
-        let reference = members.get(&first).cloned().unwrap_or_default();
-        for &rank in group {
-            let mine = members.get(&rank).cloned().unwrap_or_default();
-            let n = reference.len().max(mine.len());
-            for k in 0..n {
-                let (a, b) = (reference.get(k), mine.get(k));
-                let same = match (a, b) {
-                    (Some(a), Some(b)) => a.what == b.what && a.elements == b.elements,
-                    _ => false,
-                };
-                if !same {
-                    let show = |r: usize, c: Option<&Call>| match c {
-                        Some(c) => format!(
-                            "rank {r} calls {} of {} elements ({}[{}], {})",
-                            c.what, c.elements, c.program, c.index, c.path
-                        ),
-                        None => format!("rank {r} makes no call"),
-                    };
-                    return Err(format!(
-                        "collective mismatch on group {group:?}, call #{}: {}; {}",
-                        k + 1,
-                        show(first, a),
-                        show(rank, b)
-                    ));
+}
+
+/// The events of `instrs` that the simulation must see: transfers, and collectives over at
+/// least one axis that is not free (collectives over free axes only are among identical
+/// copies of a rank and always agree).
+fn events(plan: &Plan, instrs: &[Instr], free: u8) -> Result<Vec<Event>, String> {
+    let len = |b: u32, what: &str, index: usize| -> Result<u64, String> {
+        plan.buffers
+            .get(b as usize)
+            .map(|buf| buf.len())
+            .ok_or_else(|| format!("[{index}] {what} uses buffer {b}, which does not exist"))
+    };
+    let mut out = Vec::new();
+    for (index, instr) in instrs.iter().enumerate() {
+        match instr {
+            Instr::Kernel { op, inputs, .. } => {
+                let calls =
+                    communication(plan, op, inputs).map_err(|e| format!("[{index}] {e}"))?;
+                for (axes, what, elements) in calls {
+                    let mask = axes
+                        .iter()
+                        .filter(|&&a| plan.mesh.size(a) > 1)
+                        .fold(0, |m, &a| m | bit(a));
+                    if mask & !free == 0 {
+                        continue;
+                    }
+                    out.push(Event {
+                        index,
+                        kind: Ev::Coll {
+                            mask,
+                            what,
+                            elements,
+                        },
+                    });
                 }
+            }
+            Instr::Send {
+                buffer,
+                chunk,
+                transfer,
+            } => out.push(Event {
+                index,
+                kind: Ev::Send {
+                    chunk: *chunk,
+                    transfer: *transfer,
+                    elements: len(*buffer, "send", index)?,
+                },
+            }),
+            Instr::Recv {
+                buffer,
+                chunk,
+                transfer,
+            } => out.push(Event {
+                index,
+                kind: Ev::Recv {
+                    chunk: *chunk,
+                    transfer: *transfer,
+                    elements: len(*buffer, "recv", index)?,
+                },
+            }),
+            Instr::Zero { .. } => {}
+        }
+    }
+    Ok(out)
+}
+
+fn show_action(a: &PipeAction) -> String {
+    format!(
+        "{:?} chunk {} micro-batch {}",
+        a.kind, a.chunk, a.microbatch
+    )
+}
+
+/// A pipelined role's action list runs, for every chunk it holds and every micro-batch, the
+/// forward once and the backward once (`BW`, or `B` then `W`), in that order.
+fn check_actions(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> {
+    let Some(pipe) = &role.pipeline else {
+        return Ok(());
+    };
+    let m = plan.batch.microbatches;
+    let at = format!("{} (rank {rank})", role.name);
+    // (chunk, micro-batch) -> positions of F, B, W, BW.
+    let mut seen: HashMap<(u32, u32), [Option<usize>; 4]> = HashMap::new();
+    for (i, a) in pipe.actions.iter().enumerate() {
+        if u64::from(a.microbatch) >= m {
+            return Err(format!(
+                "{at} action #{i} ({}): a step has {m} micro-batches",
+                show_action(a)
+            ));
+        }
+        let slot = match a.kind {
+            PipeKind::F => 0,
+            PipeKind::B => 1,
+            PipeKind::W => 2,
+            PipeKind::BW => 3,
+        };
+        let entry = seen.entry((a.chunk, a.microbatch)).or_default();
+        if let Some(prev) = entry[slot] {
+            return Err(format!(
+                "{at} runs {} twice (actions #{prev} and #{i})",
+                show_action(a)
+            ));
+        }
+        let [f, b, w, bw] = *entry;
+        let problem = match a.kind {
+            PipeKind::F => None,
+            PipeKind::B | PipeKind::BW if f.is_none() => Some("before its forward"),
+            PipeKind::B if bw.is_some() => Some("after its whole backward (BW)"),
+            PipeKind::BW if b.is_some() || w.is_some() => {
+                Some("after a split backward (B or W) of the same micro-batch")
+            }
+            PipeKind::W if bw.is_some() => Some("after its whole backward (BW)"),
+            PipeKind::W if b.is_none() => Some("before its input-gradient backward (B)"),
+            _ => None,
+        };
+        if let Some(problem) = problem {
+            return Err(format!(
+                "{at} action #{i} runs {} {problem}",
+                show_action(a)
+            ));
+        }
+        entry[slot] = Some(i);
+    }
+    for c in &pipe.chunks {
+        for j in 0..m {
+            let j = j as u32;
+            let what = |kind: &str| {
+                format!(
+                    "{at}: the action list never runs the {kind} of chunk {} micro-batch {j}",
+                    c.chunk
+                )
+            };
+            let Some(&[f, b, w, bw]) = seen.get(&(c.chunk, j)) else {
+                return Err(what("forward"));
+            };
+            if f.is_none() {
+                return Err(what("forward"));
+            }
+            match (b, w, bw) {
+                (_, _, Some(_)) | (Some(_), Some(_), None) => {}
+                (Some(_), None, None) => {
+                    return Err(what("weight-gradient backward (W after its B)"))
+                }
+                _ => return Err(what("backward (BW, or B and W)")),
             }
         }
     }
     Ok(())
+}
+
+/// A role's chunks live on its pipeline rank: chunk c on pipeline rank c % pp.
+fn check_placement(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> {
+    let Some(pipe) = &role.pipeline else {
+        return Ok(());
+    };
+    let pp = plan.mesh.size(Axis::Pp).max(1);
+    let here = plan.mesh.coord(rank, Axis::Pp) as u64;
+    for c in &pipe.chunks {
+        if c.chunk >= pipe.chunks_total {
+            return Err(format!(
+                "{} (rank {rank}) holds chunk {}, but the model has {} chunks",
+                role.name, c.chunk, pipe.chunks_total
+            ));
+        }
+        if u64::from(c.chunk) % pp != here {
+            return Err(format!(
+                "{} (rank {rank}, pipeline rank {here}) holds chunk {}, which lives on pipeline rank {}",
+                role.name,
+                c.chunk,
+                u64::from(c.chunk) % pp
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A message: (source, destination, transfer, micro-batch).
+type MsgKey = (usize, usize, u32, u32);
+
+/// A group: its lowest rank and the axes mask.
+type GroupKey = (usize, u8);
+
+/// Where a rank is in its stream.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Pos {
+    step: usize,
+    event: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Wait {
+    Running,
+    Recv(MsgKey),
+    /// At a collective on the group with this index in `Sim::groups`.
+    Coll(u32),
+    Done,
+}
+
+const UNSET: u32 = u32::MAX;
+
+struct RankState {
+    rank: usize,
+    role: usize,
+    pos: Pos,
+    wait: Wait,
+    /// Per axes mask, the index of the rank's group in `Sim::groups` (UNSET: not yet made).
+    group_of: [u32; 16],
+}
+
+struct Sent {
+    elements: u64,
+    /// Index of the sender in `Sim::ranks`.
+    from: usize,
+    pos: Pos,
+}
+
+struct GroupState {
+    key: GroupKey,
+    /// Indices into `Sim::ranks` of the simulated members, by ascending rank.
+    members: Vec<usize>,
+    arrived: usize,
+    calls: u64,
+}
+
+/// FxHash (rustc's hasher): the simulation hashes a message key per transfer.
+#[derive(Default, Clone, Copy)]
+struct FxHasher(u64);
+
+impl std::hash::Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FxHasher>>;
+
+struct Sim<'p, 'a> {
+    plan: &'p Plan,
+    roles: &'a [RoleProg<'p>],
+    free: u8,
+    /// The simulated ranks (one per class of identical ranks), by ascending rank.
+    ranks: Vec<RankState>,
+    /// Rank -> index into `ranks` (usize::MAX when not simulated).
+    index: Vec<usize>,
+    /// Messages sent and not yet received (the first one of each tag).
+    messages: FxMap<MsgKey, Sent>,
+    /// Further messages with a tag already pending, in sending order.
+    repeated: FxMap<MsgKey, VecDeque<Sent>>,
+    groups: Vec<GroupState>,
+    group_index: FxMap<GroupKey, u32>,
+    queue: VecDeque<usize>,
+}
+
+impl<'p, 'a> Sim<'p, 'a> {
+    fn new(plan: &'p Plan, roles: &'a [RoleProg<'p>], free: u8) -> Sim<'p, 'a> {
+        let world = plan.rank_to_role.len();
+        let mut index = vec![usize::MAX; world];
+        let mut ranks = Vec::new();
+        let free_axes = axes_of(free);
+        for (rank, slot) in index.iter_mut().enumerate() {
+            if free_axes.iter().all(|&a| plan.mesh.coord(rank, a) == 0) {
+                *slot = ranks.len();
+                ranks.push(RankState {
+                    rank,
+                    role: plan.rank_to_role[rank] as usize,
+                    pos: Pos { step: 0, event: 0 },
+                    wait: Wait::Running,
+                    group_of: [UNSET; 16],
+                });
+            }
+        }
+        let queue = (0..ranks.len()).collect();
+        Sim {
+            plan,
+            roles,
+            free,
+            ranks,
+            index,
+            messages: FxMap::default(),
+            repeated: FxMap::default(),
+            groups: Vec::new(),
+            group_index: FxMap::default(),
+            queue,
+        }
+    }
+
+    fn run(mut self) -> Result<(), String> {
+        while let Some(i) = self.queue.pop_front() {
+            self.advance(i)?;
+        }
+        let blocked: Vec<usize> = (0..self.ranks.len())
+            .filter(|&i| self.ranks[i].wait != Wait::Done)
+            .collect();
+        if !blocked.is_empty() {
+            return Err(self.deadlock(&blocked));
+        }
+        if let Some(((src, dst, transfer, mb), sent)) =
+            self.messages.iter().min_by_key(|(k, _)| **k)
+        {
+            return Err(format!(
+                "rank {src} sent transfer {transfer} micro-batch {mb} to rank {dst}, which never receives it (sent at {})",
+                self.position(sent.from, sent.pos)
+            ));
+        }
+        Ok(())
+    }
+
+    /// The event at `pos` of rank `i`, after skipping to the next non-empty step (None when
+    /// the stream has ended).
+    fn current(&self, i: usize) -> Option<(Pos, &'a Event, Step)> {
+        let role = &self.roles[self.ranks[i].role];
+        let mut pos = self.ranks[i].pos;
+        loop {
+            let step = *role.steps.get(pos.step)?;
+            if let Some(ev) = role.segments[step.segment].events.get(pos.event) {
+                return Some((pos, ev, step));
+            }
+            pos = Pos {
+                step: pos.step + 1,
+                event: 0,
+            };
+        }
+    }
+
+    fn peer(&self, rank: usize, chunk: u32) -> usize {
+        let pp = self.plan.mesh.size(Axis::Pp).max(1);
+        self.plan
+            .mesh
+            .rank_with(rank, Axis::Pp, (u64::from(chunk) % pp) as usize)
+    }
+
+    /// Run rank `i` until it blocks or finishes.
+    fn advance(&mut self, i: usize) -> Result<(), String> {
+        let rank = self.ranks[i].rank;
+        loop {
+            let Some((pos, ev, step)) = self.current(i) else {
+                self.ranks[i].wait = Wait::Done;
+                return Ok(());
+            };
+            self.ranks[i].pos = pos;
+            let next = Pos {
+                step: pos.step,
+                event: pos.event + 1,
+            };
+            match &ev.kind {
+                Ev::Send {
+                    chunk,
+                    transfer,
+                    elements,
+                } => {
+                    let peer = self.peer(rank, *chunk);
+                    let key = (rank, peer, *transfer, step.microbatch);
+                    let sent = Sent {
+                        elements: *elements,
+                        from: i,
+                        pos,
+                    };
+                    match self.messages.entry(key) {
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(sent);
+                        }
+                        std::collections::hash_map::Entry::Occupied(_) => {
+                            self.repeated.entry(key).or_default().push_back(sent);
+                        }
+                    }
+                    if let Some(&p) = self.index.get(peer) {
+                        if p != usize::MAX && self.ranks[p].wait == Wait::Recv(key) {
+                            self.ranks[p].wait = Wait::Running;
+                            self.queue.push_back(p);
+                        }
+                    }
+                    self.ranks[i].pos = next;
+                }
+                Ev::Recv {
+                    chunk,
+                    transfer,
+                    elements,
+                } => {
+                    let peer = self.peer(rank, *chunk);
+                    let key = (peer, rank, *transfer, step.microbatch);
+                    let Some(sent) = self.messages.remove(&key) else {
+                        self.ranks[i].wait = Wait::Recv(key);
+                        return Ok(());
+                    };
+                    if let Some(queue) = self.repeated.get_mut(&key) {
+                        if let Some(next) = queue.pop_front() {
+                            self.messages.insert(key, next);
+                        }
+                    }
+                    if sent.elements != *elements {
+                        return Err(format!(
+                            "transfer {transfer} micro-batch {}: rank {peer} sends {} elements ({}) but rank {rank} receives {} ({})",
+                            step.microbatch,
+                            sent.elements,
+                            self.position(sent.from, sent.pos),
+                            elements,
+                            self.position(i, pos)
+                        ));
+                    }
+                    self.ranks[i].pos = next;
+                }
+                Ev::Coll { mask, .. } => {
+                    let g = self.group(i, *mask);
+                    self.ranks[i].wait = Wait::Coll(g);
+                    let group = &mut self.groups[g as usize];
+                    group.arrived += 1;
+                    if group.arrived == group.members.len() {
+                        self.release(g)?;
+                    }
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// The index of rank `i`'s group over the axes of `mask`, made on first use.
+    fn group(&mut self, i: usize, mask: u8) -> u32 {
+        let cached = self.ranks[i].group_of[usize::from(mask & 15)];
+        if cached != UNSET {
+            return cached;
+        }
+        let rank = self.ranks[i].rank;
+        let base = axes_of(mask)
+            .into_iter()
+            .fold(rank, |r, a| self.plan.mesh.rank_with(r, a, 0));
+        let key = (base, mask);
+        let g = match self.group_index.get(&key) {
+            Some(&g) => g,
+            None => {
+                let members = self
+                    .plan
+                    .mesh
+                    .group(rank, &axes_of(mask & !self.free))
+                    .into_iter()
+                    .map(|r| self.index[r])
+                    .collect();
+                let g = self.groups.len() as u32;
+                self.groups.push(GroupState {
+                    key,
+                    members,
+                    arrived: 0,
+                    calls: 0,
+                });
+                self.group_index.insert(key, g);
+                g
+            }
+        };
+        self.ranks[i].group_of[usize::from(mask & 15)] = g;
+        g
+    }
+
+    /// Every member is at a collective on group `g`: check they agree and move them on.
+    fn release(&mut self, g: u32) -> Result<(), String> {
+        let group = &mut self.groups[g as usize];
+        group.arrived = 0;
+        group.calls += 1;
+        let members = std::mem::take(&mut group.members);
+        let call = |s: &Self, i: usize| -> (Pos, &'a str, u64) {
+            match s.current(i) {
+                Some((
+                    pos,
+                    Event {
+                        kind: Ev::Coll { what, elements, .. },
+                        ..
+                    },
+                    _,
+                )) => (pos, what.as_str(), *elements),
+                _ => unreachable!("a rank waiting at a collective"),
+            }
+        };
+        let first = call(self, members[0]);
+        for &m in &members[1..] {
+            let other = call(self, m);
+            if (other.1, other.2) != (first.1, first.2) {
+                let group = &self.groups[g as usize];
+                return Err(format!(
+                    "collective mismatch on group {}, call #{}: rank {} calls {} of {} elements ({}, {}); rank {} calls {} of {} elements ({}, {})",
+                    self.show_group(group.key),
+                    group.calls,
+                    self.ranks[members[0]].rank,
+                    first.1,
+                    first.2,
+                    self.place(members[0], first.0),
+                    self.path(members[0], first.0),
+                    self.ranks[m].rank,
+                    other.1,
+                    other.2,
+                    self.place(m, other.0),
+                    self.path(m, other.0)
+                ));
+            }
+        }
+        for &m in &members {
+            let st = &mut self.ranks[m];
+            st.wait = Wait::Running;
+            st.pos.event += 1;
+            self.queue.push_back(m);
+        }
+        self.groups[g as usize].members = members;
+        Ok(())
+    }
+
+    fn show_group(&self, (base, mask): GroupKey) -> String {
+        let ranks = self.plan.mesh.group(base, &axes_of(mask));
+        if ranks.len() <= 16 {
+            format!("{ranks:?}")
+        } else {
+            let head: Vec<String> = ranks[..4].iter().map(|r| r.to_string()).collect();
+            format!(
+                "[{}, .., {}] ({} ranks)",
+                head.join(", "),
+                ranks[ranks.len() - 1],
+                ranks.len()
+            )
+        }
+    }
+
+    /// Where rank `i` is at `pos`: its role, schedule action, program and instruction.
+    fn place(&self, i: usize, pos: Pos) -> String {
+        let role = &self.roles[self.ranks[i].role];
+        let Some(step) = role.steps.get(pos.step) else {
+            return format!("{} (finished)", role.role.name);
+        };
+        let seg = &role.segments[step.segment];
+        let index = seg.events.get(pos.event).map_or(0, |e| e.index);
+        let mut out = role.role.name.clone();
+        if let (Some(a), Some(pipe)) = (step.action, &role.role.pipeline) {
+            out += &format!(" action #{a} {},", show_action(&pipe.actions[a]));
+        }
+        out + &format!(" {}[{index}]", seg.label)
+    }
+
+    /// The provenance path of rank `i`'s instruction at `pos` (empty for transfers).
+    fn path(&self, i: usize, pos: Pos) -> &'p str {
+        let role = &self.roles[self.ranks[i].role];
+        let seg = role.steps.get(pos.step).map(|s| &role.segments[s.segment]);
+        match seg.and_then(|s| s.events.get(pos.event).map(|e| s.instrs.get(e.index))) {
+            Some(Some(Instr::Kernel { path, .. })) => path,
+            _ => "",
+        }
+    }
+
+    /// [`Sim::place`] and what the instruction does.
+    fn position(&self, i: usize, pos: Pos) -> String {
+        let role = &self.roles[self.ranks[i].role];
+        let place = self.place(i, pos);
+        let Some(ev) = role
+            .steps
+            .get(pos.step)
+            .and_then(|s| role.segments[s.segment].events.get(pos.event))
+        else {
+            return place;
+        };
+        let rank = self.ranks[i].rank;
+        match &ev.kind {
+            Ev::Coll { what, elements, .. } => {
+                format!(
+                    "{place} {what} of {elements} elements, {}",
+                    self.path(i, pos)
+                )
+            }
+            Ev::Send {
+                chunk, transfer, ..
+            } => format!(
+                "{place} send of transfer {transfer} to rank {}",
+                self.peer(rank, *chunk)
+            ),
+            Ev::Recv {
+                chunk, transfer, ..
+            } => format!(
+                "{place} recv of transfer {transfer} from rank {}",
+                self.peer(rank, *chunk)
+            ),
+        }
+    }
+
+    fn deadlock(&self, blocked: &[usize]) -> String {
+        const SHOWN: usize = 8;
+        let mut lines = Vec::new();
+        for &i in blocked.iter().take(SHOWN) {
+            let st = &self.ranks[i];
+            let mut line = format!("rank {} at {}", st.rank, self.position(i, st.pos));
+            match st.wait {
+                Wait::Recv((src, ..)) => {
+                    line += &format!(": rank {src} ");
+                    let p = self.index.get(src).copied().unwrap_or(usize::MAX);
+                    line += match self.ranks.get(p).map(|s| s.wait) {
+                        Some(Wait::Done) => "has finished without sending it",
+                        _ => "has not sent it",
+                    };
+                }
+                Wait::Coll(gi) => {
+                    let g = &self.groups[gi as usize];
+                    let waiting: Vec<String> = g
+                        .members
+                        .iter()
+                        .filter(|&&m| self.ranks[m].wait != Wait::Coll(gi))
+                        .map(|&m| {
+                            let s = &self.ranks[m];
+                            if s.wait == Wait::Done {
+                                format!("rank {} (finished)", s.rank)
+                            } else {
+                                format!("rank {}", s.rank)
+                            }
+                        })
+                        .collect();
+                    line += &format!(
+                        " on group {}: waits for {}",
+                        self.show_group(g.key),
+                        waiting.join(", ")
+                    );
+                }
+                Wait::Running | Wait::Done => {}
+            }
+            lines.push(line);
+        }
+        let more = if blocked.len() > SHOWN {
+            format!("; and {} more blocked ranks", blocked.len() - SHOWN)
+        } else {
+            String::new()
+        };
+        format!(
+            "deadlock: no rank can proceed under blocking semantics; {}{more}",
+            lines.join("; ")
+        )
+    }
 }
 
 /// The communication `op` makes: (group axes, description, elements).
@@ -120,6 +881,12 @@ fn communication(
     op: &OpKind,
     inputs: &[u32],
 ) -> Result<Vec<(Vec<Axis>, String, u64)>, String> {
+    let input = |k: usize| -> Result<u32, String> {
+        inputs
+            .get(k)
+            .copied()
+            .ok_or_else(|| format!("`{}` has no operand {k}", op.name()))
+    };
     let buffer = |b: u32| {
         plan.buffers
             .get(b as usize)
@@ -138,14 +905,14 @@ fn communication(
             vec![(
                 axes.clone(),
                 op.name().to_string(),
-                buffer(inputs[0])?.len(),
+                buffer(input(0)?)?.len(),
             )]
         }
         OpKind::GradNorm { axes } => vec![(axes.clone(), "grad_norm".into(), 1)],
         OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
-            let logits = buffer(inputs[0])?;
+            let logits = buffer(input(0)?)?;
             let last = logits.shape.len().saturating_sub(1);
-            if split_over(inputs[0], last, Axis::Tp)? {
+            if split_over(input(0)?, last, Axis::Tp)? {
                 let rows = logits.len() / logits.shape.last().copied().unwrap_or(1).max(1);
                 vec![(
                     vec![Axis::Tp],
@@ -157,8 +924,8 @@ fn communication(
             }
         }
         OpKind::CausalAttention | OpKind::AttentionGrad => {
-            if split_over(inputs[0], 1, Axis::Cp)? {
-                let kv = buffer(inputs[1])?.len();
+            if split_over(input(0)?, 1, Axis::Cp)? {
+                let kv = buffer(input(1)?)?.len();
                 vec![(
                     vec![Axis::Cp],
                     format!("{} (context-parallel)", op.name()),

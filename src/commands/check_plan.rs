@@ -1,4 +1,6 @@
-//! `megac check-plan`: prove a compiled plan's collectives match across ranks.
+//! `megac check-plan`: prove a compiled plan cannot deadlock and that its messages and
+//! collectives match across ranks (a simulation of all ranks with blocking semantics, see
+//! `megac_ir::check`).
 
 use std::path::Path;
 
@@ -7,10 +9,16 @@ pub fn run(dir: &Path) -> Result<(), String> {
     let plan = super::inspect::read_plan(dir)?;
     megac_ir::check::check_plan(&plan)
         .map_err(|e| format!("error: {}: {e}", dir.join("plan.json").display()))?;
+    let pipelined = plan.roles.iter().any(|r| r.pipeline.is_some());
     println!(
-        "ok: {} ranks in {} role(s); every group's members make the same collective calls in the same order",
+        "ok: {} ranks in {} role(s); every collective is called by all members of its group in the same order with the same sizes{}, and no rank can block forever",
         plan.rank_to_role.len(),
-        plan.roles.len()
+        plan.roles.len(),
+        if pipelined {
+            ", every send meets its receive with the same size, every schedule runs each micro-batch's forward and backward once"
+        } else {
+            ""
+        }
     );
     Ok(())
 }
