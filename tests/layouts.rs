@@ -343,3 +343,28 @@ fn pipeline_with_tensor_sequence_and_data_parallelism() {
         ]],
     );
 }
+
+#[test]
+fn pipeline_with_tied_embeddings_and_moe() {
+    // GPT-2 ties the head to the word embeddings: the last stage holds a copy, its gradient
+    // contribution flows back to the first stage, the update flows forward after each step.
+    let base = &[
+        "train.micro_batch=2",
+        "train.global_batch=8",
+        "model.layers=4",
+    ];
+    assert_equivalent(
+        "gpt-tiny.toml",
+        base,
+        &[
+            &["parallel.pp=2"],
+            &["parallel.pp=4", "parallel.schedule=zb-h1"],
+        ],
+    );
+    // MoE: every layer's auxiliary loss reaches the loss on the last stage.
+    assert_equivalent(
+        "moe-tiny.toml",
+        &["train.micro_batch=2", "train.global_batch=8"],
+        &[&["parallel.pp=2"]],
+    );
+}

@@ -371,6 +371,7 @@ impl<'a> Emitter<'a> {
                 grad,
                 exp_avg,
                 exp_avg_sq,
+                tied_copies: Vec::new(),
             });
         }
         for (i, value) in g.values.iter().enumerate() {

@@ -180,13 +180,36 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             }
         }
     }
+    // Tied parameters (GPT-2's word embeddings, read by the head on the last stage): the
+    // stage that accumulates the gradient updates the parameter and sends it to a copy on
+    // every other stage that reads it after each optimizer step. The other stages' gradient
+    // contributions reach it as backward transfers, like any cross-chunk activation.
+    let mut home: BTreeMap<BufId, u32> = BTreeMap::new();
+    let mut param_copy: BTreeMap<(BufId, u32), BufId> = BTreeMap::new(); // (param, stage)
     for (&b, stages) in &persistent_stage {
-        if stages.len() > 1 {
+        if stages.len() < 2 {
+            continue;
+        }
+        let entry = e.params.iter().position(|p| p.buffer == b);
+        let grad_stage = entry.and_then(|i| {
+            let g = persistent_stage.get(&e.params[i].grad)?;
+            (g.len() == 1).then(|| *g.iter().next().expect("one stage"))
+        });
+        let (Some(i), Some(h)) = (entry, grad_stage) else {
             return Err(unsupported(format!(
-                "`{}` is used by pipeline stages {:?}; tied embeddings across stages are not supported yet (set model.tie_embeddings = false, or pp = 1)",
-                e.buffers[b as usize].name,
-                stages
+                "`{}` is used by pipeline stages {stages:?}; only parameters can be shared between stages",
+                e.buffers[b as usize].name
             )));
+        };
+        home.insert(b, h);
+        for &s in stages.iter().filter(|&&s| s != h) {
+            let mut buf = e.buffers[b as usize].clone();
+            buf.name = format!("{}@stage{s}", buf.name);
+            buf.stage = Some(s);
+            let id = e.buffers.len() as BufId;
+            e.buffers.push(buf);
+            param_copy.insert((b, s), id);
+            e.params[i].tied_copies.push(id);
         }
     }
     // Copies: (root, chunk) -> copy root; (view, chunk) -> copy view.
@@ -261,7 +284,12 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     }
     for (i, instr) in program.into_iter().enumerate() {
         let (c, ph) = place[i];
-        let map = |b: BufId| *copy.get(&(b, c)).unwrap_or(&b);
+        let map = |b: BufId| {
+            *copy
+                .get(&(b, c))
+                .or_else(|| param_copy.get(&(b, c % pp)))
+                .unwrap_or(&b)
+        };
         let instr = match instr {
             Instr::Kernel {
                 op,
@@ -291,7 +319,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
 
     // 3. Stages of persistent buffers; the optimizer program per stage.
     for (&b, stages) in &persistent_stage {
-        e.buffers[b as usize].stage = stages.iter().next().copied();
+        e.buffers[b as usize].stage = home.get(&b).or(stages.iter().next()).copied();
     }
     for (&r, &c) in &owner {
         e.buffers[r as usize].stage = Some(c % pp);
@@ -387,6 +415,21 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
                 opt[s as usize].push(other);
             }
         }
+    }
+
+    // Refresh the tied copies after the update.
+    for (next_transfer, (&(b, s), &copy_id)) in (transfers.len() as u32..).zip(&param_copy) {
+        let h = home[&b];
+        opt[h as usize].push(Instr::Send {
+            buffer: b,
+            chunk: s,
+            transfer: next_transfer,
+        });
+        opt[s as usize].push(Instr::Recv {
+            buffer: copy_id,
+            chunk: h,
+            transfer: next_transfer,
+        });
     }
 
     // 4. Memory per stage: persistent arenas packed per stage, then buckets.

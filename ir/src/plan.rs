@@ -239,6 +239,11 @@ pub struct ParamEntry {
     pub exp_avg_sq: Option<BufId>,
     /// Initialisation.
     pub init: Init,
+    /// Copies of a tied parameter on other pipeline stages (GPT-2's word embeddings, read by
+    /// the head on the last stage): initialised and loaded like `buffer`, refreshed from it
+    /// after every optimizer step; not saved.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tied_copies: Vec<BufId>,
 }
 
 /// One instruction of a program.

@@ -218,19 +218,10 @@ impl<'p> Session<'p> {
                     .collect();
                 let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
                 let values = hf::load_params(path, &expected, tied)?;
-                let rank = self.comm.rank();
                 for (p, v) in plan.params.iter().zip(values) {
-                    if !self.mem.holds(p.buffer) {
-                        continue;
-                    }
-                    let out = self.mem.f32_mut(p.buffer);
-                    if p.shards.is_empty() && p.hf_rows.is_none() {
-                        out.copy_from_slice(&v);
-                    } else {
-                        // This rank's shard of the global tensor; vocabulary padding rows
-                        // (beyond what the file holds) are zero.
-                        for (x, i) in out.iter_mut().zip(p.global_indices(&plan.mesh, rank)) {
-                            *x = v.get(i).copied().unwrap_or(0.0);
+                    for b in std::iter::once(p.buffer).chain(p.tied_copies.iter().copied()) {
+                        if self.mem.holds(b) {
+                            self.load_shard(p, b, &v);
                         }
                     }
                 }
@@ -238,27 +229,49 @@ impl<'p> Session<'p> {
             None => {
                 let rank = self.comm.rank();
                 for p in &plan.params {
-                    if !self.mem.holds(p.buffer) {
-                        continue;
-                    }
-                    let out = self.mem.f32_mut(p.buffer);
-                    if p.shards.is_empty() && p.hf_rows.is_none() {
-                        init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
-                    } else {
-                        let idx = p.global_indices(&plan.mesh, rank);
-                        init::init_at(plan.train.seed, &p.name, &p.init, &idx, out);
-                        // Vocabulary padding rows start (and stay) zero.
-                        let real = p.hf_shape().iter().product::<u64>() as usize;
-                        for (x, &i) in out.iter_mut().zip(&idx) {
-                            if i >= real {
-                                *x = 0.0;
-                            }
+                    for b in std::iter::once(p.buffer).chain(p.tied_copies.iter().copied()) {
+                        if self.mem.holds(b) {
+                            self.init_shard(p, b, rank);
                         }
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// Fill buffer `b` (parameter `p` or a tied copy) with this rank's shard of `v`.
+    fn load_shard(&self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, v: &[f32]) {
+        let (plan, rank) = (self.plan, self.comm.rank());
+        let out = self.mem.f32_mut(b);
+        if p.shards.is_empty() && p.hf_rows.is_none() {
+            out.copy_from_slice(v);
+        } else {
+            // This rank's shard of the global tensor; vocabulary padding rows (beyond what
+            // the file holds) are zero.
+            for (x, i) in out.iter_mut().zip(p.global_indices(&plan.mesh, rank)) {
+                *x = v.get(i).copied().unwrap_or(0.0);
+            }
+        }
+    }
+
+    /// Initialise buffer `b` (parameter `p` or a tied copy) per element from the seed.
+    fn init_shard(&self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, rank: usize) {
+        let plan = self.plan;
+        let out = self.mem.f32_mut(b);
+        if p.shards.is_empty() && p.hf_rows.is_none() {
+            init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
+        } else {
+            let idx = p.global_indices(&plan.mesh, rank);
+            init::init_at(plan.train.seed, &p.name, &p.init, &idx, out);
+            // Vocabulary padding rows start (and stay) zero.
+            let real = p.hf_shape().iter().product::<u64>() as usize;
+            for (x, &i) in out.iter_mut().zip(&idx) {
+                if i >= real {
+                    *x = 0.0;
+                }
+            }
+        }
     }
 
     /// Forward and backward of micro-batch `mb` of 1-based `step`, accumulating gradients;
