@@ -368,3 +368,54 @@ fn pipeline_with_tied_embeddings_and_moe() {
         &[&["parallel.pp=2"]],
     );
 }
+
+#[test]
+fn forward_backward_decoupling() {
+    // MegaFBD: a forward role per stage on its own ranks; the backward roles recompute from
+    // the stage inputs their twins send, and send the updated parameters back.
+    assert_equivalent(
+        "llama-tiny.toml",
+        PIPE,
+        &[
+            &["parallel.pp=2", "parallel.fbd=true"],
+            &[
+                "parallel.pp=4",
+                "parallel.fbd=true",
+                "parallel.schedule=zb-h1",
+            ],
+        ],
+    );
+    assert_equivalent(
+        "gpt-tiny.toml",
+        &[
+            "train.micro_batch=2",
+            "train.global_batch=8",
+            "model.layers=4",
+        ],
+        &[&["parallel.pp=2", "parallel.fbd=true"]],
+    );
+    // The forward roles keep no gradients, optimizer state or activations beyond one
+    // micro-batch.
+    let sets: Vec<String> = PIPE
+        .iter()
+        .chain(&["parallel.pp=2", "parallel.fbd=true"])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("llama-tiny.toml", &sets);
+    assert_eq!(plan.rank_to_role.len(), 4);
+    let forward: Vec<_> = plan
+        .roles
+        .iter()
+        .filter(|r| r.name.ends_with(".forward"))
+        .collect();
+    assert_eq!(forward.len(), 2);
+    for r in forward {
+        let mem = r.memory.as_ref().unwrap();
+        assert_eq!((mem.grad_bytes, mem.opt_state_bytes), (0, 0), "{}", r.name);
+        let pipe = r.pipeline.as_ref().unwrap();
+        assert!(pipe
+            .chunks
+            .iter()
+            .all(|c| c.slots == 1 && c.backward.is_empty()));
+    }
+}

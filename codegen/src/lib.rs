@@ -49,21 +49,28 @@ pub fn emit_plan(
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
     let m = &spec.model;
-    if p.ep > 1 || p.fbd || (p.cp > 1 && m.moe.is_some()) {
+    if p.ep > 1 || (p.cp > 1 && m.moe.is_some()) {
         return Err(CodegenError::Unsupported(format!(
-            "this build does not emit the layout cp={} ep={}{}: it needs the expert-parallel pass or forward/backward decoupling (or context parallelism for MoE), which are not implemented yet",
-            p.cp,
-            p.ep,
-            if p.fbd { " fbd" } else { "" },
+            "this build does not emit the layout cp={} ep={}: it needs the expert-parallel pass (or context parallelism for MoE), which is not implemented yet",
+            p.cp, p.ep,
         )));
+    }
+    if p.fbd && p.pp < 2 {
+        return Err(CodegenError::Unsupported(
+            "parallel.fbd = true decouples the forward and backward of pipeline stages: set parallel.pp to 2 or more".into(),
+        ));
     }
     let mut e = Emitter::new(spec, graph);
     e.emit()?;
     if p.pp > 1 {
         let split = pipeline::split(&mut e)?;
         let mesh = &graph.mesh;
+        // Backward (or only) roles are 0..pp, FBD's forward roles pp..2pp.
         let rank_to_role = (0..mesh.world_size())
-            .map(|r| mesh.coord(r, megac_ir::Axis::Pp) as u32)
+            .map(|r| {
+                let pp = mesh.size(megac_ir::Axis::Pp) as usize;
+                (mesh.coord(r, megac_ir::Axis::Pp) + pp * mesh.coord(r, megac_ir::Axis::Fbd)) as u32
+            })
             .collect();
         return Ok(e.into_plan(split.roles, rank_to_role, split.memory, flops_per_step));
     }

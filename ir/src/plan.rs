@@ -275,6 +275,8 @@ pub enum Instr {
         chunk: u32,
         /// Plan-wide id of the transfer; with the micro-batch it tags the message.
         transfer: u32,
+        /// To this rank's FBD twin (same coordinates, the other role) instead.
+        twin: bool,
     },
     /// Pipeline transfer: receive the current micro-batch's `buffer` from the rank that
     /// holds `chunk`; blocks until it has arrived.
@@ -285,6 +287,8 @@ pub enum Instr {
         chunk: u32,
         /// Plan-wide id of the transfer (the matching `Send` has the same).
         transfer: u32,
+        /// From this rank's FBD twin instead.
+        twin: bool,
     },
 }
 
@@ -460,9 +464,10 @@ impl Serialize for Instr {
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => InstrJson {
                 op: "send".into(),
-                attrs: transfer_attrs(*chunk, *transfer),
+                attrs: transfer_attrs(*chunk, *transfer, *twin),
                 inputs: vec![*buffer],
                 outputs: Vec::new(),
                 path: String::new(),
@@ -471,9 +476,10 @@ impl Serialize for Instr {
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => InstrJson {
                 op: "recv".into(),
-                attrs: transfer_attrs(*chunk, *transfer),
+                attrs: transfer_attrs(*chunk, *transfer, *twin),
                 inputs: Vec::new(),
                 outputs: vec![*buffer],
                 path: String::new(),
@@ -499,6 +505,7 @@ impl<'de> Deserialize<'de> for Instr {
                 })
             };
             let (chunk, transfer) = (num("chunk")?, num("transfer")?);
+            let twin = j.attrs.get("twin").is_some_and(|v| v == "1");
             let one = if j.op == "send" {
                 &j.inputs
             } else {
@@ -515,12 +522,14 @@ impl<'de> Deserialize<'de> for Instr {
                     buffer,
                     chunk,
                     transfer,
+                    twin,
                 }
             } else {
                 Instr::Recv {
                     buffer,
                     chunk,
                     transfer,
+                    twin,
                 }
             });
         }
@@ -535,11 +544,15 @@ impl<'de> Deserialize<'de> for Instr {
     }
 }
 
-fn transfer_attrs(chunk: u32, transfer: u32) -> BTreeMap<String, String> {
-    BTreeMap::from([
+fn transfer_attrs(chunk: u32, transfer: u32, twin: bool) -> BTreeMap<String, String> {
+    let mut a = BTreeMap::from([
         ("chunk".to_string(), chunk.to_string()),
         ("transfer".to_string(), transfer.to_string()),
-    ])
+    ]);
+    if twin {
+        a.insert("twin".to_string(), "1".to_string());
+    }
+    a
 }
 
 impl Instr {

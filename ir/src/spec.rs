@@ -274,6 +274,13 @@ impl ParallelSection {
             Axis::Ep => self.ep,
             Axis::Dp => self.dp,
             Axis::Pp => self.pp,
+            Axis::Fbd => {
+                if self.fbd {
+                    2
+                } else {
+                    1
+                }
+            }
         }
     }
 

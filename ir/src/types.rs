@@ -86,6 +86,10 @@ pub enum Axis {
     Dp,
     /// Pipeline parallel.
     Pp,
+    /// Forward/backward decoupling (MegaFBD): coordinate 0 runs a stage's backward role
+    /// (recompute, backward, optimizer), 1 its forward role. Outermost; size 2 with
+    /// `parallel.fbd = true`, absent otherwise; not part of `parallel.order`.
+    Fbd,
 }
 
 impl Axis {
@@ -100,12 +104,16 @@ impl Axis {
             Axis::Ep => "ep",
             Axis::Dp => "dp",
             Axis::Pp => "pp",
+            Axis::Fbd => "fbd",
         }
     }
 
     /// Parse the textual name.
     pub fn from_name(s: &str) -> Option<Axis> {
-        Axis::ALL.into_iter().find(|a| a.as_str() == s)
+        Axis::ALL
+            .into_iter()
+            .chain([Axis::Fbd])
+            .find(|a| a.as_str() == s)
     }
 }
 

@@ -28,9 +28,13 @@ fn t(dtype: DType, dims: &[(&str, u64)]) -> TensorType {
 impl<'a> Builder<'a> {
     fn new(spec: &'a ModelSpec) -> Self {
         let p = &spec.parallel;
-        let mesh = Mesh {
+        let mut mesh = Mesh {
             axes: p.order.iter().map(|&a| (a, p.size(a))).collect(),
         };
+        if p.fbd {
+            // MegaFBD's forward roles: a second copy of the grid, outermost.
+            mesh.axes.push((megac_ir::Axis::Fbd, 2));
+        }
         let act = match spec.train.precision {
             Precision::Fp32 => DType::F32,
             Precision::Bf16 => DType::Bf16,

@@ -113,8 +113,9 @@ pub fn run_program(
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => {
-                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, ctx);
+                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
                 comm.send_tagged(peer, tag, mem.f32(*buffer))?;
                 "send"
             }
@@ -122,8 +123,9 @@ pub fn run_program(
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => {
-                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, ctx);
+                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
                 comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))?;
                 "recv"
             }
@@ -161,18 +163,25 @@ pub fn run_program(
 }
 
 /// The peer rank and message tag of a pipeline transfer: the rank with this rank's
-/// coordinates that holds `chunk`, and a tag unique per (transfer, micro-batch).
+/// coordinates that holds `chunk` (or, for `twin`, this rank's FBD twin), and a tag unique
+/// per (transfer, micro-batch).
 pub fn transfer_peer(
     plan: &Plan,
     rank: usize,
     chunk: u32,
     transfer: u32,
+    twin: bool,
     ctx: &StepContext,
 ) -> (usize, u64) {
-    let pp = plan.mesh.size(megac_ir::Axis::Pp).max(1);
-    let peer = plan
-        .mesh
-        .rank_with(rank, megac_ir::Axis::Pp, (u64::from(chunk) % pp) as usize);
+    use megac_ir::Axis;
+    let pp = plan.mesh.size(Axis::Pp).max(1);
+    let peer = if twin {
+        let fbd = plan.mesh.coord(rank, Axis::Fbd);
+        plan.mesh.rank_with(rank, Axis::Fbd, 1 - fbd.min(1))
+    } else {
+        plan.mesh
+            .rank_with(rank, Axis::Pp, (u64::from(chunk) % pp) as usize)
+    };
     let tag = u64::from(transfer) * plan.batch.microbatches.max(1) + ctx.microbatch;
     (peer, tag)
 }

@@ -116,7 +116,8 @@ pub struct Session<'p> {
     data: DataSource,
     /// The loss (None on pipeline stages without the head).
     pub(crate) loss_buf: Option<megac_ir::plan::BufId>,
-    norm_buf: megac_ir::plan::BufId,
+    /// The gradient norm (None on FBD forward roles, which run no optimizer).
+    norm_buf: Option<megac_ir::plan::BufId>,
     /// Data inputs this rank reads (a pipeline stage may read only one of them).
     pub(crate) tokens_buf: Option<megac_ir::plan::BufId>,
     pub(crate) labels_buf: Option<megac_ir::plan::BufId>,
@@ -189,7 +190,7 @@ impl<'p> Session<'p> {
             mem,
             data,
             loss_buf: optional(get("loss"))?,
-            norm_buf: get("grad_norm")?,
+            norm_buf: optional(get("grad_norm"))?,
             tokens_buf: optional(input("tokens"))?,
             labels_buf: optional(input("labels"))?,
             inputs: vec![0; n],
@@ -338,7 +339,7 @@ impl<'p> Session<'p> {
             self.comm.as_mut(),
             self.profile.as_mut(),
         )?;
-        Ok(f64::from(self.mem.f32(self.norm_buf)[0]))
+        Ok(self.norm_buf.map_or(0.0, |b| f64::from(self.mem.f32(b)[0])))
     }
 
     /// A whole step: zero gradients, every micro-batch, the optimizer. Returns (loss, grad norm).

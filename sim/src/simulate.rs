@@ -197,6 +197,7 @@ fn axes_key(axes: &[Axis]) -> u8 {
             Axis::Ep => 4,
             Axis::Dp => 8,
             Axis::Pp => 16,
+            Axis::Fbd => 32,
         }
     })
 }
