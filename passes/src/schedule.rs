@@ -1322,11 +1322,45 @@ pub fn render_svg(lists: &[Vec<Action>], vpp: u32, timeline: &Timeline, title: &
             }
         }
     }
-    let per_row = 6usize;
+    // Legend items (name, fill, stroke), laid out left to right, wrapping at the chart's
+    // right edge: 14 px swatch, 5 px gap, the name (~6.2 px a character), 24 px spacing.
+    let mut items: Vec<(String, String, &'static str)> = entries
+        .iter()
+        .map(|&(kind, lc)| {
+            let what = match kind {
+                ActionKind::F => "forward",
+                ActionKind::B => "input-gradient backward",
+                ActionKind::W => "weight-gradient backward",
+                _ => "full backward",
+            };
+            let name = if vpp > 1 {
+                format!(
+                    "{} chunks {}-{}",
+                    kind_name(kind),
+                    lc * pp,
+                    lc * pp + pp - 1
+                )
+            } else {
+                format!("{} {what}", kind_name(kind))
+            };
+            (name, fill(kind, lc, vpp).0, "#333333")
+        })
+        .collect();
+    items.push(("idle".into(), "#ffffff".into(), "#999999"));
     let legend_y = axis_y + 36.0;
-    let legend_rows = entries.len().div_ceil(per_row).max(1);
+    let mut placed: Vec<(f64, f64)> = Vec::with_capacity(items.len());
+    let (mut lx, mut ly) = (left, legend_y);
+    for (name, _, _) in &items {
+        let w = 19.0 + name.chars().count() as f64 * 6.2 + 24.0;
+        if lx > left && lx + w > left + chart_w {
+            lx = left;
+            ly += 20.0;
+        }
+        placed.push((lx, ly));
+        lx += w;
+    }
     let width = left + chart_w + right_w;
-    let height = legend_y + legend_rows as f64 * 20.0 + 10.0;
+    let height = ly + 30.0;
 
     let mut s = String::new();
     let _ = writeln!(s, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>");
@@ -1454,46 +1488,17 @@ pub fn render_svg(lists: &[Vec<Action>], vpp: u32, timeline: &Timeline, title: &
     let _ = writeln!(s, "</g>");
     // Legend.
     let _ = writeln!(s, "<g class=\"legend\">");
-    for (i, &(kind, lc)) in entries.iter().enumerate() {
-        let x = left + (i % per_row) as f64 * 150.0;
-        let y = legend_y + (i / per_row) as f64 * 20.0;
-        let (color, _) = fill(kind, lc, vpp);
-        let what = match kind {
-            ActionKind::F => "forward",
-            ActionKind::B => "input-gradient backward",
-            ActionKind::W => "weight-gradient backward",
-            _ => "full backward",
-        };
-        let name = if vpp > 1 {
-            format!(
-                "{} chunks {}-{}",
-                kind_name(kind),
-                lc * pp,
-                lc * pp + pp - 1
-            )
-        } else {
-            format!("{} {what}", kind_name(kind))
-        };
+    for ((name, color, stroke), &(x, y)) in items.iter().zip(&placed) {
         let _ = writeln!(
             s,
-            "<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"14\" fill=\"{color}\" stroke=\"#333333\" stroke-width=\"0.5\"/><text x=\"{}\" y=\"{}\" dominant-baseline=\"middle\">{}</text>",
+            "<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"14\" fill=\"{color}\" stroke=\"{stroke}\" stroke-width=\"0.5\"/><text x=\"{}\" y=\"{}\" dominant-baseline=\"middle\">{}</text>",
             num(x),
             num(y),
             num(x + 19.0),
             num(y + 7.0),
-            xml_escape(&name)
+            xml_escape(name)
         );
     }
-    let x = left + (entries.len() % per_row) as f64 * 150.0;
-    let y = legend_y + (entries.len() / per_row) as f64 * 20.0;
-    let _ = writeln!(
-        s,
-        "<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"14\" fill=\"#ffffff\" stroke=\"#999999\" stroke-width=\"0.5\"/><text x=\"{}\" y=\"{}\" dominant-baseline=\"middle\">idle</text>",
-        num(x),
-        num(y),
-        num(x + 19.0),
-        num(y + 7.0)
-    );
     let _ = writeln!(s, "</g>");
     s.push_str("</svg>\n");
     s
