@@ -10,7 +10,9 @@
 //! explicit: an `F` on chunk `c > 0` whose previous chunk lives on another rank is preceded by
 //! a `Recv` of the activation, an `F` on a non-last chunk is followed by a `Send` to the rank
 //! holding `c + 1`; backward mirrors this with gradients. [`simulate`] executes the lists with
-//! given [`Costs`], [`validate`] checks them, [`render_text`] and [`render_json`] print them.
+//! given [`Costs`] ([`simulate_by`] with a cost per action), [`validate`] checks them,
+//! [`render_text`] and [`render_json`] print them and [`render_svg`] draws the simulated
+//! timeline as a Gantt chart.
 //! See `docs/schedules.md` for the schedules and the bubble formulas the tests verify.
 
 use std::collections::{HashMap, VecDeque};
