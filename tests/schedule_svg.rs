@@ -675,3 +675,61 @@ fn cli_json_bubble_formulas_at_p_2_4_8() {
         }
     }
 }
+
+/// `megac schedule PLAN_DIR`: the action lists a compiled plan carries reproduce the bubble
+/// formulas, and its SVG has one lane per pipeline stage.
+#[test]
+fn schedule_of_a_compiled_plan_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, u32, u32, f64); 3] = [
+        ("1f1b", 4, 1, 3.0 / (8.0 + 3.0)),
+        ("zb-h1", 4, 1, 3.0 / (24.0 + 3.0)),
+        ("interleaved", 4, 2, 3.0 / (16.0 + 3.0)),
+    ];
+    for (schedule, pp, vpp, want) in cases {
+        let out = dir.path().join(format!("{schedule}-{pp}-{vpp}"));
+        let sets = [
+            "model.layers=8".to_string(),
+            "train.micro_batch=1".to_string(),
+            "train.global_batch=8".to_string(),
+            format!("parallel.pp={pp}"),
+            format!("parallel.vpp={vpp}"),
+            format!("parallel.schedule={schedule}"),
+        ];
+        let mut args = vec!["compile", "examples/llama-tiny.toml"];
+        for s in &sets {
+            args.extend(["--set", s.as_str()]);
+        }
+        args.extend(["-o", out.to_str().unwrap()]);
+        let o = megac(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let o = megac(&["schedule", out.to_str().unwrap(), "--format", "json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let b = j["bubble_fraction"].as_f64().unwrap();
+        assert!(close(b, want), "{schedule} pp{pp} vpp{vpp}: {b} vs {want}");
+        let o = megac(&["schedule", out.to_str().unwrap(), "--format", "svg"]);
+        let svg = stdout(&o);
+        parse_xml(&svg).unwrap();
+        for r in 0..pp {
+            assert!(svg.contains(&format!(">rank {r}<")), "{schedule}: lane {r}");
+        }
+        assert!(!svg.contains(&format!(">rank {pp}<")));
+    }
+    // A plan without pipeline parallelism, and model costs on a plan: clear errors.
+    let flat = dir.path().join("flat");
+    let o = megac(&[
+        "compile",
+        "examples/llama-tiny.toml",
+        "-o",
+        flat.to_str().unwrap(),
+    ]);
+    assert!(o.status.success());
+    let o = megac(&["schedule", flat.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("is not a pipelined plan"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -289,6 +289,12 @@ pub fn schedule(
     Ok(fifo_sends(add_comm(compute, pp, vpp)))
 }
 
+/// Adds the `Send`/`Recv` of every transfer to per-rank compute lists (as [`schedule`] does),
+/// e.g. to simulate the action lists a compiled plan carries.
+pub fn with_transfers(compute: Vec<Vec<Action>>, pp: u32, vpp: u32) -> Vec<Vec<Action>> {
+    fifo_sends(add_comm(compute, pp, vpp))
+}
+
 /// Reorders every rank's `Send`s so that, per `(src, dst)` pair, they go out in the order the
 /// receiver posts its `Recv`s: each `Send` is placed after its producer and after the
 /// previous send of the pair. A no-op for the fixed schedules; for `dpp` the receiver may

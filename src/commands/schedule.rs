@@ -1,10 +1,11 @@
 //! `megac schedule`: the pipeline schedule of a layout, per rank, with its bubble.
 //!
-//! Plans do not carry pipelines yet, so this command reads a model.toml (its `[parallel]`
-//! pp, vpp, schedule and dpp_policy, and the micro-batches per step) and shows the schedule
-//! the compiler will give each pipeline rank, simulated with unit costs (F = B = W = 1) or,
-//! with `--costs model`, with per-chunk costs from the model's per-layer FLOPs
-//! ([`model_costs`]).
+//! From a model.toml (its `[parallel]` pp, vpp, schedule and dpp_policy, and the
+//! micro-batches per step) it shows the schedule the compiler will give each pipeline rank;
+//! from a compiled plan directory, the action lists the plan's stage roles carry (for `dpp`
+//! the reference order; FBD's forward roles are listed apart). Simulated with unit costs
+//! (F = B = W = 1) or, with `--costs model` on a model.toml, with per-chunk costs from the
+//! model's per-layer FLOPs ([`model_costs`]).
 
 use std::path::Path;
 
@@ -145,6 +146,9 @@ pub fn run(args: &ModelArgs, opts: &Options) -> Result<(), String> {
             "error: --format {format}: expected text, json or svg"
         ));
     }
+    if args.model.is_dir() {
+        return run_plan(args, opts);
+    }
     let spec = super::load_spec(args)?;
     let p = &spec.parallel;
     let kind = match p.schedule {
@@ -180,26 +184,133 @@ pub fn run(args: &ModelArgs, opts: &Options) -> Result<(), String> {
         other => return Err(format!("error: --costs {other}: expected unit or model")),
     };
     let timeline = timeline.map_err(|e| format!("error: {e}"))?;
+    let shown = Shown {
+        lists: &lists,
+        pp,
+        vpp,
+        m,
+        schedule: p.schedule.as_str(),
+        costs_line: &costs_line,
+        costs_short: &costs_short,
+        note: "",
+    };
+    emit(&shown, &timeline, opts)
+}
+
+/// What to render.
+struct Shown<'a> {
+    lists: &'a [Vec<Action>],
+    pp: u32,
+    vpp: u32,
+    m: u32,
+    schedule: &'a str,
+    costs_line: &'a str,
+    costs_short: &'a str,
+    note: &'a str,
+}
+
+/// The schedule of a compiled plan directory: its stage roles' action lists.
+fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
+    if !args.sets.is_empty() {
+        return Err("error: --set applies to a model.toml, not to a compiled plan".into());
+    }
+    if opts.costs != "unit" {
+        return Err(format!(
+            "error: --costs {} needs a model.toml; for a compiled plan, `megac simulate {}` times every kernel on a cluster",
+            opts.costs,
+            args.model.display()
+        ));
+    }
+    let plan = super::inspect::read_plan(&args.model)?;
+    let pp = plan.mesh.size(megac_ir::Axis::Pp) as u32;
+    let stages: Vec<&megac_ir::plan::Pipeline> = plan
+        .roles
+        .iter()
+        .take(pp as usize)
+        .filter_map(|r| r.pipeline.as_ref())
+        .collect();
+    if pp < 2 || stages.len() != pp as usize {
+        return Err(format!(
+            "error: {} is not a pipelined plan (pp = {pp}); compile with parallel.pp >= 2",
+            args.model.display()
+        ));
+    }
+    let nc = stages[0].chunks_total;
+    let vpp = (nc / pp).max(1);
+    let m = plan.batch.microbatches as u32;
+    let compute: Vec<Vec<Action>> = stages
+        .iter()
+        .map(|p| {
+            p.actions
+                .iter()
+                .map(|a| {
+                    use megac_ir::plan::PipeKind;
+                    let kind = match a.kind {
+                        PipeKind::F => schedule::ActionKind::F,
+                        PipeKind::B => schedule::ActionKind::B,
+                        PipeKind::W => schedule::ActionKind::W,
+                        PipeKind::BW => schedule::ActionKind::BW,
+                    };
+                    Action::compute(kind, a.chunk, a.microbatch)
+                })
+                .collect()
+        })
+        .collect();
+    let lists = schedule::with_transfers(compute, pp, vpp);
+    schedule::validate(&lists, pp, vpp, m)
+        .map_err(|e| format!("error: the plan's schedule does not validate: {e}"))?;
+    let timeline = schedule::simulate(&lists, Costs::unit()).map_err(|e| format!("error: {e}"))?;
+    let fbd = plan.roles.len() > pp as usize;
+    let note = if fbd {
+        "FBD: each stage also has a forward role on its own ranks (forward only, one micro-batch at a time); the lanes show the backward roles\n"
+    } else if stages[0].dpp.is_some() {
+        "dpp runs dynamically: the lanes show the reference order; `megac run --report` records the order each run took\n"
+    } else {
+        ""
+    };
+    let shown = Shown {
+        lists: &lists,
+        pp,
+        vpp,
+        m,
+        schedule: &stages[0].schedule,
+        costs_line: "unit costs (F = B = W = 1)",
+        costs_short: "unit costs",
+        note,
+    };
+    emit(&shown, &timeline, opts)
+}
+
+/// Render and write.
+fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<(), String> {
+    let Shown {
+        lists,
+        pp,
+        vpp,
+        m,
+        schedule: name,
+        costs_line,
+        costs_short,
+        note,
+    } = *shown;
+    let format = opts.format;
     let out = match format {
-        "json" => format!("{}\n", schedule::render_json(&lists, vpp, &timeline)),
+        "json" => format!("{}\n", schedule::render_json(lists, vpp, timeline)),
         "svg" => {
             let vpp_part = if vpp > 1 {
                 format!(" vpp={vpp}")
             } else {
                 String::new()
             };
-            let title = format!(
-                "{} schedule: pp={pp}{vpp_part}, {m} micro-batches, {costs_short}",
-                p.schedule.as_str()
-            );
-            schedule::render_svg(&lists, vpp, &timeline, &title)
+            let title =
+                format!("{name} schedule: pp={pp}{vpp_part}, {m} micro-batches, {costs_short}");
+            schedule::render_svg(lists, vpp, timeline, &title)
         }
         _ => {
             let mut s = format!(
-                "{} schedule: pp={pp} vpp={vpp}, {m} micro-batches per step, {costs_line}\n",
-                p.schedule.as_str()
+                "{name} schedule: pp={pp} vpp={vpp}, {m} micro-batches per step, {costs_line}\n{note}"
             );
-            s.push_str(&schedule::render_text(&lists, vpp, opts.with_comm));
+            s.push_str(&schedule::render_text(lists, vpp, opts.with_comm));
             s.push_str(&format!(
                 "bubble fraction {:.4} (idle over total time, all ranks)\n",
                 timeline.bubble_fraction
