@@ -293,6 +293,8 @@ fn pipeline_parallel_schedules() {
         &[
             &["parallel.pp=2"],
             &["parallel.pp=4"],
+            // Uneven stages, as a user balances the embedding and head by hand.
+            &["parallel.pp=4", "parallel.stage_layers=[1, 3, 3, 1]"],
             &["parallel.pp=2", "parallel.schedule=gpipe"],
             &["parallel.pp=4", "parallel.schedule=zb-h1"],
             &[

@@ -3,8 +3,8 @@
 //! The emitter first lowers the whole graph as for one pipeline stage (one micro-batch
 //! program, one optimizer program). This module then
 //! 1. gives every micro-batch instruction a chunk (virtual stage) from its provenance path:
-//!    the embedding in chunk 0, layer `l` in chunk `l / (layers / (pp·vpp))`, the final norm,
-//!    head and loss in the last chunk; and a phase: forward `F`, input-gradient backward `B`,
+//!    the embedding in chunk 0, the layers in contiguous runs (`parallel.stage_layers`, or
+//!    `layers / (pp·vpp)` each), the final norm, head and loss in the last chunk; and a phase: forward `F`, input-gradient backward `B`,
 //!    or, for zero-bubble schedules, weight-gradient `W` (kernels that only write parameter
 //!    gradients);
 //! 2. gives every activation the chunk that produces it; a chunk that reads another chunk's
@@ -60,15 +60,16 @@ pub(crate) struct Split {
     pub memory: MemoryPlan,
 }
 
-/// The chunk of a micro-batch instruction, from its provenance path.
-fn chunk_of_path(path: &str, layers_per_chunk: u64, chunks: u32) -> u32 {
+/// The chunk of a micro-batch instruction, from its provenance path; `chunk_of_layer[l]` is
+/// layer l's chunk.
+fn chunk_of_path(path: &str, chunk_of_layer: &[u32], chunks: u32) -> u32 {
     let layer = ["model.layers.", "transformer.h."]
         .iter()
         .find_map(|p| path.strip_prefix(p))
         .and_then(|rest| rest.split('.').next())
-        .and_then(|n| n.parse::<u64>().ok());
+        .and_then(|n| n.parse::<usize>().ok());
     if let Some(l) = layer {
-        return ((l / layers_per_chunk) as u32).min(chunks - 1);
+        return chunk_of_layer.get(l).copied().unwrap_or(chunks - 1);
     }
     let first = ["model.embed_tokens", "transformer.wte", "transformer.wpe"];
     if first
@@ -98,12 +99,27 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         ));
     }
     let layers = spec.model.layers;
-    if layers < u64::from(nc) || !layers.is_multiple_of(u64::from(nc)) {
+    // Layers per chunk: `parallel.stage_layers`, or an equal split (Megatron's default).
+    let per_chunk: Vec<u64> = if p.stage_layers.is_empty() {
+        if layers < u64::from(nc) || !layers.is_multiple_of(u64::from(nc)) {
+            return Err(unsupported(format!(
+                "{layers} layers do not split into pp·vpp = {nc} equal chunks; list them in parallel.stage_layers"
+            )));
+        }
+        vec![layers / u64::from(nc); nc as usize]
+    } else {
+        p.stage_layers.clone()
+    };
+    if per_chunk.len() != nc as usize || per_chunk.iter().sum::<u64>() != layers {
         return Err(unsupported(format!(
-            "{layers} layers do not split into pp·vpp = {nc} equal chunks"
+            "parallel.stage_layers {per_chunk:?} does not split {layers} layers into {nc} chunks"
         )));
     }
-    let lpc = layers / u64::from(nc);
+    let chunk_of_layer: Vec<u32> = per_chunk
+        .iter()
+        .enumerate()
+        .flat_map(|(c, &n)| std::iter::repeat_n(c as u32, n as usize))
+        .collect();
     let kind = schedule_kind(p);
     let split_bw = matches!(kind, ScheduleKind::ZbH1);
     let lists = schedule::schedule(kind, pp, vpp, m)
@@ -119,7 +135,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     for i in (0..program.len()).rev() {
         place[i] = match &program[i] {
             Instr::Kernel { path, outputs, .. } => {
-                let chunk = chunk_of_path(path, lpc, nc);
+                let chunk = chunk_of_path(path, &chunk_of_layer, nc);
                 let phase = if i < first_backward {
                     Phase::F
                 } else if split_bw

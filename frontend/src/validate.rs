@@ -207,7 +207,32 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
 
     // Pipeline parallelism.
     let chunks = p.pp * p.vpp;
-    if !m.layers.is_multiple_of(chunks) {
+    if !p.stage_layers.is_empty() {
+        let given = p.stage_layers.len() as u64;
+        let sum: u64 = p.stage_layers.iter().sum();
+        if given != chunks {
+            return Err(c.err(
+                "parallel.stage_layers",
+                format!(
+                    "parallel.stage_layers lists {given} chunk{} but pp·vpp = {}·{} = {chunks}",
+                    if given == 1 { "" } else { "s" },
+                    p.pp,
+                    p.vpp
+                ),
+                "give one layer count per pipeline chunk, in chunk order".into(),
+            ));
+        }
+        if sum != m.layers {
+            return Err(c.err(
+                "parallel.stage_layers",
+                format!(
+                    "parallel.stage_layers adds up to {sum} layers but {}",
+                    c.show("model.layers", m.layers)
+                ),
+                "the chunks together hold every layer exactly once".into(),
+            ));
+        }
+    } else if !m.layers.is_multiple_of(chunks) {
         let key = if p.vpp > 1 {
             "parallel.vpp"
         } else {
@@ -243,7 +268,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                 p.vpp
             ),
             format!(
-                "every pipeline chunk holds the same number of layers; {}",
+                "every pipeline chunk holds the same number of layers unless parallel.stage_layers lists them; {}",
                 options.join("; ")
             ),
         ));

@@ -251,6 +251,9 @@ pub struct ParallelSection {
     /// Rank order: the mesh axes innermost (fastest-varying rank) first
     /// (`parallel.order`, default Megatron's `tp-cp-ep-dp-pp`).
     pub order: Vec<crate::types::Axis>,
+    /// Layers per pipeline chunk, in chunk order (`parallel.stage_layers`); empty: every
+    /// chunk gets `layers / (pp·vpp)`.
+    pub stage_layers: Vec<u64>,
 }
 
 /// Context-parallel attention's communication (`parallel.cp_comm`).

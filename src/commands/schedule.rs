@@ -66,7 +66,12 @@ pub fn model_costs(spec: &ModelSpec, pp: u32, vpp: u32) -> ChunkCosts {
     let mut start = 0;
     let mut raw: Vec<(f64, f64, f64)> = (0..nc)
         .map(|c| {
-            let count = per + u64::from(c < extra);
+            let count = spec
+                .parallel
+                .stage_layers
+                .get(c as usize)
+                .copied()
+                .unwrap_or(per + u64::from(c < extra));
             let mut sum = (0.0, 0.0, 0.0);
             for l in start..start + count {
                 let (f, b, w) = layer(l);
