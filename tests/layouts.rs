@@ -312,6 +312,29 @@ fn pipeline_parallel_schedules() {
 }
 
 #[test]
+fn pipeline_stages_balanced_by_cost() {
+    // 6 layers do not split evenly over 4 chunks: the cost-balanced split does it.
+    let base = &[
+        "train.micro_batch=2",
+        "train.global_batch=8",
+        "model.layers=6",
+    ];
+    let balanced = ["parallel.pp=4", "parallel.stage_layers=\"balanced\""];
+    assert_equivalent("llama-tiny.toml", base, &[&balanced]);
+    let sets: Vec<String> = base
+        .iter()
+        .chain(&balanced)
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("llama-tiny.toml", &sets);
+    // Every chunk got at least one layer; the last (with the head) no more than the first.
+    let kernels = |r: &megac_ir::plan::Role| r.pipeline.as_ref().unwrap().chunks[0].forward.len();
+    let first = kernels(&plan.roles[0]);
+    assert!(plan.roles.iter().all(|r| kernels(r) > 0));
+    assert!(kernels(&plan.roles[3]) <= first + 8, "{first}");
+}
+
+#[test]
 fn pipeline_dynamic_dpp_policies() {
     let dpp = |policy: &'static str| -> [&'static str; 4] {
         [

@@ -3,10 +3,10 @@
 //! The emitter first lowers the whole graph as for one pipeline stage (one micro-batch
 //! program, one optimizer program). This module then
 //! 1. gives every micro-batch instruction a chunk (virtual stage) from its provenance path:
-//!    the embedding in chunk 0, the layers in contiguous runs (`parallel.stage_layers`, or
-//!    `layers / (pp·vpp)` each), the final norm, head and loss in the last chunk; and a phase: forward `F`, input-gradient backward `B`,
-//!    or, for zero-bubble schedules, weight-gradient `W` (kernels that only write parameter
-//!    gradients);
+//!    the embedding in chunk 0, the layers in contiguous runs ([`megac_passes::stages`]), the
+//!    final norm, head and loss in the last chunk; and a phase: forward `F`, input-gradient
+//!    backward `B`, or, for zero-bubble schedules, weight-gradient `W` (kernels that only
+//!    write parameter gradients);
 //! 2. gives every activation the chunk that produces it; a chunk that reads another chunk's
 //!    activation gets its own copy, filled by a `Recv` at the start of its first segment that
 //!    reads it and sent by a `Send` at the end of the producer's segment (transfers go forward
@@ -98,23 +98,8 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             "the distributed optimizer is not combined with pipeline parallelism yet; set parallel.distributed_optimizer = false or pp = 1".into(),
         ));
     }
-    let layers = spec.model.layers;
-    // Layers per chunk: `parallel.stage_layers`, or an equal split (Megatron's default).
-    let per_chunk: Vec<u64> = if p.stage_layers.is_empty() {
-        if layers < u64::from(nc) || !layers.is_multiple_of(u64::from(nc)) {
-            return Err(unsupported(format!(
-                "{layers} layers do not split into pp·vpp = {nc} equal chunks; list them in parallel.stage_layers"
-            )));
-        }
-        vec![layers / u64::from(nc); nc as usize]
-    } else {
-        p.stage_layers.clone()
-    };
-    if per_chunk.len() != nc as usize || per_chunk.iter().sum::<u64>() != layers {
-        return Err(unsupported(format!(
-            "parallel.stage_layers {per_chunk:?} does not split {layers} layers into {nc} chunks"
-        )));
-    }
+    // Layers per chunk: the stage pass's split.
+    let per_chunk = megac_passes::stages::chunk_layers(spec).map_err(unsupported)?;
     let chunk_of_layer: Vec<u32> = per_chunk
         .iter()
         .enumerate()

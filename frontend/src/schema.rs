@@ -252,7 +252,7 @@ impl<'a> Section<'a> {
             return Ok(Vec::new());
         };
         let Raw::Array(items) = &e.value else {
-            return Err(self.type_error(key, &e, "an array of positive integers"));
+            return Err(self.type_error(key, &e, "an array of positive integers or \"balanced\""));
         };
         let mut out = Vec::with_capacity(items.len());
         for item in items {
@@ -759,7 +759,24 @@ fn read_parallel(
             }
         }
     };
-    let stage_layers = s.positive_list("stage_layers")?;
+    let (stage_layers, balance_stages) = match s.table.get("stage_layers").map(|e| &e.value) {
+        Some(Raw::Str(_)) => {
+            if let Some((text, origin)) = s.string("stage_layers")? {
+                if text != "balanced" {
+                    return Err(SpecError::new(
+                        file,
+                        origin,
+                        format!("parallel.stage_layers = \"{text}\" is not a split"),
+                    )
+                    .with_help(
+                        "use \"balanced\" (split by a per-layer cost estimate) or list the layers of every chunk, e.g. [7, 9, 9, 7]",
+                    ));
+                }
+            }
+            (Vec::new(), true)
+        }
+        _ => (s.positive_list("stage_layers")?, false),
+    };
     s.finish()?;
     Ok(ParallelSection {
         tp,
@@ -776,6 +793,7 @@ fn read_parallel(
         cp_comm,
         order,
         stage_layers,
+        balance_stages,
     })
 }
 

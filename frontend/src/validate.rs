@@ -232,6 +232,19 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                 "the chunks together hold every layer exactly once".into(),
             ));
         }
+    } else if p.balance_stages {
+        if m.layers < chunks {
+            return Err(c.err(
+                "parallel.stage_layers",
+                format!(
+                    "{} cannot fill pp·vpp = {}·{} = {chunks} pipeline chunks",
+                    c.show("model.layers", m.layers),
+                    p.pp,
+                    p.vpp
+                ),
+                "every chunk holds at least one layer: lower pp or vpp".into(),
+            ));
+        }
     } else if !m.layers.is_multiple_of(chunks) {
         let key = if p.vpp > 1 {
             "parallel.vpp"
@@ -268,7 +281,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                 p.vpp
             ),
             format!(
-                "every pipeline chunk holds the same number of layers unless parallel.stage_layers lists them; {}",
+                "every pipeline chunk holds the same number of layers unless parallel.stage_layers lists them (or is \"balanced\"); {}",
                 options.join("; ")
             ),
         ));

@@ -252,8 +252,10 @@ pub struct ParallelSection {
     /// (`parallel.order`, default Megatron's `tp-cp-ep-dp-pp`).
     pub order: Vec<crate::types::Axis>,
     /// Layers per pipeline chunk, in chunk order (`parallel.stage_layers`); empty: every
-    /// chunk gets `layers / (pp·vpp)`.
+    /// chunk gets `layers / (pp·vpp)`, or the cost-balanced split with `balance_stages`.
     pub stage_layers: Vec<u64>,
+    /// `parallel.stage_layers = "balanced"`: split the layers by a per-layer cost estimate.
+    pub balance_stages: bool,
 }
 
 /// Context-parallel attention's communication (`parallel.cp_comm`).

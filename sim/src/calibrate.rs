@@ -170,6 +170,7 @@ impl TableRow {
                 cp_comm: Default::default(),
                 order: megac_ir::Axis::ALL.to_vec(),
                 stage_layers: Vec::new(),
+                balance_stages: false,
             },
             cluster: None,
         }

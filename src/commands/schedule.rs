@@ -63,14 +63,15 @@ pub fn model_costs(spec: &ModelSpec, pp: u32, vpp: u32) -> ChunkCosts {
     };
     let head = 2.0 * h * spec.padded_vocab() as f64;
     let (per, extra) = (m.layers / nc.max(1), m.layers % nc.max(1));
+    // The stage pass's split (stage_layers, balanced or even).
+    let split = megac_passes::stages::chunk_layers(spec);
     let mut start = 0;
     let mut raw: Vec<(f64, f64, f64)> = (0..nc)
         .map(|c| {
-            let count = spec
-                .parallel
-                .stage_layers
-                .get(c as usize)
-                .copied()
+            let count = split
+                .as_ref()
+                .ok()
+                .and_then(|s| s.get(c as usize).copied())
                 .unwrap_or(per + u64::from(c < extra));
             let mut sum = (0.0, 0.0, 0.0);
             for l in start..start + count {
