@@ -360,12 +360,22 @@ fn pipeline_with_tensor_sequence_and_data_parallelism() {
     assert_equivalent(
         "llama-tiny.toml",
         PIPE,
-        &[&[
-            "parallel.pp=2",
-            "parallel.tp=2",
-            "parallel.dp=2",
-            "parallel.sequence_parallel=true",
-        ]],
+        &[
+            &[
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            // ZeRO-1 per stage, the norm summed over dp, tp and pp.
+            &[
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=true",
+            ],
+        ],
     );
 }
 
@@ -384,6 +394,11 @@ fn pipeline_with_tied_embeddings_and_moe() {
         &[
             &["parallel.pp=2"],
             &["parallel.pp=4", "parallel.schedule=zb-h1"],
+            &[
+                "parallel.pp=2",
+                "parallel.dp=2",
+                "parallel.distributed_optimizer=true",
+            ],
         ],
     );
     // MoE: every layer's auxiliary loss reaches the loss on the last stage.

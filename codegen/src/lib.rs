@@ -617,8 +617,29 @@ impl<'a> Emitter<'a> {
     /// AdamW state; the parameters are all-gathered back. The gradient norm sums the squares
     /// of every rank's slice over dp.
     fn zero1(&mut self, dp: u64) -> Result<(), CodegenError> {
+        let norm = match self.results.get("grad_norm") {
+            Some(&b) => b,
+            None => return Err(CodegenError::Incomplete("no grad_norm result".into())),
+        };
+        let program = std::mem::take(&mut self.optimizer);
+        let all: Vec<usize> = (0..self.params.len()).collect();
+        self.optimizer = self.zero1_program(dp, &program, &all, norm, &[])?;
+        Ok(())
+    }
+
+    /// The ZeRO-1 optimizer program replacing `program` for the parameters `params` (indices
+    /// into `self.params`, laid out from offset 0 of their arenas), writing the norm to
+    /// `norm`, whose squares are also summed over `norm_axes` (pipeline stages).
+    fn zero1_program(
+        &mut self,
+        dp: u64,
+        program_in: &[Instr],
+        params: &[usize],
+        norm: BufId,
+        norm_axes_extra: &[megac_ir::Axis],
+    ) -> Result<Vec<Instr>, CodegenError> {
         use megac_ir::Axis;
-        let hp = self.optimizer.iter().find_map(|i| match i {
+        let hp = program_in.iter().find_map(|i| match i {
             Instr::Kernel {
                 op: op @ OpKind::AdamW { .. },
                 ..
@@ -630,14 +651,10 @@ impl<'a> Emitter<'a> {
                 "no AdamW step to distribute".into(),
             ));
         };
-        let norm = match self.results.get("grad_norm") {
-            Some(&b) => b,
-            None => return Err(CodegenError::Incomplete("no grad_norm result".into())),
-        };
         // Gradients that are also pending sums over other axes (cp, or tp for norm weights
         // under sequence parallelism) are reduced over those first, in place.
         let mut program = Vec::new();
-        for instr in &self.optimizer {
+        for instr in program_in {
             if let Instr::Kernel {
                 op: OpKind::AllReduce { axes },
                 inputs,
@@ -659,11 +676,18 @@ impl<'a> Emitter<'a> {
         // split over tp. Each is sharded over dp on its own, so every shard knows whether its
         // squares count once per tp group (replicated) or per rank (split).
         let tp_split = |e: &ParamEntry| e.shards.iter().any(|a| a.contains(&Axis::Tp));
-        let mut order: Vec<usize> = (0..self.params.len())
+        let mut order: Vec<usize> = params
+            .iter()
+            .copied()
             .filter(|&i| !tp_split(&self.params[i]))
             .collect();
         let split_start = order.len();
-        order.extend((0..self.params.len()).filter(|&i| tp_split(&self.params[i])));
+        order.extend(
+            params
+                .iter()
+                .copied()
+                .filter(|&i| tp_split(&self.params[i])),
+        );
         let mut segments: Vec<(u64, u64, bool)> = Vec::new(); // (offset, padded length, tp split)
         let mut offset = 0u64;
         for (seg, range) in [(false, 0..split_start), (true, split_start..order.len())] {
@@ -746,6 +770,7 @@ impl<'a> Emitter<'a> {
         if segments.iter().any(|s| s.2) {
             norm_axes.push(Axis::Tp);
         }
+        norm_axes.extend_from_slice(norm_axes_extra);
         program.push(Instr::Kernel {
             op: OpKind::GradNorm { axes: norm_axes },
             inputs: norm_inputs,
@@ -769,8 +794,7 @@ impl<'a> Emitter<'a> {
                 path: format!("optimizer.all_gather.segment{k}"),
             });
         }
-        self.optimizer = program;
-        Ok(())
+        Ok(program)
     }
 
     fn unplanned_activation_bytes(&self) -> u64 {

@@ -93,11 +93,6 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     let (pp, vpp) = (p.pp as u32, p.vpp as u32);
     let nc = pp * vpp;
     let m = spec.train.microbatches(p.dp) as u32;
-    if p.distributed_optimizer && p.dp > 1 {
-        return Err(unsupported(
-            "the distributed optimizer is not combined with pipeline parallelism yet; set parallel.distributed_optimizer = false or pp = 1".into(),
-        ));
-    }
     // Layers per chunk: the stage pass's split.
     let per_chunk = megac_passes::stages::chunk_layers(spec).map_err(unsupported)?;
     let chunk_of_layer: Vec<u32> = per_chunk
@@ -420,16 +415,17 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         }
     }
 
-    // Refresh the tied copies after the update.
+    // Refresh the tied copies after the update (appended after the optimizer below).
+    let mut refresh: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
     for (next_transfer, (&(b, s), &copy_id)) in (transfers.len() as u32..).zip(&param_copy) {
         let h = home[&b];
-        opt[h as usize].push(Instr::Send {
+        refresh[h as usize].push(Instr::Send {
             buffer: b,
             chunk: s,
             transfer: next_transfer,
             twin: false,
         });
-        opt[s as usize].push(Instr::Recv {
+        refresh[s as usize].push(Instr::Recv {
             buffer: copy_id,
             chunk: h,
             transfer: next_transfer,
@@ -449,13 +445,50 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             }
         }
     }
+    let zero1 = p.distributed_optimizer && p.dp > 1;
     for (s, prog) in opt.iter_mut().enumerate() {
         let before = e.buffers.len();
-        *prog = e.bucketed(std::mem::take(prog));
+        if zero1 {
+            // ZeRO-1 per stage over the stage's own parameters; the squares of the norm are
+            // summed over pp too. Tied copies go after the stage's flat segments.
+            let mine: Vec<usize> = (0..e.params.len())
+                .filter(|&i| e.buffers[e.params[i].buffer as usize].stage == Some(s as u32))
+                .collect();
+            *prog = e.zero1_program(p.dp, prog, &mine, norms[s], &[Axis::Pp])?;
+        } else {
+            *prog = e.bucketed(std::mem::take(prog));
+        }
         for b in &mut e.buffers[before..] {
             b.stage = Some(s as u32);
             b.name = format!("{}@stage{s}", b.name);
         }
+        if zero1 {
+            let copies: Vec<BufId> = param_copy
+                .iter()
+                .filter(|((_, cs), _)| *cs == s as u32)
+                .map(|(_, &id)| id)
+                .collect();
+            let mut end = e
+                .buffers
+                .iter()
+                .enumerate()
+                .filter(|(i, b)| {
+                    b.class == BufferClass::Param
+                        && b.stage == Some(s as u32)
+                        && !copies.contains(&(*i as BufId))
+                })
+                .map(|(_, b)| {
+                    let far = b.rank_offset.as_ref().map_or(0, |r| (p.dp - 1) * r.stride);
+                    b.offset + far + b.len()
+                })
+                .max()
+                .unwrap_or(0);
+            for c in copies {
+                e.buffers[c as usize].offset = end;
+                end += e.buffers[c as usize].len();
+            }
+        }
+        prog.append(&mut refresh[s]);
     }
 
     // Slots: the most micro-batches of a chunk in flight under the schedule.
