@@ -474,6 +474,16 @@ fn inspect_memory_matches_the_allocated_arenas() {
             "--set",
             "parallel.distributed_optimizer=true",
         ],
+        // Rank 0 is pipeline stage 0: it allocates its own stage's arenas only.
+        vec!["--set", "parallel.pp=2"],
+        vec![
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            "parallel.dp=2",
+            "--set",
+            "parallel.distributed_optimizer=true",
+        ],
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("p");
@@ -504,7 +514,22 @@ fn inspect_memory_matches_the_allocated_arenas() {
             planned["activations_peak"], measured["activations"],
             "{sets:?}"
         );
-        if sets.len() > 2 {
+        if sets.contains(&"parallel.pp=2") {
+            // The stages split the parameters: together they hold each once.
+            let roles = v["roles"].as_array().unwrap();
+            assert_eq!(roles.len(), 2);
+            let total: u64 = roles
+                .iter()
+                .map(|r| r["memory_bytes"]["parameters"].as_u64().unwrap())
+                .sum();
+            let params = 123_712 * 4;
+            if sets.len() == 2 {
+                assert_eq!(total, params, "{sets:?}");
+            } else {
+                // ZeRO-1 pads each stage's flat segments to a multiple of dp.
+                assert!(total >= params && total < params + 64, "{sets:?}: {total}");
+            }
+        } else if sets.len() > 2 {
             // AdamW state is half of the unsharded 2 x parameters.
             assert_eq!(
                 measured["optimizer_state"].as_u64().unwrap(),
