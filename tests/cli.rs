@@ -655,3 +655,63 @@ fn schedule_shows_timelines_and_the_bubble() {
     assert!((b - 3.0 / 195.0).abs() < 1e-9, "{b}");
     assert_eq!(v["ranks"].as_array().unwrap().len(), 4);
 }
+
+/// A dynamic (dpp) run reports the order rank 0 actually ran: every forward and backward of
+/// its chunks exactly once, each backward after its forward, later chunks' backward first.
+#[test]
+fn dpp_report_records_the_order_it_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("r.json");
+    for policy in ["bfs", "dfs", "adaptive"] {
+        let policy_set = format!("parallel.dpp_policy={policy}");
+        let o = megac(&[
+            "train",
+            "examples/llama-tiny.toml",
+            "--set",
+            "model.layers=4",
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            "parallel.vpp=2",
+            "--set",
+            "parallel.schedule=dpp",
+            "--set",
+            &policy_set,
+            "--steps",
+            "1",
+            "--report",
+            report.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let order: Vec<String> = r["pipeline_order"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no pipeline_order: {r}"))
+            .iter()
+            .map(|x| x.as_str().unwrap().to_string())
+            .collect();
+        // Rank 0 holds chunks 0 and 2; 2 micro-batches.
+        let mut want: Vec<String> = ["F", "BW"]
+            .iter()
+            .flat_map(|k| ["0.0", "0.1", "2.0", "2.1"].map(|c| format!("{k}{c}")))
+            .collect();
+        let mut got = order.clone();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want, "{policy}: {order:?}");
+        let pos = |t: &str| order.iter().position(|x| x == t).unwrap();
+        for c in ["0.0", "0.1", "2.0", "2.1"] {
+            assert!(
+                pos(&format!("F{c}")) < pos(&format!("BW{c}")),
+                "{policy}: {order:?}"
+            );
+        }
+        for j in ["0", "1"] {
+            assert!(
+                pos(&format!("BW2.{j}")) < pos(&format!("BW0.{j}")),
+                "{policy}: {order:?}"
+            );
+        }
+    }
+}

@@ -59,6 +59,9 @@ pub struct RunReport {
     pub arena_bytes: [u64; 5],
     /// Per-op timings (with `profile`).
     pub profile: Option<crate::exec::Profile>,
+    /// Pipelined plans: the actions this rank ran in its last step, in order (`F0.3` is the
+    /// forward of chunk 0 for micro-batch 3); with `dpp` the order the run chose.
+    pub pipeline_order: Vec<String>,
 }
 
 impl RunReport {
@@ -87,6 +90,9 @@ impl RunReport {
         });
         if !self.peak_rss_bytes_per_rank.is_empty() {
             v["peak_rss_bytes_per_rank"] = serde_json::json!(self.peak_rss_bytes_per_rank);
+        }
+        if !self.pipeline_order.is_empty() {
+            v["pipeline_order"] = serde_json::json!(self.pipeline_order);
         }
         let mut s = serde_json::to_string_pretty(&v).expect("report serializes");
         s.push('\n');
@@ -657,6 +663,11 @@ fn train_rank(
         peak_rss_bytes_per_rank: Vec::new(),
         arena_bytes: session.mem.bytes(),
         profile: session.profile.take(),
+        pipeline_order: session
+            .executed
+            .iter()
+            .map(|a| format!("{:?}{}.{}", a.kind, a.chunk, a.microbatch))
+            .collect(),
     })
 }
 
