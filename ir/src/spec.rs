@@ -274,6 +274,7 @@ impl ParallelSection {
             Axis::Ep => self.ep,
             Axis::Dp => self.dp,
             Axis::Pp => self.pp,
+            Axis::Edp => self.dp * self.cp / self.ep.max(1),
         }
     }
 

@@ -86,6 +86,10 @@ pub enum Axis {
     Dp,
     /// Pipeline parallel.
     Pp,
+    /// Expert data parallel: the ranks of a dp·cp group that hold the same experts (its
+    /// members differ only in their expert-parallel partners; see [`crate::Mesh`]). Derived
+    /// from the mesh, never part of the rank order.
+    Edp,
 }
 
 impl Axis {
@@ -100,12 +104,16 @@ impl Axis {
             Axis::Ep => "ep",
             Axis::Dp => "dp",
             Axis::Pp => "pp",
+            Axis::Edp => "edp",
         }
     }
 
     /// Parse the textual name.
     pub fn from_name(s: &str) -> Option<Axis> {
-        Axis::ALL.into_iter().find(|a| a.as_str() == s)
+        Axis::ALL
+            .into_iter()
+            .chain([Axis::Edp])
+            .find(|a| a.as_str() == s)
     }
 }
 
