@@ -50,8 +50,10 @@ pub fn emit_plan(
     let m = &spec.model;
     if p.pp > 1 || p.fbd {
         return Err(CodegenError::Unsupported(format!(
-            "this build emits data-, tensor- (with sequence parallelism), context- and expert-parallel plans only; the layout pp={}{} needs the pipeline pass, which is not wired into plans yet",
+            "this build emits data-, tensor- (with sequence parallelism), context- and expert-parallel plans only; the layout pp={} cp={} ep={}{} needs the pipeline pass, which is not implemented yet",
             p.pp,
+            p.cp,
+            p.ep,
             if p.fbd { " fbd" } else { "" },
         )));
     }
