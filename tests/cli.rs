@@ -296,16 +296,22 @@ fn unsupported_layouts_and_bad_plans_are_clear_errors() {
     let out = dir.path().join("p");
     let o = megac(&[
         "compile",
-        "examples/llama-tiny.toml",
+        "examples/moe-tiny.toml",
         "--set",
-        "parallel.pp=2",
+        "parallel.dp=2",
         "--set",
-        "parallel.fbd=true",
+        "parallel.ep=2",
+        "--set",
+        "parallel.distributed_optimizer=true",
         "-o",
         out.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("fbd"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("distributed optimizer does not shard expert-parallel"),
+        "{}",
+        stderr(&o)
+    );
     assert!(!out.exists(), "a failed compile leaves no output");
 
     std::fs::create_dir_all(&out).unwrap();
@@ -541,9 +547,13 @@ fn inspect_memory_matches_the_allocated_arenas() {
 }
 
 fn collective_bytes(sets: &[&str]) -> serde_json::Value {
+    collective_bytes_of("examples/llama-tiny.toml", sets)
+}
+
+fn collective_bytes_of(file: &str, sets: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p");
-    let mut args = vec!["compile", "examples/llama-tiny.toml"];
+    let mut args = vec!["compile", file];
     for s in sets {
         args.extend(["--set", s]);
     }
@@ -584,6 +594,24 @@ fn collective_bytes_per_step() {
     );
     assert!(
         v["all_gather"].as_u64().unwrap() > 0 && v["reduce_scatter"].as_u64().unwrap() > 0,
+        "{v}"
+    );
+}
+
+/// Expert parallelism's all-to-all bytes per step and rank: moe-tiny on dp2+ep2 has one
+/// micro-batch of 4·64 tokens per rank and step; each of the 2 layers makes 4 all-to-alls
+/// (dispatch and combine, forward and backward), each bounded by a [4 experts, 256 rows,
+/// 64] f32 buffer of which half belongs to the other rank, plus the 4 token counts (i32).
+#[test]
+fn all_to_all_bytes_per_step() {
+    let v = collective_bytes_of(
+        "examples/moe-tiny.toml",
+        &["parallel.dp=2", "parallel.ep=2"],
+    );
+    let buffer = 4 * 256 * 64 * 4;
+    assert_eq!(
+        v["all_to_all"].as_u64(),
+        Some(2 * 4 * (buffer / 2 + 16)),
         "{v}"
     );
 }

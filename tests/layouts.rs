@@ -36,16 +36,14 @@ fn run(file: &str, sets: &[String]) -> Outcome {
         ..Default::default()
     };
     let report = train(&plan, &opts).unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"));
-    let expected: Vec<(String, Vec<usize>)> = plan
-        .params
-        .iter()
-        .map(|p| {
-            (
-                p.name.clone(),
-                p.hf_shape().iter().map(|&d| d as usize).collect(),
-            )
-        })
+    // Hugging Face's tensors (stacked experts are saved one tensor per expert), sorted by
+    // name so that layouts with and without stacked experts compare tensor by tensor.
+    let mut expected: Vec<(String, Vec<usize>)> = plan
+        .hf_tensors()
+        .into_iter()
+        .map(|(name, shape)| (name, shape.iter().map(|&d| d as usize).collect()))
         .collect();
+    expected.sort();
     let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
     let values = megac_runtime::hf::load_params(&out, &expected, tied).unwrap();
     let params = expected.into_iter().map(|(n, _)| n).zip(values).collect();
@@ -76,7 +74,13 @@ fn assert_equivalent(file: &str, base: &[&str], layouts: &[&[&str]]) {
                 step + 1
             );
         }
-        for ((name, got), (_, want)) in params.iter().zip(&ref_params) {
+        assert_eq!(
+            params.len(),
+            ref_params.len(),
+            "{file} {layout:?}: tensor count"
+        );
+        for ((name, got), (ref_name, want)) in params.iter().zip(&ref_params) {
+            assert_eq!(name, ref_name, "{file} {layout:?}: tensors differ");
             // GPT-2's key bias gets an exactly-zero gradient in real arithmetic (softmax
             // ignores it): only rounding noise reaches it, which AdamW normalises into steps
             // of up to lr, differently for every summation order. Skip those elements.
@@ -458,4 +462,60 @@ fn forward_backward_decoupling() {
             .iter()
             .all(|c| c.slots == 1 && c.backward.is_empty()));
     }
+}
+
+/// Expert parallelism (experts split over ep, folded over dp·cp; all-to-all dispatch and
+/// combine), alone and with tensor and sequence parallelism.
+#[test]
+fn expert_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.dp=2", "parallel.ep=2"],
+            &["parallel.dp=4", "parallel.ep=4"],
+            &["parallel.dp=4", "parallel.ep=2"],
+        ],
+    );
+    // Token dropping: each micro-batch keeps the same tokens as on one device.
+    assert_equivalent(
+        "moe-tiny.toml",
+        &[
+            "train.micro_batch=2",
+            "train.global_batch=8",
+            "model.moe.capacity_factor=1.0",
+        ],
+        &[&["parallel.dp=2", "parallel.ep=2"]],
+    );
+}
+
+/// Expert parallelism with tensor parallelism (experts replicated over tp) and sequence
+/// parallelism.
+#[test]
+fn expert_and_tensor_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[&[
+            "parallel.dp=2",
+            "parallel.ep=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ]],
+    );
+}
+
+/// Context parallelism with MoE: routing on each rank's sequence chunks, the load-balancing
+/// statistics summed over cp; with ep = 2 the experts split over the cp ranks.
+#[test]
+fn context_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.cp=2"],
+            &["parallel.cp=2", "parallel.ep=2"],
+            &["parallel.cp=2", "parallel.dp=2", "parallel.ep=4"],
+        ],
+    );
 }

@@ -49,15 +49,19 @@ pub fn emit_plan(
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
     let m = &spec.model;
-    if p.ep > 1 || (p.cp > 1 && m.moe.is_some()) {
-        return Err(CodegenError::Unsupported(format!(
-            "this build does not emit the layout cp={} ep={}: it needs the expert-parallel pass (or context parallelism for MoE), which is not implemented yet",
-            p.cp, p.ep,
-        )));
-    }
     if p.fbd && p.pp < 2 {
         return Err(CodegenError::Unsupported(
             "parallel.fbd = true decouples the forward and backward of pipeline stages: set parallel.pp to 2 or more".into(),
+        ));
+    }
+    if p.ep > 1 && p.distributed_optimizer {
+        return Err(CodegenError::Unsupported(
+            "the distributed optimizer does not shard expert-parallel gradients yet; set parallel.distributed_optimizer = false or parallel.ep = 1".into(),
+        ));
+    }
+    if p.cp > 1 && m.moe.as_ref().is_some_and(|moe| moe.capacity_factor > 0.0) {
+        return Err(CodegenError::Unsupported(
+            "token dropping (model.moe.capacity_factor > 0) with context parallelism is not supported; use a dropless MoE with cp".into(),
         ));
     }
     let mut e = Emitter::new(spec, graph);
@@ -218,6 +222,32 @@ impl<'a> Emitter<'a> {
                 if d.name == "b" {
                     // The global batch becomes one data-parallel rank's micro-batch.
                     t.micro_batch
+                } else if d.name == "tokens" {
+                    // MoE token rows: one micro-batch's tokens (its share under cp) or the
+                    // capacity; on the experts' ranks (experts split over ep) the rows of
+                    // the whole ep group.
+                    let base = if d.dynamic {
+                        d.size * t.micro_batch / t.global_batch
+                    } else {
+                        d.size
+                    };
+                    let mesh = &self.g.mesh;
+                    let cp = if axes.contains(&megac_ir::Axis::Cp) {
+                        mesh.size(megac_ir::Axis::Cp)
+                    } else {
+                        1
+                    };
+                    let on_experts = ty
+                        .layout
+                        .shards
+                        .first()
+                        .is_some_and(|a| a.contains(&megac_ir::Axis::Ep));
+                    let ep = if on_experts {
+                        mesh.size(megac_ir::Axis::Ep)
+                    } else {
+                        1
+                    };
+                    base / cp * ep
                 } else if d.dynamic {
                     d.size * t.micro_batch / t.global_batch
                 } else {
@@ -359,7 +389,10 @@ impl<'a> Emitter<'a> {
                 .collect();
             let padded_vocab = global.first().copied().unwrap_or(0) > self.spec.model.vocab
                 && g.ty(v).dims.first().is_some_and(|d| d.name == "vocab");
+            let stacked = ty.dims.first().is_some_and(|d| d.name == "experts");
             self.params.push(ParamEntry {
+                per_expert: (stacked && name.contains(".experts."))
+                    .then(|| name.replacen(".experts.", ".experts.{}.", 1)),
                 name: name.to_string(),
                 hf_rows: padded_vocab.then_some(self.spec.model.vocab),
                 blocks: if blocks.iter().all(|&b| b == 1) {

@@ -448,6 +448,17 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                     ),
                 ));
             }
+            if p.cp > 1 && moe.capacity_factor > 0.0 {
+                return Err(c.err(
+                    "model.moe.capacity_factor",
+                    format!(
+                        "{} with {}",
+                        c.show("model.moe.capacity_factor", moe.capacity_factor),
+                        c.show("parallel.cp", p.cp)
+                    ),
+                    "token dropping keeps the first tokens of a micro-batch, which context parallelism splits over ranks; use a dropless MoE (capacity_factor = 0) with cp, or cp = 1".into(),
+                ));
+            }
             if p.tp > 1 && !p.sequence_parallel {
                 return Err(c.err(
                     "parallel.sequence_parallel",

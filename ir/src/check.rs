@@ -6,7 +6,7 @@
 //! (`all_reduce`, `all_gather`, `reduce_scatter`, the group reduction of `grad_norm`) and the
 //! ones kernels make implicitly from buffer layouts (vocab-parallel embedding is local, the
 //! vocab-parallel cross-entropy reduces over tp, context-parallel attention exchanges over
-//! cp). Every member of a group must list the same sequence. Pipeline send/recv matching
+//! cp, expert parallelism's all-to-all over ep). Every member of a group must list the same sequence. Pipeline send/recv matching
 //! joins this check when plans carry schedules.
 
 use std::collections::BTreeMap;
@@ -142,6 +142,30 @@ fn communication(
             )]
         }
         OpKind::GradNorm { axes } => vec![(axes.clone(), "grad_norm".into(), 1)],
+        // Expert parallelism: the members exchange their token counts, then the token rows
+        // (variable split sizes, bounded by the buffers, which every member sizes alike).
+        OpKind::AllToAll { axes, .. } => vec![
+            (
+                axes.clone(),
+                "all_gather (token counts)".into(),
+                buffer(inputs[1])?.len(),
+            ),
+            (axes.clone(), "all_to_all".into(), buffer(inputs[0])?.len()),
+        ],
+        // MoE under context parallelism sums the load-balancing statistics over cp.
+        OpKind::MoeAuxLoss { .. } | OpKind::MoeAuxLossGrad { .. } => {
+            if split_over(inputs[0], 1, Axis::Cp)? {
+                let logits = buffer(inputs[0])?;
+                let experts = logits.shape.last().copied().unwrap_or(0);
+                vec![(
+                    vec![Axis::Cp],
+                    format!("{} (context-parallel statistics)", op.name()),
+                    2 * experts + 1,
+                )]
+            } else {
+                Vec::new()
+            }
+        }
         OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
             let logits = buffer(inputs[0])?;
             let last = logits.shape.len().saturating_sub(1);

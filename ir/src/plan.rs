@@ -229,6 +229,12 @@ pub struct ParamEntry {
     /// `c_attn` is `3*heads*head_dim`: each of q, k, v is split); empty means 1 everywhere.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blocks: Vec<u64>,
+    /// For stacked experts (expert parallelism: dim 0 is the experts dim, split over ep):
+    /// the Hugging Face name of expert `j`'s tensor with `{}` for `j`. Hugging Face stores
+    /// one tensor per expert (`shape[1..]`), and each is initialised as that tensor, so
+    /// every layout starts from the same weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_expert: Option<String>,
     /// The parameter's buffer.
     pub buffer: BufId,
     /// Its gradient.
@@ -592,6 +598,30 @@ impl ParamEntry {
         s
     }
 
+    /// The tensors Hugging Face stores for this parameter: `(name, shape)`, one per expert
+    /// for stacked experts (in expert order), else the parameter itself.
+    pub fn hf_tensors(&self) -> Vec<(String, Vec<u64>)> {
+        match (&self.per_expert, self.shape.split_first()) {
+            (Some(template), Some((&experts, rest))) => (0..experts)
+                .map(|j| (template.replace("{}", &j.to_string()), rest.to_vec()))
+                .collect(),
+            _ => vec![(self.name.clone(), self.hf_shape())],
+        }
+    }
+
+    /// The Hugging Face tensor and the index in it of global element `index` (what
+    /// initialisation is a function of): for stacked experts, expert `j`'s tensor.
+    pub fn hf_element(&self, index: u64) -> (std::borrow::Cow<'_, str>, u64) {
+        match &self.per_expert {
+            Some(template) => {
+                let per: u64 = self.shape.iter().skip(1).product::<u64>().max(1);
+                let name = template.replace("{}", &(index / per).to_string());
+                (std::borrow::Cow::Owned(name), index % per)
+            }
+            None => (std::borrow::Cow::Borrowed(self.name.as_str()), index),
+        }
+    }
+
     /// For each element of rank `rank`'s shard (row-major), its index in the global tensor.
     pub fn global_indices(&self, mesh: &crate::mesh::Mesh, rank: usize) -> Vec<usize> {
         let n = self.shape.len();
@@ -642,6 +672,15 @@ impl Plan {
             .and_then(|&r| self.roles.get(r as usize))
             .and_then(|r| r.memory.as_ref())
             .unwrap_or(&self.memory)
+    }
+
+    /// Every tensor Hugging Face stores for the plan's parameters, in parameter order
+    /// ([`ParamEntry::hf_tensors`]): what `--init` reads and `--save-params` writes.
+    pub fn hf_tensors(&self) -> Vec<(String, Vec<u64>)> {
+        self.params
+            .iter()
+            .flat_map(ParamEntry::hf_tensors)
+            .collect()
     }
 
     /// The plan as pretty JSON (deterministic: same plan, same bytes).

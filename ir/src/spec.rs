@@ -286,6 +286,7 @@ impl ParallelSection {
                     1
                 }
             }
+            Axis::Edp => self.dp * self.cp / self.ep.max(1),
         }
     }
 

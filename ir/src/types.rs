@@ -90,6 +90,10 @@ pub enum Axis {
     /// (recompute, backward, optimizer), 1 its forward role. Outermost; size 2 with
     /// `parallel.fbd = true`, absent otherwise; not part of `parallel.order`.
     Fbd,
+    /// Expert data parallel: the ranks of a dp·cp group that hold the same experts (its
+    /// members differ only in their expert-parallel partners; see [`crate::Mesh`]). Derived
+    /// from the mesh, never part of the rank order.
+    Edp,
 }
 
 impl Axis {
@@ -105,6 +109,7 @@ impl Axis {
             Axis::Dp => "dp",
             Axis::Pp => "pp",
             Axis::Fbd => "fbd",
+            Axis::Edp => "edp",
         }
     }
 
@@ -112,7 +117,7 @@ impl Axis {
     pub fn from_name(s: &str) -> Option<Axis> {
         Axis::ALL
             .into_iter()
-            .chain([Axis::Fbd])
+            .chain([Axis::Fbd, Axis::Edp])
             .find(|a| a.as_str() == s)
     }
 }

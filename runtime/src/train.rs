@@ -214,18 +214,19 @@ impl<'p> Session<'p> {
         match init {
             Some(path) => {
                 let expected: Vec<(String, Vec<usize>)> = plan
-                    .params
-                    .iter()
-                    .map(|p| {
-                        (
-                            p.name.clone(),
-                            p.hf_shape().iter().map(|&d| d as usize).collect(),
-                        )
-                    })
+                    .hf_tensors()
+                    .into_iter()
+                    .map(|(name, shape)| (name, shape.iter().map(|&d| d as usize).collect()))
                     .collect();
                 let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
-                let values = hf::load_params(path, &expected, tied)?;
-                for (p, v) in plan.params.iter().zip(values) {
+                let mut values = hf::load_params(path, &expected, tied)?.into_iter();
+                for p in &plan.params {
+                    // Stacked experts: Hugging Face's per-expert tensors, one after another.
+                    let v: Vec<f32> = values
+                        .by_ref()
+                        .take(p.hf_tensors().len())
+                        .flatten()
+                        .collect();
                     for b in std::iter::once(p.buffer).chain(p.tied_copies.iter().copied()) {
                         if self.mem.holds(b) {
                             self.load_shard(p, b, &v);
@@ -266,7 +267,14 @@ impl<'p> Session<'p> {
     fn init_shard(&self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, rank: usize) {
         let plan = self.plan;
         let out = self.mem.f32_mut(b);
-        if p.shards.is_empty() && p.hf_rows.is_none() {
+        if p.per_expert.is_some() {
+            // Each element as the Hugging Face tensor of its expert.
+            let idx = p.global_indices(&plan.mesh, rank);
+            for (x, &i) in out.iter_mut().zip(&idx) {
+                let (name, at) = p.hf_element(i as u64);
+                *x = init::init_value(plan.train.seed, &name, &p.init, at);
+            }
+        } else if p.shards.is_empty() && p.hf_rows.is_none() {
             init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
         } else {
             let idx = p.global_indices(&plan.mesh, rank);
@@ -450,11 +458,16 @@ impl<'p> Session<'p> {
             .params
             .iter()
             .zip(&values)
-            .map(|(p, v)| {
-                // Drop vocabulary padding: Hugging Face's shape.
-                let shape: Vec<usize> = p.hf_shape().iter().map(|&d| d as usize).collect();
-                let n: usize = shape.iter().product();
-                (p.name.clone(), shape, &v[..n])
+            .flat_map(|(p, v)| {
+                // Drop vocabulary padding: Hugging Face's shape; stacked experts as one
+                // tensor per expert.
+                let mut at = 0usize;
+                p.hf_tensors().into_iter().map(move |(name, shape)| {
+                    let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+                    let n: usize = shape.iter().product();
+                    at += n;
+                    (name, shape, &v[at - n..at])
+                })
             })
             .collect();
         hf::save_params(path, &tensors)

@@ -96,6 +96,18 @@ pub fn role_collective_bytes(
                             };
                             ("context_parallel_kv", kv * (cp - 1) * factor)
                         }
+                        // Expert parallelism: the token rows bound for the other ep members
+                        // (at most: every expert buffer full; the actual rows depend on the
+                        // routing), plus the exchange of per-expert token counts.
+                        OpKind::AllToAll { axes, .. } => {
+                            let n = axes
+                                .iter()
+                                .map(|&a| plan.mesh.size(a))
+                                .product::<u64>()
+                                .max(1);
+                            let rows = size(inputs[0]) * (n - 1) / n;
+                            ("all_to_all", rows + size(inputs[1]) * (n - 1))
+                        }
                         _ => continue,
                     };
                     *out.entry(key).or_insert(0) += bytes * times;
