@@ -409,7 +409,10 @@ fn pipeline_with_tied_embeddings_and_moe() {
     assert_equivalent(
         "moe-tiny.toml",
         &["train.micro_batch=2", "train.global_batch=8"],
-        &[&["parallel.pp=2"]],
+        &[
+            &["parallel.pp=2"],
+            &["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"],
+        ],
     );
 }
 
