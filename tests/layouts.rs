@@ -357,6 +357,18 @@ fn pipeline_dynamic_dpp_policies() {
             &dpp("parallel.dpp_policy=adaptive"),
         ],
     );
+    // Tensor- and context-parallel peers agree on every dynamic choice.
+    assert_equivalent(
+        "llama-tiny.toml",
+        PIPE,
+        &[&[
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.schedule=dpp",
+            "parallel.tp=2",
+            "parallel.cp=2",
+        ]],
+    );
 }
 
 #[test]
