@@ -141,20 +141,30 @@ enum Command {
         #[arg(value_name = "PLAN_DIR")]
         plan: PathBuf,
     },
-    /// Show the pipeline schedule each pipeline rank follows (per-rank timelines and the
-    /// bubble, with unit costs), from a model.toml's [parallel] section.
+    /// Show the pipeline schedule each pipeline rank follows (per-rank timelines, bubble
+    /// and peak in-flight micro-batches, with unit or model costs), from a model.toml's
+    /// [parallel] section or from a compiled plan directory (the action lists it carries).
     #[command(
-        after_help = "Example:\n  megac schedule examples/llama3-70b.toml --set parallel.schedule=\"zb-h1\"\n  megac schedule examples/gpt3-175b.toml --format json"
+        after_help = "Examples:\n  megac schedule examples/llama3-70b.toml --set parallel.schedule=\"zb-h1\"\n  megac schedule examples/gpt3-175b.toml --format json\n  megac schedule examples/llama3-70b.toml --format svg -o schedule.svg --costs model\n  megac schedule /tmp/plan --format svg -o plan-schedule.svg"
     )]
     Schedule {
         #[command(flatten)]
         model: ModelArgs,
-        /// `text` (one row per rank) or `json`.
-        #[arg(long, default_value = "text", value_name = "text|json")]
+        /// `text` (one row per rank), `json`, or `svg` (a Gantt chart: one lane per rank,
+        /// boxes at their simulated times, bubble and peak in-flight per rank).
+        #[arg(long, default_value = "text", value_name = "text|json|svg")]
         format: String,
-        /// Also show the sends and receives between pipeline ranks.
+        /// Also show the sends and receives between pipeline ranks (text).
         #[arg(long)]
         comm: bool,
+        /// Action durations: `unit` (F = B = W = 1, free transfers) or `model` (per-chunk
+        /// F/B/W from the model's per-layer FLOPs, head on the last chunk; see
+        /// docs/schedules.md).
+        #[arg(long, default_value = "unit", value_name = "unit|model")]
+        costs: String,
+        /// Write the output to FILE instead of standard output.
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        output: Option<PathBuf>,
     },
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
@@ -182,7 +192,17 @@ fn main() -> ExitCode {
             model,
             format,
             comm,
-        } => commands::schedule::run(&model, &format, comm),
+            costs,
+            output,
+        } => commands::schedule::run(
+            &model,
+            &commands::schedule::Options {
+                format: &format,
+                with_comm: comm,
+                costs: &costs,
+                output: output.as_deref(),
+            },
+        ),
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Plan(args) => commands::plan::run(&args),
         Command::Compile { model, out } => commands::compile::run(&model, &out),

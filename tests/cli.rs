@@ -296,15 +296,19 @@ fn unsupported_layouts_and_bad_plans_are_clear_errors() {
     let out = dir.path().join("p");
     let o = megac(&[
         "compile",
-        "examples/llama-tiny.toml",
+        "examples/moe-tiny.toml",
         "--set",
-        "parallel.pp=2",
+        "parallel.dp=2",
+        "--set",
+        "parallel.ep=2",
+        "--set",
+        "parallel.distributed_optimizer=true",
         "-o",
         out.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("the layout pp=2 cp=1 ep=1 needs the pipeline"),
+        stderr(&o).contains("distributed optimizer does not shard expert-parallel"),
         "{}",
         stderr(&o)
     );
@@ -476,6 +480,16 @@ fn inspect_memory_matches_the_allocated_arenas() {
             "--set",
             "parallel.distributed_optimizer=true",
         ],
+        // Rank 0 is pipeline stage 0: it allocates its own stage's arenas only.
+        vec!["--set", "parallel.pp=2"],
+        vec![
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            "parallel.dp=2",
+            "--set",
+            "parallel.distributed_optimizer=true",
+        ],
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("p");
@@ -506,7 +520,22 @@ fn inspect_memory_matches_the_allocated_arenas() {
             planned["activations_peak"], measured["activations"],
             "{sets:?}"
         );
-        if sets.len() > 2 {
+        if sets.contains(&"parallel.pp=2") {
+            // The stages split the parameters: together they hold each once.
+            let roles = v["roles"].as_array().unwrap();
+            assert_eq!(roles.len(), 2);
+            let total: u64 = roles
+                .iter()
+                .map(|r| r["memory_bytes"]["parameters"].as_u64().unwrap())
+                .sum();
+            let params = 123_712 * 4;
+            if sets.len() == 2 {
+                assert_eq!(total, params, "{sets:?}");
+            } else {
+                // ZeRO-1 pads each stage's flat segments to a multiple of dp.
+                assert!(total >= params && total < params + 64, "{sets:?}: {total}");
+            }
+        } else if sets.len() > 2 {
             // AdamW state is half of the unsharded 2 x parameters.
             assert_eq!(
                 measured["optimizer_state"].as_u64().unwrap(),
@@ -518,9 +547,13 @@ fn inspect_memory_matches_the_allocated_arenas() {
 }
 
 fn collective_bytes(sets: &[&str]) -> serde_json::Value {
+    collective_bytes_of("examples/llama-tiny.toml", sets)
+}
+
+fn collective_bytes_of(file: &str, sets: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p");
-    let mut args = vec!["compile", "examples/llama-tiny.toml"];
+    let mut args = vec!["compile", file];
     for s in sets {
         args.extend(["--set", s]);
     }
@@ -561,6 +594,24 @@ fn collective_bytes_per_step() {
     );
     assert!(
         v["all_gather"].as_u64().unwrap() > 0 && v["reduce_scatter"].as_u64().unwrap() > 0,
+        "{v}"
+    );
+}
+
+/// Expert parallelism's all-to-all bytes per step and rank: moe-tiny on dp2+ep2 has one
+/// micro-batch of 4·64 tokens per rank and step; each of the 2 layers makes 4 all-to-alls
+/// (dispatch and combine, forward and backward), each bounded by a [4 experts, 256 rows,
+/// 64] f32 buffer of which half belongs to the other rank, plus the 4 token counts (i32).
+#[test]
+fn all_to_all_bytes_per_step() {
+    let v = collective_bytes_of(
+        "examples/moe-tiny.toml",
+        &["parallel.dp=2", "parallel.ep=2"],
+    );
+    let buffer = 4 * 256 * 64 * 4;
+    assert_eq!(
+        v["all_to_all"].as_u64(),
+        Some(2 * 4 * (buffer / 2 + 16)),
         "{v}"
     );
 }
@@ -631,4 +682,64 @@ fn schedule_shows_timelines_and_the_bubble() {
     // pp 4, 64 micro-batches: (p-1)/(3m+p-1) = 3/195.
     assert!((b - 3.0 / 195.0).abs() < 1e-9, "{b}");
     assert_eq!(v["ranks"].as_array().unwrap().len(), 4);
+}
+
+/// A dynamic (dpp) run reports the order rank 0 actually ran: every forward and backward of
+/// its chunks exactly once, each backward after its forward, later chunks' backward first.
+#[test]
+fn dpp_report_records_the_order_it_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("r.json");
+    for policy in ["bfs", "dfs", "adaptive"] {
+        let policy_set = format!("parallel.dpp_policy={policy}");
+        let o = megac(&[
+            "train",
+            "examples/llama-tiny.toml",
+            "--set",
+            "model.layers=4",
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            "parallel.vpp=2",
+            "--set",
+            "parallel.schedule=dpp",
+            "--set",
+            &policy_set,
+            "--steps",
+            "1",
+            "--report",
+            report.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let order: Vec<String> = r["pipeline_order"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no pipeline_order: {r}"))
+            .iter()
+            .map(|x| x.as_str().unwrap().to_string())
+            .collect();
+        // Rank 0 holds chunks 0 and 2; 2 micro-batches.
+        let mut want: Vec<String> = ["F", "BW"]
+            .iter()
+            .flat_map(|k| ["0.0", "0.1", "2.0", "2.1"].map(|c| format!("{k}{c}")))
+            .collect();
+        let mut got = order.clone();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want, "{policy}: {order:?}");
+        let pos = |t: &str| order.iter().position(|x| x == t).unwrap();
+        for c in ["0.0", "0.1", "2.0", "2.1"] {
+            assert!(
+                pos(&format!("F{c}")) < pos(&format!("BW{c}")),
+                "{policy}: {order:?}"
+            );
+        }
+        for j in ["0", "1"] {
+            assert!(
+                pos(&format!("BW2.{j}")) < pos(&format!("BW0.{j}")),
+                "{policy}: {order:?}"
+            );
+        }
+    }
 }

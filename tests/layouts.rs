@@ -36,16 +36,14 @@ fn run(file: &str, sets: &[String]) -> Outcome {
         ..Default::default()
     };
     let report = train(&plan, &opts).unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"));
-    let expected: Vec<(String, Vec<usize>)> = plan
-        .params
-        .iter()
-        .map(|p| {
-            (
-                p.name.clone(),
-                p.hf_shape().iter().map(|&d| d as usize).collect(),
-            )
-        })
+    // Hugging Face's tensors (stacked experts are saved one tensor per expert), sorted by
+    // name so that layouts with and without stacked experts compare tensor by tensor.
+    let mut expected: Vec<(String, Vec<usize>)> = plan
+        .hf_tensors()
+        .into_iter()
+        .map(|(name, shape)| (name, shape.iter().map(|&d| d as usize).collect()))
         .collect();
+    expected.sort();
     let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
     let values = megac_runtime::hf::load_params(&out, &expected, tied).unwrap();
     let params = expected.into_iter().map(|(n, _)| n).zip(values).collect();
@@ -76,7 +74,13 @@ fn assert_equivalent(file: &str, base: &[&str], layouts: &[&[&str]]) {
                 step + 1
             );
         }
-        for ((name, got), (_, want)) in params.iter().zip(&ref_params) {
+        assert_eq!(
+            params.len(),
+            ref_params.len(),
+            "{file} {layout:?}: tensor count"
+        );
+        for ((name, got), (ref_name, want)) in params.iter().zip(&ref_params) {
+            assert_eq!(name, ref_name, "{file} {layout:?}: tensors differ");
             // GPT-2's key bias gets an exactly-zero gradient in real arithmetic (softmax
             // ignores it): only rounding noise reaches it, which AdamW normalises into steps
             // of up to lr, differently for every summation order. Skip those elements.
@@ -293,6 +297,8 @@ fn pipeline_parallel_schedules() {
         &[
             &["parallel.pp=2"],
             &["parallel.pp=4"],
+            // Uneven stages, as a user balances the embedding and head by hand.
+            &["parallel.pp=4", "parallel.stage_layers=[1, 3, 3, 1]"],
             &["parallel.pp=2", "parallel.schedule=gpipe"],
             &["parallel.pp=4", "parallel.schedule=zb-h1"],
             &[
@@ -307,6 +313,29 @@ fn pipeline_parallel_schedules() {
             ],
         ],
     );
+}
+
+#[test]
+fn pipeline_stages_balanced_by_cost() {
+    // 6 layers do not split evenly over 4 chunks: the cost-balanced split does it.
+    let base = &[
+        "train.micro_batch=2",
+        "train.global_batch=8",
+        "model.layers=6",
+    ];
+    let balanced = ["parallel.pp=4", "parallel.stage_layers=\"balanced\""];
+    assert_equivalent("llama-tiny.toml", base, &[&balanced]);
+    let sets: Vec<String> = base
+        .iter()
+        .chain(&balanced)
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("llama-tiny.toml", &sets);
+    // Every chunk got at least one layer; the last (with the head) no more than the first.
+    let kernels = |r: &megac_ir::plan::Role| r.pipeline.as_ref().unwrap().chunks[0].forward.len();
+    let first = kernels(&plan.roles[0]);
+    assert!(plan.roles.iter().all(|r| kernels(r) > 0));
+    assert!(kernels(&plan.roles[3]) <= first + 8, "{first}");
 }
 
 #[test]
@@ -328,6 +357,18 @@ fn pipeline_dynamic_dpp_policies() {
             &dpp("parallel.dpp_policy=adaptive"),
         ],
     );
+    // Tensor- and context-parallel peers agree on every dynamic choice.
+    assert_equivalent(
+        "llama-tiny.toml",
+        PIPE,
+        &[&[
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.schedule=dpp",
+            "parallel.tp=2",
+            "parallel.cp=2",
+        ]],
+    );
 }
 
 #[test]
@@ -335,11 +376,161 @@ fn pipeline_with_tensor_sequence_and_data_parallelism() {
     assert_equivalent(
         "llama-tiny.toml",
         PIPE,
+        &[
+            &[
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            // ZeRO-1 per stage, the norm summed over dp, tp and pp.
+            &[
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=true",
+            ],
+        ],
+    );
+}
+
+#[test]
+fn pipeline_with_tied_embeddings_and_moe() {
+    // GPT-2 ties the head to the word embeddings: the last stage holds a copy, its gradient
+    // contribution flows back to the first stage, the update flows forward after each step.
+    let base = &[
+        "train.micro_batch=2",
+        "train.global_batch=8",
+        "model.layers=4",
+    ];
+    assert_equivalent(
+        "gpt-tiny.toml",
+        base,
+        &[
+            &["parallel.pp=2"],
+            &["parallel.pp=4", "parallel.schedule=zb-h1"],
+            &[
+                "parallel.pp=2",
+                "parallel.dp=2",
+                "parallel.distributed_optimizer=true",
+            ],
+        ],
+    );
+    // MoE: every layer's auxiliary loss reaches the loss on the last stage.
+    assert_equivalent(
+        "moe-tiny.toml",
+        &["train.micro_batch=2", "train.global_batch=8"],
+        &[
+            &["parallel.pp=2"],
+            &["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"],
+        ],
+    );
+}
+
+#[test]
+fn forward_backward_decoupling() {
+    // MegaFBD: a forward role per stage on its own ranks; the backward roles recompute from
+    // the stage inputs their twins send, and send the updated parameters back.
+    assert_equivalent(
+        "llama-tiny.toml",
+        PIPE,
+        &[
+            &["parallel.pp=2", "parallel.fbd=true"],
+            &[
+                "parallel.pp=4",
+                "parallel.fbd=true",
+                "parallel.schedule=zb-h1",
+            ],
+        ],
+    );
+    assert_equivalent(
+        "gpt-tiny.toml",
+        &[
+            "train.micro_batch=2",
+            "train.global_batch=8",
+            "model.layers=4",
+        ],
+        &[&["parallel.pp=2", "parallel.fbd=true"]],
+    );
+    // The forward roles keep no gradients, optimizer state or activations beyond one
+    // micro-batch.
+    let sets: Vec<String> = PIPE
+        .iter()
+        .chain(&["parallel.pp=2", "parallel.fbd=true"])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("llama-tiny.toml", &sets);
+    assert_eq!(plan.rank_to_role.len(), 4);
+    let forward: Vec<_> = plan
+        .roles
+        .iter()
+        .filter(|r| r.name.ends_with(".forward"))
+        .collect();
+    assert_eq!(forward.len(), 2);
+    for r in forward {
+        let mem = r.memory.as_ref().unwrap();
+        assert_eq!((mem.grad_bytes, mem.opt_state_bytes), (0, 0), "{}", r.name);
+        let pipe = r.pipeline.as_ref().unwrap();
+        assert!(pipe
+            .chunks
+            .iter()
+            .all(|c| c.slots == 1 && c.backward.is_empty()));
+    }
+}
+
+/// Expert parallelism (experts split over ep, folded over dp·cp; all-to-all dispatch and
+/// combine), alone and with tensor and sequence parallelism.
+#[test]
+fn expert_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.dp=2", "parallel.ep=2"],
+            &["parallel.dp=4", "parallel.ep=4"],
+            &["parallel.dp=4", "parallel.ep=2"],
+        ],
+    );
+    // Token dropping: each micro-batch keeps the same tokens as on one device.
+    assert_equivalent(
+        "moe-tiny.toml",
+        &[
+            "train.micro_batch=2",
+            "train.global_batch=8",
+            "model.moe.capacity_factor=1.0",
+        ],
+        &[&["parallel.dp=2", "parallel.ep=2"]],
+    );
+}
+
+/// Expert parallelism with tensor parallelism (experts replicated over tp) and sequence
+/// parallelism.
+#[test]
+fn expert_and_tensor_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
         &[&[
-            "parallel.pp=2",
-            "parallel.tp=2",
             "parallel.dp=2",
+            "parallel.ep=2",
+            "parallel.tp=2",
             "parallel.sequence_parallel=true",
         ]],
+    );
+}
+
+/// Context parallelism with MoE: routing on each rank's sequence chunks, the load-balancing
+/// statistics summed over cp; with ep = 2 the experts split over the cp ranks.
+#[test]
+fn context_parallel_moe() {
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.cp=2"],
+            &["parallel.cp=2", "parallel.ep=2"],
+            &["parallel.cp=2", "parallel.dp=2", "parallel.ep=4"],
+        ],
     );
 }

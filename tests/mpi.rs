@@ -396,3 +396,21 @@ fn more_layouts_over_mpi_match_local_threads() {
         4,
     );
 }
+
+/// Pipeline stages exchange tagged messages (MPI tags) and the tied copy of GPT-2's
+/// embeddings; FBD adds forward roles on their own processes.
+#[test]
+fn pipelines_over_mpi_match_local_threads() {
+    mpi_matches_local(&["parallel.pp=2", "model.layers=4", BATCH[0], BATCH[1]], 2);
+    mpi_matches_local_model(
+        "examples/gpt-tiny.toml",
+        &[
+            "parallel.pp=2",
+            "parallel.fbd=true",
+            "parallel.schedule=zb-h1",
+            BATCH[0],
+            BATCH[1],
+        ],
+        4,
+    );
+}

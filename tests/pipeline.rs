@@ -351,3 +351,61 @@ fn sequence_parallel_collectives_per_layer() {
     assert_eq!(all_reduces, 0, "no tp all-reduce anywhere in the step");
     insta::assert_snapshot!("llama-tiny__tp2_sp", module.dump());
 }
+
+/// Expert parallelism: per MoE layer, forward one all-to-all over ep that sends tokens to
+/// their experts' ranks and one that brings the outputs back; backward the mirror (the
+/// output gradients to the experts, the input gradients back). Expert weights are split
+/// over ep and their gradients reduced over the expert-data-parallel group only.
+#[test]
+fn expert_parallel_collectives_per_layer() {
+    use megac_ir::{Axis, OpKind};
+    use megac_passes::recompute::layer_of;
+    let sets = [
+        "parallel.dp=4",
+        "parallel.ep=2",
+        "train.micro_batch=2",
+        "train.global_batch=8",
+    ];
+    let module = run_pipeline(load("moe-tiny.toml", &sets), None, true).unwrap();
+    let g = module.graph.as_ref().unwrap();
+    let text = module.dump();
+    assert_eq!(parse_graph(&text).unwrap(), *g);
+    let backward_start = g
+        .ops
+        .iter()
+        .position(|op| op.kind.name().contains("_grad"))
+        .unwrap();
+    for layer in ["model.layers.0", "model.layers.1"] {
+        let a2a = |ops: &[megac_ir::Op]| -> Vec<(u64, u64)> {
+            ops.iter()
+                .filter(|op| layer_of(&op.path) == Some(layer))
+                .filter_map(|op| match &op.kind {
+                    OpKind::AllToAll {
+                        axes,
+                        split,
+                        concat,
+                    } if axes == &[Axis::Ep] => Some((*split, *concat)),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert_eq!(a2a(&g.ops[..backward_start]), [(0, 1), (1, 0)], "{layer}");
+        assert_eq!(a2a(&g.ops[backward_start..]), [(0, 1), (1, 0)], "{layer}");
+    }
+    // Expert gradients: split over ep, summed over the 2 ranks holding the same experts.
+    let w1 = "model.layers.0.block_sparse_moe.experts.w1.weight";
+    let p = g.params().find(|(_, n, _)| *n == w1).unwrap().0;
+    assert_eq!(g.ty(p).layout.shards[0], vec![Axis::Ep]);
+    let reduce = g
+        .ops
+        .iter()
+        .find(|op| op.path == format!("optimizer.reduce.{w1}"))
+        .unwrap();
+    assert_eq!(
+        reduce.kind,
+        OpKind::AllReduce {
+            axes: vec![Axis::Edp]
+        }
+    );
+    assert!(text.contains("{experts:ep, tokens:edp} = all_to_all("));
+}

@@ -49,21 +49,32 @@ pub fn emit_plan(
 ) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
     let m = &spec.model;
-    if p.ep > 1 || p.fbd || (p.cp > 1 && m.moe.is_some()) {
-        return Err(CodegenError::Unsupported(format!(
-            "this build does not emit the layout cp={} ep={}{}: it needs the expert-parallel pass or forward/backward decoupling (or context parallelism for MoE), which are not implemented yet",
-            p.cp,
-            p.ep,
-            if p.fbd { " fbd" } else { "" },
-        )));
+    if p.fbd && p.pp < 2 {
+        return Err(CodegenError::Unsupported(
+            "parallel.fbd = true decouples the forward and backward of pipeline stages: set parallel.pp to 2 or more".into(),
+        ));
+    }
+    if p.ep > 1 && p.distributed_optimizer {
+        return Err(CodegenError::Unsupported(
+            "the distributed optimizer does not shard expert-parallel gradients yet; set parallel.distributed_optimizer = false or parallel.ep = 1".into(),
+        ));
+    }
+    if p.cp > 1 && m.moe.as_ref().is_some_and(|moe| moe.capacity_factor > 0.0) {
+        return Err(CodegenError::Unsupported(
+            "token dropping (model.moe.capacity_factor > 0) with context parallelism is not supported; use a dropless MoE with cp".into(),
+        ));
     }
     let mut e = Emitter::new(spec, graph);
     e.emit()?;
     if p.pp > 1 {
         let split = pipeline::split(&mut e)?;
         let mesh = &graph.mesh;
+        // Backward (or only) roles are 0..pp, FBD's forward roles pp..2pp.
         let rank_to_role = (0..mesh.world_size())
-            .map(|r| mesh.coord(r, megac_ir::Axis::Pp) as u32)
+            .map(|r| {
+                let pp = mesh.size(megac_ir::Axis::Pp) as usize;
+                (mesh.coord(r, megac_ir::Axis::Pp) + pp * mesh.coord(r, megac_ir::Axis::Fbd)) as u32
+            })
             .collect();
         return Ok(e.into_plan(split.roles, rank_to_role, split.memory, flops_per_step));
     }
@@ -211,6 +222,32 @@ impl<'a> Emitter<'a> {
                 if d.name == "b" {
                     // The global batch becomes one data-parallel rank's micro-batch.
                     t.micro_batch
+                } else if d.name == "tokens" {
+                    // MoE token rows: one micro-batch's tokens (its share under cp) or the
+                    // capacity; on the experts' ranks (experts split over ep) the rows of
+                    // the whole ep group.
+                    let base = if d.dynamic {
+                        d.size * t.micro_batch / t.global_batch
+                    } else {
+                        d.size
+                    };
+                    let mesh = &self.g.mesh;
+                    let cp = if axes.contains(&megac_ir::Axis::Cp) {
+                        mesh.size(megac_ir::Axis::Cp)
+                    } else {
+                        1
+                    };
+                    let on_experts = ty
+                        .layout
+                        .shards
+                        .first()
+                        .is_some_and(|a| a.contains(&megac_ir::Axis::Ep));
+                    let ep = if on_experts {
+                        mesh.size(megac_ir::Axis::Ep)
+                    } else {
+                        1
+                    };
+                    base / cp * ep
                 } else if d.dynamic {
                     d.size * t.micro_batch / t.global_batch
                 } else {
@@ -352,7 +389,10 @@ impl<'a> Emitter<'a> {
                 .collect();
             let padded_vocab = global.first().copied().unwrap_or(0) > self.spec.model.vocab
                 && g.ty(v).dims.first().is_some_and(|d| d.name == "vocab");
+            let stacked = ty.dims.first().is_some_and(|d| d.name == "experts");
             self.params.push(ParamEntry {
+                per_expert: (stacked && name.contains(".experts."))
+                    .then(|| name.replacen(".experts.", ".experts.{}.", 1)),
                 name: name.to_string(),
                 hf_rows: padded_vocab.then_some(self.spec.model.vocab),
                 blocks: if blocks.iter().all(|&b| b == 1) {
@@ -371,6 +411,7 @@ impl<'a> Emitter<'a> {
                 grad,
                 exp_avg,
                 exp_avg_sq,
+                tied_copies: Vec::new(),
             });
         }
         for (i, value) in g.values.iter().enumerate() {
@@ -609,8 +650,29 @@ impl<'a> Emitter<'a> {
     /// AdamW state; the parameters are all-gathered back. The gradient norm sums the squares
     /// of every rank's slice over dp.
     fn zero1(&mut self, dp: u64) -> Result<(), CodegenError> {
+        let norm = match self.results.get("grad_norm") {
+            Some(&b) => b,
+            None => return Err(CodegenError::Incomplete("no grad_norm result".into())),
+        };
+        let program = std::mem::take(&mut self.optimizer);
+        let all: Vec<usize> = (0..self.params.len()).collect();
+        self.optimizer = self.zero1_program(dp, &program, &all, norm, &[])?;
+        Ok(())
+    }
+
+    /// The ZeRO-1 optimizer program replacing `program` for the parameters `params` (indices
+    /// into `self.params`, laid out from offset 0 of their arenas), writing the norm to
+    /// `norm`, whose squares are also summed over `norm_axes` (pipeline stages).
+    fn zero1_program(
+        &mut self,
+        dp: u64,
+        program_in: &[Instr],
+        params: &[usize],
+        norm: BufId,
+        norm_axes_extra: &[megac_ir::Axis],
+    ) -> Result<Vec<Instr>, CodegenError> {
         use megac_ir::Axis;
-        let hp = self.optimizer.iter().find_map(|i| match i {
+        let hp = program_in.iter().find_map(|i| match i {
             Instr::Kernel {
                 op: op @ OpKind::AdamW { .. },
                 ..
@@ -622,14 +684,10 @@ impl<'a> Emitter<'a> {
                 "no AdamW step to distribute".into(),
             ));
         };
-        let norm = match self.results.get("grad_norm") {
-            Some(&b) => b,
-            None => return Err(CodegenError::Incomplete("no grad_norm result".into())),
-        };
         // Gradients that are also pending sums over other axes (cp, or tp for norm weights
         // under sequence parallelism) are reduced over those first, in place.
         let mut program = Vec::new();
-        for instr in &self.optimizer {
+        for instr in program_in {
             if let Instr::Kernel {
                 op: OpKind::AllReduce { axes },
                 inputs,
@@ -651,11 +709,18 @@ impl<'a> Emitter<'a> {
         // split over tp. Each is sharded over dp on its own, so every shard knows whether its
         // squares count once per tp group (replicated) or per rank (split).
         let tp_split = |e: &ParamEntry| e.shards.iter().any(|a| a.contains(&Axis::Tp));
-        let mut order: Vec<usize> = (0..self.params.len())
+        let mut order: Vec<usize> = params
+            .iter()
+            .copied()
             .filter(|&i| !tp_split(&self.params[i]))
             .collect();
         let split_start = order.len();
-        order.extend((0..self.params.len()).filter(|&i| tp_split(&self.params[i])));
+        order.extend(
+            params
+                .iter()
+                .copied()
+                .filter(|&i| tp_split(&self.params[i])),
+        );
         let mut segments: Vec<(u64, u64, bool)> = Vec::new(); // (offset, padded length, tp split)
         let mut offset = 0u64;
         for (seg, range) in [(false, 0..split_start), (true, split_start..order.len())] {
@@ -738,6 +803,7 @@ impl<'a> Emitter<'a> {
         if segments.iter().any(|s| s.2) {
             norm_axes.push(Axis::Tp);
         }
+        norm_axes.extend_from_slice(norm_axes_extra);
         program.push(Instr::Kernel {
             op: OpKind::GradNorm { axes: norm_axes },
             inputs: norm_inputs,
@@ -761,8 +827,7 @@ impl<'a> Emitter<'a> {
                 path: format!("optimizer.all_gather.segment{k}"),
             });
         }
-        self.optimizer = program;
-        Ok(())
+        Ok(program)
     }
 
     fn unplanned_activation_bytes(&self) -> u64 {

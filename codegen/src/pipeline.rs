@@ -3,10 +3,10 @@
 //! The emitter first lowers the whole graph as for one pipeline stage (one micro-batch
 //! program, one optimizer program). This module then
 //! 1. gives every micro-batch instruction a chunk (virtual stage) from its provenance path:
-//!    the embedding in chunk 0, layer `l` in chunk `l / (layers / (pp·vpp))`, the final norm,
-//!    head and loss in the last chunk; and a phase: forward `F`, input-gradient backward `B`,
-//!    or, for zero-bubble schedules, weight-gradient `W` (kernels that only write parameter
-//!    gradients);
+//!    the embedding in chunk 0, the layers in contiguous runs ([`megac_passes::stages`]), the
+//!    final norm, head and loss in the last chunk; and a phase: forward `F`, input-gradient
+//!    backward `B`, or, for zero-bubble schedules, weight-gradient `W` (kernels that only
+//!    write parameter gradients);
 //! 2. gives every activation the chunk that produces it; a chunk that reads another chunk's
 //!    activation gets its own copy, filled by a `Recv` at the start of its first segment that
 //!    reads it and sent by a `Send` at the end of the producer's segment (transfers go forward
@@ -60,15 +60,16 @@ pub(crate) struct Split {
     pub memory: MemoryPlan,
 }
 
-/// The chunk of a micro-batch instruction, from its provenance path.
-fn chunk_of_path(path: &str, layers_per_chunk: u64, chunks: u32) -> u32 {
+/// The chunk of a micro-batch instruction, from its provenance path; `chunk_of_layer[l]` is
+/// layer l's chunk.
+fn chunk_of_path(path: &str, chunk_of_layer: &[u32], chunks: u32) -> u32 {
     let layer = ["model.layers.", "transformer.h."]
         .iter()
         .find_map(|p| path.strip_prefix(p))
         .and_then(|rest| rest.split('.').next())
-        .and_then(|n| n.parse::<u64>().ok());
+        .and_then(|n| n.parse::<usize>().ok());
     if let Some(l) = layer {
-        return ((l / layers_per_chunk) as u32).min(chunks - 1);
+        return chunk_of_layer.get(l).copied().unwrap_or(chunks - 1);
     }
     let first = ["model.embed_tokens", "transformer.wte", "transformer.wpe"];
     if first
@@ -92,18 +93,13 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     let (pp, vpp) = (p.pp as u32, p.vpp as u32);
     let nc = pp * vpp;
     let m = spec.train.microbatches(p.dp) as u32;
-    if p.distributed_optimizer && p.dp > 1 {
-        return Err(unsupported(
-            "the distributed optimizer is not combined with pipeline parallelism yet; set parallel.distributed_optimizer = false or pp = 1".into(),
-        ));
-    }
-    let layers = spec.model.layers;
-    if layers < u64::from(nc) || !layers.is_multiple_of(u64::from(nc)) {
-        return Err(unsupported(format!(
-            "{layers} layers do not split into pp·vpp = {nc} equal chunks"
-        )));
-    }
-    let lpc = layers / u64::from(nc);
+    // Layers per chunk: the stage pass's split.
+    let per_chunk = megac_passes::stages::chunk_layers(spec).map_err(unsupported)?;
+    let chunk_of_layer: Vec<u32> = per_chunk
+        .iter()
+        .enumerate()
+        .flat_map(|(c, &n)| std::iter::repeat_n(c as u32, n as usize))
+        .collect();
     let kind = schedule_kind(p);
     let split_bw = matches!(kind, ScheduleKind::ZbH1);
     let lists = schedule::schedule(kind, pp, vpp, m)
@@ -119,7 +115,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     for i in (0..program.len()).rev() {
         place[i] = match &program[i] {
             Instr::Kernel { path, outputs, .. } => {
-                let chunk = chunk_of_path(path, lpc, nc);
+                let chunk = chunk_of_path(path, &chunk_of_layer, nc);
                 let phase = if i < first_backward {
                     Phase::F
                 } else if split_bw
@@ -180,13 +176,36 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             }
         }
     }
+    // Tied parameters (GPT-2's word embeddings, read by the head on the last stage): the
+    // stage that accumulates the gradient updates the parameter and sends it to a copy on
+    // every other stage that reads it after each optimizer step. The other stages' gradient
+    // contributions reach it as backward transfers, like any cross-chunk activation.
+    let mut home: BTreeMap<BufId, u32> = BTreeMap::new();
+    let mut param_copy: BTreeMap<(BufId, u32), BufId> = BTreeMap::new(); // (param, stage)
     for (&b, stages) in &persistent_stage {
-        if stages.len() > 1 {
+        if stages.len() < 2 {
+            continue;
+        }
+        let entry = e.params.iter().position(|p| p.buffer == b);
+        let grad_stage = entry.and_then(|i| {
+            let g = persistent_stage.get(&e.params[i].grad)?;
+            (g.len() == 1).then(|| *g.iter().next().expect("one stage"))
+        });
+        let (Some(i), Some(h)) = (entry, grad_stage) else {
             return Err(unsupported(format!(
-                "`{}` is used by pipeline stages {:?}; tied embeddings across stages are not supported yet (set model.tie_embeddings = false, or pp = 1)",
-                e.buffers[b as usize].name,
-                stages
+                "`{}` is used by pipeline stages {stages:?}; only parameters can be shared between stages",
+                e.buffers[b as usize].name
             )));
+        };
+        home.insert(b, h);
+        for &s in stages.iter().filter(|&&s| s != h) {
+            let mut buf = e.buffers[b as usize].clone();
+            buf.name = format!("{}@stage{s}", buf.name);
+            buf.stage = Some(s);
+            let id = e.buffers.len() as BufId;
+            e.buffers.push(buf);
+            param_copy.insert((b, s), id);
+            e.params[i].tied_copies.push(id);
         }
     }
     // Copies: (root, chunk) -> copy root; (view, chunk) -> copy view.
@@ -257,11 +276,17 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             buffer: dst,
             chunk: o,
             transfer: t as u32,
+            twin: false,
         });
     }
     for (i, instr) in program.into_iter().enumerate() {
         let (c, ph) = place[i];
-        let map = |b: BufId| *copy.get(&(b, c)).unwrap_or(&b);
+        let map = |b: BufId| {
+            *copy
+                .get(&(b, c))
+                .or_else(|| param_copy.get(&(b, c % pp)))
+                .unwrap_or(&b)
+        };
         let instr = match instr {
             Instr::Kernel {
                 op,
@@ -286,12 +311,13 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             buffer: src,
             chunk: c,
             transfer: t as u32,
+            twin: false,
         });
     }
 
     // 3. Stages of persistent buffers; the optimizer program per stage.
     for (&b, stages) in &persistent_stage {
-        e.buffers[b as usize].stage = stages.iter().next().copied();
+        e.buffers[b as usize].stage = home.get(&b).or(stages.iter().next()).copied();
     }
     for (&r, &c) in &owner {
         e.buffers[r as usize].stage = Some(c % pp);
@@ -389,6 +415,24 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         }
     }
 
+    // Refresh the tied copies after the update (appended after the optimizer below).
+    let mut refresh: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
+    for (next_transfer, (&(b, s), &copy_id)) in (transfers.len() as u32..).zip(&param_copy) {
+        let h = home[&b];
+        refresh[h as usize].push(Instr::Send {
+            buffer: b,
+            chunk: s,
+            transfer: next_transfer,
+            twin: false,
+        });
+        refresh[s as usize].push(Instr::Recv {
+            buffer: copy_id,
+            chunk: h,
+            transfer: next_transfer,
+            twin: false,
+        });
+    }
+
     // 4. Memory per stage: persistent arenas packed per stage, then buckets.
     for class in [BufferClass::Param, BufferClass::Grad, BufferClass::OptState] {
         for s in 0..pp {
@@ -401,13 +445,50 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             }
         }
     }
+    let zero1 = p.distributed_optimizer && p.dp > 1;
     for (s, prog) in opt.iter_mut().enumerate() {
         let before = e.buffers.len();
-        *prog = e.bucketed(std::mem::take(prog));
+        if zero1 {
+            // ZeRO-1 per stage over the stage's own parameters; the squares of the norm are
+            // summed over pp too. Tied copies go after the stage's flat segments.
+            let mine: Vec<usize> = (0..e.params.len())
+                .filter(|&i| e.buffers[e.params[i].buffer as usize].stage == Some(s as u32))
+                .collect();
+            *prog = e.zero1_program(p.dp, prog, &mine, norms[s], &[Axis::Pp])?;
+        } else {
+            *prog = e.bucketed(std::mem::take(prog));
+        }
         for b in &mut e.buffers[before..] {
             b.stage = Some(s as u32);
             b.name = format!("{}@stage{s}", b.name);
         }
+        if zero1 {
+            let copies: Vec<BufId> = param_copy
+                .iter()
+                .filter(|((_, cs), _)| *cs == s as u32)
+                .map(|(_, &id)| id)
+                .collect();
+            let mut end = e
+                .buffers
+                .iter()
+                .enumerate()
+                .filter(|(i, b)| {
+                    b.class == BufferClass::Param
+                        && b.stage == Some(s as u32)
+                        && !copies.contains(&(*i as BufId))
+                })
+                .map(|(_, b)| {
+                    let far = b.rank_offset.as_ref().map_or(0, |r| (p.dp - 1) * r.stride);
+                    b.offset + far + b.len()
+                })
+                .max()
+                .unwrap_or(0);
+            for c in copies {
+                e.buffers[c as usize].offset = end;
+                end += e.buffers[c as usize].len();
+            }
+        }
+        prog.append(&mut refresh[s]);
     }
 
     // Slots: the most micro-batches of a chunk in flight under the schedule.
@@ -598,6 +679,15 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     for b in e.inputs.values() {
         e.buffers[*b as usize].stage = None;
     }
+    if p.fbd {
+        let total = transfers.len() as u32 + param_copy.len() as u32;
+        let consumer_phase: Vec<Phase> = transfers.iter().map(|t| t.5).collect();
+        let forward = fbd_forward_roles(e, &mut roles, &consumer_phase, total, m);
+        for r in &forward {
+            mems.push(r.memory.clone().unwrap_or_default());
+        }
+        roles.extend(forward);
+    }
     let max = |f: fn(&MemoryPlan) -> u64| mems.iter().map(f).max().unwrap_or(0);
     let memory = MemoryPlan {
         param_bytes: max(|m| m.param_bytes),
@@ -609,4 +699,142 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         input_bytes: max(|m| m.input_bytes),
     };
     Ok(Split { roles, memory })
+}
+
+/// MegaFBD: a forward role per stage (roles `pp..2pp`, the `fbd` coordinate 1). It runs only
+/// the forward segments, micro-batch after micro-batch, with one activation slot per chunk,
+/// exchanges activations with the other stages' forward roles, and sends every stage input it
+/// receives to its twin, the backward role (the stage's role from the split), which receives
+/// them instead of the previous stage's activations, recomputes the forward, runs the backward
+/// and the optimizer, and sends the updated parameters back to the forward role after every
+/// step. Transfer ids: the twin's stage inputs `base + t`, the parameters after them.
+fn fbd_forward_roles(
+    e: &Emitter,
+    roles: &mut [Role],
+    consumer_phase: &[Phase],
+    base: u32,
+    m: u32,
+) -> Vec<Role> {
+    let twin_id = |t: u32| base + t;
+    let mut next_param = base + consumer_phase.len() as u32;
+    let mut forward_roles = Vec::new();
+    for (s, role) in roles.iter_mut().enumerate() {
+        let s = s as u32;
+        let Some(pipe) = role.pipeline.as_mut() else {
+            continue;
+        };
+        let forward_phase = |t: u32| {
+            consumer_phase
+                .get(t as usize)
+                .is_none_or(|&ph| ph == Phase::F)
+        };
+        let mut fchunks = Vec::new();
+        let mut fbase = 0u64;
+        for chunk in &mut pipe.chunks {
+            let c = chunk.chunk;
+            let mut fwd = Vec::new();
+            let mut bwd_fwd = Vec::new();
+            for instr in &chunk.forward {
+                match *instr {
+                    Instr::Recv {
+                        buffer, transfer, ..
+                    } => {
+                        // The forward role receives from the previous stage's forward role
+                        // and passes the stage input on to its twin.
+                        fwd.push(instr.clone());
+                        fwd.push(Instr::Send {
+                            buffer,
+                            chunk: c,
+                            transfer: twin_id(transfer),
+                            twin: true,
+                        });
+                        bwd_fwd.push(Instr::Recv {
+                            buffer,
+                            chunk: c,
+                            transfer: twin_id(transfer),
+                            twin: true,
+                        });
+                    }
+                    Instr::Send { transfer, .. } if forward_phase(transfer) => {
+                        fwd.push(instr.clone());
+                    }
+                    Instr::Send { .. } => bwd_fwd.push(instr.clone()),
+                    _ => {
+                        fwd.push(instr.clone());
+                        bwd_fwd.push(instr.clone());
+                    }
+                }
+            }
+            chunk.forward = bwd_fwd;
+            fchunks.push(ChunkProgram {
+                chunk: c,
+                forward: fwd,
+                backward: Vec::new(),
+                weight: Vec::new(),
+                activation_base: fbase,
+                activation_elems: chunk.activation_elems,
+                slots: 1,
+                inputs: chunk.inputs.clone(),
+            });
+            fbase += chunk.activation_elems;
+        }
+        // Updated parameters (and tied copies) go to the forward role after each step.
+        let mut recvs = Vec::new();
+        for entry in &e.params {
+            for b in std::iter::once(entry.buffer).chain(entry.tied_copies.iter().copied()) {
+                if e.buffers[b as usize].stage != Some(s) {
+                    continue;
+                }
+                let send = Instr::Send {
+                    buffer: b,
+                    chunk: s,
+                    transfer: next_param,
+                    twin: true,
+                };
+                role.optimizer.push(send);
+                recvs.push(Instr::Recv {
+                    buffer: b,
+                    chunk: s,
+                    transfer: next_param,
+                    twin: true,
+                });
+                next_param += 1;
+            }
+        }
+        let actions = (0..m)
+            .flat_map(|j| {
+                fchunks.iter().map(move |c| PipeAction {
+                    kind: PipeKind::F,
+                    chunk: c.chunk,
+                    microbatch: j,
+                })
+            })
+            .collect();
+        let mem = role.memory.clone().unwrap_or_default();
+        let memory = MemoryPlan {
+            grad_bytes: 0,
+            opt_state_bytes: 0,
+            activation_bytes: fbase * 4,
+            activation_bytes_unplanned: fbase * 4,
+            activation_bytes_live: fbase * 4,
+            ..mem
+        };
+        forward_roles.push(Role {
+            name: format!("stage{s}.forward"),
+            microbatch: Vec::new(),
+            optimizer: recvs,
+            inputs: role.inputs.clone(),
+            results: BTreeMap::new(),
+            result_axes: BTreeMap::new(),
+            pipeline: Some(Pipeline {
+                schedule: "fbd-forward".into(),
+                chunks_total: pipe.chunks_total,
+                chunks: fchunks,
+                actions,
+                dpp: None,
+            }),
+            memory: Some(memory),
+        });
+    }
+    forward_roles
 }

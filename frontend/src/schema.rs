@@ -68,6 +68,7 @@ const PARALLEL_KEYS: &[&str] = &[
     "fbd",
     "cp_comm",
     "order",
+    "stage_layers",
 ];
 const CLUSTER_KEYS: &[&str] = &["device", "nodes", "gpus_per_node"];
 const TOP_KEYS: &[&str] = &["model", "train", "parallel", "cluster"];
@@ -243,6 +244,38 @@ impl<'a> Section<'a> {
             .with_help(format!("{} must be {range}", self.full(key))));
         }
         Ok(x)
+    }
+
+    /// An array of positive integers (empty when the key is absent).
+    fn positive_list(&mut self, key: &str) -> Result<Vec<u64>, SpecError> {
+        let Some(e) = self.take(key) else {
+            return Ok(Vec::new());
+        };
+        let Raw::Array(items) = &e.value else {
+            return Err(self.type_error(key, &e, "an array of positive integers or \"balanced\""));
+        };
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            match item.value {
+                Raw::Int(n) if n > 0 && (n as u64) <= MAX_SIZE => out.push(n as u64),
+                _ => {
+                    return Err(SpecError::new(
+                        self.file,
+                        item.origin.clone(),
+                        format!(
+                            "{} holds {}, not a positive integer",
+                            self.full(key),
+                            value_text(&item.value)
+                        ),
+                    )
+                    .with_help(format!(
+                        "{} lists the layers of every pipeline chunk, e.g. [7, 8, 8, 9]",
+                        self.full(key)
+                    )))
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn boolean(&mut self, key: &str, default: bool) -> Result<bool, SpecError> {
@@ -726,6 +759,24 @@ fn read_parallel(
             }
         }
     };
+    let (stage_layers, balance_stages) = match s.table.get("stage_layers").map(|e| &e.value) {
+        Some(Raw::Str(_)) => {
+            if let Some((text, origin)) = s.string("stage_layers")? {
+                if text != "balanced" {
+                    return Err(SpecError::new(
+                        file,
+                        origin,
+                        format!("parallel.stage_layers = \"{text}\" is not a split"),
+                    )
+                    .with_help(
+                        "use \"balanced\" (split by a per-layer cost estimate) or list the layers of every chunk, e.g. [7, 9, 9, 7]",
+                    ));
+                }
+            }
+            (Vec::new(), true)
+        }
+        _ => (s.positive_list("stage_layers")?, false),
+    };
     s.finish()?;
     Ok(ParallelSection {
         tp,
@@ -741,6 +792,8 @@ fn read_parallel(
         fbd,
         cp_comm,
         order,
+        stage_layers,
+        balance_stages,
     })
 }
 

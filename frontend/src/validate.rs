@@ -207,7 +207,45 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
 
     // Pipeline parallelism.
     let chunks = p.pp * p.vpp;
-    if !m.layers.is_multiple_of(chunks) {
+    if !p.stage_layers.is_empty() {
+        let given = p.stage_layers.len() as u64;
+        let sum: u64 = p.stage_layers.iter().sum();
+        if given != chunks {
+            return Err(c.err(
+                "parallel.stage_layers",
+                format!(
+                    "parallel.stage_layers lists {given} chunk{} but pp·vpp = {}·{} = {chunks}",
+                    if given == 1 { "" } else { "s" },
+                    p.pp,
+                    p.vpp
+                ),
+                "give one layer count per pipeline chunk, in chunk order".into(),
+            ));
+        }
+        if sum != m.layers {
+            return Err(c.err(
+                "parallel.stage_layers",
+                format!(
+                    "parallel.stage_layers adds up to {sum} layers but {}",
+                    c.show("model.layers", m.layers)
+                ),
+                "the chunks together hold every layer exactly once".into(),
+            ));
+        }
+    } else if p.balance_stages {
+        if m.layers < chunks {
+            return Err(c.err(
+                "parallel.stage_layers",
+                format!(
+                    "{} cannot fill pp·vpp = {}·{} = {chunks} pipeline chunks",
+                    c.show("model.layers", m.layers),
+                    p.pp,
+                    p.vpp
+                ),
+                "every chunk holds at least one layer: lower pp or vpp".into(),
+            ));
+        }
+    } else if !m.layers.is_multiple_of(chunks) {
         let key = if p.vpp > 1 {
             "parallel.vpp"
         } else {
@@ -243,7 +281,7 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                 p.vpp
             ),
             format!(
-                "every pipeline chunk holds the same number of layers; {}",
+                "every pipeline chunk holds the same number of layers unless parallel.stage_layers lists them (or is \"balanced\"); {}",
                 options.join("; ")
             ),
         ));
@@ -408,6 +446,17 @@ pub fn validate(file: &str, spec: &ModelSpec, origins: &Origins) -> Result<(), S
                         "expert parallelism folds over the data-parallel ranks (as in Megatron); valid ep: {}",
                         list(&valid_ep)
                     ),
+                ));
+            }
+            if p.cp > 1 && moe.capacity_factor > 0.0 {
+                return Err(c.err(
+                    "model.moe.capacity_factor",
+                    format!(
+                        "{} with {}",
+                        c.show("model.moe.capacity_factor", moe.capacity_factor),
+                        c.show("parallel.cp", p.cp)
+                    ),
+                    "token dropping keeps the first tokens of a micro-batch, which context parallelism splits over ranks; use a dropless MoE (capacity_factor = 0) with cp, or cp = 1".into(),
                 ));
             }
             if p.tp > 1 && !p.sequence_parallel {

@@ -11,12 +11,15 @@
 //! chunk (`F` forward, `B` backward, `W` weight, `BW` backward then weight) with the
 //! action's micro-batch, and then the optimizer program. The events of a stream are
 //! - collectives: the explicit ones (`all_reduce`, `all_gather`, `reduce_scatter`, the group
-//!   reduction of `grad_norm`) and the ones kernels make implicitly from buffer layouts
-//!   (the vocab-parallel cross-entropy reduces over tp, context-parallel attention exchanges
-//!   over cp); a group of fewer than two members is no communication;
+//!   reduction of `grad_norm`) and the ones kernels make implicitly (the vocab-parallel
+//!   cross-entropy reduces over tp, context-parallel attention exchanges over cp, MoE's
+//!   all-to-all exchanges token counts and rows over ep); a group of fewer than two members
+//!   is no communication;
 //! - `Send`: to the rank with the same mesh coordinates but the pipeline one, which is
-//!   `chunk % pp`; tagged (transfer, micro-batch), as many elements as the buffer;
-//! - `Recv`: from the rank that holds `chunk`, with the same kind of tag.
+//!   `chunk % pp` (with `twin`, to the MegaFBD twin: the other fbd coordinate); tagged
+//!   (transfer, micro-batch), as many elements as the buffer; the optimizer program's
+//!   transfers (FBD's parameter refresh) are tagged with micro-batch 0 on both sides;
+//! - `Recv`: from the rank that holds `chunk` (or the twin), with the same kind of tag.
 //!
 //! **Blocking semantics.** Sends never wait: they deposit their message. A receive proceeds
 //! once the message with its tag from its peer is there (tags match messages, not arrival
@@ -30,14 +33,18 @@
 //!
 //! **Schedules.** Each pipelined role's action list must run, for every chunk it holds and
 //! every micro-batch, the forward once and the backward once (`BW`, or `B` then `W`), the
-//! forward before the backward. For `dpp` plans the reference order (`actions`) is checked;
-//! the dynamic runtime only reorders it as inputs arrive.
+//! forward before the backward; MegaFBD's forward roles (`fbd-forward`) run the forwards
+//! only. For `dpp` plans the reference order (`actions`) is checked; the dynamic runtime
+//! only reorders it as inputs arrive (its tensor- and context-parallel peers agree on each
+//! choice), so the order it checks is one the runtime may take.
 //!
 //! **Speed.** Ranks whose coordinates differ only along mesh axes on which the role table
 //! does not vary run identical programs; by symmetry they stay in lockstep, so the
 //! simulation runs one representative of each (the ranks whose coordinates along those axes
-//! are 0) and treats collectives over only those axes as agreed. A 1,024-rank plan with 16
-//! pipeline stages simulates 16 ranks.
+//! are 0) and treats collectives over only those axes as agreed. Candidates are tp, cp and
+//! dp (dp and cp not where expert groups, blocks of the dp·cp ranks, communicate); never pp
+//! or fbd, which transfers address. A 1,024-rank plan with 16 pipeline stages simulates 16
+//! ranks.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -59,12 +66,31 @@ pub fn check_plan(plan: &Plan) -> Result<(), String> {
             return Err(format!("rank {rank} has role {role}, which does not exist"));
         }
     }
-    let free = free_axes(plan);
-    let roles = plan
+    let mut roles = plan
         .roles
         .iter()
-        .map(|role| RoleProg::build(plan, role, free))
+        .map(|role| RoleProg::build(plan, role))
         .collect::<Result<Vec<_>, String>>()?;
+    // Expert groups are blocks of the dp·cp ranks: keep dp and cp out of the symmetry.
+    let expert = bit(Axis::Ep) | bit(Axis::Edp);
+    let uses_expert = roles.iter().any(|r| {
+        r.segments.iter().any(|s| {
+            s.events
+                .iter()
+                .any(|e| matches!(e.kind, Ev::Coll { mask, .. } if mask & expert != 0))
+        })
+    });
+    let mut free = free_axes(plan);
+    if uses_expert {
+        free &= !(bit(Axis::Dp) | bit(Axis::Cp));
+    }
+    // Collectives over free axes only are among identical copies of a rank: they agree.
+    for role in &mut roles {
+        for seg in &mut role.segments {
+            seg.events
+                .retain(|e| !matches!(e.kind, Ev::Coll { mask, .. } if mask & !free == 0));
+        }
+    }
     for (r, role) in plan.roles.iter().enumerate() {
         if let Some(rank) = plan.rank_to_role.iter().position(|&x| x as usize == r) {
             check_actions(plan, role, rank)?;
@@ -74,26 +100,36 @@ pub fn check_plan(plan: &Plan) -> Result<(), String> {
     Sim::new(plan, &roles, free).run()
 }
 
-/// Bit of a dense mesh axis in an axis mask (`ep` folds over other axes and has none).
+/// Bit of a mesh axis in an axis mask.
 fn bit(axis: Axis) -> u8 {
     match axis {
         Axis::Tp => 1,
         Axis::Cp => 2,
-        Axis::Ep => 0,
         Axis::Dp => 4,
         Axis::Pp => 8,
+        Axis::Ep => 16,
+        Axis::Edp => 32,
+        Axis::Fbd => 64,
     }
 }
 
-const DENSE: [Axis; 4] = [Axis::Tp, Axis::Cp, Axis::Dp, Axis::Pp];
+const AXES: [Axis; 7] = [
+    Axis::Tp,
+    Axis::Cp,
+    Axis::Dp,
+    Axis::Pp,
+    Axis::Ep,
+    Axis::Edp,
+    Axis::Fbd,
+];
 
 fn axes_of(mask: u8) -> Vec<Axis> {
-    DENSE.into_iter().filter(|&a| mask & bit(a) != 0).collect()
+    AXES.into_iter().filter(|&a| mask & bit(a) != 0).collect()
 }
 
-/// The axes (of size > 1) along which the role table is constant: ranks that differ only
-/// along them run the same programs. The pipeline axis is never free where it has more than
-/// one rank (transfers address absolute pipeline coordinates).
+/// The axes among tp, cp and dp (of size > 1) along which the role table is constant: ranks
+/// that differ only along them run the same programs. The pipeline and fbd axes are never
+/// free (transfers address absolute coordinates along them).
 fn free_axes(plan: &Plan) -> u8 {
     let mesh = &plan.mesh;
     let mut free = 0;
@@ -131,11 +167,15 @@ enum Ev {
     Send {
         chunk: u32,
         transfer: u32,
+        /// To the rank's FBD twin rather than the holder of `chunk`.
+        twin: bool,
         elements: u64,
     },
     Recv {
         chunk: u32,
         transfer: u32,
+        /// From the rank's FBD twin rather than the holder of `chunk`.
+        twin: bool,
         elements: u64,
     },
 }
@@ -165,12 +205,12 @@ struct RoleProg<'a> {
 }
 
 impl<'a> RoleProg<'a> {
-    fn build(plan: &Plan, role: &'a Role, free: u8) -> Result<RoleProg<'a>, String> {
+    fn build(plan: &Plan, role: &'a Role) -> Result<RoleProg<'a>, String> {
         let seg = |label: &'static str, instrs: &'a [Instr]| -> Result<Segment<'a>, String> {
             Ok(Segment {
                 label,
                 instrs,
-                events: events(plan, instrs, free)
+                events: events(plan, instrs)
                     .map_err(|e| format!("role {}: {label}: {e}", role.name))?,
             })
         };
@@ -235,10 +275,8 @@ impl<'a> RoleProg<'a> {
     }
 }
 
-/// The events of `instrs` that the simulation must see: transfers, and collectives over at
-/// least one axis that is not free (collectives over free axes only are among identical
-/// copies of a rank and always agree).
-fn events(plan: &Plan, instrs: &[Instr], free: u8) -> Result<Vec<Event>, String> {
+/// The events of `instrs`: transfers, and collectives over groups of more than one rank.
+fn events(plan: &Plan, instrs: &[Instr]) -> Result<Vec<Event>, String> {
     let len = |b: u32, what: &str, index: usize| -> Result<u64, String> {
         plan.buffers
             .get(b as usize)
@@ -256,7 +294,7 @@ fn events(plan: &Plan, instrs: &[Instr], free: u8) -> Result<Vec<Event>, String>
                         .iter()
                         .filter(|&&a| plan.mesh.size(a) > 1)
                         .fold(0, |m, &a| m | bit(a));
-                    if mask & !free == 0 {
+                    if mask == 0 {
                         continue;
                     }
                     out.push(Event {
@@ -273,11 +311,13 @@ fn events(plan: &Plan, instrs: &[Instr], free: u8) -> Result<Vec<Event>, String>
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => out.push(Event {
                 index,
                 kind: Ev::Send {
                     chunk: *chunk,
                     transfer: *transfer,
+                    twin: *twin,
                     elements: len(*buffer, "send", index)?,
                 },
             }),
@@ -285,11 +325,13 @@ fn events(plan: &Plan, instrs: &[Instr], free: u8) -> Result<Vec<Event>, String>
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => out.push(Event {
                 index,
                 kind: Ev::Recv {
                     chunk: *chunk,
                     transfer: *transfer,
+                    twin: *twin,
                     elements: len(*buffer, "recv", index)?,
                 },
             }),
@@ -314,6 +356,8 @@ fn check_actions(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> {
     };
     let m = plan.batch.microbatches;
     let at = format!("{} (rank {rank})", role.name);
+    // MegaFBD's forward roles run forwards only; their twins run the backwards.
+    let forward_only = pipe.schedule == "fbd-forward";
     // (chunk, micro-batch) -> positions of F, B, W, BW.
     let mut seen: HashMap<(u32, u32), [Option<usize>; 4]> = HashMap::new();
     for (i, a) in pipe.actions.iter().enumerate() {
@@ -339,6 +383,7 @@ fn check_actions(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> {
         let [f, b, w, bw] = *entry;
         let problem = match a.kind {
             PipeKind::F => None,
+            _ if forward_only => Some("in a forward-only (fbd-forward) role"),
             PipeKind::B | PipeKind::BW if f.is_none() => Some("before its forward"),
             PipeKind::B if bw.is_some() => Some("after its whole backward (BW)"),
             PipeKind::BW if b.is_some() || w.is_some() => {
@@ -370,6 +415,9 @@ fn check_actions(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> {
             };
             if f.is_none() {
                 return Err(what("forward"));
+            }
+            if forward_only {
+                continue;
             }
             match (b, w, bw) {
                 (_, _, Some(_)) | (Some(_), Some(_), None) => {}
@@ -439,7 +487,7 @@ struct RankState {
     pos: Pos,
     wait: Wait,
     /// Per axes mask, the index of the rank's group in `Sim::groups` (UNSET: not yet made).
-    group_of: [u32; 16],
+    group_of: [u32; 128],
 }
 
 struct Sent {
@@ -486,7 +534,6 @@ type FxMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FxHasher>>;
 struct Sim<'p, 'a> {
     plan: &'p Plan,
     roles: &'a [RoleProg<'p>],
-    free: u8,
     /// The simulated ranks (one per class of identical ranks), by ascending rank.
     ranks: Vec<RankState>,
     /// Rank -> index into `ranks` (usize::MAX when not simulated).
@@ -514,7 +561,7 @@ impl<'p, 'a> Sim<'p, 'a> {
                     role: plan.rank_to_role[rank] as usize,
                     pos: Pos { step: 0, event: 0 },
                     wait: Wait::Running,
-                    group_of: [UNSET; 16],
+                    group_of: [UNSET; 128],
                 });
             }
         }
@@ -522,7 +569,6 @@ impl<'p, 'a> Sim<'p, 'a> {
         Sim {
             plan,
             roles,
-            free,
             ranks,
             index,
             messages: FxMap::default(),
@@ -571,11 +617,16 @@ impl<'p, 'a> Sim<'p, 'a> {
         }
     }
 
-    fn peer(&self, rank: usize, chunk: u32) -> usize {
-        let pp = self.plan.mesh.size(Axis::Pp).max(1);
-        self.plan
-            .mesh
-            .rank_with(rank, Axis::Pp, (u64::from(chunk) % pp) as usize)
+    /// The peer of a transfer: the FBD twin (same coordinates, the other fbd one), or the
+    /// rank with the same coordinates but the pipeline one, `chunk % pp`.
+    fn peer(&self, rank: usize, chunk: u32, twin: bool) -> usize {
+        let mesh = &self.plan.mesh;
+        if twin {
+            let fbd = mesh.coord(rank, Axis::Fbd);
+            return mesh.rank_with(rank, Axis::Fbd, 1 - fbd.min(1));
+        }
+        let pp = mesh.size(Axis::Pp).max(1);
+        mesh.rank_with(rank, Axis::Pp, (u64::from(chunk) % pp) as usize)
     }
 
     /// Run rank `i` until it blocks or finishes.
@@ -595,9 +646,10 @@ impl<'p, 'a> Sim<'p, 'a> {
                 Ev::Send {
                     chunk,
                     transfer,
+                    twin,
                     elements,
                 } => {
-                    let peer = self.peer(rank, *chunk);
+                    let peer = self.peer(rank, *chunk, *twin);
                     let key = (rank, peer, *transfer, step.microbatch);
                     let sent = Sent {
                         elements: *elements,
@@ -623,9 +675,10 @@ impl<'p, 'a> Sim<'p, 'a> {
                 Ev::Recv {
                     chunk,
                     transfer,
+                    twin,
                     elements,
                 } => {
-                    let peer = self.peer(rank, *chunk);
+                    let peer = self.peer(rank, *chunk, *twin);
                     let key = (peer, rank, *transfer, step.microbatch);
                     let Some(sent) = self.messages.remove(&key) else {
                         self.ranks[i].wait = Wait::Recv(key);
@@ -664,24 +717,22 @@ impl<'p, 'a> Sim<'p, 'a> {
 
     /// The index of rank `i`'s group over the axes of `mask`, made on first use.
     fn group(&mut self, i: usize, mask: u8) -> u32 {
-        let cached = self.ranks[i].group_of[usize::from(mask & 15)];
+        let cached = self.ranks[i].group_of[usize::from(mask & 127)];
         if cached != UNSET {
             return cached;
         }
         let rank = self.ranks[i].rank;
-        let base = axes_of(mask)
-            .into_iter()
-            .fold(rank, |r, a| self.plan.mesh.rank_with(r, a, 0));
-        let key = (base, mask);
+        // Groups over the same axes partition the ranks: the lowest member names one.
+        let all = self.plan.mesh.group(rank, &axes_of(mask));
+        let key = (all.first().copied().unwrap_or(rank), mask);
         let g = match self.group_index.get(&key) {
             Some(&g) => g,
             None => {
-                let members = self
-                    .plan
-                    .mesh
-                    .group(rank, &axes_of(mask & !self.free))
-                    .into_iter()
-                    .map(|r| self.index[r])
+                // The simulated members; the others are copies of them.
+                let members = all
+                    .iter()
+                    .filter_map(|&r| self.index.get(r).copied())
+                    .filter(|&x| x != usize::MAX)
                     .collect();
                 let g = self.groups.len() as u32;
                 self.groups.push(GroupState {
@@ -694,7 +745,7 @@ impl<'p, 'a> Sim<'p, 'a> {
                 g
             }
         };
-        self.ranks[i].group_of[usize::from(mask & 15)] = g;
+        self.ranks[i].group_of[usize::from(mask & 127)] = g;
         g
     }
 
@@ -809,16 +860,24 @@ impl<'p, 'a> Sim<'p, 'a> {
                 )
             }
             Ev::Send {
-                chunk, transfer, ..
+                chunk,
+                transfer,
+                twin,
+                ..
             } => format!(
-                "{place} send of transfer {transfer} to rank {}",
-                self.peer(rank, *chunk)
+                "{place} send of transfer {transfer} to rank {}{}",
+                self.peer(rank, *chunk, *twin),
+                if *twin { " (its fbd twin)" } else { "" }
             ),
             Ev::Recv {
-                chunk, transfer, ..
+                chunk,
+                transfer,
+                twin,
+                ..
             } => format!(
-                "{place} recv of transfer {transfer} from rank {}",
-                self.peer(rank, *chunk)
+                "{place} recv of transfer {transfer} from rank {}{}",
+                self.peer(rank, *chunk, *twin),
+                if *twin { " (its fbd twin)" } else { "" }
             ),
         }
     }
@@ -909,6 +968,30 @@ fn communication(
             )]
         }
         OpKind::GradNorm { axes } => vec![(axes.clone(), "grad_norm".into(), 1)],
+        // Expert parallelism: the members exchange their token counts, then the token rows
+        // (variable split sizes, bounded by the buffers, which every member sizes alike).
+        OpKind::AllToAll { axes, .. } => vec![
+            (
+                axes.clone(),
+                "all_gather (token counts)".into(),
+                buffer(input(1)?)?.len(),
+            ),
+            (axes.clone(), "all_to_all".into(), buffer(input(0)?)?.len()),
+        ],
+        // MoE under context parallelism sums the load-balancing statistics over cp.
+        OpKind::MoeAuxLoss { .. } | OpKind::MoeAuxLossGrad { .. } => {
+            if split_over(input(0)?, 1, Axis::Cp)? {
+                let logits = buffer(input(0)?)?;
+                let experts = logits.shape.last().copied().unwrap_or(0);
+                vec![(
+                    vec![Axis::Cp],
+                    format!("{} (context-parallel statistics)", op.name()),
+                    2 * experts + 1,
+                )]
+            } else {
+                Vec::new()
+            }
+        }
         OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
             let logits = buffer(input(0)?)?;
             let last = logits.shape.len().saturating_sub(1);

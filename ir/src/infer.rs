@@ -44,7 +44,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                 return Err(format!("expects 2 or 3 operands, got {}", ins.len()));
             }
             let (x, w) = (ins[0], ins[1]);
-            want_rank(w, 2, "weight")?;
+            let w = &expert_weight(x, w)?;
             if x.dims.is_empty() {
                 return Err("input is a scalar".into());
             }
@@ -318,6 +318,34 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                 vec![tokens, x.dims[2].clone()],
             )])
         }
+        OpKind::DispatchExperts { experts, capacity } => {
+            expect_arity(2)?;
+            let (x, idx) = (ins[0], ins[1]);
+            want_rank(x, 3, "tokens [b, s, h]")?;
+            want_dtype(idx, DType::I32, "expert indices")?;
+            want_rank(idx, 3, "expert indices [b, s, top_k]")?;
+            let tokens = if *capacity == 0 {
+                Dim::dynamic("tokens", x.dims[0].size * x.dims[1].size)
+            } else {
+                Dim::new("tokens", *capacity)
+            };
+            let e = Dim::new("experts", *experts);
+            Ok(vec![
+                TensorType::new(x.dtype, vec![e.clone(), tokens, x.dims[2].clone()]),
+                TensorType::new(DType::I32, vec![e]),
+            ])
+        }
+        OpKind::CombineExperts => {
+            expect_arity(3)?;
+            let (w, idx, y) = (ins[0], ins[1], ins[2]);
+            want_rank(w, 3, "router weights [b, s, top_k]")?;
+            if idx.dims != w.dims {
+                return Err("router weights and indices differ in shape".into());
+            }
+            want_rank(y, 3, "expert outputs [experts, tokens, h]")?;
+            let dims = vec![w.dims[0].clone(), w.dims[1].clone(), y.dims[2].clone()];
+            Ok(vec![TensorType::new(y.dtype, dims)])
+        }
         OpKind::Combine => {
             if ins.len() < 3 {
                 return Err(format!(
@@ -368,7 +396,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
         OpKind::LinearGradInput { weight } => {
             expect_arity(2)?;
             let (dy, w) = (ins[0], ins[1]);
-            want_rank(w, 2, "weight")?;
+            let w = &expert_weight(dy, w)?;
             if dy.dims.is_empty() {
                 return Err("gradient is a scalar".into());
             }
@@ -396,10 +424,17 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                     shape_str(dy)
                 ));
             }
-            let dims = match weight {
+            let mut dims = match weight {
                 WeightLayout::OutIn => vec![dy.last().clone(), x.last().clone()],
                 WeightLayout::InOut => vec![x.last().clone(), dy.last().clone()],
             };
+            // Stacked experts: one weight gradient per expert.
+            if x.dims[0].name == "experts" {
+                if dy.dims[0] != x.dims[0] {
+                    return Err("input and gradient disagree on the experts".into());
+                }
+                dims.insert(0, x.dims[0].clone());
+            }
             Ok(vec![TensorType::new(DType::F32, dims)])
         }
         OpKind::BiasGrad => {
@@ -472,6 +507,34 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             want_rank(idx, 3, "expert indices [b, s, top_k]")?;
             let dims = vec![idx.dims[0].clone(), idx.dims[1].clone(), dy.dims[1].clone()];
             Ok(vec![TensorType::new(dy.dtype, dims)])
+        }
+        OpKind::DispatchExpertsGrad => {
+            expect_arity(2)?;
+            let (dy, idx) = (ins[0], ins[1]);
+            want_rank(dy, 3, "expert gradients [experts, tokens, h]")?;
+            want_rank(idx, 3, "expert indices [b, s, top_k]")?;
+            let dims = vec![idx.dims[0].clone(), idx.dims[1].clone(), dy.dims[2].clone()];
+            Ok(vec![TensorType::new(dy.dtype, dims)])
+        }
+        OpKind::CombineExpertsGrad => {
+            expect_arity(4)?;
+            Ok(vec![
+                TensorType::new(DType::F32, ins[0].dims.clone()),
+                ins[2].clone().replicate(),
+            ])
+        }
+        OpKind::AllToAll { split, concat, .. } => {
+            expect_arity(2)?;
+            let (x, counts) = (ins[0], ins[1]);
+            want_rank(x, 3, "expert tokens [experts, tokens, h]")?;
+            want_dtype(counts, DType::I32, "token counts")?;
+            if *split > 1 || *concat > 1 || split == concat {
+                return Err(format!(
+                    "splits dim {split} and concatenates dim {concat}: expected 0 and 1"
+                ));
+            }
+            // Types are global: the exchange changes the layout, not the shape.
+            Ok(vec![x.clone().replicate()])
         }
         OpKind::CombineGrad => {
             if ins.len() < 4 {
@@ -567,4 +630,21 @@ impl TensorType {
     pub fn replicate(self) -> TensorType {
         TensorType::new(self.dtype, self.dims)
     }
+}
+
+/// The weight a linear applies per row of `x`: `w` itself, or for stacked experts
+/// (`w` is `[experts, out, in]`, `x` is `[experts, tokens, in]`) one expert's matrix.
+fn expert_weight(x: &TensorType, w: &TensorType) -> Result<TensorType, String> {
+    if w.dims.len() == 3 && w.dims[0].name == "experts" {
+        if x.dims.len() != 3 || x.dims[0] != w.dims[0] {
+            return Err(format!(
+                "stacked expert weight {} needs an input [experts, tokens, in], got {}",
+                shape_str(w),
+                shape_str(x)
+            ));
+        }
+        return Ok(TensorType::new(w.dtype, w.dims[1..].to_vec()));
+    }
+    want_rank(w, 2, "weight")?;
+    Ok(w.clone())
 }

@@ -3,6 +3,18 @@
 //!
 //! Expert parallelism folds over the data-parallel ranks as in Megatron ("MoE parallel
 //! folding"): the dense grid is tp·cp·dp·pp; `ep` does not multiply the world size.
+//!
+//! **Expert groups.** Take a rank's dp·cp group (the ranks that differ from it only along dp
+//! and cp) in rank order and let `d` be the rank's position in it. With `n = ep`, the
+//! rank's expert-parallel coordinate is `d mod n` and its expert-data-parallel coordinate
+//! `d / n`: the expert-parallel group ([`Axis::Ep`]) is the `n` consecutive members
+//! `⌊d/n⌋·n .. ⌊d/n⌋·n + n - 1` of the dp·cp group, and the expert-data-parallel group
+//! ([`Axis::Edp`], the ranks holding the same experts, which reduce their gradients) is
+//! every `n`-th member starting at `d mod n`. Under Megatron's order `tp-cp-ep-dp-pp` this is
+//! its expert rank generator (expert tp = tp, `ep` right after `cp`): the ep group is made of
+//! consecutive ranks (stride tp) within the dp·cp ranks, e.g. with cp = 2 and ep = 2 it is
+//! the cp group. Experts are tensor-parallel (or replicated) over tp, so an ep group never
+//! spans tp.
 
 use serde::{Deserialize, Serialize};
 
@@ -24,8 +36,12 @@ impl Mesh {
         }
     }
 
-    /// Size of `axis` (1 if absent).
+    /// Size of `axis` (1 if absent; `edp` is dp·cp/ep).
     pub fn size(&self, axis: Axis) -> u64 {
+        if axis == Axis::Edp {
+            let ep = self.size(Axis::Ep).max(1);
+            return self.size(Axis::Dp) * self.size(Axis::Cp) / ep;
+        }
         self.axes
             .iter()
             .find(|(a, _)| *a == axis)
@@ -42,8 +58,14 @@ impl Mesh {
         self.dense().map(|(_, n)| n as usize).product()
     }
 
-    /// Index of `rank` along `axis` (0 for `ep` and absent axes).
+    /// Index of `rank` along `axis` (0 for absent axes); `ep` and `edp` as the module
+    /// documentation derives them from the rank's place in its dp·cp group.
     pub fn coord(&self, rank: usize, axis: Axis) -> usize {
+        if matches!(axis, Axis::Ep | Axis::Edp) {
+            let n = self.size(Axis::Ep).max(1) as usize;
+            let d = self.data_position(rank);
+            return if axis == Axis::Ep { d % n } else { d / n };
+        }
         let mut stride = 1usize;
         for (a, n) in self.dense() {
             if a == axis {
@@ -67,9 +89,55 @@ impl Mesh {
         rank
     }
 
+    /// `rank`'s position in its dp·cp group (rank order).
+    fn data_position(&self, rank: usize) -> usize {
+        let mut stride = 1usize;
+        let mut d = 0usize;
+        let mut scale = 1usize;
+        for (a, n) in self.dense() {
+            if matches!(a, Axis::Dp | Axis::Cp) {
+                d += (rank / stride % n as usize) * scale;
+                scale *= n as usize;
+            }
+            stride *= n as usize;
+        }
+        d
+    }
+
     /// The ranks that differ from `rank` only along `axes` (its group over those axes),
-    /// sorted; for one axis this is also the axis order.
+    /// sorted; for one axis this is also the axis order. `ep` and `edp` fold over dp·cp
+    /// (module documentation); `ep` with `edp` is the dp·cp group.
     pub fn group(&self, rank: usize, axes: &[Axis]) -> Vec<usize> {
+        let (ep, edp) = (axes.contains(&Axis::Ep), axes.contains(&Axis::Edp));
+        if !ep && !edp {
+            return self.dense_group(rank, axes);
+        }
+        let mut rest: Vec<Axis> = axes
+            .iter()
+            .copied()
+            .filter(|a| !matches!(a, Axis::Ep | Axis::Edp))
+            .collect();
+        if ep && edp {
+            rest.extend([Axis::Dp, Axis::Cp]);
+            return self.dense_group(rank, &rest);
+        }
+        let n = self.size(Axis::Ep).max(1) as usize;
+        let mut out = Vec::new();
+        for r in self.dense_group(rank, &rest) {
+            let data = self.dense_group(r, &[Axis::Dp, Axis::Cp]);
+            let d = self.data_position(r);
+            if ep {
+                out.extend_from_slice(&data[d / n * n..(d / n + 1) * n]);
+            } else {
+                out.extend(data.iter().skip(d % n).step_by(n));
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    fn dense_group(&self, rank: usize, axes: &[Axis]) -> Vec<usize> {
         let mut stride = 1usize;
         let mut base = rank;
         let mut dims = Vec::new();
@@ -121,5 +189,47 @@ mod tests {
         assert_eq!(m.coord(13, Axis::Dp), 1);
         assert_eq!(m.coord(13, Axis::Cp), 0);
         assert_eq!(m.coord(13, Axis::Tp), 1);
+    }
+
+    /// Expert groups fold over dp·cp: ep takes consecutive members of the dp·cp group.
+    #[test]
+    fn expert_groups() {
+        let m = Mesh {
+            axes: vec![
+                (Axis::Tp, 2),
+                (Axis::Cp, 2),
+                (Axis::Ep, 2),
+                (Axis::Dp, 2),
+                (Axis::Pp, 1),
+            ],
+        };
+        // dp·cp group of rank 0: [0, 2, 4, 6]; ep pairs (0, 2) and (4, 6) = the cp groups.
+        assert_eq!(m.group(0, &[Axis::Ep]), vec![0, 2]);
+        assert_eq!(m.group(4, &[Axis::Ep]), vec![4, 6]);
+        assert_eq!(m.group(0, &[Axis::Edp]), vec![0, 4]);
+        assert_eq!(m.group(3, &[Axis::Edp]), vec![3, 7]);
+        assert_eq!(m.group(1, &[Axis::Tp, Axis::Ep]), vec![0, 1, 2, 3]);
+        assert_eq!(m.group(5, &[Axis::Ep, Axis::Edp]), vec![1, 3, 5, 7]);
+        assert_eq!(m.coord(6, Axis::Ep), 1);
+        assert_eq!(m.coord(6, Axis::Edp), 1);
+        assert_eq!(m.coord(5, Axis::Ep), 0);
+        assert_eq!(m.size(Axis::Edp), 2);
+        let dp4 = Mesh {
+            axes: vec![(Axis::Tp, 1), (Axis::Ep, 4), (Axis::Dp, 4)],
+        };
+        assert_eq!(dp4.group(2, &[Axis::Ep]), vec![0, 1, 2, 3]);
+        assert_eq!(dp4.group(2, &[Axis::Edp]), vec![2]);
+        assert_eq!(dp4.coord(3, Axis::Ep), 3);
+        for r in 0..8 {
+            for axis in [Axis::Ep, Axis::Edp] {
+                let g = m.group(r, &[axis]);
+                let coords: Vec<usize> = g.iter().map(|&x| m.coord(x, axis)).collect();
+                assert_eq!(
+                    coords,
+                    (0..g.len()).collect::<Vec<_>>(),
+                    "rank {r} {axis:?}"
+                );
+            }
+        }
     }
 }

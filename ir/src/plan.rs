@@ -229,6 +229,12 @@ pub struct ParamEntry {
     /// `c_attn` is `3*heads*head_dim`: each of q, k, v is split); empty means 1 everywhere.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blocks: Vec<u64>,
+    /// For stacked experts (expert parallelism: dim 0 is the experts dim, split over ep):
+    /// the Hugging Face name of expert `j`'s tensor with `{}` for `j`. Hugging Face stores
+    /// one tensor per expert (`shape[1..]`), and each is initialised as that tensor, so
+    /// every layout starts from the same weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_expert: Option<String>,
     /// The parameter's buffer.
     pub buffer: BufId,
     /// Its gradient.
@@ -239,6 +245,11 @@ pub struct ParamEntry {
     pub exp_avg_sq: Option<BufId>,
     /// Initialisation.
     pub init: Init,
+    /// Copies of a tied parameter on other pipeline stages (GPT-2's word embeddings, read by
+    /// the head on the last stage): initialised and loaded like `buffer`, refreshed from it
+    /// after every optimizer step; not saved.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tied_copies: Vec<BufId>,
 }
 
 /// One instruction of a program.
@@ -270,6 +281,8 @@ pub enum Instr {
         chunk: u32,
         /// Plan-wide id of the transfer; with the micro-batch it tags the message.
         transfer: u32,
+        /// To this rank's FBD twin (same coordinates, the other role) instead.
+        twin: bool,
     },
     /// Pipeline transfer: receive the current micro-batch's `buffer` from the rank that
     /// holds `chunk`; blocks until it has arrived.
@@ -280,6 +293,8 @@ pub enum Instr {
         chunk: u32,
         /// Plan-wide id of the transfer (the matching `Send` has the same).
         transfer: u32,
+        /// From this rank's FBD twin instead.
+        twin: bool,
     },
 }
 
@@ -455,9 +470,10 @@ impl Serialize for Instr {
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => InstrJson {
                 op: "send".into(),
-                attrs: transfer_attrs(*chunk, *transfer),
+                attrs: transfer_attrs(*chunk, *transfer, *twin),
                 inputs: vec![*buffer],
                 outputs: Vec::new(),
                 path: String::new(),
@@ -466,9 +482,10 @@ impl Serialize for Instr {
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => InstrJson {
                 op: "recv".into(),
-                attrs: transfer_attrs(*chunk, *transfer),
+                attrs: transfer_attrs(*chunk, *transfer, *twin),
                 inputs: Vec::new(),
                 outputs: vec![*buffer],
                 path: String::new(),
@@ -494,6 +511,7 @@ impl<'de> Deserialize<'de> for Instr {
                 })
             };
             let (chunk, transfer) = (num("chunk")?, num("transfer")?);
+            let twin = j.attrs.get("twin").is_some_and(|v| v == "1");
             let one = if j.op == "send" {
                 &j.inputs
             } else {
@@ -510,12 +528,14 @@ impl<'de> Deserialize<'de> for Instr {
                     buffer,
                     chunk,
                     transfer,
+                    twin,
                 }
             } else {
                 Instr::Recv {
                     buffer,
                     chunk,
                     transfer,
+                    twin,
                 }
             });
         }
@@ -530,11 +550,15 @@ impl<'de> Deserialize<'de> for Instr {
     }
 }
 
-fn transfer_attrs(chunk: u32, transfer: u32) -> BTreeMap<String, String> {
-    BTreeMap::from([
+fn transfer_attrs(chunk: u32, transfer: u32, twin: bool) -> BTreeMap<String, String> {
+    let mut a = BTreeMap::from([
         ("chunk".to_string(), chunk.to_string()),
         ("transfer".to_string(), transfer.to_string()),
-    ])
+    ]);
+    if twin {
+        a.insert("twin".to_string(), "1".to_string());
+    }
+    a
 }
 
 impl Instr {
@@ -572,6 +596,30 @@ impl ParamEntry {
             *first = rows;
         }
         s
+    }
+
+    /// The tensors Hugging Face stores for this parameter: `(name, shape)`, one per expert
+    /// for stacked experts (in expert order), else the parameter itself.
+    pub fn hf_tensors(&self) -> Vec<(String, Vec<u64>)> {
+        match (&self.per_expert, self.shape.split_first()) {
+            (Some(template), Some((&experts, rest))) => (0..experts)
+                .map(|j| (template.replace("{}", &j.to_string()), rest.to_vec()))
+                .collect(),
+            _ => vec![(self.name.clone(), self.hf_shape())],
+        }
+    }
+
+    /// The Hugging Face tensor and the index in it of global element `index` (what
+    /// initialisation is a function of): for stacked experts, expert `j`'s tensor.
+    pub fn hf_element(&self, index: u64) -> (std::borrow::Cow<'_, str>, u64) {
+        match &self.per_expert {
+            Some(template) => {
+                let per: u64 = self.shape.iter().skip(1).product::<u64>().max(1);
+                let name = template.replace("{}", &(index / per).to_string());
+                (std::borrow::Cow::Owned(name), index % per)
+            }
+            None => (std::borrow::Cow::Borrowed(self.name.as_str()), index),
+        }
     }
 
     /// For each element of rank `rank`'s shard (row-major), its index in the global tensor.
@@ -624,6 +672,15 @@ impl Plan {
             .and_then(|&r| self.roles.get(r as usize))
             .and_then(|r| r.memory.as_ref())
             .unwrap_or(&self.memory)
+    }
+
+    /// Every tensor Hugging Face stores for the plan's parameters, in parameter order
+    /// ([`ParamEntry::hf_tensors`]): what `--init` reads and `--save-params` writes.
+    pub fn hf_tensors(&self) -> Vec<(String, Vec<u64>)> {
+        self.params
+            .iter()
+            .flat_map(ParamEntry::hf_tensors)
+            .collect()
     }
 
     /// The plan as pretty JSON (deterministic: same plan, same bytes).

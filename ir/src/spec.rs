@@ -251,6 +251,11 @@ pub struct ParallelSection {
     /// Rank order: the mesh axes innermost (fastest-varying rank) first
     /// (`parallel.order`, default Megatron's `tp-cp-ep-dp-pp`).
     pub order: Vec<crate::types::Axis>,
+    /// Layers per pipeline chunk, in chunk order (`parallel.stage_layers`); empty: every
+    /// chunk gets `layers / (pp·vpp)`, or the cost-balanced split with `balance_stages`.
+    pub stage_layers: Vec<u64>,
+    /// `parallel.stage_layers = "balanced"`: split the layers by a per-layer cost estimate.
+    pub balance_stages: bool,
 }
 
 /// Context-parallel attention's communication (`parallel.cp_comm`).
@@ -274,6 +279,14 @@ impl ParallelSection {
             Axis::Ep => self.ep,
             Axis::Dp => self.dp,
             Axis::Pp => self.pp,
+            Axis::Fbd => {
+                if self.fbd {
+                    2
+                } else {
+                    1
+                }
+            }
+            Axis::Edp => self.dp * self.cp / self.ep.max(1),
         }
     }
 

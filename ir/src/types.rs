@@ -86,6 +86,14 @@ pub enum Axis {
     Dp,
     /// Pipeline parallel.
     Pp,
+    /// Forward/backward decoupling (MegaFBD): coordinate 0 runs a stage's backward role
+    /// (recompute, backward, optimizer), 1 its forward role. Outermost; size 2 with
+    /// `parallel.fbd = true`, absent otherwise; not part of `parallel.order`.
+    Fbd,
+    /// Expert data parallel: the ranks of a dp·cp group that hold the same experts (its
+    /// members differ only in their expert-parallel partners; see [`crate::Mesh`]). Derived
+    /// from the mesh, never part of the rank order.
+    Edp,
 }
 
 impl Axis {
@@ -100,12 +108,17 @@ impl Axis {
             Axis::Ep => "ep",
             Axis::Dp => "dp",
             Axis::Pp => "pp",
+            Axis::Fbd => "fbd",
+            Axis::Edp => "edp",
         }
     }
 
     /// Parse the textual name.
     pub fn from_name(s: &str) -> Option<Axis> {
-        Axis::ALL.into_iter().find(|a| a.as_str() == s)
+        Axis::ALL
+            .into_iter()
+            .chain([Axis::Fbd, Axis::Edp])
+            .find(|a| a.as_str() == s)
     }
 }
 

@@ -159,6 +159,17 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                 )?;
                 acc.add(x[0], d[0])?;
             }
+            OpKind::DispatchExperts { .. } => {
+                let d = acc.emit(OpKind::DispatchExpertsGrad, &[need(dy, &op.path)?, x[1]])?;
+                acc.add(x[0], d[0])?;
+            }
+            OpKind::CombineExperts => {
+                let mut ins = x.clone();
+                ins.push(need(dy, &op.path)?);
+                let d = acc.emit(OpKind::CombineExpertsGrad, &ins)?;
+                acc.add(x[0], d[0])?;
+                acc.add(x[2], d[1])?;
+            }
             OpKind::Combine => {
                 let mut ins = x.clone();
                 ins.push(need(dy, &op.path)?);

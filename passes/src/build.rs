@@ -28,9 +28,13 @@ fn t(dtype: DType, dims: &[(&str, u64)]) -> TensorType {
 impl<'a> Builder<'a> {
     fn new(spec: &'a ModelSpec) -> Self {
         let p = &spec.parallel;
-        let mesh = Mesh {
+        let mut mesh = Mesh {
             axes: p.order.iter().map(|&a| (a, p.size(a))).collect(),
         };
+        if p.fbd {
+            // MegaFBD's forward roles: a second copy of the grid, outermost.
+            mesh.axes.push((megac_ir::Axis::Fbd, 2));
+        }
         let act = match spec.train.precision {
             Precision::Fp32 => DType::F32,
             Precision::Bf16 => DType::Bf16,
@@ -263,23 +267,55 @@ impl<'a> Builder<'a> {
                 } else {
                     0
                 };
-                let mut outs = vec![weights, indices];
-                for e in 0..moe.experts {
-                    let ep = format!("{mp}.experts.{e}");
-                    let xe = self.op(
-                        OpKind::Dispatch {
-                            expert: e,
+                if spec.parallel.ep > 1 {
+                    // Expert parallelism: every expert's weights stacked along an `experts`
+                    // dim (split over ep by the shard pass; Hugging Face's per-expert tensors
+                    // on --init and --save-params), tokens dispatched to all experts at once.
+                    let ex = ("experts", moe.experts);
+                    let ep = format!("{mp}.experts");
+                    let routed = self.g.add_op(
+                        OpKind::DispatchExperts {
+                            experts: moe.experts,
                             capacity,
                         },
                         &[xn, indices],
-                        &format!("{mp}.dispatch"),
+                        format!("{mp}.dispatch"),
                     )?;
-                    let g = self.linear(&format!("{ep}.w1"), xe, ("ffn", ffn), ("h", h))?;
-                    let u = self.linear(&format!("{ep}.w3"), xe, ("ffn", ffn), ("h", h))?;
+                    let xe = routed[0];
+                    let w1 = self.param(&format!("{ep}.w1.weight"), &[ex, ("ffn", ffn), ("h", h)]);
+                    let w3 = self.param(&format!("{ep}.w3.weight"), &[ex, ("ffn", ffn), ("h", h)]);
+                    let w2 = self.param(&format!("{ep}.w2.weight"), &[ex, ("h", h), ("ffn", ffn)]);
+                    let lin = OpKind::Linear {
+                        weight: WeightLayout::OutIn,
+                    };
+                    let g = self.op(lin.clone(), &[xe, w1], &format!("{ep}.w1"))?;
+                    let u = self.op(lin.clone(), &[xe, w3], &format!("{ep}.w3"))?;
                     let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{ep}.act"))?;
-                    outs.push(self.linear(&format!("{ep}.w2"), act, ("h", h), ("ffn", ffn))?);
+                    let y = self.op(lin, &[act, w2], &format!("{ep}.w2"))?;
+                    self.op(
+                        OpKind::CombineExperts,
+                        &[weights, indices, y],
+                        &format!("{mp}.combine"),
+                    )?
+                } else {
+                    let mut outs = vec![weights, indices];
+                    for e in 0..moe.experts {
+                        let ep = format!("{mp}.experts.{e}");
+                        let xe = self.op(
+                            OpKind::Dispatch {
+                                expert: e,
+                                capacity,
+                            },
+                            &[xn, indices],
+                            &format!("{mp}.dispatch"),
+                        )?;
+                        let g = self.linear(&format!("{ep}.w1"), xe, ("ffn", ffn), ("h", h))?;
+                        let u = self.linear(&format!("{ep}.w3"), xe, ("ffn", ffn), ("h", h))?;
+                        let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{ep}.act"))?;
+                        outs.push(self.linear(&format!("{ep}.w2"), act, ("h", h), ("ffn", ffn))?);
+                    }
+                    self.op(OpKind::Combine, &outs, &format!("{mp}.combine"))?
                 }
-                self.op(OpKind::Combine, &outs, &format!("{mp}.combine"))?
             }
             _ => {
                 let mp = format!("{p}.mlp");

@@ -15,6 +15,7 @@ pub mod optimizer;
 pub mod recompute;
 pub mod schedule;
 pub mod shard;
+pub mod stages;
 
 #[cfg(test)]
 mod test_support;

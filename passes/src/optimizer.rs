@@ -47,11 +47,23 @@ pub fn add_optimizer(g: &mut Graph, train: &TrainSection) -> Result<(), PassErro
             .iter()
             .any(|s| s.contains(&megac_ir::Axis::Tp))
     });
-    let axes = if tp_split {
+    let mut axes = if tp_split {
         vec![megac_ir::Axis::Tp]
     } else {
         Vec::new()
     };
+    // Expert parallelism: expert gradients are disjoint across the ep group, so their
+    // squares are summed over it (the others, replicated over ep, count once).
+    let ep_split = all.iter().any(|&v| {
+        g.ty(v)
+            .layout
+            .shards
+            .iter()
+            .any(|s| s.contains(&megac_ir::Axis::Ep))
+    });
+    if ep_split {
+        axes.push(megac_ir::Axis::Ep);
+    }
     let norm = g.add_op1(OpKind::GradNorm { axes }, &all, "optimizer.grad_norm")?;
     g.add_output("grad_norm", norm);
     let kind = OpKind::AdamW {

@@ -18,8 +18,16 @@
 //!   so it is added once. Vocab-parallel embedding and cross-entropy are the ordinary ops
 //!   on a vocab-sharded table/logits; the runtime reads the layout and reduces over tp.
 //!
-//! Sequence, context and expert parallelism add their rules here in later work; until then
-//! those axes stay replicated and codegen refuses such layouts.
+//! - **Expert parallelism** (Megatron's MoE parallel folding): stacked expert weights
+//!   (`[experts, ..]`) are split over `ep` along the experts dim. Tokens dispatched to all
+//!   experts (`dispatch_experts`, `[experts, tokens, h]`, this rank's tokens) go to their
+//!   experts' ranks with an `all_to_all` over ep (experts split over `ep`, the token rows of
+//!   the whole ep group: `tokens` marked `edp`), and come back with the mirror all-to-all
+//!   before `combine_experts`; backward mirrors both. Expert weight gradients are pending
+//!   sums over the expert-data-parallel group (`Partial(edp)`), the other gradients over dp
+//!   (and cp) as before.
+//! - **Context parallelism** with MoE: routing, dispatch and combine work on the rank's own
+//!   tokens (MoE token rows are split over cp like the sequence).
 
 use std::collections::HashMap;
 
@@ -64,6 +72,11 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
         seq_of: HashMap::new(),
         head_slice_of: HashMap::new(),
         kv_split: spec.model.kv_heads.is_multiple_of(p.tp),
+        ep: p.ep > 1,
+        edp: p.dp * p.cp / p.ep.max(1) > 1,
+        counts_of: HashMap::new(),
+        experts_of: HashMap::new(),
+        tokens_of: HashMap::new(),
     };
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     for (i, value) in old.values.iter().enumerate() {
@@ -90,6 +103,9 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
                     if let Some(d) = s.param_dim(name) {
                         s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
                     }
+                }
+                if s.ep && s.is_experts(v) {
+                    s.g.values[v.0 as usize].ty.layout.shards[0] = vec![Axis::Ep];
                 }
                 map.insert(id, v);
             }
@@ -152,6 +168,25 @@ struct Sharder<'a> {
     /// Whether tp divides the key/value heads (else k/v projections stay whole and the heads
     /// are repeated before attention).
     kv_split: bool,
+    /// Expert parallelism: stacked experts split over ep.
+    ep: bool,
+    /// Whether several ranks hold the same experts (dp·cp > ep).
+    edp: bool,
+    /// Per MoE block (path prefix), the token counts of its dispatch (sizes the all-to-all).
+    counts_of: HashMap<String, ValueId>,
+    /// Expert tokens already sent to their experts' ranks.
+    experts_of: HashMap<ValueId, ValueId>,
+    /// Expert outputs already brought back to their tokens' ranks.
+    tokens_of: HashMap<ValueId, ValueId>,
+}
+
+/// The MoE block of an op's path (`model.layers.0.block_sparse_moe`).
+fn moe_block(path: &str) -> &str {
+    const BLOCK: &str = "block_sparse_moe";
+    match path.find(BLOCK) {
+        Some(i) => &path[..i + BLOCK.len()],
+        None => path,
+    }
 }
 
 impl Sharder<'_> {
@@ -253,9 +288,11 @@ impl Sharder<'_> {
             // Context parallelism: the sequence stays split over cp (outermost), and what
             // has no sequence dim (parameter gradients, the loss) is a partial sum over cp.
             if cp_in {
-                match sd {
-                    Some(d) => l.shards[d].insert(0, Axis::Cp),
-                    None => l.partial.push(Axis::Cp),
+                match (sd, bd) {
+                    (Some(d), _) => l.shards[d].insert(0, Axis::Cp),
+                    // MoE token rows: this rank's tokens, split over cp like the sequence.
+                    (None, Some(d)) => l.shards[d].push(Axis::Cp),
+                    (None, None) => l.partial.push(Axis::Cp),
                 }
             }
         }
@@ -367,6 +404,11 @@ impl Sharder<'_> {
         ins: Vec<ValueId>,
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
+        if self.ep {
+            if let Some(outs) = self.emit_expert(kind, &ins, path)? {
+                return Ok(outs);
+            }
+        }
         if !self.tp {
             let n = self.op(kind.clone(), &ins, path, &[])?;
             return Ok(n);
@@ -667,5 +709,160 @@ impl Sharder<'_> {
 
     fn all_whole(&mut self, ins: &[ValueId], path: &str) -> Result<Vec<ValueId>, PassError> {
         ins.iter().map(|&x| self.whole(x, path)).collect()
+    }
+
+    /// Whether `v`'s first dim is the stacked experts dim.
+    fn is_experts(&self, v: ValueId) -> bool {
+        let ty = self.g.ty(v);
+        ty.dims.len() == 3 && ty.dims[0].name == "experts"
+    }
+
+    /// Whether `v` (stacked experts) is split over ep, i.e. lives on its experts' ranks.
+    fn on_experts(&self, v: ValueId) -> bool {
+        self.layout(v).shards[0].contains(&Axis::Ep)
+    }
+
+    /// Layout of stacked expert tokens: on the experts' ranks (experts split over ep, the
+    /// token rows of the ep group) or on the tokens' ranks (this rank's tokens).
+    fn set_expert_layout(&mut self, v: ValueId, on_experts: bool) {
+        let tokens = if on_experts {
+            if self.edp {
+                vec![Axis::Edp]
+            } else {
+                Vec::new()
+            }
+        } else {
+            let mut t = Vec::new();
+            if self.dp {
+                t.push(Axis::Dp);
+            }
+            if self.cp {
+                t.push(Axis::Cp);
+            }
+            t
+        };
+        let experts = if on_experts {
+            vec![Axis::Ep]
+        } else {
+            Vec::new()
+        };
+        let l = &mut self.g.values[v.0 as usize].ty.layout;
+        l.shards = vec![experts, tokens, Vec::new()];
+        l.partial.clear();
+    }
+
+    /// The all-to-all over ep that moves stacked expert tokens `v` to their experts' ranks
+    /// (`to_experts`) or back to their tokens' ranks.
+    fn all_to_all(
+        &mut self,
+        v: ValueId,
+        path: &str,
+        to_experts: bool,
+    ) -> Result<ValueId, PassError> {
+        let cache = if to_experts {
+            &self.experts_of
+        } else {
+            &self.tokens_of
+        };
+        if let Some(&w) = cache.get(&v) {
+            return Ok(w);
+        }
+        if self.on_experts(v) == to_experts {
+            return Ok(v);
+        }
+        let counts = *self.counts_of.get(moe_block(path)).ok_or_else(|| {
+            PassError::Autodiff(format!(
+                "shard: {path}: expert tokens without the dispatch that counts them"
+            ))
+        })?;
+        let (split, concat) = if to_experts { (0, 1) } else { (1, 0) };
+        let w = self.g.add_op1(
+            OpKind::AllToAll {
+                axes: vec![Axis::Ep],
+                split,
+                concat,
+            },
+            &[v, counts],
+            path,
+        )?;
+        self.set_expert_layout(w, to_experts);
+        if to_experts {
+            self.experts_of.insert(v, w);
+        } else {
+            self.tokens_of.insert(v, w);
+        }
+        Ok(w)
+    }
+
+    /// Expert parallelism's rules for the MoE ops on stacked experts; `None` for other ops.
+    fn emit_expert(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Option<Vec<ValueId>>, PassError> {
+        let k = kind.clone();
+        let outs = match kind {
+            OpKind::DispatchExperts { .. } => {
+                let args = self.all_whole(ins, path)?;
+                let outs = self.op(k, &args, path, &[])?;
+                self.set_expert_layout(outs[0], false);
+                let l = &mut self.g.values[outs[1].0 as usize].ty.layout;
+                *l = Layout::replicated(1);
+                self.counts_of.insert(moe_block(path).to_string(), outs[1]);
+                outs
+            }
+            OpKind::Linear { .. } | OpKind::LinearGradInput { .. } if self.is_experts(ins[1]) => {
+                let x = self.all_to_all(ins[0], path, true)?;
+                let out = self.op1(k, &[x, ins[1]], path, Tp::R)?;
+                self.set_expert_layout(out, true);
+                vec![out]
+            }
+            OpKind::LinearGradWeight { .. } if self.is_experts(ins[0]) => {
+                let x = self.all_to_all(ins[0], path, true)?;
+                let dy = self.all_to_all(ins[1], path, true)?;
+                let out = self.op1(k, &[x, dy], path, Tp::R)?;
+                let l = &mut self.g.values[out.0 as usize].ty.layout;
+                l.shards = vec![vec![Axis::Ep], Vec::new(), Vec::new()];
+                l.partial = if self.edp {
+                    vec![Axis::Edp]
+                } else {
+                    Vec::new()
+                };
+                vec![out]
+            }
+            OpKind::SwiGlu | OpKind::SwiGluGrad | OpKind::GradSum | OpKind::Add
+                if self.is_experts(ins[0]) =>
+            {
+                let args: Vec<ValueId> = ins
+                    .iter()
+                    .map(|&x| self.all_to_all(x, path, true))
+                    .collect::<Result<_, _>>()?;
+                let outs = self.op(k, &args, path, &[])?;
+                for &o in &outs {
+                    self.set_expert_layout(o, true);
+                }
+                outs
+            }
+            OpKind::CombineExperts | OpKind::CombineExpertsGrad => {
+                let mut args = self.all_whole(&ins[..2], path)?;
+                args.push(self.all_to_all(ins[2], path, false)?);
+                for &x in &ins[3..] {
+                    args.push(self.whole(x, path)?);
+                }
+                let outs = self.op(k, &args, path, &[])?;
+                if let Some(&dy) = outs.get(1) {
+                    self.set_expert_layout(dy, false);
+                }
+                outs
+            }
+            OpKind::DispatchExpertsGrad => {
+                let dy = self.all_to_all(ins[0], path, false)?;
+                let idx = self.whole(ins[1], path)?;
+                self.op(k, &[dy, idx], path, &[])?
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(outs))
     }
 }

@@ -113,8 +113,9 @@ pub fn run_program(
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => {
-                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, ctx);
+                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
                 comm.send_tagged(peer, tag, mem.f32(*buffer))?;
                 "send"
             }
@@ -122,8 +123,9 @@ pub fn run_program(
                 buffer,
                 chunk,
                 transfer,
+                twin,
             } => {
-                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, ctx);
+                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
                 comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))?;
                 "recv"
             }
@@ -161,18 +163,25 @@ pub fn run_program(
 }
 
 /// The peer rank and message tag of a pipeline transfer: the rank with this rank's
-/// coordinates that holds `chunk`, and a tag unique per (transfer, micro-batch).
+/// coordinates that holds `chunk` (or, for `twin`, this rank's FBD twin), and a tag unique
+/// per (transfer, micro-batch).
 pub fn transfer_peer(
     plan: &Plan,
     rank: usize,
     chunk: u32,
     transfer: u32,
+    twin: bool,
     ctx: &StepContext,
 ) -> (usize, u64) {
-    let pp = plan.mesh.size(megac_ir::Axis::Pp).max(1);
-    let peer = plan
-        .mesh
-        .rank_with(rank, megac_ir::Axis::Pp, (u64::from(chunk) % pp) as usize);
+    use megac_ir::Axis;
+    let pp = plan.mesh.size(Axis::Pp).max(1);
+    let peer = if twin {
+        let fbd = plan.mesh.coord(rank, Axis::Fbd);
+        plan.mesh.rank_with(rank, Axis::Fbd, 1 - fbd.min(1))
+    } else {
+        plan.mesh
+            .rank_with(rank, Axis::Pp, (u64::from(chunk) % pp) as usize)
+    };
     let tag = u64::from(transfer) * plan.batch.microbatches.max(1) + ctx.microbatch;
     (peer, tag)
 }
@@ -228,6 +237,15 @@ fn run_kernel(
     let shape = |b: BufId| mem.buffer(b).shape.clone();
     let last = |b: BufId| *mem.buffer(b).shape.last().unwrap_or(&1) as usize;
     let numel = |b: BufId| mem.buffer(b).len() as usize;
+    // Matrices in a (weight) buffer: its leading dim for stacked experts `[experts, .., ..]`.
+    let experts_of = |b: BufId| {
+        let s = &mem.buffer(b).shape;
+        if s.len() == 3 {
+            (s[0] as usize).max(1)
+        } else {
+            1
+        }
+    };
     let dims4 = |b: BufId| -> Result<[usize; 4], RuntimeError> {
         let s = shape(b);
         if s.len() == 4 {
@@ -296,18 +314,18 @@ fn run_kernel(
                 return arity(op, ins, outs, 2, 1);
             }
             let (kk, n) = (last(ins[0]), last(outs[0]));
-            let m = numel(ins[0]) / kk.max(1);
+            // Stacked experts: one matrix per expert, over that expert's rows.
+            let g = experts_of(ins[1]);
+            let m = numel(ins[0]) / kk.max(1) / g;
             let bias = ins.get(2).map(|&b| mem.f32(b));
-            k::linear_fwd(
-                mem.f32(ins[0]),
-                mem.f32(ins[1]),
-                bias,
-                mem.f32_mut(outs[0]),
-                m,
-                kk,
-                n,
-                layout(*weight),
-            );
+            let (x, w, y) = (mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+            for ((x, w), y) in x
+                .chunks_exact(m * kk)
+                .zip(w.chunks_exact(kk * n))
+                .zip(y.chunks_exact_mut(m * n))
+            {
+                k::linear_fwd(x, w, bias, y, m, kk, n, layout(*weight));
+            }
         }
         OpKind::RmsNorm { eps } => {
             arity(op, ins, outs, 2, 1)?;
@@ -611,31 +629,30 @@ fn run_kernel(
         OpKind::LinearGradInput { weight } => {
             arity(op, ins, outs, 2, 1)?;
             let (n, kk) = (last(ins[0]), last(outs[0]));
-            let m = numel(ins[0]) / n.max(1);
-            k::linear_bwd_data(
-                mem.f32(ins[0]),
-                mem.f32(ins[1]),
-                mem.f32_mut(outs[0]),
-                m,
-                kk,
-                n,
-                layout(*weight),
-            );
+            let g = experts_of(ins[1]);
+            let m = numel(ins[0]) / n.max(1) / g;
+            let (dy, w, dx) = (mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+            for ((dy, w), dx) in dy
+                .chunks_exact(m * n)
+                .zip(w.chunks_exact(kk * n))
+                .zip(dx.chunks_exact_mut(m * kk))
+            {
+                k::linear_bwd_data(dy, w, dx, m, kk, n, layout(*weight));
+            }
         }
         OpKind::LinearGradWeight { weight } => {
             arity(op, ins, outs, 2, 1)?;
             let (kk, n) = (last(ins[0]), last(ins[1]));
-            let m = numel(ins[0]) / kk.max(1);
-            k::linear_bwd_weight(
-                mem.f32(ins[0]),
-                mem.f32(ins[1]),
-                mem.f32_mut(outs[0]),
-                None,
-                m,
-                kk,
-                n,
-                layout(*weight),
-            );
+            let g = experts_of(outs[0]);
+            let m = numel(ins[0]) / kk.max(1) / g;
+            let (x, dy, dw) = (mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
+            for ((x, dy), dw) in x
+                .chunks_exact(m * kk)
+                .zip(dy.chunks_exact(m * n))
+                .zip(dw.chunks_exact_mut(kk * n))
+            {
+                k::linear_bwd_weight(x, dy, dw, None, m, kk, n, layout(*weight));
+            }
         }
         OpKind::BiasGrad => {
             arity(op, ins, outs, 1, 1)?;
@@ -981,6 +998,38 @@ fn run_kernel(
             // Per micro-batch, as Megatron: the step's loss averages the micro-batches of
             // every data-parallel rank (tokens per step / tokens per micro-batch of them).
             let share = t as f64 / tokens;
+            // Context parallelism: the micro-batch's tokens are spread over the cp group, so
+            // the token statistics are summed over it (as Megatron does over tp·cp); each
+            // rank reports its tokens' share of the loss, and the gradient of the whole
+            // micro-batch's loss reaches every rank's tokens.
+            let cp_split = mem
+                .buffer(ins[0])
+                .layout
+                .get(1)
+                .is_some_and(|a| a.contains(&megac_ir::Axis::Cp));
+            if cp_split {
+                let members = group(&[megac_ir::Axis::Cp], comm.rank());
+                let (logits, idx) = (mem.f32(ins[0]), mem.i32(ins[1]));
+                let mut stats = k::moe::moe_aux_stats(logits, t, e, top_k, idx);
+                comm.all_reduce_sum_f64(&members, stats.as_mut_slice())?;
+                if matches!(op, OpKind::MoeAuxLoss { .. }) {
+                    let l = k::moe::moe_aux_loss_from_stats(&stats, top_k, *coeff);
+                    mem.f32_mut(outs[0])[0] = (l * share) as f32;
+                } else {
+                    let scale = share * members.len() as f64;
+                    k::moe::moe_aux_loss_bwd_from_stats(
+                        logits,
+                        t,
+                        e,
+                        top_k,
+                        &stats,
+                        *coeff,
+                        scale as f32,
+                        mem.f32_mut(outs[0]),
+                    );
+                }
+                return Ok(());
+            }
             if matches!(op, OpKind::MoeAuxLoss { .. }) {
                 let l = k::moe_aux_loss_fwd(mem.f32(ins[0]), t, e, top_k, mem.i32(ins[1]), *coeff);
                 mem.f32_mut(outs[0])[0] = (l * share) as f32;
@@ -1020,6 +1069,82 @@ fn run_kernel(
                 h,
                 mem.f32_mut(outs[0]),
             );
+        }
+        OpKind::DispatchExperts { experts, .. } => {
+            arity(op, ins, outs, 2, 2)?;
+            let s = shape(outs[0]);
+            let (e, rows, h) = (*experts as usize, s[1] as usize, s[2] as usize);
+            let r = routing(mem, ins[1], e, rows);
+            let out = mem.f32_mut(outs[0]);
+            out.fill(0.0);
+            for (ex, block) in out.chunks_exact_mut(rows * h).enumerate() {
+                k::moe::dispatch_fwd_routed(mem.f32(ins[0]), &r, ex, h, block);
+            }
+            for (ex, c) in mem.i32_act_mut(outs[1]).iter_mut().enumerate() {
+                *c = r.count(ex) as i32;
+            }
+        }
+        OpKind::DispatchExpertsGrad => {
+            arity(op, ins, outs, 2, 1)?;
+            let s = shape(ins[0]);
+            let (e, rows, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
+            let r = routing(mem, ins[1], e, rows);
+            let (dy, dx) = (mem.f32(ins[0]), mem.f32_mut(outs[0]));
+            for (ex, block) in dy.chunks_exact(rows * h).enumerate() {
+                k::moe::dispatch_bwd(block, &r, ex, h, dx);
+            }
+        }
+        OpKind::CombineExperts => {
+            arity(op, ins, outs, 3, 1)?;
+            let s = shape(ins[2]);
+            let (e, rows, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
+            let ys: Vec<&[f32]> = mem.f32(ins[2]).chunks_exact(rows * h).collect();
+            let r = routing(mem, ins[1], e, rows);
+            let t = numel(outs[0]) / h;
+            k::moe::combine_fwd(mem.f32(ins[0]), &r, &ys, t, h, mem.f32_mut(outs[0]));
+        }
+        OpKind::CombineExpertsGrad => {
+            arity(op, ins, outs, 4, 2)?;
+            let s = shape(ins[2]);
+            let (e, rows, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
+            let ys: Vec<&[f32]> = mem.f32(ins[2]).chunks_exact(rows * h).collect();
+            let r = routing(mem, ins[1], e, rows);
+            let mut dys: Vec<&mut [f32]> =
+                mem.f32_mut(outs[1]).chunks_exact_mut(rows * h).collect();
+            k::moe::combine_bwd(
+                mem.f32(ins[0]),
+                &r,
+                &ys,
+                mem.f32(ins[3]),
+                h,
+                mem.f32_mut(outs[0]),
+                &mut dys,
+            );
+        }
+        OpKind::AllToAll {
+            axes,
+            split,
+            concat,
+        } => {
+            arity(op, ins, outs, 2, 1)?;
+            let (xs, ys) = (shape(ins[0]), shape(outs[0]));
+            if xs.len() != 3 || ys.len() != 3 || xs[2] != ys[2] || split == concat {
+                return Err(RuntimeError::Plan(format!(
+                    "`all_to_all` moves [experts, tokens, h] buffers, the plan gives {xs:?} -> {ys:?}"
+                )));
+            }
+            let members = group(axes, comm.rank());
+            crate::sharded::expert_all_to_all(
+                comm,
+                &members,
+                mem.i32(ins[1]),
+                mem.f32(ins[0]),
+                xs[1] as usize,
+                mem.f32_mut(outs[0]),
+                ys[1] as usize,
+                xs[2] as usize,
+                *split == 0,
+            )?;
         }
         OpKind::Combine => {
             if ins.len() < 3 || outs.len() != 1 {

@@ -41,12 +41,35 @@ impl Memory {
                 chunk_info.insert(c.chunk, (c.activation_base, c.activation_elems, c.slots));
             }
         }
+        // What the role's programs touch, and the parameters (initialised, saved).
+        let mut programs: Vec<&[megac_ir::plan::Instr]> = vec![&role.microbatch, &role.optimizer];
+        if let Some(p) = &role.pipeline {
+            for c in &p.chunks {
+                programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
+            }
+        }
+        let mut used = vec![false; plan.buffers.len()];
+        for instr in programs.iter().copied().flatten() {
+            for b in instr.buffers() {
+                if let Some(u) = used.get_mut(b as usize) {
+                    *u = true;
+                }
+            }
+        }
+        for p in &plan.params {
+            for b in std::iter::once(p.buffer).chain(p.tied_copies.iter().copied()) {
+                if let Some(u) = used.get_mut(b as usize) {
+                    *u = true;
+                }
+            }
+        }
         let mut need = [0u64; 5];
         let mut offsets = Vec::with_capacity(plan.buffers.len());
         let mut slots: BTreeMap<u32, (u64, u64, Vec<BufId>)> = BTreeMap::new();
         for (id, b) in plan.buffers.iter().enumerate() {
-            if b.stage.is_some_and(|s| s != stage) {
-                // Another pipeline stage's buffer: this rank holds nothing for it.
+            if b.stage.is_some_and(|s| s != stage) || !used[id] {
+                // Another pipeline stage's buffer, or one this role never touches (an FBD
+                // forward role's gradients): this rank holds nothing for it.
                 offsets.push(u64::MAX);
                 continue;
             }
@@ -105,12 +128,6 @@ impl Memory {
             }
         }
         // Every buffer this rank's programs touch must be one it holds.
-        let mut programs: Vec<&[megac_ir::plan::Instr]> = vec![&role.microbatch, &role.optimizer];
-        if let Some(p) = &role.pipeline {
-            for c in &p.chunks {
-                programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
-            }
-        }
         for instr in programs.into_iter().flatten() {
             for b in instr.buffers() {
                 let held = offsets.get(b as usize).is_some_and(|&o| o != u64::MAX);

@@ -137,7 +137,8 @@ fn run_action(
     let last = match a.kind {
         PipeKind::BW | PipeKind::W => true,
         PipeKind::B => prog.weight.is_empty(),
-        PipeKind::F => false,
+        // A forward-only chunk (an FBD forward role) keeps nothing for a backward.
+        PipeKind::F => prog.backward.is_empty() && prog.weight.is_empty(),
     };
     if last {
         st.b_done.insert((c, j), true);
@@ -160,10 +161,13 @@ fn arrived(
     let rank = session.comm.rank();
     for instr in seg {
         if let Instr::Recv {
-            chunk, transfer, ..
+            chunk,
+            transfer,
+            twin,
+            ..
         } = instr
         {
-            let (peer, tag) = transfer_peer(session.plan, rank, *chunk, *transfer, &ctx);
+            let (peer, tag) = transfer_peer(session.plan, rank, *chunk, *transfer, *twin, &ctx);
             if !session.comm.probe_tagged(peer, tag)? {
                 return Ok(false);
             }

@@ -194,3 +194,92 @@ pub(crate) fn gather_member_major(
         }
     }
 }
+
+/// Expert parallelism's all-to-all of stacked expert token rows over `group` (`n` members,
+/// `e` experts, `e / n` local experts per member, `h` values per row). The members first
+/// all-gather their per-expert token counts (`counts`, this rank's), so every split size is
+/// known on both sides.
+///
+/// `to_experts`: `x` is `[e, rows_in, h]` (this rank's tokens, the first `counts[ex]` rows of
+/// each expert in use) and `y` is `[e / n, n · rows_in, h]`: for each local expert, the rows
+/// of member 0, then member 1, ... packed, the rest zero. Otherwise the mirror: `x` is
+/// `[e / n, rows, h]` as packed above and `y` is `[e, rows_out, h]`, each expert's rows back
+/// at the top of its block (the rest zero).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn expert_all_to_all(
+    comm: &mut dyn Communicator,
+    group: &[usize],
+    counts: &[i32],
+    x: &[f32],
+    x_rows: usize,
+    y: &mut [f32],
+    y_rows: usize,
+    h: usize,
+    to_experts: bool,
+) -> Result<(), RuntimeError> {
+    let n = group.len();
+    let me = group.iter().position(|&r| r == comm.rank()).unwrap_or(0);
+    let e = counts.len();
+    if n == 0 || !e.is_multiple_of(n) {
+        return Err(RuntimeError::Plan(format!(
+            "all_to_all: {e} experts do not split over {n} ranks"
+        )));
+    }
+    let local = e / n;
+    let mine: Vec<f32> = counts.iter().map(|&c| c.max(0) as f32).collect();
+    let mut all = vec![0f32; e * n];
+    comm.all_gather(group, &mine, &mut all)?;
+    // Rows member `m` routes to expert `ex`.
+    let cnt = |m: usize, ex: usize| all[m * e + ex] as usize;
+    let too_many =
+        (0..n).any(|m| (0..e).any(|ex| cnt(m, ex) > if to_experts { x_rows } else { y_rows }));
+    if too_many {
+        return Err(RuntimeError::Plan(
+            "all_to_all: more routed tokens than expert buffer rows".into(),
+        ));
+    }
+    // Where member m's rows start in local expert j's packed block.
+    let start = |m: usize, j: usize| (0..m).map(|p| cnt(p, me * local + j)).sum::<usize>();
+    let mut send = Vec::new();
+    let mut send_offsets = vec![0usize];
+    let mut recv_offsets = vec![0usize];
+    for m in 0..n {
+        let rows: usize = if to_experts {
+            for ex in m * local..(m + 1) * local {
+                let at = ex * x_rows * h;
+                send.extend_from_slice(&x[at..at + cnt(me, ex) * h]);
+            }
+            (0..local).map(|j| cnt(m, me * local + j)).sum()
+        } else {
+            for j in 0..local {
+                let at = (j * x_rows + start(m, j)) * h;
+                send.extend_from_slice(&x[at..at + cnt(m, me * local + j) * h]);
+            }
+            (m * local..(m + 1) * local).map(|ex| cnt(me, ex)).sum()
+        };
+        send_offsets.push(send.len());
+        recv_offsets.push(recv_offsets[m] + rows * h);
+    }
+    let mut recv = vec![0f32; recv_offsets[n]];
+    comm.all_to_all(group, &send, &send_offsets, &mut recv, &recv_offsets)?;
+    y.fill(0.0);
+    for (m, &first) in recv_offsets[..n].iter().enumerate() {
+        let mut at = first;
+        if to_experts {
+            for j in 0..local {
+                let c = cnt(m, me * local + j) * h;
+                let dst = (j * y_rows + start(m, j)) * h;
+                y[dst..dst + c].copy_from_slice(&recv[at..at + c]);
+                at += c;
+            }
+        } else {
+            for ex in m * local..(m + 1) * local {
+                let c = cnt(me, ex) * h;
+                let dst = ex * y_rows * h;
+                y[dst..dst + c].copy_from_slice(&recv[at..at + c]);
+                at += c;
+            }
+        }
+    }
+    Ok(())
+}

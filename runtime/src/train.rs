@@ -59,6 +59,9 @@ pub struct RunReport {
     pub arena_bytes: [u64; 5],
     /// Per-op timings (with `profile`).
     pub profile: Option<crate::exec::Profile>,
+    /// Pipelined plans: the actions this rank ran in its last step, in order (`F0.3` is the
+    /// forward of chunk 0 for micro-batch 3); with `dpp` the order the run chose.
+    pub pipeline_order: Vec<String>,
 }
 
 impl RunReport {
@@ -88,6 +91,9 @@ impl RunReport {
         if !self.peak_rss_bytes_per_rank.is_empty() {
             v["peak_rss_bytes_per_rank"] = serde_json::json!(self.peak_rss_bytes_per_rank);
         }
+        if !self.pipeline_order.is_empty() {
+            v["pipeline_order"] = serde_json::json!(self.pipeline_order);
+        }
         let mut s = serde_json::to_string_pretty(&v).expect("report serializes");
         s.push('\n');
         s
@@ -116,7 +122,8 @@ pub struct Session<'p> {
     data: DataSource,
     /// The loss (None on pipeline stages without the head).
     pub(crate) loss_buf: Option<megac_ir::plan::BufId>,
-    norm_buf: megac_ir::plan::BufId,
+    /// The gradient norm (None on FBD forward roles, which run no optimizer).
+    norm_buf: Option<megac_ir::plan::BufId>,
     /// Data inputs this rank reads (a pipeline stage may read only one of them).
     pub(crate) tokens_buf: Option<megac_ir::plan::BufId>,
     pub(crate) labels_buf: Option<megac_ir::plan::BufId>,
@@ -189,7 +196,7 @@ impl<'p> Session<'p> {
             mem,
             data,
             loss_buf: optional(get("loss"))?,
-            norm_buf: get("grad_norm")?,
+            norm_buf: optional(get("grad_norm"))?,
             tokens_buf: optional(input("tokens"))?,
             labels_buf: optional(input("labels"))?,
             inputs: vec![0; n],
@@ -207,30 +214,22 @@ impl<'p> Session<'p> {
         match init {
             Some(path) => {
                 let expected: Vec<(String, Vec<usize>)> = plan
-                    .params
-                    .iter()
-                    .map(|p| {
-                        (
-                            p.name.clone(),
-                            p.hf_shape().iter().map(|&d| d as usize).collect(),
-                        )
-                    })
+                    .hf_tensors()
+                    .into_iter()
+                    .map(|(name, shape)| (name, shape.iter().map(|&d| d as usize).collect()))
                     .collect();
                 let tied = !plan.params.iter().any(|p| p.name == "lm_head.weight");
-                let values = hf::load_params(path, &expected, tied)?;
-                let rank = self.comm.rank();
-                for (p, v) in plan.params.iter().zip(values) {
-                    if !self.mem.holds(p.buffer) {
-                        continue;
-                    }
-                    let out = self.mem.f32_mut(p.buffer);
-                    if p.shards.is_empty() && p.hf_rows.is_none() {
-                        out.copy_from_slice(&v);
-                    } else {
-                        // This rank's shard of the global tensor; vocabulary padding rows
-                        // (beyond what the file holds) are zero.
-                        for (x, i) in out.iter_mut().zip(p.global_indices(&plan.mesh, rank)) {
-                            *x = v.get(i).copied().unwrap_or(0.0);
+                let mut values = hf::load_params(path, &expected, tied)?.into_iter();
+                for p in &plan.params {
+                    // Stacked experts: Hugging Face's per-expert tensors, one after another.
+                    let v: Vec<f32> = values
+                        .by_ref()
+                        .take(p.hf_tensors().len())
+                        .flatten()
+                        .collect();
+                    for b in std::iter::once(p.buffer).chain(p.tied_copies.iter().copied()) {
+                        if self.mem.holds(b) {
+                            self.load_shard(p, b, &v);
                         }
                     }
                 }
@@ -238,27 +237,56 @@ impl<'p> Session<'p> {
             None => {
                 let rank = self.comm.rank();
                 for p in &plan.params {
-                    if !self.mem.holds(p.buffer) {
-                        continue;
-                    }
-                    let out = self.mem.f32_mut(p.buffer);
-                    if p.shards.is_empty() && p.hf_rows.is_none() {
-                        init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
-                    } else {
-                        let idx = p.global_indices(&plan.mesh, rank);
-                        init::init_at(plan.train.seed, &p.name, &p.init, &idx, out);
-                        // Vocabulary padding rows start (and stay) zero.
-                        let real = p.hf_shape().iter().product::<u64>() as usize;
-                        for (x, &i) in out.iter_mut().zip(&idx) {
-                            if i >= real {
-                                *x = 0.0;
-                            }
+                    for b in std::iter::once(p.buffer).chain(p.tied_copies.iter().copied()) {
+                        if self.mem.holds(b) {
+                            self.init_shard(p, b, rank);
                         }
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// Fill buffer `b` (parameter `p` or a tied copy) with this rank's shard of `v`.
+    fn load_shard(&self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, v: &[f32]) {
+        let (plan, rank) = (self.plan, self.comm.rank());
+        let out = self.mem.f32_mut(b);
+        if p.shards.is_empty() && p.hf_rows.is_none() {
+            out.copy_from_slice(v);
+        } else {
+            // This rank's shard of the global tensor; vocabulary padding rows (beyond what
+            // the file holds) are zero.
+            for (x, i) in out.iter_mut().zip(p.global_indices(&plan.mesh, rank)) {
+                *x = v.get(i).copied().unwrap_or(0.0);
+            }
+        }
+    }
+
+    /// Initialise buffer `b` (parameter `p` or a tied copy) per element from the seed.
+    fn init_shard(&self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, rank: usize) {
+        let plan = self.plan;
+        let out = self.mem.f32_mut(b);
+        if p.per_expert.is_some() {
+            // Each element as the Hugging Face tensor of its expert.
+            let idx = p.global_indices(&plan.mesh, rank);
+            for (x, &i) in out.iter_mut().zip(&idx) {
+                let (name, at) = p.hf_element(i as u64);
+                *x = init::init_value(plan.train.seed, &name, &p.init, at);
+            }
+        } else if p.shards.is_empty() && p.hf_rows.is_none() {
+            init::init_param(plan.train.seed, &p.name, &p.init, 0, out);
+        } else {
+            let idx = p.global_indices(&plan.mesh, rank);
+            init::init_at(plan.train.seed, &p.name, &p.init, &idx, out);
+            // Vocabulary padding rows start (and stay) zero.
+            let real = p.hf_shape().iter().product::<u64>() as usize;
+            for (x, &i) in out.iter_mut().zip(&idx) {
+                if i >= real {
+                    *x = 0.0;
+                }
+            }
+        }
     }
 
     /// Forward and backward of micro-batch `mb` of 1-based `step`, accumulating gradients;
@@ -325,7 +353,7 @@ impl<'p> Session<'p> {
             self.comm.as_mut(),
             self.profile.as_mut(),
         )?;
-        Ok(f64::from(self.mem.f32(self.norm_buf)[0]))
+        Ok(self.norm_buf.map_or(0.0, |b| f64::from(self.mem.f32(b)[0])))
     }
 
     /// A whole step: zero gradients, every micro-batch, the optimizer. Returns (loss, grad norm).
@@ -430,11 +458,16 @@ impl<'p> Session<'p> {
             .params
             .iter()
             .zip(&values)
-            .map(|(p, v)| {
-                // Drop vocabulary padding: Hugging Face's shape.
-                let shape: Vec<usize> = p.hf_shape().iter().map(|&d| d as usize).collect();
-                let n: usize = shape.iter().product();
-                (p.name.clone(), shape, &v[..n])
+            .flat_map(|(p, v)| {
+                // Drop vocabulary padding: Hugging Face's shape; stacked experts as one
+                // tensor per expert.
+                let mut at = 0usize;
+                p.hf_tensors().into_iter().map(move |(name, shape)| {
+                    let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+                    let n: usize = shape.iter().product();
+                    at += n;
+                    (name, shape, &v[at - n..at])
+                })
             })
             .collect();
         hf::save_params(path, &tensors)
@@ -643,6 +676,11 @@ fn train_rank(
         peak_rss_bytes_per_rank: Vec::new(),
         arena_bytes: session.mem.bytes(),
         profile: session.profile.take(),
+        pipeline_order: session
+            .executed
+            .iter()
+            .map(|a| format!("{:?}{}.{}", a.kind, a.chunk, a.microbatch))
+            .collect(),
     })
 }
 

@@ -169,6 +169,8 @@ impl TableRow {
                 fbd: false,
                 cp_comm: Default::default(),
                 order: megac_ir::Axis::ALL.to_vec(),
+                stage_layers: Vec::new(),
+                balance_stages: false,
             },
             cluster: None,
         }

@@ -197,6 +197,8 @@ fn axes_key(axes: &[Axis]) -> u8 {
             Axis::Ep => 4,
             Axis::Dp => 8,
             Axis::Pp => 16,
+            Axis::Fbd => 32,
+            Axis::Edp => 64,
         }
     })
 }
@@ -401,6 +403,16 @@ impl<'a> Ctx<'a> {
                 let g = self.group(axes);
                 return Ok(Work::Collective {
                     time: cost.collective(Coll::AllGather, bytes(outs[0]), g),
+                    axes: axes.clone(),
+                });
+            }
+            OpKind::AllToAll { axes, .. } => {
+                need(2, 1)?;
+                let g = self.group(axes);
+                // The token rows bound for the other members (every expert buffer full).
+                let n = g.size.max(1) as f64;
+                return Ok(Work::Collective {
+                    time: cost.collective(Coll::AllToAll, bytes(ins[0]) * (n - 1.0) / n, g),
                     axes: axes.clone(),
                 });
             }

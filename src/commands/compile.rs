@@ -25,7 +25,15 @@ pub fn run(args: &ModelArgs, out: &Path) -> Result<(), String> {
     let instrs: usize = plan
         .roles
         .iter()
-        .map(|r| r.microbatch.len() + r.optimizer.len())
+        .map(|r| {
+            let chunks: usize = r.pipeline.as_ref().map_or(0, |p| {
+                p.chunks
+                    .iter()
+                    .map(|c| c.forward.len() + c.backward.len() + c.weight.len())
+                    .sum()
+            });
+            r.microbatch.len() + r.optimizer.len() + chunks
+        })
         .sum();
     println!(
         "wrote {}: {} rank(s), {} instructions, {} parameters, {:.1} MiB per rank (see `megac inspect {}`)",

@@ -15,15 +15,40 @@ pub fn read_plan(dir: &Path) -> Result<Plan, String> {
 /// Bytes each collective kind moves per step and rank (the size of the buffer it reduces or
 /// gathers, per call; micro-batch programs count once per micro-batch).
 pub fn collective_bytes(plan: &Plan) -> std::collections::BTreeMap<&'static str, u64> {
+    plan.roles
+        .first()
+        .map(|r| role_collective_bytes(plan, r))
+        .unwrap_or_default()
+}
+
+/// Per-step communication bytes of one rank of `role` by kind; pipeline transfers count as
+/// `pipeline_send` (the bytes the rank sends).
+pub fn role_collective_bytes(
+    plan: &Plan,
+    role: &megac_ir::plan::Role,
+) -> std::collections::BTreeMap<&'static str, u64> {
     use megac_ir::OpKind;
     let mut out = std::collections::BTreeMap::new();
-    for role in plan.roles.iter().take(1) {
-        let programs = [
-            (&role.microbatch, plan.batch.microbatches),
-            (&role.optimizer, 1),
-        ];
+    {
+        let m = plan.batch.microbatches;
+        let mut programs: Vec<(&[Instr], u64)> = vec![(&role.microbatch, m), (&role.optimizer, 1)];
+        if let Some(p) = &role.pipeline {
+            for c in &p.chunks {
+                programs.extend([
+                    (&c.forward[..], m),
+                    (&c.backward[..], m),
+                    (&c.weight[..], m),
+                ]);
+            }
+        }
         for (program, times) in programs {
             for instr in program {
+                if let Instr::Send { buffer, .. } = instr {
+                    let buf = &plan.buffers[*buffer as usize];
+                    *out.entry("pipeline_send").or_insert(0) +=
+                        buf.len() * buf.dtype.size_bytes() * times;
+                    continue;
+                }
                 if let Instr::Kernel {
                     op,
                     inputs,
@@ -71,6 +96,18 @@ pub fn collective_bytes(plan: &Plan) -> std::collections::BTreeMap<&'static str,
                             };
                             ("context_parallel_kv", kv * (cp - 1) * factor)
                         }
+                        // Expert parallelism: the token rows bound for the other ep members
+                        // (at most: every expert buffer full; the actual rows depend on the
+                        // routing), plus the exchange of per-expert token counts.
+                        OpKind::AllToAll { axes, .. } => {
+                            let n = axes
+                                .iter()
+                                .map(|&a| plan.mesh.size(a))
+                                .product::<u64>()
+                                .max(1);
+                            let rows = size(inputs[0]) * (n - 1) / n;
+                            ("all_to_all", rows + size(inputs[1]) * (n - 1))
+                        }
                         _ => continue,
                     };
                     *out.entry(key).or_insert(0) += bytes * times;
@@ -94,6 +131,7 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
             .roles
             .iter()
             .map(|r| {
+                let m = r.memory.as_ref().unwrap_or(&plan.memory);
                 serde_json::json!({
                     "role": r.name,
                     "memory_bytes": {
@@ -106,7 +144,7 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
                         "inputs": m.input_bytes,
                         "total": m.total(),
                     },
-                    "collective_bytes_per_step": collective_bytes(&plan),
+                    "collective_bytes_per_step": role_collective_bytes(&plan, r),
                     "instructions": { "microbatch": r.microbatch.len(), "optimizer": r.optimizer.len() },
                 })
             })
@@ -141,14 +179,65 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
                 .filter(|i| matches!(i, Instr::Kernel { .. }))
                 .count()
         };
-        println!(
-            "role {:<7} {} kernels per micro-batch, {} per step in the optimizer",
-            r.name,
-            kernels(&r.microbatch),
-            kernels(&r.optimizer)
-        );
+        match &r.pipeline {
+            None => println!(
+                "role {:<7} {} kernels per micro-batch, {} per step in the optimizer",
+                r.name,
+                kernels(&r.microbatch),
+                kernels(&r.optimizer)
+            ),
+            Some(p) => {
+                let chunks: Vec<String> = p
+                    .chunks
+                    .iter()
+                    .map(|c| {
+                        format!(
+                            "chunk {} ({} F, {} B{} kernels, {} slot{} of {})",
+                            c.chunk,
+                            kernels(&c.forward),
+                            kernels(&c.backward),
+                            if c.weight.is_empty() {
+                                String::new()
+                            } else {
+                                format!(", {} W", kernels(&c.weight))
+                            },
+                            c.slots,
+                            if c.slots == 1 { "" } else { "s" },
+                            mib(c.activation_elems * 4).trim_start()
+                        )
+                    })
+                    .collect();
+                println!(
+                    "role {:<7} {} schedule{}: {}; {} kernels per step in the optimizer",
+                    r.name,
+                    p.schedule,
+                    p.dpp.as_ref().map_or(String::new(), |d| format!(
+                        " ({}, run dynamically)",
+                        d.policy
+                    )),
+                    chunks.join(", "),
+                    kernels(&r.optimizer)
+                );
+                let mem = r.memory.as_ref().unwrap_or(&plan.memory);
+                println!(
+                    "             memory {} (parameters {}, activations {}); sends {} per step",
+                    mib(mem.total()).trim_start(),
+                    mib(mem.param_bytes).trim_start(),
+                    mib(mem.activation_bytes).trim_start(),
+                    mib(role_collective_bytes(&plan, r)
+                        .get("pipeline_send")
+                        .copied()
+                        .unwrap_or(0))
+                    .trim_start()
+                );
+            }
+        }
     }
-    println!("memory per rank");
+    if plan.roles.iter().any(|r| r.memory.is_some()) {
+        println!("memory per rank (the largest of each arena over the roles)");
+    } else {
+        println!("memory per rank");
+    }
     println!("  parameters        {}", mib(m.param_bytes));
     println!("  gradients         {}", mib(m.grad_bytes));
     println!("  optimizer state   {}", mib(m.opt_state_bytes));

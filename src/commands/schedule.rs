@@ -1,16 +1,160 @@
 //! `megac schedule`: the pipeline schedule of a layout, per rank, with its bubble.
 //!
-//! Plans do not carry pipelines yet, so this command reads a model.toml (its `[parallel]`
-//! pp, vpp, schedule and dpp_policy, and the micro-batches per step) and shows the schedule
-//! the compiler will give each pipeline rank, simulated with unit costs (F = B = W = 1).
+//! From a model.toml (its `[parallel]` pp, vpp, schedule and dpp_policy, and the
+//! micro-batches per step) it shows the schedule the compiler will give each pipeline rank;
+//! from a compiled plan directory, the action lists the plan's stage roles carry (for `dpp`
+//! the reference order; FBD's forward roles are listed apart). Simulated with unit costs
+//! (F = B = W = 1) or, with `--costs model` on a model.toml, with per-chunk costs from the
+//! model's per-layer FLOPs ([`model_costs`]).
 
-use megac_ir::spec::{DppPolicy, Schedule};
-use megac_passes::schedule::{self, Costs, ScheduleKind};
+use std::path::Path;
+
+use megac_ir::spec::{Arch, DppPolicy, ModelSpec, Recompute, Schedule};
+use megac_passes::schedule::{self, Action, Costs, ScheduleKind};
 
 use crate::ModelArgs;
 
-/// Print the schedule as text (one row per rank) or as JSON (DESIGN.md's contract).
-pub fn run(args: &ModelArgs, format: &str, with_comm: bool) -> Result<(), String> {
+/// Per-chunk durations of `F`, `B` and `W` for one microbatch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkCosts {
+    /// Index = global chunk.
+    pub per_chunk: Vec<Costs>,
+}
+
+impl ChunkCosts {
+    /// The duration of a compute action (0 for transfers and unknown chunks).
+    fn of(&self, a: &Action) -> f64 {
+        self.per_chunk
+            .get(a.chunk as usize)
+            .map_or(0.0, |c| c.of(a))
+    }
+}
+
+/// Per-chunk costs from a per-layer FLOPs estimate (Megatron's model FLOPs split by pass),
+/// in units of the mean chunk forward, so that the time axis is comparable with unit costs.
+///
+/// Chunk `c` holds the contiguous layers `c·L/(pp·vpp) ..` (the even split the stage pass
+/// will make). Per token and layer: matmul FLOPs `M = 2(h(q + 2kv) + qh) + 2·g·h·ffn` (`g` = 3
+/// for gated llama MLPs, 2 for GPT; times `top_k` for MoE layers) and causal core attention
+/// `C = 2·s·q`; `F = M + C`, input gradient `B = M + 2C`, weight gradient `W = M` (so
+/// `B + W = 2F` for the matmuls, Megatron's 3-pass count). Full recomputation adds `F` to `B`,
+/// selective adds `C`. The first chunk also holds the embedding (a gather: no FLOPs); the last
+/// holds the head, `2·h·vocab` per token in each of F, B and W. Transfers are free.
+pub fn model_costs(spec: &ModelSpec, pp: u32, vpp: u32) -> ChunkCosts {
+    let m = &spec.model;
+    let nc = u64::from(pp) * u64::from(vpp.max(1));
+    let (h, s) = (m.hidden as f64, m.seq_len as f64);
+    let q = (m.heads * m.head_dim()) as f64;
+    let kv = (m.kv_heads * m.head_dim()) as f64;
+    let gated = if m.arch == Arch::Llama { 3.0 } else { 2.0 };
+    let top_k = m.moe.as_ref().map_or(1.0, |x| x.top_k as f64);
+    let proj = 2.0 * (h * (q + 2.0 * kv) + q * h);
+    let core = 2.0 * s * q;
+    let layer = |l: u64| {
+        let experts = if m.is_moe_layer(l) { top_k } else { 1.0 };
+        let mm = proj + 2.0 * gated * h * m.ffn_hidden as f64 * experts;
+        let f = mm + core;
+        let recompute = match spec.train.recompute {
+            Recompute::None => 0.0,
+            Recompute::Selective => core,
+            Recompute::Full => f,
+        };
+        (f, mm + 2.0 * core + recompute, mm)
+    };
+    let head = 2.0 * h * spec.padded_vocab() as f64;
+    let (per, extra) = (m.layers / nc.max(1), m.layers % nc.max(1));
+    // The stage pass's split (stage_layers, balanced or even).
+    let split = megac_passes::stages::chunk_layers(spec);
+    let mut start = 0;
+    let mut raw: Vec<(f64, f64, f64)> = (0..nc)
+        .map(|c| {
+            let count = split
+                .as_ref()
+                .ok()
+                .and_then(|s| s.get(c as usize).copied())
+                .unwrap_or(per + u64::from(c < extra));
+            let mut sum = (0.0, 0.0, 0.0);
+            for l in start..start + count {
+                let (f, b, w) = layer(l);
+                sum = (sum.0 + f, sum.1 + b, sum.2 + w);
+            }
+            start += count;
+            sum
+        })
+        .collect();
+    if let Some(last) = raw.last_mut() {
+        *last = (last.0 + head, last.1 + head, last.2 + head);
+    }
+    let mean_f = raw.iter().map(|c| c.0).sum::<f64>() / raw.len().max(1) as f64;
+    let unit = if mean_f.is_finite() && mean_f > 0.0 {
+        mean_f
+    } else {
+        1.0
+    };
+    ChunkCosts {
+        per_chunk: raw
+            .into_iter()
+            .map(|(f, b, w)| Costs {
+                f: f / unit,
+                b: b / unit,
+                w: w / unit,
+                send: 0.0,
+            })
+            .collect(),
+    }
+}
+
+/// A short description of per-chunk costs: `F/B/W per chunk: 1.02/1.51/0.96, ...`.
+fn describe(costs: &ChunkCosts) -> String {
+    // Runs of chunks with the same (printed) costs: `chunks 0-6 0.88/1.00/0.77`.
+    let mut runs: Vec<(usize, usize, String)> = Vec::new();
+    for (c, x) in costs.per_chunk.iter().enumerate() {
+        let cell = format!("{:.2}/{:.2}/{:.2}", x.f, x.b, x.w);
+        match runs.last_mut() {
+            Some(run) if run.2 == cell => run.1 = c,
+            _ => runs.push((c, c, cell)),
+        }
+    }
+    let cells: Vec<String> = runs
+        .iter()
+        .map(|(a, b, cell)| {
+            if a == b {
+                format!("chunk {a} {cell}")
+            } else {
+                format!("chunks {a}-{b} {cell}")
+            }
+        })
+        .collect();
+    format!(
+        "model costs (per-layer FLOPs, unit = mean chunk forward; F/B/W: {})",
+        cells.join(", ")
+    )
+}
+
+/// Options of `megac schedule` beyond the model.
+pub struct Options<'a> {
+    /// `text`, `json` or `svg`.
+    pub format: &'a str,
+    /// Show sends and receives (text).
+    pub with_comm: bool,
+    /// `unit` or `model`.
+    pub costs: &'a str,
+    /// Write here instead of stdout.
+    pub output: Option<&'a Path>,
+}
+
+/// Print the schedule as text (one row per rank), JSON (DESIGN.md's contract) or SVG (a
+/// Gantt chart), simulated with unit or model costs.
+pub fn run(args: &ModelArgs, opts: &Options) -> Result<(), String> {
+    let format = opts.format;
+    if !matches!(format, "text" | "json" | "svg") {
+        return Err(format!(
+            "error: --format {format}: expected text, json or svg"
+        ));
+    }
+    if args.model.is_dir() {
+        return run_plan(args, opts);
+    }
     let spec = super::load_spec(args)?;
     let p = &spec.parallel;
     let kind = match p.schedule {
@@ -29,21 +173,185 @@ pub fn run(args: &ModelArgs, format: &str, with_comm: bool) -> Result<(), String
     let lists = schedule::schedule(kind, pp, vpp, m).map_err(|e| format!("error: {e}"))?;
     schedule::validate(&lists, pp, vpp, m)
         .map_err(|e| format!("error: the schedule does not validate: {e}"))?;
-    let timeline = schedule::simulate(&lists, Costs::unit()).map_err(|e| format!("error: {e}"))?;
-    match format {
-        "json" => println!("{}", schedule::render_json(&lists, vpp, &timeline)),
-        "text" => {
-            println!(
-                "{} schedule: pp={pp} vpp={vpp}, {m} micro-batches per step, unit costs (F = B = W = 1)",
-                p.schedule.as_str()
-            );
-            print!("{}", schedule::render_text(&lists, vpp, with_comm));
-            println!(
-                "bubble fraction {:.4} (idle over total time, all ranks)",
-                timeline.bubble_fraction
-            );
+    let (timeline, costs_line, costs_short) = match opts.costs {
+        "unit" => (
+            schedule::simulate(&lists, Costs::unit()),
+            "unit costs (F = B = W = 1)".to_string(),
+            "unit costs".to_string(),
+        ),
+        "model" => {
+            let costs = model_costs(&spec, pp, vpp);
+            (
+                schedule::simulate_by(&lists, 0.0, |a| costs.of(a)),
+                describe(&costs),
+                "model costs (per-layer FLOPs)".to_string(),
+            )
         }
-        other => return Err(format!("error: --format {other}: expected text or json")),
+        other => return Err(format!("error: --costs {other}: expected unit or model")),
+    };
+    let timeline = timeline.map_err(|e| format!("error: {e}"))?;
+    let shown = Shown {
+        lists: &lists,
+        pp,
+        vpp,
+        m,
+        schedule: p.schedule.as_str(),
+        costs_line: &costs_line,
+        costs_short: &costs_short,
+        note: "",
+    };
+    emit(&shown, &timeline, opts)
+}
+
+/// What to render.
+struct Shown<'a> {
+    lists: &'a [Vec<Action>],
+    pp: u32,
+    vpp: u32,
+    m: u32,
+    schedule: &'a str,
+    costs_line: &'a str,
+    costs_short: &'a str,
+    note: &'a str,
+}
+
+/// The schedule of a compiled plan directory: its stage roles' action lists.
+fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
+    if !args.sets.is_empty() {
+        return Err("error: --set applies to a model.toml, not to a compiled plan".into());
+    }
+    if opts.costs != "unit" {
+        return Err(format!(
+            "error: --costs {} needs a model.toml; for a compiled plan, `megac simulate {}` times every kernel on a cluster",
+            opts.costs,
+            args.model.display()
+        ));
+    }
+    let plan = super::inspect::read_plan(&args.model)?;
+    let pp = plan.mesh.size(megac_ir::Axis::Pp) as u32;
+    let stages: Vec<&megac_ir::plan::Pipeline> = plan
+        .roles
+        .iter()
+        .take(pp as usize)
+        .filter_map(|r| r.pipeline.as_ref())
+        .collect();
+    if pp < 2 || stages.len() != pp as usize {
+        return Err(format!(
+            "error: {} is not a pipelined plan (pp = {pp}); compile with parallel.pp >= 2",
+            args.model.display()
+        ));
+    }
+    let nc = stages[0].chunks_total;
+    let vpp = (nc / pp).max(1);
+    let m = plan.batch.microbatches as u32;
+    let compute: Vec<Vec<Action>> = stages
+        .iter()
+        .map(|p| {
+            p.actions
+                .iter()
+                .map(|a| {
+                    use megac_ir::plan::PipeKind;
+                    let kind = match a.kind {
+                        PipeKind::F => schedule::ActionKind::F,
+                        PipeKind::B => schedule::ActionKind::B,
+                        PipeKind::W => schedule::ActionKind::W,
+                        PipeKind::BW => schedule::ActionKind::BW,
+                    };
+                    Action::compute(kind, a.chunk, a.microbatch)
+                })
+                .collect()
+        })
+        .collect();
+    let lists = schedule::with_transfers(compute, pp, vpp);
+    schedule::validate(&lists, pp, vpp, m)
+        .map_err(|e| format!("error: the plan's schedule does not validate: {e}"))?;
+    let timeline = schedule::simulate(&lists, Costs::unit()).map_err(|e| format!("error: {e}"))?;
+    let fbd = plan.roles.len() > pp as usize;
+    let note = if fbd {
+        "FBD: each stage also has a forward role on its own ranks (forward only, one micro-batch at a time); the lanes show the backward roles\n"
+    } else if stages[0].dpp.is_some() {
+        "dpp runs dynamically: the lanes show the reference order; `megac run --report` records the order each run took\n"
+    } else {
+        ""
+    };
+    let shown = Shown {
+        lists: &lists,
+        pp,
+        vpp,
+        m,
+        schedule: &stages[0].schedule,
+        costs_line: "unit costs (F = B = W = 1)",
+        costs_short: "unit costs",
+        note,
+    };
+    emit(&shown, &timeline, opts)
+}
+
+/// Render and write.
+fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<(), String> {
+    let Shown {
+        lists,
+        pp,
+        vpp,
+        m,
+        schedule: name,
+        costs_line,
+        costs_short,
+        note,
+    } = *shown;
+    let format = opts.format;
+    let out = match format {
+        "json" => format!("{}\n", schedule::render_json(lists, vpp, timeline)),
+        "svg" => {
+            let vpp_part = if vpp > 1 {
+                format!(" vpp={vpp}")
+            } else {
+                String::new()
+            };
+            let title =
+                format!("{name} schedule: pp={pp}{vpp_part}, {m} micro-batches, {costs_short}");
+            schedule::render_svg(lists, vpp, timeline, &title)
+        }
+        _ => {
+            let mut s = format!(
+                "{name} schedule: pp={pp} vpp={vpp}, {m} micro-batches per step, {costs_line}\n{note}"
+            );
+            s.push_str(&schedule::render_text(lists, vpp, opts.with_comm));
+            s.push_str(&format!(
+                "bubble fraction {:.4} (idle over total time, all ranks)\n",
+                timeline.bubble_fraction
+            ));
+            s
+        }
+    };
+    match opts.output {
+        None => print!("{out}"),
+        Some(path) => std::fs::write(path, out)
+            .map_err(|e| format!("error: cannot write {}: {e}", path.display()))?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use megac_passes::schedule::ActionKind;
+
+    #[test]
+    fn unused_kinds_cost_nothing() {
+        let c = ChunkCosts {
+            per_chunk: vec![Costs::unit()],
+        };
+        let send = Action {
+            kind: ActionKind::Send {
+                payload: schedule::Payload::Activation,
+                peer: 1,
+            },
+            chunk: 0,
+            microbatch: 0,
+        };
+        assert_eq!(c.of(&send), 0.0);
+        assert_eq!(c.of(&Action::compute(ActionKind::BW, 0, 0)), 2.0);
+        assert_eq!(c.of(&Action::compute(ActionKind::F, 5, 0)), 0.0);
+    }
 }
