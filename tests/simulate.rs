@@ -589,3 +589,118 @@ fn simulate_a_pipelined_plan() {
     );
     assert!(w["step_seconds"].as_f64().unwrap() >= step);
 }
+
+/// `megac plan`'s analytic model (sim/src/model.rs) against the plan simulation on
+/// pipelined layouts of Llama-3 8B: step time within 15%.
+#[test]
+fn analytic_model_agrees_with_the_pipeline_simulation() {
+    let cases: &[&[&str]] = &[
+        &["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"],
+        &["parallel.tp=2", "parallel.pp=4", "parallel.dp=1"],
+        &[
+            "parallel.tp=1",
+            "parallel.pp=4",
+            "parallel.vpp=2",
+            "parallel.dp=2",
+            "parallel.schedule=interleaved",
+        ],
+        &[
+            "parallel.tp=2",
+            "parallel.pp=4",
+            "parallel.dp=1",
+            "parallel.schedule=zb-h1",
+        ],
+    ];
+    for sets in cases {
+        let mut all = vec![
+            "parallel.sequence_parallel=false",
+            "parallel.distributed_optimizer=false",
+            "train.global_batch=32",
+        ];
+        all.extend_from_slice(sets);
+        let s = spec("examples/llama3-8b.toml", &all);
+        let plan = plan_of(&s);
+        for serial in [false, true] {
+            let mut cl = Cluster::preset("h100-sxm").unwrap();
+            if serial {
+                cl.cost = cl.cost.clone().serial();
+            }
+            let cost = CostModel::new(cl.fit(plan.mesh.world_size() as u64).unwrap());
+            let sim = simulate(&plan, &cost, false).unwrap().report;
+            let est = estimate(&s, &Layout::of_spec(&s), &cost);
+            let rel = est.step_seconds / sim.step_seconds - 1.0;
+            println!(
+                "{sets:?} serial={serial}: model {:.4} s (bubble/ideal {:.3}), simulated {:.4} s (bubble {:.3}, idle/total), {:+.1}%",
+                est.step_seconds,
+                est.bubble_fraction,
+                sim.step_seconds,
+                sim.bubble_fraction,
+                100.0 * rel
+            );
+            assert!(rel.abs() < 0.05, "{sets:?} serial={serial}: {rel}");
+        }
+    }
+}
+
+/// Held-out check of the plan path: the pipelined rows of Megatron-LM's H100 table
+/// (sim/src/calibrate.rs) compiled with the layout the calibration picks and simulated
+/// through `simulate`, against the published step times. Prints per-row errors; slow
+/// (plans of up to 6,144 ranks), so `cargo test --test simulate -- --ignored`.
+#[test]
+#[ignore]
+fn megatron_pipelined_rows_through_the_plan_path() {
+    let mut cl = Cluster::preset("h100-sxm").unwrap();
+    cl.cost.bf16_params = true;
+    cl.cost.sp_regather = true;
+    let rows = megac_sim::calibrate::calibrate(&cl);
+    let mut errs = Vec::new();
+    for c in rows.iter().filter(|c| c.row.pp > 1) {
+        let mut s = c.layout.apply(&c.row.spec());
+        // Pipelined plans do not combine with the distributed optimizer yet.
+        s.parallel.distributed_optimizer = false;
+        let t0 = std::time::Instant::now();
+        let flops = megac_passes::flops::step_flops(&s).total;
+        let module = match megac_passes::run_pipeline(s.clone(), None, false) {
+            Ok(m) => m,
+            Err(e) => {
+                println!("{}: does not compile: {e}", c.row.name);
+                continue;
+            }
+        };
+        let plan =
+            match megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops) {
+                Ok(p) => p,
+                Err(e) => {
+                    println!("{}: no plan: {e}", c.row.name);
+                    continue;
+                }
+            };
+        let compile_s = t0.elapsed().as_secs_f64();
+        let cost = CostModel::new(cl.fit(plan.mesh.world_size() as u64).unwrap());
+        let t1 = std::time::Instant::now();
+        let sim = simulate(&plan, &cost, false).unwrap().report;
+        let err = sim.step_seconds / c.row.measured_seconds() - 1.0;
+        errs.push(err);
+        println!(
+            "{:<5} {} measured {:.3} s, analytic {:.3} s ({:+.1}%), plan simulation {:.3} s ({:+.1}%), bubble {:.3}, busy first/last stage {:.3}/{:.3} s; compile {:.1} s, simulate {:.1} s",
+            c.row.name,
+            c.layout.label(),
+            c.row.measured_seconds(),
+            c.estimate.step_seconds,
+            100.0 * c.error,
+            sim.step_seconds,
+            100.0 * err,
+            sim.bubble_fraction,
+            sim.roles[0].compute_seconds,
+            sim.roles[sim.roles.len() - 1].compute_seconds,
+            compile_s,
+            t1.elapsed().as_secs_f64()
+        );
+    }
+    let mean = errs.iter().map(|e| e.abs()).sum::<f64>() / errs.len().max(1) as f64;
+    println!(
+        "plan path: mean |error| {:.1}% over {} rows",
+        100.0 * mean,
+        errs.len()
+    );
+}

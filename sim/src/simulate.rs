@@ -10,6 +10,9 @@
 //! [`crate::cost::CostParams`] apply as in the analytic model: a fraction of tensor-parallel
 //! collective time is hidden, data-parallel gradient reduction may start with the last
 //! micro-batch's backward, and the parameter gather may overlap the next step's forward.
+//!
+//! Pipelined plans (one role per stage) are simulated with every stage at once, transfers
+//! between them over the pipeline link: see the `pipeline` submodule.
 
 use std::collections::BTreeMap;
 
