@@ -655,9 +655,7 @@ fn megatron_pipelined_rows_through_the_plan_path() {
     let rows = megac_sim::calibrate::calibrate(&cl);
     let mut errs = Vec::new();
     for c in rows.iter().filter(|c| c.row.pp > 1) {
-        let mut s = c.layout.apply(&c.row.spec());
-        // Pipelined plans do not combine with the distributed optimizer yet.
-        s.parallel.distributed_optimizer = false;
+        let s = c.layout.apply(&c.row.spec());
         let t0 = std::time::Instant::now();
         let flops = megac_passes::flops::step_flops(&s).total;
         let module = match megac_passes::run_pipeline(s.clone(), None, false) {

@@ -146,7 +146,11 @@ fn seg<'a>(
     let recvs = instrs
         .iter()
         .filter_map(|i| match i {
-            Instr::Recv { transfer, .. } => Some(*transfer),
+            Instr::Recv {
+                transfer,
+                twin: false,
+                ..
+            } => Some(*transfer),
             _ => None,
         })
         .collect();
@@ -310,6 +314,11 @@ pub(super) fn simulate_pipeline(
                 role.name
             )));
         };
+        if plan.mesh.coord(rep_rank, Axis::Fbd) == 1 {
+            // An FBD forward role runs ahead on its own ranks, forward only; its stage
+            // inputs are taken as arrived when the backward role needs them.
+            continue;
+        }
         let stage = plan.mesh.coord(rep_rank, Axis::Pp) as u32;
         if let Some(&r) = ranks
             .iter()
@@ -611,8 +620,45 @@ pub(super) fn simulate_pipeline(
             .entry(PP_STREAM)
             .or_insert_with(|| "pipeline transfers".to_string());
     }
+    // FBD forward roles run ahead of their backward twins: report them with the twin's
+    // step time and their own memory.
+    for ri in 0..roles.len() {
+        if roles[ri].is_some() {
+            continue;
+        }
+        let role = &plan.roles[ri];
+        let ranks: Vec<usize> = (0..plan.rank_to_role.len())
+            .filter(|&r| plan.rank_to_role[r] as usize == ri)
+            .collect();
+        let Some(&rep) = ranks.first() else {
+            return Err(SimError::new(format!(
+                "malformed plan: no rank runs role {}",
+                role.name
+            )));
+        };
+        let stage = plan.mesh.coord(rep, Axis::Pp) as u32;
+        let twin = roles
+            .iter()
+            .flatten()
+            .find(|r| r.stage == Some(stage))
+            .cloned()
+            .ok_or_else(|| {
+                SimError::new(format!(
+                    "malformed plan: role {} has no backward twin on stage {stage}",
+                    role.name
+                ))
+            })?;
+        let mem = plan.memory_of(rep);
+        roles[ri] = Some(RoleReport {
+            name: role.name.clone(),
+            ranks: ranks.len(),
+            memory_bytes: mem.total(),
+            activation_live_bytes: mem.activation_bytes_live,
+            ..twin
+        });
+    }
     Ok(PipelineResult {
-        roles: roles.into_iter().map(|r| r.expect("every role")).collect(),
+        roles: roles.into_iter().flatten().collect(),
         bubble_fraction: if total_sum > 0.0 {
             idle_sum / total_sum
         } else {
@@ -668,6 +714,8 @@ fn run_action(
         for s in &segs {
             for (k, instr) in s.instrs.iter().enumerate() {
                 match instr {
+                    // From the FBD twin (the forward role runs ahead): no wait.
+                    Instr::Recv { twin: true, .. } | Instr::Send { twin: true, .. } => {}
                     Instr::Recv { transfer, .. } => {
                         let Some(&arrival) = msgs.get(&(*transfer, j)) else {
                             return Err(SimError::new(format!(
@@ -684,6 +732,7 @@ fn run_action(
                         buffer,
                         chunk,
                         transfer,
+                        ..
                     } => {
                         if !charged {
                             st.sim.compute_free += unit_cost;
