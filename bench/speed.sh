@@ -3,9 +3,8 @@
 #   - `megac compile` of GPT-3 175B for 1,024 GPUs and of a 1T GPT for 16,384 GPUs
 #     (target: under 1 s each);
 #   - `megac plan` of GPT-3 175B on 1,024 GPUs (target: over 1,000 layouts/s).
-# megac emits data- and tensor-parallel plans today, so both compiles use TP8 × DP (175B: the
-# vocabulary padded to 51,200 so that tp divides it, no sequence parallelism or distributed
-# optimizer, which tp plans do not support yet).
+# Both use the papers' layouts: 175B as examples/gpt3-175b.toml (TP8 PP16 VPP2 DP8,
+# interleaved, sp, distributed optimizer), 1T as bench/gpt-1t.toml (TP8 PP64 DP32).
 #
 #   bash bench/speed.sh
 set -euo pipefail
@@ -33,13 +32,11 @@ check() { # name value op target
   fi
 }
 
-t175=$(seconds $megac compile examples/gpt3-175b.toml --set parallel.pp=1 --set parallel.vpp=1 \
-  --set parallel.dp=128 --set model.vocab=51200 --set parallel.sequence_parallel=false \
-  --set parallel.distributed_optimizer=false -o "$out/gpt3-175b")
+t175=$(seconds $megac compile examples/gpt3-175b.toml -o "$out/gpt3-175b")
 t1t=$(seconds $megac compile bench/gpt-1t.toml -o "$out/gpt-1t")
 plan_line=$($megac plan examples/gpt3-175b.toml --gpus 1024 --top 3 | tail -n 1)
-echo "compile GPT-3 175B, 1,024 GPUs (tp8 dp128):  $t175 s"
-echo "compile GPT 1T, 16,384 GPUs (tp8 dp2048):    $t1t s"
+echo "compile GPT-3 175B, 1,024 GPUs (tp8 pp16 vpp2 dp8): $t175 s"
+echo "compile GPT 1T, 16,384 GPUs (tp8 pp64 dp32):       $t1t s"
 echo "plan GPT-3 175B, 1,024 GPUs:                 $plan_line"
 n=$(echo "$plan_line" | awk '{print $2}')
 t=$(echo "$plan_line" | awk '{print $5}')

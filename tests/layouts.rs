@@ -164,6 +164,29 @@ fn tensor_parallel_gpt() {
             &["parallel.tp=2", "parallel.dp=2"],
         ],
     );
+    // An untied head is vocab-parallel too (each rank holds vocab/tp rows).
+    let untied = [
+        "train.micro_batch=2",
+        "train.global_batch=8",
+        "model.tie_embeddings=false",
+    ];
+    assert_equivalent(
+        "gpt-tiny.toml",
+        &untied,
+        &[&["parallel.tp=2"], &["parallel.tp=2", "parallel.pp=2"]],
+    );
+    let sets: Vec<String> = untied
+        .iter()
+        .chain(&["parallel.tp=2"])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("gpt-tiny.toml", &sets);
+    let head = plan
+        .params
+        .iter()
+        .find(|p| p.name == "lm_head.weight")
+        .unwrap();
+    assert_eq!(head.shards.first(), Some(&vec![megac_ir::Axis::Tp]));
 }
 
 #[test]

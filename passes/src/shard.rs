@@ -222,7 +222,9 @@ impl Sharder<'_> {
                     "attn.c_proj.weight",
                     "mlp.c_proj.weight",
                     "transformer.wte.weight",
-                ]) {
+                ]) || name == "lm_head.weight"
+                {
+                    // An untied head is vocab-parallel like the tied one.
                     Some(0)
                 } else {
                     None

@@ -10,6 +10,9 @@
 //! [`crate::cost::CostParams`] apply as in the analytic model: a fraction of tensor-parallel
 //! collective time is hidden, data-parallel gradient reduction may start with the last
 //! micro-batch's backward, and the parameter gather may overlap the next step's forward.
+//!
+//! Pipelined plans (one role per stage) are simulated with every stage at once, transfers
+//! between them over the pipeline link: see the `pipeline` submodule.
 
 use std::collections::BTreeMap;
 
@@ -19,6 +22,8 @@ use megac_ir::types::{Axis, DType};
 
 use crate::cost::{Coll, CostMode, CostModel, Group};
 use crate::error::SimError;
+
+mod pipeline;
 
 /// What the simulation of one role found.
 #[derive(Clone, Debug, PartialEq)]
@@ -46,6 +51,14 @@ pub struct RoleReport {
     /// Peak bytes of live activations (first definition to last use, without the
     /// placement's fragmentation): a lower bound of the activation arena.
     pub activation_live_bytes: u64,
+    /// Pipelined plans: the role's pipeline stage (its `pp` coordinate).
+    pub stage: Option<u32>,
+    /// Pipelined plans: the stage's idle compute time over the pipeline's duration (the
+    /// forward and backward phase of the step, before the optimizer); 0 without a pipeline.
+    pub bubble_fraction: f64,
+    /// Pipelined plans: the most micro-batches in flight at once (forward done, backward
+    /// not), over all chunks of the stage; 1 without a pipeline.
+    pub peak_inflight: u32,
 }
 
 /// The result of simulating a plan (the `simulate --format json` contract).
@@ -57,8 +70,13 @@ pub struct SimReport {
     pub tokens_per_s: f64,
     /// Model FLOPs (the plan's, Megatron's formula) over the peak of all GPUs.
     pub mfu: f64,
-    /// Pipeline bubble time over busy compute time (0 without pipeline parallelism).
+    /// Pipeline bubble: idle compute time over total time during the pipeline phase of the
+    /// step, over all ranks (the schedule pass's definition; 0 without pipeline parallelism).
     pub bubble_fraction: f64,
+    /// Pipelined plans: how the schedule was executed (`static` action lists, or `dynamic`
+    /// for dpp: the highest-priority ready task, as the runtime does); None without a
+    /// pipeline.
+    pub pipeline_execution: Option<String>,
     /// Peak bytes of each rank.
     pub peak_memory_bytes: Vec<u64>,
     /// Per role.
@@ -86,6 +104,9 @@ impl SimReport {
                     "kernels_per_step": r.kernels,
                     "memory_bytes": r.memory_bytes,
                     "activation_live_bytes": r.activation_live_bytes,
+                    "stage": r.stage,
+                    "bubble_fraction": r.bubble_fraction,
+                    "peak_inflight": r.peak_inflight,
                 })
             })
             .collect();
@@ -94,6 +115,7 @@ impl SimReport {
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction,
+            "pipeline_execution": self.pipeline_execution,
             "peak_memory_bytes": self.peak_memory_bytes,
             "world": self.world,
             "roles": roles,
@@ -502,6 +524,9 @@ pub fn stream_names() -> BTreeMap<u32, String> {
     m
 }
 
+/// Trace stream of micro-batch and pipeline-action spans.
+const PHASE_STREAM: u32 = 99;
+
 fn stream_id(key: u8) -> u32 {
     1 + key as u32
 }
@@ -549,14 +574,23 @@ pub fn simulate(plan: &Plan, cost: &CostModel, trace: bool) -> Result<Simulation
     let mut events = Vec::new();
     let mut names = stream_names();
     let mut roles = Vec::new();
-    for (ri, role) in plan.roles.iter().enumerate() {
-        let ranks = plan
-            .rank_to_role
-            .iter()
-            .filter(|&&r| r as usize == ri)
-            .count();
-        let rep = simulate_role(&mut ctx, ri, role, ranks, trace, &mut events, &mut names)?;
-        roles.push(rep);
+    let mut bubble_fraction = 0.0;
+    let mut pipeline_execution = None;
+    if plan.roles.iter().any(|r| r.pipeline.is_some()) {
+        let p = pipeline::simulate_pipeline(&mut ctx, trace, &mut events, &mut names)?;
+        roles = p.roles;
+        bubble_fraction = p.bubble_fraction;
+        pipeline_execution = Some(p.execution.to_string());
+    } else {
+        for (ri, role) in plan.roles.iter().enumerate() {
+            let ranks = plan
+                .rank_to_role
+                .iter()
+                .filter(|&&r| r as usize == ri)
+                .count();
+            let rep = simulate_role(&mut ctx, ri, role, ranks, trace, &mut events, &mut names)?;
+            roles.push(rep);
+        }
     }
     let step = roles.iter().map(|r| r.step_seconds).fold(0.0, f64::max);
     let dtype = if plan.train.precision == "bf16" {
@@ -582,7 +616,8 @@ pub fn simulate(plan: &Plan, cost: &CostModel, trace: bool) -> Result<Simulation
         } else {
             0.0
         },
-        bubble_fraction: 0.0,
+        bubble_fraction,
+        pipeline_execution,
         peak_memory_bytes,
         roles,
         world,
@@ -713,6 +748,7 @@ fn simulate_role(
         inflight: Vec::new(),
         kernels: 0,
         bwd_start_last: 0.0,
+        grad_ready: Vec::new(),
         deferred_end: 0.0,
     };
     let mut fwd_window = f64::INFINITY;
@@ -779,6 +815,9 @@ fn simulate_role(
         kernels: st.kernels,
         memory_bytes: plan.memory.total(),
         activation_live_bytes: activation_live_bytes(plan, mb),
+        stage: None,
+        bubble_fraction: 0.0,
+        peak_inflight: 1,
     })
 }
 
@@ -800,6 +839,8 @@ struct RoleSim {
     inflight: Vec<InFlight>,
     kernels: u64,
     bwd_start_last: f64,
+    /// Pipelines: when each chunk's gradients are final (see [`RoleSim::grads_final`]).
+    grad_ready: Vec<(Ranges, f64)>,
     deferred_end: f64,
 }
 
@@ -828,91 +869,119 @@ impl RoleSim {
             if !in_optimizer && i == self.bstart {
                 bwd = self.compute_free;
             }
-            let (ins, outs) = &rng[i];
-            let path = match instr {
-                Instr::Kernel { path, .. } => path.as_str(),
-                _ => "",
-            };
-            match w {
-                Work::Nothing => {}
-                Work::Compute(t) => {
-                    let now = self.compute_free;
-                    self.inflight.retain(|c| c.end > now);
-                    let mut ready = now;
-                    for c in &self.inflight {
-                        if overlaps(&c.ranges, ins) || overlaps(&c.ranges, outs) {
-                            ready = ready.max(c.end);
-                        }
+            self.exec(instr, w, &rng[i], in_optimizer, detail, events, names);
+        }
+        (bwd, if in_optimizer { 0.0 } else { bwd - start })
+    }
+
+    /// When the gradients in `ins` are final, for a data-parallel reduction that overlaps
+    /// the backward: the start of the last backward that writes them (pipelines, per chunk),
+    /// else the start of the last micro-batch's backward.
+    fn grads_final(&self, ins: &Ranges) -> f64 {
+        self.grad_ready
+            .iter()
+            .filter(|(r, _)| overlaps(r, ins))
+            .map(|(_, t)| *t)
+            .reduce(f64::max)
+            .unwrap_or(self.bwd_start_last)
+    }
+
+    /// Run one instruction whose work is `w` and whose (read, written) arena ranges are
+    /// `rng`; with `detail`, record it in the timeline.
+    #[allow(clippy::too_many_arguments)]
+    fn exec(
+        &mut self,
+        instr: &Instr,
+        w: &Work,
+        rng: &(Ranges, Ranges),
+        in_optimizer: bool,
+        detail: bool,
+        events: &mut Vec<TraceEvent>,
+        names: &mut BTreeMap<u32, String>,
+    ) {
+        let (ins, outs) = rng;
+        let path = match instr {
+            Instr::Kernel { path, .. } => path.as_str(),
+            _ => "",
+        };
+        match w {
+            Work::Nothing => {}
+            Work::Compute(t) => {
+                let now = self.compute_free;
+                self.inflight.retain(|c| c.end > now);
+                let mut ready = now;
+                for c in &self.inflight {
+                    if overlaps(&c.ranges, ins) || overlaps(&c.ranges, outs) {
+                        ready = ready.max(c.end);
                     }
-                    self.waited += ready - now;
-                    if detail {
-                        events.push(TraceEvent {
-                            name: instr_name(instr),
-                            detail: path.to_string(),
-                            start: ready,
-                            dur: *t,
-                            role: self.ri,
-                            stream: 0,
-                        });
-                    }
-                    self.compute_free = ready + t;
-                    self.busy += t;
-                    self.kernels += 1;
                 }
-                Work::Collective { time, axes } => {
-                    let key = axes_key(axes);
-                    let is_dp = axes.contains(&Axis::Dp);
-                    let layer = !is_dp && !axes.contains(&Axis::Pp);
-                    let mut dur = *time;
-                    if layer && !in_optimizer {
-                        dur *= 1.0 - self.tp_overlap;
+                self.waited += ready - now;
+                if detail {
+                    events.push(TraceEvent {
+                        name: instr_name(instr),
+                        detail: path.to_string(),
+                        start: ready,
+                        dur: *t,
+                        role: self.ri,
+                        stream: 0,
+                    });
+                }
+                self.compute_free = ready + t;
+                self.busy += t;
+                self.kernels += 1;
+            }
+            Work::Collective { time, axes } => {
+                let key = axes_key(axes);
+                let is_dp = axes.contains(&Axis::Dp);
+                let layer = !is_dp && !axes.contains(&Axis::Pp);
+                let mut dur = *time;
+                if layer && !in_optimizer {
+                    dur *= 1.0 - self.tp_overlap;
+                }
+                *self.comm_total.entry(axes_label(axes)).or_insert(0.0) += time;
+                let free = self.streams.get(&key).copied().unwrap_or(0.0);
+                let reads_grads = ins.iter().any(|r| r.0 == BufferClass::Grad);
+                let writes_params = outs.iter().any(|r| r.0 == BufferClass::Param);
+                let overlap_dp = in_optimizer && is_dp && self.dp_overlap;
+                let after = if overlap_dp && reads_grads {
+                    self.grads_final(ins)
+                } else {
+                    self.compute_free
+                };
+                let now = self.compute_free;
+                self.inflight.retain(|c| c.end > now.min(after));
+                let mut s = free.max(after);
+                for c in &self.inflight {
+                    if overlaps(&c.ranges, ins) || overlaps(&c.ranges, outs) {
+                        s = s.max(c.end);
                     }
-                    *self.comm_total.entry(axes_label(axes)).or_insert(0.0) += time;
-                    let free = self.streams.get(&key).copied().unwrap_or(0.0);
-                    let reads_grads = ins.iter().any(|r| r.0 == BufferClass::Grad);
-                    let writes_params = outs.iter().any(|r| r.0 == BufferClass::Param);
-                    let overlap_dp = in_optimizer && is_dp && self.dp_overlap;
-                    let after = if overlap_dp && reads_grads {
-                        self.bwd_start_last
-                    } else {
-                        self.compute_free
-                    };
-                    let now = self.compute_free;
-                    self.inflight.retain(|c| c.end > now.min(after));
-                    let mut s = free.max(after);
-                    for c in &self.inflight {
-                        if overlaps(&c.ranges, ins) || overlaps(&c.ranges, outs) {
-                            s = s.max(c.end);
-                        }
-                    }
-                    let end = s + dur;
-                    self.streams.insert(key, end);
-                    self.kernels += 1;
-                    if detail {
-                        names
-                            .entry(stream_id(key))
-                            .or_insert_with(|| format!("comm {}", axes_label(axes)));
-                        events.push(TraceEvent {
-                            name: instr_name(instr),
-                            detail: path.to_string(),
-                            start: s,
-                            dur,
-                            role: self.ri,
-                            stream: stream_id(key),
-                        });
-                    }
-                    if overlap_dp && writes_params {
-                        // The parameter gather overlaps the next step's first forward.
-                        self.deferred_end = self.deferred_end.max(end);
-                    } else {
-                        let mut r = ins.clone();
-                        r.extend(outs.iter().copied());
-                        self.inflight.push(InFlight { end, ranges: r });
-                    }
+                }
+                let end = s + dur;
+                self.streams.insert(key, end);
+                self.kernels += 1;
+                if detail {
+                    names
+                        .entry(stream_id(key))
+                        .or_insert_with(|| format!("comm {}", axes_label(axes)));
+                    events.push(TraceEvent {
+                        name: instr_name(instr),
+                        detail: path.to_string(),
+                        start: s,
+                        dur,
+                        role: self.ri,
+                        stream: stream_id(key),
+                    });
+                }
+                if overlap_dp && writes_params {
+                    // The parameter gather overlaps the next step's first forward.
+                    self.deferred_end = self.deferred_end.max(end);
+                } else {
+                    let mut r = ins.clone();
+                    r.extend(outs.iter().copied());
+                    self.inflight.push(InFlight { end, ranges: r });
                 }
             }
         }
-        (bwd, if in_optimizer { 0.0 } else { bwd - start })
     }
 }
 

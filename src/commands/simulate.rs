@@ -22,6 +22,11 @@ pub struct SimulateArgs {
     /// Write a Chrome-trace timeline (opens in Perfetto) of the simulated step.
     #[arg(long, value_name = "F.json")]
     pub trace: Option<PathBuf>,
+    /// Costs: `model` (roofline and alpha-beta) or `unit` (every F, B and W of a pipeline
+    /// chunk and micro-batch takes 1, communication and the optimizer nothing: the schedule
+    /// formulas).
+    #[arg(long, default_value = "model", value_name = "model|unit")]
+    pub costs: String,
 }
 
 /// The cluster named by `--cluster`, or the default preset.
@@ -55,12 +60,22 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
             args.format
         ));
     }
+    if args.costs != "model" && args.costs != "unit" {
+        return Err(format!(
+            "error: --costs {}: expected `model` or `unit`",
+            args.costs
+        ));
+    }
     let plan = super::inspect::read_plan(&args.plan)?;
     let world = plan.mesh.world_size() as u64;
     let cluster = cluster_arg(args.cluster.as_deref())?
         .fit(world)
         .map_err(|e| e.render())?;
-    let cost = CostModel::new(cluster);
+    let cost = if args.costs == "unit" {
+        CostModel::unit(cluster)
+    } else {
+        CostModel::new(cluster)
+    };
     let megac_sim::simulate::Simulation {
         report,
         events,
@@ -100,6 +115,25 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
         b.seq_len
     );
     println!("cluster      {}", cost.cluster.describe());
+    if args.costs == "unit" {
+        println!("costs        unit: F = B = W = 1 per chunk and micro-batch, communication and optimizer free (times in units)");
+    }
+    if let (Some(exec), Some(pipe)) = (
+        &report.pipeline_execution,
+        plan.roles.iter().find_map(|r| r.pipeline.as_ref()),
+    ) {
+        println!(
+            "pipeline     {} schedule over {} stage(s), {} chunk(s), executed {}",
+            pipe.schedule,
+            plan.mesh.size(megac_ir::Axis::Pp),
+            pipe.chunks_total,
+            if exec == "dynamic" {
+                "dynamically (highest-priority ready task, as the runtime)"
+            } else {
+                "in the plan's action order"
+            }
+        );
+    }
     println!(
         "step         {:.4} s   ({:.0} tokens/s, MFU {:.1}%, bubble {:.1}%)",
         report.step_seconds,
@@ -118,6 +152,15 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
             r.exposed_comm_seconds,
             r.kernels
         );
+        if let Some(stage) = r.stage {
+            println!(
+                "  stage {stage}     step {:.4} s, busy {:.4} s, bubble {:.1}%, peak in flight {} micro-batch(es)",
+                r.step_seconds,
+                r.compute_seconds,
+                100.0 * r.bubble_fraction,
+                r.peak_inflight
+            );
+        }
         for (axes, t) in &r.comm_seconds {
             println!("  comm {axes:<8} {t:.4} s per step (hidden or not)");
         }
