@@ -623,6 +623,20 @@ fn large_plans_check_fast() {
         eprintln!("check_plan of gpt3-175b, 1,024 ranks, {sets:?}: {took:?}");
         assert!(took.as_secs_f64() < 1.0, "check_plan took {took:?}");
     }
+    // bench/gpt-1t.toml: 16,384 ranks (tp8 · pp64 · dp32), one simulated per stage.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/gpt-1t.toml");
+    let spec = megac_frontend::load(&path, &[]).unwrap_or_else(|e| panic!("{}", e.render()));
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let plan = megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
+        .unwrap_or_else(|e| panic!("gpt-1t: {e}"));
+    assert_eq!(plan.rank_to_role.len(), 16_384);
+    let start = Instant::now();
+    check_plan(&plan).unwrap();
+    let took = start.elapsed();
+    eprintln!("check_plan of gpt-1t, 16,384 ranks: {took:?}");
+    assert!(took.as_secs_f64() < 1.0, "check_plan took {took:?}");
+
     // Rank 1 with its own copy of its role: no two ranks are interchangeable any more, so
     // every one of the 1,024 ranks is simulated.
     let mut plan = compile("gpt3-175b.toml", &[]);
