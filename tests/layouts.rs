@@ -35,6 +35,11 @@ const NO_SP: &str = "!parallel.sequence_parallel=false";
 type Outcome = (Vec<(f64, f64)>, Vec<(String, Vec<f32>)>);
 
 fn run(file: &str, sets: &[String]) -> Outcome {
+    run_from(file, sets, None)
+}
+
+/// 3 steps, from the seed's initialisation or (`init`) a Hugging Face checkpoint.
+fn run_from(file: &str, sets: &[String], init: Option<&Path>) -> Outcome {
     let plan = plan(file, sets);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("final.safetensors");
@@ -42,6 +47,7 @@ fn run(file: &str, sets: &[String]) -> Outcome {
         steps: Some(3),
         data: "synthetic".into(),
         save_params: Some(out.clone()),
+        init: init.map(Path::to_path_buf),
         progress: Some(false),
         ..Default::default()
     };
@@ -555,6 +561,58 @@ fn expert_parallel_moe() {
         ],
         &[&["parallel.dp=2", "parallel.ep=2"]],
     );
+}
+
+/// `--init` under expert tensor parallelism: each rank loads its tp (and ep) slice of the
+/// global per-expert tensors of a checkpoint (here the single-device run's parameters after
+/// 3 steps), and `--save-params` writes global tensors again, so every layout continues
+/// from the checkpoint exactly like one device.
+#[test]
+fn expert_tensor_parallel_init_from_a_checkpoint() {
+    let file = "moe-tiny.toml";
+    let sets = |extra: &[&str]| -> Vec<String> {
+        BASE.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt.safetensors");
+    let opts = RunOptions {
+        steps: Some(1),
+        data: "synthetic".into(),
+        save_params: Some(ckpt.clone()),
+        progress: Some(false),
+        ..Default::default()
+    };
+    train(&plan(file, &sets(&[])), &opts).unwrap();
+    let (ref_losses, ref_params) = run_from(file, &sets(&[]), Some(&ckpt));
+    for layout in [
+        &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+        &[
+            "parallel.dp=2",
+            "parallel.ep=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+    ] {
+        let (losses, params) = run_from(file, &sets(layout), Some(&ckpt));
+        for ((a, _), (b, _)) in losses.iter().zip(&ref_losses) {
+            assert!(
+                (a - b).abs() / b.abs() < 1e-5,
+                "{layout:?}: loss {a} vs {b}"
+            );
+        }
+        assert_eq!(params.len(), ref_params.len());
+        for ((name, got), (ref_name, want)) in params.iter().zip(&ref_params) {
+            assert_eq!(name, ref_name);
+            let d2: f64 = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
+            let n2: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+            let rel = (d2 / n2.max(1e-30)).sqrt();
+            assert!(rel < 1e-4, "{layout:?}: {name} differs by {rel:.2e}");
+        }
+    }
 }
 
 /// Expert parallelism with expert tensor parallelism (stacked experts split over ep along
