@@ -910,6 +910,11 @@ impl Sharder<'_> {
                 let (x, out) = match st(self, ins[1]) {
                     Tp::S(1) => (self.whole(x, path)?, Tp::S(2)),
                     Tp::S(2) if st(self, x) == Tp::S(2) => (x, Tp::P),
+                    Tp::S(_) => {
+                        return Err(PassError::Autodiff(format!(
+                        "shard: {path}: a row-parallel expert linear needs its input split over tp"
+                    )))
+                    }
                     _ => (self.whole(x, path)?, Tp::R),
                 };
                 let out_v = self.op1(k, &[x, ins[1]], path, Tp::R)?;
@@ -921,6 +926,9 @@ impl Sharder<'_> {
                 let (dy, out) = match st(self, ins[1]) {
                     Tp::S(1) if st(self, dy) == Tp::S(2) => (dy, Tp::P),
                     Tp::S(2) => (self.whole(dy, path)?, Tp::S(2)),
+                    Tp::S(_) => return Err(PassError::Autodiff(format!(
+                        "shard: {path}: the output gradient of a column-parallel expert linear must be split over tp"
+                    ))),
                     _ => (self.whole(dy, path)?, Tp::R),
                 };
                 let out_v = self.op1(k, &[dy, ins[1]], path, Tp::R)?;
