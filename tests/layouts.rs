@@ -10,7 +10,14 @@ fn plan(file: &str, sets: &[String]) -> megac_ir::plan::Plan {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("examples")
         .join(file);
-    let spec = megac_frontend::load(&path, sets).unwrap_or_else(|e| panic!("{}", e.render()));
+    // `NO_SP` (test only) turns sequence parallelism off after the frontend's checks, which
+    // refuse tensor-parallel MoE without it (as Megatron does) although the compiler runs it.
+    let no_sp = sets.iter().any(|s| s == NO_SP);
+    let sets: Vec<String> = sets.iter().filter(|s| *s != NO_SP).cloned().collect();
+    let mut spec = megac_frontend::load(&path, &sets).unwrap_or_else(|e| panic!("{}", e.render()));
+    if no_sp {
+        spec.parallel.sequence_parallel = false;
+    }
     let flops = megac_passes::flops::step_flops(&spec).total;
     let module = megac_passes::run_pipeline(spec, None, true).unwrap();
     let plan = megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
@@ -20,11 +27,19 @@ fn plan(file: &str, sets: &[String]) -> megac_ir::plan::Plan {
     plan
 }
 
+/// A layout key for tests only: tensor parallelism without sequence parallelism for MoE.
+const NO_SP: &str = "!parallel.sequence_parallel=false";
+
 /// (loss, grad norm) per step and final parameters (name, values) of 3 steps.
 /// What a run leaves to compare: (loss, grad norm) per step, and (name, values) per parameter.
 type Outcome = (Vec<(f64, f64)>, Vec<(String, Vec<f32>)>);
 
 fn run(file: &str, sets: &[String]) -> Outcome {
+    run_from(file, sets, None)
+}
+
+/// 3 steps, from the seed's initialisation or (`init`) a Hugging Face checkpoint.
+fn run_from(file: &str, sets: &[String], init: Option<&Path>) -> Outcome {
     let plan = plan(file, sets);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("final.safetensors");
@@ -32,6 +47,7 @@ fn run(file: &str, sets: &[String]) -> Outcome {
         steps: Some(3),
         data: "synthetic".into(),
         save_params: Some(out.clone()),
+        init: init.map(Path::to_path_buf),
         progress: Some(false),
         ..Default::default()
     };
@@ -287,22 +303,71 @@ fn vocabulary_padding() {
     );
 }
 
-/// MoE under tensor parallelism: attention is tensor-parallel; the router, dispatch, experts
-/// and combine run on whole activations (experts replicated over tp for now).
+/// MoE under tensor parallelism: attention is tensor-parallel, and so are the experts
+/// (Megatron's expert tensor parallelism = tp: w1/w3 column-parallel, w2 row-parallel, the
+/// combined output reduced once); the router runs replicated on whole activations.
 #[test]
 fn tensor_parallel_moe() {
+    let tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"];
     assert_equivalent(
         "moe-tiny.toml",
         BASE,
         &[
-            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &tp_sp,
+            &["parallel.tp=2", "parallel.sequence_parallel=true", NO_SP],
+            &["parallel.tp=4", "parallel.sequence_parallel=true"],
             &[
                 "parallel.tp=2",
                 "parallel.dp=2",
                 "parallel.sequence_parallel=true",
             ],
+            &[
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=true",
+            ],
         ],
     );
+    // Token dropping: the tp ranks of a group route the same tokens, so they drop alike.
+    assert_equivalent(
+        "moe-tiny.toml",
+        &[
+            "train.micro_batch=2",
+            "train.global_batch=8",
+            "model.moe.capacity_factor=1.0",
+        ],
+        &[&tp_sp],
+    );
+    // The compiled plan: each rank holds its tp slice of every expert weight (half the
+    // elements at tp = 2), recorded in its parameter entry so that init, --init and
+    // --save-params see the global tensors; the router stays replicated.
+    let sets: Vec<String> = BASE.iter().chain(&tp_sp).map(|s| s.to_string()).collect();
+    let plan = plan("moe-tiny.toml", &sets);
+    let entry = |name: &str| {
+        plan.params
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no parameter {name}"))
+    };
+    let tp = megac_ir::Axis::Tp;
+    let e = "model.layers.1.block_sparse_moe";
+    for (w, dim) in [("w1", 0), ("w3", 0), ("w2", 1)] {
+        let p = entry(&format!("{e}.experts.2.{w}.weight"));
+        assert_eq!(p.shards.len(), 2, "{w}: {:?}", p.shards);
+        assert_eq!(p.shards[dim], vec![tp], "{w}");
+        assert!(p.shards[1 - dim].is_empty(), "{w}");
+        let global: u64 = p.shape.iter().product();
+        let local = plan.buffers[p.buffer as usize].len();
+        assert_eq!(
+            local * 2,
+            global,
+            "{w}: the rank's buffer is half the tensor"
+        );
+        assert_eq!(plan.buffers[p.grad as usize].len(), local, "{w} gradient");
+    }
+    let gate = entry(&format!("{e}.gate.weight"));
+    assert!(gate.shards.iter().all(Vec::is_empty));
 }
 
 /// Pipelines: 8 layers so that pp·vpp up to 8 chunks each get one; 4 micro-batches per step.
@@ -447,6 +512,12 @@ fn pipeline_with_tied_embeddings_and_moe() {
         &[
             &["parallel.pp=2"],
             &["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"],
+            // Expert tensor parallelism on pipeline stages.
+            &[
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
         ],
     );
 }
@@ -527,20 +598,102 @@ fn expert_parallel_moe() {
     );
 }
 
-/// Expert parallelism with tensor parallelism (experts replicated over tp) and sequence
-/// parallelism.
+/// `--init` under expert tensor parallelism: each rank loads its tp (and ep) slice of the
+/// global per-expert tensors of a checkpoint (here the single-device run's parameters after
+/// 3 steps), and `--save-params` writes global tensors again, so every layout continues
+/// from the checkpoint exactly like one device.
+#[test]
+fn expert_tensor_parallel_init_from_a_checkpoint() {
+    let file = "moe-tiny.toml";
+    let sets = |extra: &[&str]| -> Vec<String> {
+        BASE.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt.safetensors");
+    let opts = RunOptions {
+        steps: Some(1),
+        data: "synthetic".into(),
+        save_params: Some(ckpt.clone()),
+        progress: Some(false),
+        ..Default::default()
+    };
+    train(&plan(file, &sets(&[])), &opts).unwrap();
+    let (ref_losses, ref_params) = run_from(file, &sets(&[]), Some(&ckpt));
+    for layout in [
+        &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+        &[
+            "parallel.dp=2",
+            "parallel.ep=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+    ] {
+        let (losses, params) = run_from(file, &sets(layout), Some(&ckpt));
+        for ((a, _), (b, _)) in losses.iter().zip(&ref_losses) {
+            assert!(
+                (a - b).abs() / b.abs() < 1e-5,
+                "{layout:?}: loss {a} vs {b}"
+            );
+        }
+        assert_eq!(params.len(), ref_params.len());
+        for ((name, got), (ref_name, want)) in params.iter().zip(&ref_params) {
+            assert_eq!(name, ref_name);
+            let d2: f64 = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
+            let n2: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+            let rel = (d2 / n2.max(1e-30)).sqrt();
+            assert!(rel < 1e-4, "{layout:?}: {name} differs by {rel:.2e}");
+        }
+    }
+}
+
+/// Expert parallelism with expert tensor parallelism (stacked experts split over ep along
+/// the experts dim and over tp along the ffn dim) and sequence parallelism.
 #[test]
 fn expert_and_tensor_parallel_moe() {
     assert_equivalent(
         "moe-tiny.toml",
         BASE,
-        &[&[
+        &[
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                NO_SP,
+            ],
+        ],
+    );
+    let sets: Vec<String> = BASE
+        .iter()
+        .chain(&[
             "parallel.dp=2",
             "parallel.ep=2",
             "parallel.tp=2",
             "parallel.sequence_parallel=true",
-        ]],
-    );
+        ])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("moe-tiny.toml", &sets);
+    let (ep, tp) = (megac_ir::Axis::Ep, megac_ir::Axis::Tp);
+    for (w, dim) in [("w1", 1), ("w3", 1), ("w2", 2)] {
+        let name = format!("model.layers.0.block_sparse_moe.experts.{w}.weight");
+        let p = plan.params.iter().find(|p| p.name == name).unwrap();
+        assert_eq!(p.shards[0], vec![ep], "{w}");
+        assert_eq!(p.shards[dim], vec![tp], "{w}");
+        let global: u64 = p.shape.iter().product();
+        let local = plan.buffers[p.buffer as usize].len();
+        assert_eq!(local * 4, global, "{w}: a quarter per rank (ep 2 × tp 2)");
+    }
 }
 
 /// Context parallelism with MoE: routing on each rank's sequence chunks, the load-balancing

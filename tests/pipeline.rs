@@ -409,3 +409,113 @@ fn expert_parallel_collectives_per_layer() {
     );
     assert!(text.contains("{experts:ep, tokens:edp} = all_to_all("));
 }
+
+/// Expert tensor parallelism (Megatron's ETP = tp): expert weights split over tp like a dense
+/// MLP (w1/w3 column-parallel, w2 row-parallel), the router replicated, the combined expert
+/// output a partial sum reduced once per MoE layer. Per layer with sequence parallelism:
+/// forward 2 all-gathers and 2 reduce-scatters over tp along the sequence (attention and
+/// MoE, as Megatron), no all-reduce; backward the mirror plus one all-reduce of the
+/// router-weight gradient (`[b, s, top_k]`: a dot product with the experts' partial
+/// outputs). Without sequence parallelism (which the frontend refuses for MoE, as Megatron
+/// does, but the shard pass supports): forward 2 all-reduces, backward 3.
+#[test]
+fn expert_tensor_parallel_collectives_per_layer() {
+    use megac_ir::{Axis, OpKind};
+    use megac_passes::recompute::layer_of;
+    let tally = |ops: &[megac_ir::Op], layer: &str| {
+        let mut counts = (0, 0, 0);
+        for op in ops.iter().filter(|op| layer_of(&op.path) == Some(layer)) {
+            match &op.kind {
+                OpKind::AllGather { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => {
+                    counts.0 += 1
+                }
+                OpKind::ReduceScatter { axes, dim } if axes == &[Axis::Tp] && *dim == 1 => {
+                    counts.1 += 1
+                }
+                OpKind::AllReduce { axes } if axes == &[Axis::Tp] => counts.2 += 1,
+                OpKind::AllGather { axes, .. }
+                | OpKind::ReduceScatter { axes, .. }
+                | OpKind::AllReduce { axes }
+                    if axes.contains(&Axis::Tp) =>
+                {
+                    panic!("{layer}: unexpected {}", op.kind.name())
+                }
+                _ => {}
+            }
+        }
+        counts
+    };
+    // The same per-layer counts with stacked experts split over ep (dp2+ep2+tp2).
+    let ep = &["parallel.dp=2", "parallel.ep=2"][..];
+    for (extra, sp, fwd, bwd) in [
+        (&[][..], true, (2, 2, 0), (2, 2, 1)),
+        (&[][..], false, (0, 0, 2), (0, 0, 3)),
+        (ep, true, (2, 2, 0), (2, 2, 1)),
+        (ep, false, (0, 0, 2), (0, 0, 3)),
+    ] {
+        let mut sets = vec!["parallel.tp=2", "parallel.sequence_parallel=true"];
+        sets.extend_from_slice(extra);
+        let mut spec = load("moe-tiny.toml", &sets);
+        spec.parallel.sequence_parallel = sp;
+        let stacked = !extra.is_empty();
+        let module = run_pipeline(spec, Some("shard"), true).unwrap();
+        let g = module.graph.as_ref().unwrap();
+        assert_eq!(parse_graph(&module.dump()).unwrap(), *g);
+        let backward_start = g
+            .ops
+            .iter()
+            .position(|op| op.kind.name().contains("_grad"))
+            .unwrap();
+        for layer in ["model.layers.0", "model.layers.1"] {
+            let f = tally(&g.ops[..backward_start], layer);
+            let b = tally(&g.ops[backward_start..], layer);
+            assert_eq!(
+                f, fwd,
+                "{sets:?} sp={sp} {layer} forward (all-gather, reduce-scatter, all-reduce)"
+            );
+            assert_eq!(
+                b, bwd,
+                "{sets:?} sp={sp} {layer} backward (all-gather, reduce-scatter, all-reduce)"
+            );
+        }
+        if stacked {
+            // Stacked `[experts, ffn, h]` / `[experts, h, ffn]`: experts over ep, ffn over tp.
+            let p = |name: &str| {
+                let p = g.params().find(|(_, n, _)| *n == name).unwrap().0;
+                g.ty(p).layout.shards.clone()
+            };
+            let e = "model.layers.1.block_sparse_moe.experts";
+            let (ep, tp) = (vec![Axis::Ep], vec![Axis::Tp]);
+            assert_eq!(
+                p(&format!("{e}.w1.weight")),
+                [ep.clone(), tp.clone(), vec![]]
+            );
+            assert_eq!(
+                p(&format!("{e}.w3.weight")),
+                [ep.clone(), tp.clone(), vec![]]
+            );
+            assert_eq!(p(&format!("{e}.w2.weight")), [ep, vec![], tp]);
+            continue;
+        }
+        // Expert weights are split over tp (w1/w3 by their ffn rows, w2 by its ffn columns),
+        // the router replicated; expert weight gradients need no tp reduction.
+        let layout = |name: &str| {
+            let p = g.params().find(|(_, n, _)| *n == name).unwrap().0;
+            g.ty(p).layout.shards.clone()
+        };
+        let e = "model.layers.0.block_sparse_moe";
+        assert_eq!(
+            layout(&format!("{e}.experts.0.w1.weight")),
+            [vec![Axis::Tp], vec![]]
+        );
+        assert_eq!(
+            layout(&format!("{e}.experts.3.w3.weight")),
+            [vec![Axis::Tp], vec![]]
+        );
+        assert_eq!(
+            layout(&format!("{e}.experts.1.w2.weight")),
+            [vec![], vec![Axis::Tp]]
+        );
+        assert_eq!(layout(&format!("{e}.gate.weight")), [vec![], vec![]]);
+    }
+}

@@ -26,6 +26,16 @@
 //!   before `combine_experts`; backward mirrors both. Expert weight gradients are pending
 //!   sums over the expert-data-parallel group (`Partial(edp)`), the other gradients over dp
 //!   (and cp) as before.
+//! - **Expert tensor parallelism** (Megatron's ETP = tp): experts are tensor-parallel over
+//!   tp like a dense MLP, per expert (`experts.{j}.w1/w2/w3`, ep = 1) or stacked (ep > 1):
+//!   w1 and w3 column-parallel (the ffn dim split), w2 row-parallel (its ffn input split).
+//!   The router stays replicated over tp (the tp ranks of a group route the same tokens, so
+//!   their dispatches agree); each expert's output is a partial sum over tp, the combine is
+//!   linear in them, and its result is reduced once (all-reduce, or reduce-scatter to
+//!   sequence shards under sequence parallelism). Backward mirrors it: the experts' output
+//!   gradients are whole, their token gradients partial (summed with the router's whole
+//!   contribution on sequence shards under sp), and the router-weight gradient, a dot
+//!   product with the partial expert outputs, is all-reduced (`[b, s, top_k]`).
 //! - **Context parallelism** with MoE: routing, dispatch and combine work on the rank's own
 //!   tokens (MoE token rows are split over cp like the sequence).
 
@@ -100,7 +110,7 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
             ValueDef::Param(name) => {
                 let v = s.g.add_param(name.clone(), value.ty.clone());
                 if s.tp {
-                    if let Some(d) = s.param_dim(name) {
+                    if let Some(d) = s.param_dim(name, s.is_experts(v)) {
                         s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
                     }
                 }
@@ -190,10 +200,23 @@ fn moe_block(path: &str) -> &str {
 }
 
 impl Sharder<'_> {
-    /// The dim over which parameter `name` is sharded across tp, if any.
-    fn param_dim(&self, name: &str) -> Option<usize> {
+    /// The dim over which parameter `name` is sharded across tp, if any (`stacked`: an
+    /// expert weight with a leading `experts` dim).
+    fn param_dim(&self, name: &str, stacked: bool) -> Option<usize> {
         let ends = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
         match self.arch {
+            // Expert tensor parallelism (Megatron's ETP = tp): w1 and w3 (gate/up, `[ffn, h]`)
+            // column-parallel, w2 (down, `[h, ffn]`) row-parallel, per expert.
+            Arch::Llama if name.contains(".block_sparse_moe.experts.") => {
+                let base = usize::from(stacked);
+                if ends(&[".w1.weight", ".w3.weight"]) {
+                    Some(base)
+                } else if ends(&[".w2.weight"]) {
+                    Some(base + 1)
+                } else {
+                    None
+                }
+            }
             Arch::Llama => {
                 if !self.kv_split && ends(&["k_proj.weight", "v_proj.weight"]) {
                     None
@@ -322,6 +345,20 @@ impl Sharder<'_> {
     }
 
     fn convert_whole(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+        let w = self.convert_whole_tp(v, path)?;
+        if w != v && self.ep && self.is_experts(v) {
+            // Stacked expert tokens keep their place over ep (and dp, cp, edp).
+            let mut l = self.layout(v).clone();
+            for s in &mut l.shards {
+                s.retain(|&a| a != Axis::Tp);
+            }
+            l.partial.retain(|&a| a != Axis::Tp);
+            self.g.values[w.0 as usize].ty.layout = l;
+        }
+        Ok(w)
+    }
+
+    fn convert_whole_tp(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
         match self.tp_state(v) {
             Tp::R => Ok(v),
             Tp::P => self.op1(
@@ -560,6 +597,24 @@ impl Sharder<'_> {
                 let out = st(self, args[0]);
                 self.op(k, &args, path, &[out])
             }
+            // Sequence parallelism: a partial sum plus a whole value (an MoE block's input
+            // gradient: the experts' contributions are partial over tp, the replicated
+            // router's whole) adds up on sequence shards: the partial sum is reduce-scattered
+            // (the mirror of the forward all-gather), the whole value sliced.
+            OpKind::Add | OpKind::GradSum
+                if self.sp
+                    && ins.iter().all(|&x| self.seq_dim(x).is_some())
+                    && ins.iter().any(|&x| st(self, x) == Tp::P)
+                    && ins.iter().any(|&x| st(self, x) == Tp::R)
+                    && ins.iter().all(|&x| matches!(st(self, x), Tp::P | Tp::R)) =>
+            {
+                let args: Vec<ValueId> = ins
+                    .iter()
+                    .map(|&x| self.seq_shard(x, path))
+                    .collect::<Result<_, _>>()?;
+                let out = st(self, args[0]);
+                self.op(k, &args, path, &[out])
+            }
             OpKind::Add
             | OpKind::GradSum
             | OpKind::SwiGlu
@@ -700,8 +755,34 @@ impl Sharder<'_> {
                 let args = self.all_whole(&ins, path)?;
                 self.op(k, &args, path, &[])
             }
-            // Everything else (norms, position embeddings, MoE, collectives, optimizer) runs
-            // on whole operands and gives whole results.
+            // Expert tensor parallelism: every expert's output is a partial sum over tp (its
+            // w2 is row-parallel); the combine is linear in them, so it gives a partial sum,
+            // reduced once after it. Backward: the router-weight gradient (a dot product with
+            // the expert outputs) is partial too, the experts' output gradients whole, and the
+            // token gradients of the experts (their w1/w3 are column-parallel) partial.
+            OpKind::Combine if ins[2..].iter().all(|&y| st(self, y) == Tp::P) => {
+                let mut args = self.all_whole(&ins[..2], path)?;
+                args.extend_from_slice(&ins[2..]);
+                self.op(k, &args, path, &[Tp::P])
+            }
+            OpKind::CombineGrad
+                if ins.len() >= 4
+                    && ins[2..ins.len() - 1].iter().all(|&y| st(self, y) == Tp::P) =>
+            {
+                let n = ins.len();
+                let mut args = self.all_whole(&ins[..2], path)?;
+                args.extend_from_slice(&ins[2..n - 1]);
+                args.push(self.whole(ins[n - 1], path)?);
+                let mut outs = vec![Tp::P];
+                outs.extend(std::iter::repeat_n(Tp::R, n - 3));
+                self.op(k, &args, path, &outs)
+            }
+            OpKind::DispatchGrad { .. } if st(self, ins[0]) == Tp::P => {
+                let idx = self.whole(ins[1], path)?;
+                self.op(k, &[ins[0], idx], path, &[Tp::P])
+            }
+            // Everything else (norms, position embeddings, the router, dispatch, collectives,
+            // optimizer) runs on whole operands and gives whole results.
             _ => {
                 let args = self.all_whole(&ins, path)?;
                 self.op(k, &args, path, &[])
@@ -725,8 +806,10 @@ impl Sharder<'_> {
     }
 
     /// Layout of stacked expert tokens: on the experts' ranks (experts split over ep, the
-    /// token rows of the ep group) or on the tokens' ranks (this rank's tokens).
-    fn set_expert_layout(&mut self, v: ValueId, on_experts: bool) {
+    /// token rows of the ep group) or on the tokens' ranks (this rank's tokens); `tp` says
+    /// where they stand over tp (expert tensor parallelism: the ffn dim split, or the
+    /// experts' outputs partial sums).
+    fn set_expert_layout(&mut self, v: ValueId, on_experts: bool, tp: Tp) {
         let tokens = if on_experts {
             if self.edp {
                 vec![Axis::Edp]
@@ -751,6 +834,11 @@ impl Sharder<'_> {
         let l = &mut self.g.values[v.0 as usize].ty.layout;
         l.shards = vec![experts, tokens, Vec::new()];
         l.partial.clear();
+        match tp {
+            Tp::R => {}
+            Tp::S(d) => l.shards[d].push(Axis::Tp),
+            Tp::P => l.partial.push(Axis::Tp),
+        }
     }
 
     /// The all-to-all over ep that moves stacked expert tokens `v` to their experts' ranks
@@ -777,6 +865,8 @@ impl Sharder<'_> {
                 "shard: {path}: expert tokens without the dispatch that counts them"
             ))
         })?;
+        // The exchange runs within each tp rank's ep group: its tp layout stays.
+        let tp = self.tp_state(v);
         let (split, concat) = if to_experts { (0, 1) } else { (1, 0) };
         let w = self.g.add_op1(
             OpKind::AllToAll {
@@ -787,7 +877,7 @@ impl Sharder<'_> {
             &[v, counts],
             path,
         )?;
-        self.set_expert_layout(w, to_experts);
+        self.set_expert_layout(w, to_experts, tp);
         if to_experts {
             self.experts_of.insert(v, w);
         } else {
@@ -804,28 +894,66 @@ impl Sharder<'_> {
         path: &str,
     ) -> Result<Option<Vec<ValueId>>, PassError> {
         let k = kind.clone();
+        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let outs = match kind {
             OpKind::DispatchExperts { .. } => {
                 let args = self.all_whole(ins, path)?;
                 let outs = self.op(k, &args, path, &[])?;
-                self.set_expert_layout(outs[0], false);
+                self.set_expert_layout(outs[0], false, Tp::R);
                 let l = &mut self.g.values[outs[1].0 as usize].ty.layout;
                 *l = Layout::replicated(1);
                 self.counts_of.insert(moe_block(path).to_string(), outs[1]);
                 outs
             }
-            OpKind::Linear { .. } | OpKind::LinearGradInput { .. } if self.is_experts(ins[1]) => {
+            // Expert tensor parallelism on stacked weights `[experts, out, in]`: w1/w3
+            // column-parallel (dim 1 over tp), w2 row-parallel (dim 2 over tp).
+            OpKind::Linear { .. } if self.is_experts(ins[1]) => {
                 let x = self.all_to_all(ins[0], path, true)?;
-                let out = self.op1(k, &[x, ins[1]], path, Tp::R)?;
-                self.set_expert_layout(out, true);
-                vec![out]
+                let (x, out) = match st(self, ins[1]) {
+                    Tp::S(1) => (self.whole(x, path)?, Tp::S(2)),
+                    Tp::S(2) if st(self, x) == Tp::S(2) => (x, Tp::P),
+                    Tp::S(_) => {
+                        return Err(PassError::Autodiff(format!(
+                        "shard: {path}: a row-parallel expert linear needs its input split over tp"
+                    )))
+                    }
+                    _ => (self.whole(x, path)?, Tp::R),
+                };
+                let out_v = self.op1(k, &[x, ins[1]], path, Tp::R)?;
+                self.set_expert_layout(out_v, true, out);
+                vec![out_v]
+            }
+            OpKind::LinearGradInput { .. } if self.is_experts(ins[1]) => {
+                let dy = self.all_to_all(ins[0], path, true)?;
+                let (dy, out) = match st(self, ins[1]) {
+                    Tp::S(1) if st(self, dy) == Tp::S(2) => (dy, Tp::P),
+                    Tp::S(2) => (self.whole(dy, path)?, Tp::S(2)),
+                    Tp::S(_) => return Err(PassError::Autodiff(format!(
+                        "shard: {path}: the output gradient of a column-parallel expert linear must be split over tp"
+                    ))),
+                    _ => (self.whole(dy, path)?, Tp::R),
+                };
+                let out_v = self.op1(k, &[dy, ins[1]], path, Tp::R)?;
+                self.set_expert_layout(out_v, true, out);
+                vec![out_v]
             }
             OpKind::LinearGradWeight { .. } if self.is_experts(ins[0]) => {
                 let x = self.all_to_all(ins[0], path, true)?;
                 let dy = self.all_to_all(ins[1], path, true)?;
+                // Column-parallel: dy split over the ffn dim; row-parallel: x split.
+                let (x, dy, tp) = if st(self, dy) == Tp::S(2) {
+                    (self.whole(x, path)?, dy, Some(1))
+                } else if st(self, x) == Tp::S(2) {
+                    (x, self.whole(dy, path)?, Some(2))
+                } else {
+                    (self.whole(x, path)?, self.whole(dy, path)?, None)
+                };
                 let out = self.op1(k, &[x, dy], path, Tp::R)?;
                 let l = &mut self.g.values[out.0 as usize].ty.layout;
                 l.shards = vec![vec![Axis::Ep], Vec::new(), Vec::new()];
+                if let Some(d) = tp {
+                    l.shards[d].push(Axis::Tp);
+                }
                 l.partial = if self.edp {
                     vec![Axis::Edp]
                 } else {
@@ -836,32 +964,58 @@ impl Sharder<'_> {
             OpKind::SwiGlu | OpKind::SwiGluGrad | OpKind::GradSum | OpKind::Add
                 if self.is_experts(ins[0]) =>
             {
-                let args: Vec<ValueId> = ins
+                let mut args: Vec<ValueId> = ins
                     .iter()
                     .map(|&x| self.all_to_all(x, path, true))
                     .collect::<Result<_, _>>()?;
+                // Elementwise on equal tp layouts (partial sums only add up); else whole.
+                let states: Vec<Tp> = args.iter().map(|&x| st(self, x)).collect();
+                let sums = matches!(kind, OpKind::GradSum | OpKind::Add);
+                let mut tp = states[0];
+                if !(states.iter().all(|&t| t == tp) && (tp != Tp::P || sums)) {
+                    args = self.all_whole(&args, path)?;
+                    tp = Tp::R;
+                }
                 let outs = self.op(k, &args, path, &[])?;
                 for &o in &outs {
-                    self.set_expert_layout(o, true);
+                    self.set_expert_layout(o, true, tp);
                 }
                 outs
             }
+            // The combine is linear in the expert outputs: partial over tp in, partial out
+            // (reduced once after it); its gradient's router-weight part is partial too.
             OpKind::CombineExperts | OpKind::CombineExpertsGrad => {
                 let mut args = self.all_whole(&ins[..2], path)?;
-                args.push(self.all_to_all(ins[2], path, false)?);
+                let y = self.all_to_all(ins[2], path, false)?;
+                let y = match st(self, y) {
+                    Tp::P => y,
+                    _ => self.whole(y, path)?,
+                };
+                let partial = st(self, y) == Tp::P;
+                args.push(y);
                 for &x in &ins[3..] {
                     args.push(self.whole(x, path)?);
                 }
-                let outs = self.op(k, &args, path, &[])?;
+                let first = if partial { Tp::P } else { Tp::R };
+                let outs = self.op(k, &args, path, &[first])?;
                 if let Some(&dy) = outs.get(1) {
-                    self.set_expert_layout(dy, false);
+                    self.set_expert_layout(dy, false, Tp::R);
                 }
                 outs
             }
             OpKind::DispatchExpertsGrad => {
                 let dy = self.all_to_all(ins[0], path, false)?;
+                let out = match st(self, dy) {
+                    Tp::P => Tp::P,
+                    _ => Tp::R,
+                };
+                let dy = if out == Tp::P {
+                    dy
+                } else {
+                    self.whole(dy, path)?
+                };
                 let idx = self.whole(ins[1], path)?;
-                self.op(k, &[dy, idx], path, &[])?
+                self.op(k, &[dy, idx], path, &[out])?
             }
             _ => return Ok(None),
         };
