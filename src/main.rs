@@ -157,11 +157,16 @@ enum Command {
         /// Also show the sends and receives between pipeline ranks (text).
         #[arg(long)]
         comm: bool,
-        /// Action durations: `unit` (F = B = W = 1, free transfers) or `model` (per-chunk
-        /// F/B/W from the model's per-layer FLOPs, head on the last chunk; see
-        /// docs/schedules.md).
+        /// Action durations: `unit` (F = B = W = 1, free transfers) or `model` (for a
+        /// model.toml, per-chunk F/B/W from the model's per-layer FLOPs, head on the last
+        /// chunk; for a plan directory, megac-sim's simulation of the plan on `--cluster`,
+        /// in seconds; see docs/schedules.md).
         #[arg(long, default_value = "unit", value_name = "unit|model")]
         costs: String,
+        /// Cluster for `--costs model` on a plan directory (a cluster.toml or a preset
+        /// name; default h100-sxm).
+        #[arg(long, value_name = "CLUSTER.toml|PRESET")]
+        cluster: Option<String>,
         /// Write the output to FILE instead of standard output.
         #[arg(short = 'o', long = "output", value_name = "FILE")]
         output: Option<PathBuf>,
@@ -193,6 +198,7 @@ fn main() -> ExitCode {
             format,
             comm,
             costs,
+            cluster,
             output,
         } => commands::schedule::run(
             &model,
@@ -200,6 +206,7 @@ fn main() -> ExitCode {
                 format: &format,
                 with_comm: comm,
                 costs: &costs,
+                cluster: cluster.as_deref(),
                 output: output.as_deref(),
             },
         ),

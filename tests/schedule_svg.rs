@@ -716,7 +716,40 @@ fn schedule_of_a_compiled_plan_directory() {
         }
         assert!(!svg.contains(&format!(">rank {pp}<")));
     }
-    // A plan without pipeline parallelism, and model costs on a plan: clear errors.
+    // Model costs on a plan: megac-sim's timeline of the same action lists, in seconds.
+    let last = dir.path().join("interleaved-4-2");
+    let o = megac(&[
+        "schedule",
+        last.to_str().unwrap(),
+        "--costs",
+        "model",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let b = j["bubble_fraction"].as_f64().unwrap();
+    assert!(b > 0.0 && b < 1.0, "{b}");
+    assert_eq!(j["ranks"].as_array().unwrap().len(), 4);
+    let o = megac(&[
+        "schedule",
+        last.to_str().unwrap(),
+        "--costs",
+        "model",
+        "--format",
+        "svg",
+    ]);
+    parse_xml(&stdout(&o)).unwrap();
+    let o = megac(&[
+        "schedule",
+        last.to_str().unwrap(),
+        "--costs",
+        "model",
+        "--cluster",
+        "nope",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    // A plan without pipeline parallelism: a clear error.
     let flat = dir.path().join("flat");
     let o = megac(&[
         "compile",

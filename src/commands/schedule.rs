@@ -139,6 +139,8 @@ pub struct Options<'a> {
     pub with_comm: bool,
     /// `unit` or `model`.
     pub costs: &'a str,
+    /// Cluster for model costs of a plan directory.
+    pub cluster: Option<&'a str>,
     /// Write here instead of stdout.
     pub output: Option<&'a Path>,
 }
@@ -220,11 +222,10 @@ fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
     if !args.sets.is_empty() {
         return Err("error: --set applies to a model.toml, not to a compiled plan".into());
     }
-    if opts.costs != "unit" {
+    if !matches!(opts.costs, "unit" | "model") {
         return Err(format!(
-            "error: --costs {} needs a model.toml; for a compiled plan, `megac simulate {}` times every kernel on a cluster",
-            opts.costs,
-            args.model.display()
+            "error: --costs {}: expected unit or model",
+            opts.costs
         ));
     }
     let plan = super::inspect::read_plan(&args.model)?;
@@ -262,10 +263,27 @@ fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
                 .collect()
         })
         .collect();
+    let (compute, model) = if opts.costs == "model" {
+        let (lists, timeline, cluster) = simulated(&plan, pp, opts.cluster)?;
+        (lists, Some((timeline, cluster)))
+    } else {
+        (compute, None)
+    };
     let lists = schedule::with_transfers(compute, pp, vpp);
     schedule::validate(&lists, pp, vpp, m)
         .map_err(|e| format!("error: the plan's schedule does not validate: {e}"))?;
-    let timeline = schedule::simulate(&lists, Costs::unit()).map_err(|e| format!("error: {e}"))?;
+    let (timeline, costs_line, costs_short) = match model {
+        None => (
+            schedule::simulate(&lists, Costs::unit()).map_err(|e| format!("error: {e}"))?,
+            "unit costs (F = B = W = 1)".to_string(),
+            "unit costs".to_string(),
+        ),
+        Some((times, cluster)) => (
+            timeline_of(&lists, &times),
+            format!("model costs (megac-sim on {cluster}, seconds)"),
+            format!("model costs ({cluster}, s)"),
+        ),
+    };
     let fbd = plan.roles.len() > pp as usize;
     let note = if fbd {
         "FBD: each stage also has a forward role on its own ranks (forward only, one micro-batch at a time); the lanes show the backward roles\n"
@@ -280,11 +298,117 @@ fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
         vpp,
         m,
         schedule: &stages[0].schedule,
-        costs_line: "unit costs (F = B = W = 1)",
-        costs_short: "unit costs",
+        costs_line: &costs_line,
+        costs_short: &costs_short,
         note,
     };
     emit(&shown, &timeline, opts)
+}
+
+/// Per stage, the compute actions in the order megac-sim ran them (for dpp, its dynamic
+/// choice) with their (start, end) in seconds, and the cluster's name.
+type SimTimes = Vec<Vec<(f64, f64)>>;
+
+fn simulated(
+    plan: &megac_ir::plan::Plan,
+    pp: u32,
+    cluster: Option<&str>,
+) -> Result<(Vec<Vec<Action>>, SimTimes, String), String> {
+    let world = plan.mesh.world_size() as u64;
+    let cluster = super::simulate::cluster_arg(cluster)?
+        .fit(world)
+        .map_err(|e| e.render())?;
+    let name = cluster.name.clone();
+    let cost = megac_sim::CostModel::new(cluster);
+    let sim = megac_sim::simulate(plan, &cost, true).map_err(|e| format!("error: {e}"))?;
+    let mut per_stage: Vec<Vec<(f64, f64, Action)>> = vec![Vec::new(); pp as usize];
+    for ev in sim.events.iter().filter(|e| e.stream == 99) {
+        let Some(stage) = (ev.role < pp as usize).then_some(ev.role) else {
+            continue;
+        };
+        let Some(action) = parse_token(&ev.name) else {
+            continue;
+        };
+        per_stage[stage].push((ev.start, ev.start + ev.dur, action));
+    }
+    let mut lists = Vec::new();
+    let mut times = Vec::new();
+    for mut evs in per_stage {
+        evs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        lists.push(evs.iter().map(|e| e.2).collect());
+        times.push(evs.iter().map(|e| (e.0, e.1)).collect());
+    }
+    Ok((lists, times, name))
+}
+
+/// `F3.0` -> the forward of chunk 3, micro-batch 0.
+fn parse_token(t: &str) -> Option<Action> {
+    use schedule::ActionKind;
+    let (kind, rest) = if let Some(r) = t.strip_prefix("BW") {
+        (ActionKind::BW, r)
+    } else if let Some(r) = t.strip_prefix('F') {
+        (ActionKind::F, r)
+    } else if let Some(r) = t.strip_prefix('B') {
+        (ActionKind::B, r)
+    } else if let Some(r) = t.strip_prefix('W') {
+        (ActionKind::W, r)
+    } else {
+        return None;
+    };
+    let (c, j) = rest.split_once('.')?;
+    Some(Action::compute(kind, c.parse().ok()?, j.parse().ok()?))
+}
+
+/// A timeline from simulated compute times: transfers take no time, placed at their
+/// neighbours' ends.
+fn timeline_of(lists: &[Vec<Action>], times: &SimTimes) -> schedule::Timeline {
+    let mut ranks = Vec::new();
+    let makespan = times.iter().flatten().map(|t| t.1).fold(0.0f64, f64::max);
+    for (list, t) in lists.iter().zip(times) {
+        let mut spans = Vec::with_capacity(list.len());
+        let (mut k, mut now) = (0usize, 0.0f64);
+        let (mut busy, mut inflight, mut peak) = (0.0, 0u32, 0u32);
+        for a in list {
+            if a.is_compute() {
+                let (s, e) = t.get(k).copied().unwrap_or((now, now));
+                k += 1;
+                spans.push((s, e));
+                busy += e - s;
+                now = e;
+                match a.kind {
+                    schedule::ActionKind::F => {
+                        inflight += 1;
+                        peak = peak.max(inflight);
+                    }
+                    schedule::ActionKind::B | schedule::ActionKind::BW => {
+                        inflight = inflight.saturating_sub(1)
+                    }
+                    _ => {}
+                }
+            } else {
+                spans.push((now, now));
+            }
+        }
+        let idle = (makespan - busy).max(0.0);
+        ranks.push(schedule::RankTimeline {
+            spans,
+            busy,
+            idle,
+            bubble_fraction: if makespan > 0.0 { idle / makespan } else { 0.0 },
+            peak_inflight: peak,
+        });
+    }
+    let n = ranks.len().max(1) as f64;
+    let bubble = if makespan > 0.0 {
+        ranks.iter().map(|r| r.idle).sum::<f64>() / (n * makespan)
+    } else {
+        0.0
+    };
+    schedule::Timeline {
+        ranks,
+        makespan,
+        bubble_fraction: bubble,
+    }
 }
 
 /// Render and write.
