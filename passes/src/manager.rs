@@ -69,7 +69,7 @@ pub fn pipeline() -> Vec<Pass> {
         },
         Pass {
             name: "shard",
-            description: "layouts over the device mesh: data-parallel batch sharding, partial gradients (tp/cp/ep rules: next)",
+            description: "layouts over the device mesh (dp batch, Megatron tp with sequence parallelism placed by egg rewrites, cp sequence chunks, ep all-to-all for MoE experts) and the collectives they need",
             run: |m| {
                 let spec = m.spec.clone();
                 shard(graph_mut(m)?, &spec)

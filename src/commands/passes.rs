@@ -7,5 +7,14 @@ pub fn run() -> Result<(), String> {
     for (i, p) in passes.iter().enumerate() {
         println!("{:>2}. {:width$}  {}", i + 1, p.name, p.description);
     }
+    println!("then codegen (megac compile) lowers the graph to a plan:");
+    for (name, what) in [
+        ("stages", "pp > 1: layers per pipeline chunk (parallel.stage_layers, \"balanced\" by cost, or even)"),
+        ("schedule", "per-stage action lists (gpipe, 1f1b, interleaved, zb-h1, dpp) over F/B/W segments"),
+        ("pipeline", "stage roles: chunk segments, tagged send/recv, per-stage optimizer and memory, FBD forward roles"),
+        ("memory", "liveness placement of activations (one slot per micro-batch in flight), buckets, ZeRO-1"),
+    ] {
+        println!("    {name:width$}  {what}");
+    }
     Ok(())
 }
