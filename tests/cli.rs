@@ -98,11 +98,17 @@ fn passes_lists_the_pipeline() {
     let o = megac(&["passes"]);
     assert!(o.status.success());
     let out = stdout(&o);
+    // Numbered lines are the graph passes; the codegen steps follow, indented.
     let names: Vec<&str> = out
         .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
         .filter_map(|l| l.split_whitespace().nth(1))
         .collect();
     assert_eq!(names, megac_passes::pass_names());
+    assert!(
+        out.contains("then codegen") && out.contains("schedule"),
+        "{out}"
+    );
 }
 
 #[test]
