@@ -304,17 +304,15 @@ fn unsupported_layouts_and_bad_plans_are_clear_errors() {
         "compile",
         "examples/moe-tiny.toml",
         "--set",
-        "parallel.dp=2",
+        "parallel.cp=2",
         "--set",
-        "parallel.ep=2",
-        "--set",
-        "parallel.distributed_optimizer=true",
+        "model.moe.capacity_factor=1.0",
         "-o",
         out.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("distributed optimizer does not shard expert-parallel"),
+        stderr(&o).contains("use a dropless MoE (capacity_factor = 0) with cp"),
         "{}",
         stderr(&o)
     );
@@ -550,6 +548,67 @@ fn inspect_memory_matches_the_allocated_arenas() {
             );
         }
     }
+}
+
+/// With expert parallelism the distributed optimizer shards expert AdamW state over the
+/// expert-data-parallel group (edp = dp / ep = 2 here) and the rest over dp (4): inspect's
+/// per-rank memory equals the arenas a run allocates, and the state is two moments of each.
+#[test]
+fn inspect_memory_of_the_expert_distributed_optimizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p");
+    let report = dir.path().join("r.json");
+    let o = megac(&[
+        "compile",
+        "examples/moe-tiny.toml",
+        "--set",
+        "parallel.dp=4",
+        "--set",
+        "parallel.ep=2",
+        "--set",
+        "parallel.distributed_optimizer=true",
+        "--set",
+        "train.global_batch=8",
+        "--set",
+        "train.micro_batch=2",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = megac(&["inspect", out.to_str().unwrap(), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let planned = &v["roles"][0]["memory_bytes"];
+    let o = megac(&[
+        "run",
+        out.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let measured = &r["memory_bytes"];
+    for class in ["parameters", "gradients", "optimizer_state"] {
+        assert_eq!(planned[class], measured[class], "{class}");
+    }
+    // moe-tiny: 2 layers of 4 experts × 3 × 64 × 128 (2 experts per ep rank) and the rest.
+    let expert = 2 * 2 * 3 * 64 * 128;
+    let plan =
+        megac_ir::plan::Plan::from_json(&std::fs::read_to_string(out.join("plan.json")).unwrap())
+            .unwrap();
+    let local: u64 = plan
+        .params
+        .iter()
+        .map(|p| plan.buffers[p.buffer as usize].len())
+        .sum();
+    let dense = local - expert;
+    assert_eq!(
+        measured["optimizer_state"].as_u64().unwrap(),
+        2 * 4 * (expert / 2 + dense.div_ceil(4)),
+        "expert state over edp = 2, the rest over dp = 4"
+    );
 }
 
 fn collective_bytes(sets: &[&str]) -> serde_json::Value {

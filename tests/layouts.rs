@@ -710,3 +710,72 @@ fn context_parallel_moe() {
         ],
     );
 }
+
+/// The distributed optimizer with expert parallelism (Megatron's): non-expert parameters are
+/// sharded over dp, expert parameters over the expert-data-parallel group edp (dp·cp / ep),
+/// each in its own flat segments; the global grad norm counts every element once.
+#[test]
+fn expert_parallel_moe_with_the_distributed_optimizer() {
+    let zero1 = "parallel.distributed_optimizer=true";
+    assert_equivalent(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.dp=2", "parallel.ep=2", zero1],
+            // edp = 2: expert state sharded over 2 ranks, the rest over 4.
+            &["parallel.dp=4", "parallel.ep=2", zero1],
+            // edp = 1: expert state unsharded.
+            &["parallel.dp=4", "parallel.ep=4", zero1],
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                zero1,
+            ],
+            &["parallel.cp=2", "parallel.dp=2", "parallel.ep=2", zero1],
+            &["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", zero1],
+        ],
+    );
+}
+
+/// Under the distributed optimizer a rank's expert AdamW state is 1/edp of its expert
+/// parameters (two fp32 moments each) and its other state 1/dp of the others.
+#[test]
+fn expert_optimizer_state_is_sharded_over_edp() {
+    for (dp, ep) in [(2u64, 2u64), (4, 2), (4, 4)] {
+        let sets: Vec<String> = BASE
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                format!("parallel.dp={dp}"),
+                format!("parallel.ep={ep}"),
+                "parallel.distributed_optimizer=true".into(),
+            ])
+            .collect();
+        let plan = plan("moe-tiny.toml", &sets);
+        let edp = dp / ep;
+        let (mut expert, mut dense) = (0u64, 0u64);
+        for p in &plan.params {
+            let local = plan.buffers[p.buffer as usize].len();
+            if p.shards.iter().any(|a| a.contains(&megac_ir::Axis::Ep)) {
+                expert += local;
+            } else {
+                dense += local;
+            }
+            assert!(p.exp_avg.is_none() && p.exp_avg_sq.is_none(), "{}", p.name);
+        }
+        let state: u64 = plan
+            .buffers
+            .iter()
+            .filter(|b| b.class == megac_ir::plan::BufferClass::OptState)
+            .map(|b| b.len())
+            .sum();
+        assert_eq!(
+            state,
+            2 * (expert / edp + dense.div_ceil(dp)),
+            "dp{dp} ep{ep}: expert {expert}, dense {dense}"
+        );
+        assert_eq!(plan.memory.opt_state_bytes, state * 4, "dp{dp} ep{ep}");
+    }
+}

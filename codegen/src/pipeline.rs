@@ -454,7 +454,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             let mine: Vec<usize> = (0..e.params.len())
                 .filter(|&i| e.buffers[e.params[i].buffer as usize].stage == Some(s as u32))
                 .collect();
-            *prog = e.zero1_program(p.dp, prog, &mine, norms[s], &[Axis::Pp])?;
+            *prog = e.zero1_program(prog, &mine, norms[s], &[Axis::Pp])?;
         } else {
             *prog = e.bucketed(std::mem::take(prog));
         }
@@ -478,7 +478,10 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
                         && !copies.contains(&(*i as BufId))
                 })
                 .map(|(_, b)| {
-                    let far = b.rank_offset.as_ref().map_or(0, |r| (p.dp - 1) * r.stride);
+                    let far = b
+                        .rank_offset
+                        .as_ref()
+                        .map_or(0, |r| (e.g.mesh.size(r.axis) - 1) * r.stride);
                     b.offset + far + b.len()
                 })
                 .max()

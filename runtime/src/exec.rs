@@ -845,15 +845,22 @@ fn run_kernel(
             let members = group(axes, comm.rank());
             // Each member's squares count once per group of members that hold the same
             // elements: a gradient replicated over some of the axes is divided by their size.
-            // Pipeline stages hold disjoint gradients: `pp` never replicates.
+            // Pipeline stages hold disjoint gradients: `pp` never replicates. A buffer split
+            // over both ep and edp (the distributed optimizer's expert shards) is unique over
+            // dp·cp, which the two fold over.
             let mut total = [ins
                 .iter()
                 .map(|&g| {
                     let layout = &mem.buffer(g).layout;
+                    let has = |a: megac_ir::Axis| layout.iter().any(|d| d.contains(&a));
+                    let folded = has(megac_ir::Axis::Ep) && has(megac_ir::Axis::Edp);
                     let replicas: u64 = axes
                         .iter()
                         .filter(|&&a| a != megac_ir::Axis::Pp)
-                        .filter(|a| !layout.iter().any(|d| d.contains(a)))
+                        .filter(|&&a| {
+                            !(has(a)
+                                || folded && matches!(a, megac_ir::Axis::Dp | megac_ir::Axis::Cp))
+                        })
                         .map(|&a| mesh.size(a))
                         .product();
                     k::sum_squares(mem.f32(g)) / replicas as f64
