@@ -86,27 +86,149 @@ fn unsupported(msg: String) -> CodegenError {
     CodegenError::Unsupported(msg)
 }
 
+/// The layout facts the split needs.
+struct Geometry {
+    /// Pipeline ranks.
+    pp: u32,
+    /// Chunks (`pp·vpp`).
+    nc: u32,
+    /// Micro-batches per step.
+    m: u32,
+    /// The schedule.
+    kind: ScheduleKind,
+    /// Zero-bubble schedules split the backward into `B` and `W`.
+    split_bw: bool,
+    /// Layer index -> chunk.
+    chunk_of_layer: Vec<u32>,
+    /// The schedule pass's action lists, per pipeline rank.
+    lists: Vec<Vec<schedule::Action>>,
+}
+
+impl Geometry {
+    fn of(spec: &megac_ir::spec::ModelSpec) -> Result<Geometry, CodegenError> {
+        let p = &spec.parallel;
+        let (pp, vpp) = (p.pp as u32, p.vpp as u32);
+        let m = spec.train.microbatches(p.dp) as u32;
+        // Layers per chunk: the stage pass's split.
+        let per_chunk = megac_passes::stages::chunk_layers(spec).map_err(unsupported)?;
+        let chunk_of_layer = per_chunk
+            .iter()
+            .enumerate()
+            .flat_map(|(c, &n)| std::iter::repeat_n(c as u32, n as usize))
+            .collect();
+        let kind = schedule_kind(p);
+        let lists = schedule::schedule(kind, pp, vpp, m)
+            .map_err(|err| unsupported(format!("pipeline schedule: {err}")))?;
+        Ok(Geometry {
+            pp,
+            nc: pp * vpp,
+            m,
+            kind,
+            split_bw: matches!(kind, ScheduleKind::ZbH1),
+            chunk_of_layer,
+            lists,
+        })
+    }
+}
+
+/// An activation one chunk produces and another reads: `src` in the producer's segment,
+/// received into the copy `dst` of the consumer.
+struct Transfer {
+    src: BufId,
+    from: u32,
+    from_phase: Phase,
+    dst: BufId,
+    to: u32,
+    to_phase: Phase,
+}
+
+/// Who touches what in the micro-batch program.
+#[derive(Default)]
+struct Usage {
+    /// Activation root -> the chunk that produces it.
+    owner: BTreeMap<BufId, u32>,
+    /// Activation root -> the producer's last writing phase.
+    last_write: BTreeMap<BufId, Phase>,
+    /// (activation root, another chunk) -> the first phase of that chunk that reads it.
+    first_use: BTreeMap<(BufId, u32), Phase>,
+    /// Parameter, gradient or state buffer -> the stages that touch it.
+    persistent_stage: BTreeMap<BufId, BTreeSet<u32>>,
+    /// Chunk -> the data inputs it reads.
+    chunk_inputs: BTreeMap<u32, BTreeSet<BufId>>,
+}
+
+/// Parameters shared by stages (tied embeddings).
+#[derive(Default)]
+struct Tied {
+    /// Parameter -> the stage that owns it and its gradient.
+    home: BTreeMap<BufId, u32>,
+    /// (parameter, other stage) -> that stage's copy.
+    copy: BTreeMap<(BufId, u32), BufId>,
+}
+
 /// Split the emitter's single-stage programs into pipeline roles.
 pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
-    let spec = e.spec;
-    let p = &spec.parallel;
-    let (pp, vpp) = (p.pp as u32, p.vpp as u32);
-    let nc = pp * vpp;
-    let m = spec.train.microbatches(p.dp) as u32;
-    // Layers per chunk: the stage pass's split.
-    let per_chunk = megac_passes::stages::chunk_layers(spec).map_err(unsupported)?;
-    let chunk_of_layer: Vec<u32> = per_chunk
-        .iter()
-        .enumerate()
-        .flat_map(|(c, &n)| std::iter::repeat_n(c as u32, n as usize))
-        .collect();
-    let kind = schedule_kind(p);
-    let split_bw = matches!(kind, ScheduleKind::ZbH1);
-    let lists = schedule::schedule(kind, pp, vpp, m)
-        .map_err(|err| unsupported(format!("pipeline schedule: {err}")))?;
-
-    // 1. Chunk and phase of every micro-batch instruction.
+    let geo = Geometry::of(e.spec)?;
+    let pp = geo.pp;
     let program = std::mem::take(&mut e.microbatch);
+    let place = place_instructions(e, &program, &geo);
+    let usage = scan_usage(e, &program, &place, pp)?;
+    let tied = tie_parameters(e, &usage)?;
+    let (copy, transfers) = cut_transfers(e, &usage)?;
+    let mut segs = segments(program, &place, &copy, &tied, &transfers, &geo);
+    assign_stages(e, &usage, &tied, pp);
+    let (norms, mut opt) = split_optimizer(e, pp)?;
+    let refresh = tied_refresh(&tied, transfers.len() as u32, pp);
+    stage_optimizers(e, &mut opt, &norms, refresh, &tied)?;
+    let slots = slot_counts(&geo);
+    let mut roles = Vec::new();
+    let mut mems = Vec::new();
+    for s in 0..pp {
+        let optimizer = std::mem::take(&mut opt[s as usize]);
+        let role = stage_role(
+            e,
+            s,
+            &geo,
+            &mut segs,
+            &slots,
+            &usage,
+            optimizer,
+            norms[s as usize],
+        );
+        mems.push(role.memory.clone().unwrap_or_default());
+        roles.push(role);
+    }
+    // Inputs: every stage that reads one holds its own copy at the same offset.
+    for b in e.inputs.values() {
+        e.buffers[*b as usize].stage = None;
+    }
+    if e.spec.parallel.fbd {
+        let total = (transfers.len() + tied.copy.len()) as u32;
+        let consumer_phase: Vec<Phase> = transfers.iter().map(|t| t.to_phase).collect();
+        let forward = fbd_forward_roles(e, &mut roles, &consumer_phase, total, geo.m);
+        for r in &forward {
+            mems.push(r.memory.clone().unwrap_or_default());
+        }
+        roles.extend(forward);
+    }
+    let max = |f: fn(&MemoryPlan) -> u64| mems.iter().map(f).max().unwrap_or(0);
+    let memory = MemoryPlan {
+        param_bytes: max(|m| m.param_bytes),
+        grad_bytes: max(|m| m.grad_bytes),
+        opt_state_bytes: max(|m| m.opt_state_bytes),
+        activation_bytes: max(|m| m.activation_bytes),
+        activation_bytes_unplanned: max(|m| m.activation_bytes_unplanned),
+        activation_bytes_live: max(|m| m.activation_bytes_live),
+        input_bytes: max(|m| m.input_bytes),
+    };
+    Ok(Split { roles, memory })
+}
+
+/// Step 1: the chunk and phase of every micro-batch instruction. Everything before the
+/// first gradient kernel is forward; backward kernels that only write parameter gradients
+/// are `W` under zero-bubble schedules; a `zero` goes with the kernel after it.
+fn place_instructions(e: &Emitter, program: &[Instr], geo: &Geometry) -> Vec<(u32, Phase)> {
+    let nc = geo.nc;
     let first_backward = program
         .iter()
         .position(|i| matches!(i, Instr::Kernel { op, .. } if crate::accumulates(op)))
@@ -115,10 +237,10 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     for i in (0..program.len()).rev() {
         place[i] = match &program[i] {
             Instr::Kernel { path, outputs, .. } => {
-                let chunk = chunk_of_path(path, &chunk_of_layer, nc);
+                let chunk = chunk_of_path(path, &geo.chunk_of_layer, nc);
                 let phase = if i < first_backward {
                     Phase::F
-                } else if split_bw
+                } else if geo.split_bw
                     && outputs
                         .iter()
                         .all(|&o| e.buffers[o as usize].class == BufferClass::Grad)
@@ -129,18 +251,21 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
                 };
                 (chunk, phase)
             }
-            // A zero belongs to the kernel that accumulates into the buffer next.
             _ => place.get(i + 1).copied().unwrap_or((nc - 1, Phase::B)),
         };
     }
+    place
+}
 
-    // 2. Owners of activations, copies for other chunks, transfers.
-    let root = |b: BufId, view_of: &BTreeMap<BufId, BufId>| *view_of.get(&b).unwrap_or(&b);
-    let mut owner: BTreeMap<BufId, u32> = BTreeMap::new(); // activation root -> chunk
-    let mut last_write: BTreeMap<BufId, Phase> = BTreeMap::new();
-    let mut first_use: BTreeMap<(BufId, u32), Phase> = BTreeMap::new(); // (root, chunk)
-    let mut persistent_stage: BTreeMap<BufId, BTreeSet<u32>> = BTreeMap::new();
-    let mut chunk_inputs: BTreeMap<u32, BTreeSet<BufId>> = BTreeMap::new();
+/// Step 2: which chunk produces each activation and which others read it, which stages
+/// touch each persistent buffer, which chunks read the data.
+fn scan_usage(
+    e: &Emitter,
+    program: &[Instr],
+    place: &[(u32, Phase)],
+    pp: u32,
+) -> Result<Usage, CodegenError> {
+    let mut u = Usage::default();
     for (i, instr) in program.iter().enumerate() {
         let (c, ph) = place[i];
         let writes: Vec<BufId> = match instr {
@@ -149,16 +274,16 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             _ => Vec::new(),
         };
         for b in instr.buffers() {
-            let r = root(b, &e.view_of);
+            let r = *e.view_of.get(&b).unwrap_or(&b);
             match e.buffers[r as usize].class {
                 BufferClass::Activation => {
-                    let o = *owner.entry(r).or_insert(c);
+                    let o = *u.owner.entry(r).or_insert(c);
                     if o == c {
                         if writes.contains(&b) {
-                            last_write.insert(r, ph);
+                            u.last_write.insert(r, ph);
                         }
                     } else {
-                        first_use.entry((r, c)).or_insert(ph);
+                        u.first_use.entry((r, c)).or_insert(ph);
                         if writes.contains(&b) {
                             return Err(unsupported(format!(
                                 "activation {} is written by chunks {o} and {c}",
@@ -168,27 +293,30 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
                     }
                 }
                 BufferClass::Input => {
-                    chunk_inputs.entry(c).or_default().insert(r);
+                    u.chunk_inputs.entry(c).or_default().insert(r);
                 }
                 _ => {
-                    persistent_stage.entry(r).or_default().insert(c % pp);
+                    u.persistent_stage.entry(r).or_default().insert(c % pp);
                 }
             }
         }
     }
-    // Tied parameters (GPT-2's word embeddings, read by the head on the last stage): the
-    // stage that accumulates the gradient updates the parameter and sends it to a copy on
-    // every other stage that reads it after each optimizer step. The other stages' gradient
-    // contributions reach it as backward transfers, like any cross-chunk activation.
-    let mut home: BTreeMap<BufId, u32> = BTreeMap::new();
-    let mut param_copy: BTreeMap<(BufId, u32), BufId> = BTreeMap::new(); // (param, stage)
-    for (&b, stages) in &persistent_stage {
+    Ok(u)
+}
+
+/// Tied parameters (GPT-2's word embeddings, read by the head on the last stage): the stage
+/// that accumulates the gradient updates the parameter and sends it to a copy on every other
+/// stage that reads it after each optimizer step. The other stages' gradient contributions
+/// reach it as backward transfers, like any cross-chunk activation.
+fn tie_parameters(e: &mut Emitter, usage: &Usage) -> Result<Tied, CodegenError> {
+    let mut tied = Tied::default();
+    for (&b, stages) in &usage.persistent_stage {
         if stages.len() < 2 {
             continue;
         }
         let entry = e.params.iter().position(|p| p.buffer == b);
         let grad_stage = entry.and_then(|i| {
-            let g = persistent_stage.get(&e.params[i].grad)?;
+            let g = usage.persistent_stage.get(&e.params[i].grad)?;
             (g.len() == 1).then(|| *g.iter().next().expect("one stage"))
         });
         let (Some(i), Some(h)) = (entry, grad_stage) else {
@@ -197,23 +325,33 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
                 e.buffers[b as usize].name
             )));
         };
-        home.insert(b, h);
+        tied.home.insert(b, h);
         for &s in stages.iter().filter(|&&s| s != h) {
             let mut buf = e.buffers[b as usize].clone();
             buf.name = format!("{}@stage{s}", buf.name);
             buf.stage = Some(s);
             let id = e.buffers.len() as BufId;
             e.buffers.push(buf);
-            param_copy.insert((b, s), id);
+            tied.copy.insert((b, s), id);
             e.params[i].tied_copies.push(id);
         }
     }
-    // Copies: (root, chunk) -> copy root; (view, chunk) -> copy view.
+    Ok(tied)
+}
+
+/// Every activation read by another chunk gets a copy there (with copies of its views) and a
+/// transfer. Forward-pass transfers go to later chunks, backward-pass ones to earlier chunks;
+/// anything else is refused. Every activation buffer is labelled with its chunk.
+#[allow(clippy::type_complexity)]
+fn cut_transfers(
+    e: &mut Emitter,
+    usage: &Usage,
+) -> Result<(BTreeMap<(BufId, u32), BufId>, Vec<Transfer>), CodegenError> {
     let mut copy: BTreeMap<(BufId, u32), BufId> = BTreeMap::new();
-    let mut transfers: Vec<(BufId, u32, Phase, BufId, u32, Phase)> = Vec::new(); // src, chunk, phase, dst, chunk, phase
-    for (&(r, c), &ph) in &first_use {
-        let o = owner[&r];
-        let pw = last_write.get(&r).copied().unwrap_or(Phase::F);
+    let mut transfers = Vec::new();
+    for (&(r, c), &ph) in &usage.first_use {
+        let o = usage.owner[&r];
+        let pw = usage.last_write.get(&r).copied().unwrap_or(Phase::F);
         let ok = match (pw, ph) {
             (Phase::F, Phase::F) => c > o,
             (Phase::F, _) => true,
@@ -231,7 +369,14 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         let id = e.buffers.len() as BufId;
         e.buffers.push(buf);
         copy.insert((r, c), id);
-        transfers.push((r, o, pw, id, c, ph));
+        transfers.push(Transfer {
+            src: r,
+            from: o,
+            from_phase: pw,
+            dst: id,
+            to: c,
+            to_phase: ph,
+        });
     }
     let views: Vec<(BufId, BufId)> = e.view_of.iter().map(|(&v, &r)| (v, r)).collect();
     for (v, r) in views {
@@ -249,8 +394,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             e.view_of.insert(id, copy[&(r, c)]);
         }
     }
-    // Chunk of every activation buffer (roots, views and copies).
-    for (&r, &c) in &owner {
+    for (&r, &c) in &usage.owner {
         e.buffers[r as usize].chunk = Some(c);
     }
     for (&(_, c), &id) in &copy {
@@ -262,29 +406,41 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             e.buffers[v as usize].chunk = Some(c);
         }
     }
+    Ok((copy, transfers))
+}
 
-    // Segments with rewritten buffers and transfers.
+/// The segments (chunk, phase) with each chunk's buffers rewritten to its copies, the
+/// `recv`s first and the `send`s last.
+fn segments(
+    program: Vec<Instr>,
+    place: &[(u32, Phase)],
+    copy: &BTreeMap<(BufId, u32), BufId>,
+    tied: &Tied,
+    transfers: &[Transfer],
+    geo: &Geometry,
+) -> BTreeMap<(u32, Phase), Vec<Instr>> {
     let mut segs: BTreeMap<(u32, Phase), Vec<Instr>> = BTreeMap::new();
-    for c in 0..nc {
+    for c in 0..geo.nc {
         for ph in [Phase::F, Phase::B, Phase::W] {
             segs.insert((c, ph), Vec::new());
         }
     }
-    for (t, &(_, _, _, dst, c, ph)) in transfers.iter().enumerate() {
-        let o = transfers[t].1;
-        segs.get_mut(&(c, ph)).expect("segment").push(Instr::Recv {
-            buffer: dst,
-            chunk: o,
-            transfer: t as u32,
-            twin: false,
-        });
+    for (t, x) in transfers.iter().enumerate() {
+        segs.entry((x.to, x.to_phase))
+            .or_default()
+            .push(Instr::Recv {
+                buffer: x.dst,
+                chunk: x.from,
+                transfer: t as u32,
+                twin: false,
+            });
     }
     for (i, instr) in program.into_iter().enumerate() {
         let (c, ph) = place[i];
         let map = |b: BufId| {
             *copy
                 .get(&(b, c))
-                .or_else(|| param_copy.get(&(b, c % pp)))
+                .or_else(|| tied.copy.get(&(b, c % geo.pp)))
                 .unwrap_or(&b)
         };
         let instr = match instr {
@@ -304,22 +460,28 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             },
             other => other,
         };
-        segs.get_mut(&(c, ph)).expect("segment").push(instr);
+        segs.entry((c, ph)).or_default().push(instr);
     }
-    for (t, &(src, o, pw, _, c, _)) in transfers.iter().enumerate() {
-        segs.get_mut(&(o, pw)).expect("segment").push(Instr::Send {
-            buffer: src,
-            chunk: c,
-            transfer: t as u32,
-            twin: false,
-        });
+    for (t, x) in transfers.iter().enumerate() {
+        segs.entry((x.from, x.from_phase))
+            .or_default()
+            .push(Instr::Send {
+                buffer: x.src,
+                chunk: x.to,
+                transfer: t as u32,
+                twin: false,
+            });
     }
+    segs
+}
 
-    // 3. Stages of persistent buffers; the optimizer program per stage.
-    for (&b, stages) in &persistent_stage {
-        e.buffers[b as usize].stage = home.get(&b).or(stages.iter().next()).copied();
+/// Step 3: the stage of every buffer: persistent ones where they are used (tied parameters
+/// at home), activations with their chunk, optimizer state with its parameter.
+fn assign_stages(e: &mut Emitter, usage: &Usage, tied: &Tied, pp: u32) {
+    for (&b, stages) in &usage.persistent_stage {
+        e.buffers[b as usize].stage = tied.home.get(&b).or(stages.iter().next()).copied();
     }
-    for (&r, &c) in &owner {
+    for (&r, &c) in &usage.owner {
         e.buffers[r as usize].stage = Some(c % pp);
     }
     for i in 0..e.buffers.len() {
@@ -327,7 +489,6 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             e.buffers[i].stage = Some(c % pp);
         }
     }
-    // Optimizer state follows its parameter.
     for entry in &e.params {
         let s = e.buffers[entry.buffer as usize].stage;
         for b in [entry.grad]
@@ -338,6 +499,16 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             e.buffers[b as usize].stage = s;
         }
     }
+}
+
+/// The optimizer program per stage: every stage clips with the global norm (its own
+/// squares, summed over pp too, into its own norm buffer) and updates its own parameters.
+/// Returns the norm buffers and the programs.
+#[allow(clippy::type_complexity)]
+fn split_optimizer(
+    e: &mut Emitter,
+    pp: u32,
+) -> Result<(Vec<BufId>, Vec<Vec<Instr>>), CodegenError> {
     let norm = *e
         .results
         .get("grad_norm")
@@ -414,26 +585,42 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             }
         }
     }
+    Ok((norms, opt))
+}
 
-    // Refresh the tied copies after the update (appended after the optimizer below).
+/// The sends and receives that refresh tied copies after each step, per stage (transfer ids
+/// from `first`).
+fn tied_refresh(tied: &Tied, first: u32, pp: u32) -> Vec<Vec<Instr>> {
     let mut refresh: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
-    for (next_transfer, (&(b, s), &copy_id)) in (transfers.len() as u32..).zip(&param_copy) {
-        let h = home[&b];
+    for (transfer, (&(b, s), &copy_id)) in (first..).zip(&tied.copy) {
+        let h = tied.home[&b];
         refresh[h as usize].push(Instr::Send {
             buffer: b,
             chunk: s,
-            transfer: next_transfer,
+            transfer,
             twin: false,
         });
         refresh[s as usize].push(Instr::Recv {
             buffer: copy_id,
             chunk: h,
-            transfer: next_transfer,
+            transfer,
             twin: false,
         });
     }
+    refresh
+}
 
-    // 4. Memory per stage: persistent arenas packed per stage, then buckets.
+/// Step 4: each stage's persistent arenas packed on their own, then its gradient reduction
+/// (buckets, or ZeRO-1 over its own parameters with the norm summed over pp too; tied
+/// copies after the flat segments), then the tied-copy refresh.
+fn stage_optimizers(
+    e: &mut Emitter,
+    opt: &mut [Vec<Instr>],
+    norms: &[BufId],
+    mut refresh: Vec<Vec<Instr>>,
+    tied: &Tied,
+) -> Result<(), CodegenError> {
+    let pp = opt.len() as u32;
     for class in [BufferClass::Param, BufferClass::Grad, BufferClass::OptState] {
         for s in 0..pp {
             let mut offset = 0u64;
@@ -445,12 +632,11 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             }
         }
     }
+    let p = &e.spec.parallel;
     let zero1 = p.distributed_optimizer && p.dp > 1;
     for (s, prog) in opt.iter_mut().enumerate() {
         let before = e.buffers.len();
         if zero1 {
-            // ZeRO-1 per stage over the stage's own parameters; the squares of the norm are
-            // summed over pp too. Tied copies go after the stage's flat segments.
             let mine: Vec<usize> = (0..e.params.len())
                 .filter(|&i| e.buffers[e.params[i].buffer as usize].stage == Some(s as u32))
                 .collect();
@@ -463,7 +649,8 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             b.name = format!("{}@stage{s}", b.name);
         }
         if zero1 {
-            let copies: Vec<BufId> = param_copy
+            let copies: Vec<BufId> = tied
+                .copy
                 .iter()
                 .filter(|((_, cs), _)| *cs == s as u32)
                 .map(|(_, &id)| id)
@@ -493,12 +680,19 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         }
         prog.append(&mut refresh[s]);
     }
+    Ok(())
+}
 
-    // Slots: the most micro-batches of a chunk in flight under the schedule.
-    let mut slots = vec![0u32; nc as usize];
-    let dpp = matches!(kind, ScheduleKind::Dpp(_));
-    for list in &lists {
-        let mut inflight = vec![0u32; nc as usize];
+/// Activation slots per chunk: the most micro-batches of the chunk in flight under the
+/// schedule (all of them for dpp, whose order is decided at run time).
+fn slot_counts(geo: &Geometry) -> Vec<u32> {
+    let nc = geo.nc as usize;
+    if matches!(geo.kind, ScheduleKind::Dpp(_)) {
+        return vec![geo.m; nc];
+    }
+    let mut slots = vec![0u32; nc];
+    for list in &geo.lists {
+        let mut inflight = vec![0u32; nc];
         for a in list {
             let c = a.chunk as usize;
             match a.kind {
@@ -506,202 +700,184 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
                     inflight[c] += 1;
                     slots[c] = slots[c].max(inflight[c]);
                 }
-                ActionKind::BW | ActionKind::W => inflight[c] -= 1,
+                ActionKind::BW | ActionKind::W => inflight[c] = inflight[c].saturating_sub(1),
                 _ => {}
             }
         }
     }
-    if dpp {
-        // Executed dynamically: any number of micro-batches may be in flight.
-        slots.iter_mut().for_each(|s| *s = m);
-    }
+    slots
+}
 
+/// The role of pipeline stage `s`: its chunks (segments, activation slots placed one after
+/// another, then the optimizer's activations), inputs, results, action list and memory.
+#[allow(clippy::too_many_arguments)]
+fn stage_role(
+    e: &mut Emitter,
+    s: u32,
+    geo: &Geometry,
+    segs: &mut BTreeMap<(u32, Phase), Vec<Instr>>,
+    slots: &[u32],
+    usage: &Usage,
+    optimizer: Vec<Instr>,
+    norm: BufId,
+) -> Role {
+    let spec = e.spec;
+    let (pp, nc) = (geo.pp, geo.nc);
     let loss_keys: Vec<String> = ["loss", "total_loss"]
         .iter()
         .filter(|k| e.results.contains_key(**k))
         .map(|k| k.to_string())
         .collect();
     let live_to_end: Vec<BufId> = loss_keys.iter().map(|k| e.results[k]).collect();
-    let mut roles = Vec::new();
-    let mut mems = Vec::new();
-    for s in 0..pp {
-        let mut chunks = Vec::new();
-        let mut base = 0u64;
-        let (mut unplanned, mut live) = (0u64, 0u64);
-        for c in (s..nc).step_by(pp as usize) {
-            let programs =
-                [Phase::F, Phase::B, Phase::W].map(|ph| segs.remove(&(c, ph)).unwrap_or_default());
-            let [forward, mut backward, weight] = programs;
-            let liveness = memory::Liveness {
-                programs: vec![forward.clone(), backward.clone(), weight.clone()],
-                view_of: e.view_of.clone(),
-            };
-            let elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
-            live += memory::live_peak(&e.buffers, &liveness, &live_to_end)
-                * u64::from(slots[c as usize]);
-            unplanned += e
-                .buffers
-                .iter()
-                .enumerate()
-                .filter(|(i, b)| {
-                    b.chunk == Some(c)
-                        && b.class == BufferClass::Activation
-                        && !e.view_of.contains_key(&(*i as BufId))
-                })
-                .map(|(_, b)| b.len())
-                .sum::<u64>()
-                * u64::from(slots[c as usize]);
-            let inputs: Vec<BufId> = chunk_inputs
-                .get(&c)
-                .map(|s| s.iter().copied().collect())
-                .unwrap_or_default();
-            let weight = if split_bw {
-                weight
-            } else {
-                backward.extend(weight);
-                Vec::new()
-            };
-            chunks.push(ChunkProgram {
-                chunk: c,
-                forward,
-                backward,
-                weight,
-                activation_base: base,
-                activation_elems: elems,
-                slots: slots[c as usize],
-                inputs,
-            });
-            base += elems * u64::from(slots[c as usize]);
-        }
-        // The optimizer's activations (the norm) after the chunks' slots.
+    let mut chunks = Vec::new();
+    let mut base = 0u64;
+    let (mut unplanned, mut live) = (0u64, 0u64);
+    for c in (s..nc).step_by(pp as usize) {
+        let n_slots = slots[c as usize];
+        let [forward, mut backward, weight] =
+            [Phase::F, Phase::B, Phase::W].map(|ph| segs.remove(&(c, ph)).unwrap_or_default());
         let liveness = memory::Liveness {
-            programs: vec![opt[s as usize].clone()],
+            programs: vec![forward.clone(), backward.clone(), weight.clone()],
             view_of: e.view_of.clone(),
         };
-        let touched: BTreeSet<BufId> = opt[s as usize]
+        let elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
+        live += memory::live_peak(&e.buffers, &liveness, &live_to_end) * u64::from(n_slots);
+        unplanned += e
+            .buffers
             .iter()
-            .flat_map(Instr::buffers)
-            .filter(|&b| e.buffers[b as usize].class == BufferClass::Activation)
-            .collect();
-        let elems = memory::assign_offsets(&mut e.buffers, &liveness, &[]);
-        for &b in &touched {
-            e.buffers[b as usize].offset += base;
-        }
-        let act_total = base + elems;
-        let stage_bytes = |class: BufferClass, buffers: &[Buffer]| -> u64 {
-            buffers
-                .iter()
-                .filter(|b| b.class == class && b.stage == Some(s))
-                .map(|b| (b.offset + b.len()) * b.dtype.size_bytes())
-                .max()
-                .unwrap_or(0)
-        };
-        let stage_inputs: BTreeSet<BufId> = chunks.iter().flat_map(|c| c.inputs.clone()).collect();
-        let mem = MemoryPlan {
-            param_bytes: stage_bytes(BufferClass::Param, &e.buffers),
-            grad_bytes: stage_bytes(BufferClass::Grad, &e.buffers),
-            opt_state_bytes: stage_bytes(BufferClass::OptState, &e.buffers),
-            activation_bytes: act_total * 4,
-            activation_bytes_unplanned: (unplanned + elems) * 4,
-            activation_bytes_live: (live + elems) * 4,
-            input_bytes: stage_inputs
-                .iter()
-                .map(|&b| {
-                    let buf = &e.buffers[b as usize];
-                    (buf.offset + buf.len()) * buf.dtype.size_bytes()
-                })
-                .max()
-                .unwrap_or(0),
-        };
-        let has = |b: BufId| stage_inputs.contains(&b);
-        let inputs = e
-            .inputs
-            .iter()
-            .filter(|(_, &b)| has(b))
-            .map(|(k, &b)| (k.clone(), b))
-            .collect();
-        let mut results = BTreeMap::new();
-        let mut result_axes = BTreeMap::new();
-        for k in &loss_keys {
-            let b = e.results[k];
-            if e.buffers[b as usize].stage == Some(s) {
-                results.insert(k.clone(), b);
-            }
-            // Only the last stage has the loss: every stage adds it up over pp to report it.
-            let mut axes = e.result_axes.get(k).cloned().unwrap_or_default();
-            axes.push(Axis::Pp);
-            result_axes.insert(k.clone(), axes);
-        }
-        results.insert("grad_norm".to_string(), norms[s as usize]);
-        let actions = lists[s as usize]
-            .iter()
-            .filter_map(|a| {
-                let kind = match a.kind {
-                    ActionKind::F => PipeKind::F,
-                    ActionKind::B => PipeKind::B,
-                    ActionKind::W => PipeKind::W,
-                    ActionKind::BW => PipeKind::BW,
-                    _ => return None,
-                };
-                Some(PipeAction {
-                    kind,
-                    chunk: a.chunk,
-                    microbatch: a.microbatch,
-                })
+            .enumerate()
+            .filter(|(i, b)| {
+                b.chunk == Some(c)
+                    && b.class == BufferClass::Activation
+                    && !e.view_of.contains_key(&(*i as BufId))
             })
-            .collect();
-        let dpp_exec = match kind {
-            ScheduleKind::Dpp(policy) => Some(DppExec {
-                policy: spec.parallel.dpp_policy.as_str().to_string(),
-                cap: match policy {
-                    schedule::DppPolicy::Adaptive { cap } => cap.unwrap_or(pp),
-                    _ => 0,
-                },
-            }),
-            _ => None,
+            .map(|(_, b)| b.len())
+            .sum::<u64>()
+            * u64::from(n_slots);
+        let inputs: Vec<BufId> = usage
+            .chunk_inputs
+            .get(&c)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default();
+        let weight = if geo.split_bw {
+            weight
+        } else {
+            backward.extend(weight);
+            Vec::new()
         };
-        mems.push(mem.clone());
-        roles.push(Role {
-            name: format!("stage{s}"),
-            microbatch: Vec::new(),
-            optimizer: std::mem::take(&mut opt[s as usize]),
+        chunks.push(ChunkProgram {
+            chunk: c,
+            forward,
+            backward,
+            weight,
+            activation_base: base,
+            activation_elems: elems,
+            slots: n_slots,
             inputs,
-            results,
-            result_axes,
-            pipeline: Some(Pipeline {
-                schedule: spec.parallel.schedule.as_str().to_string(),
-                chunks_total: nc,
-                chunks,
-                actions,
-                dpp: dpp_exec,
-            }),
-            memory: Some(mem),
         });
+        base += elems * u64::from(n_slots);
     }
-    // Inputs: every stage that reads one holds its own copy at the same offset.
-    for b in e.inputs.values() {
-        e.buffers[*b as usize].stage = None;
-    }
-    if p.fbd {
-        let total = transfers.len() as u32 + param_copy.len() as u32;
-        let consumer_phase: Vec<Phase> = transfers.iter().map(|t| t.5).collect();
-        let forward = fbd_forward_roles(e, &mut roles, &consumer_phase, total, m);
-        for r in &forward {
-            mems.push(r.memory.clone().unwrap_or_default());
-        }
-        roles.extend(forward);
-    }
-    let max = |f: fn(&MemoryPlan) -> u64| mems.iter().map(f).max().unwrap_or(0);
-    let memory = MemoryPlan {
-        param_bytes: max(|m| m.param_bytes),
-        grad_bytes: max(|m| m.grad_bytes),
-        opt_state_bytes: max(|m| m.opt_state_bytes),
-        activation_bytes: max(|m| m.activation_bytes),
-        activation_bytes_unplanned: max(|m| m.activation_bytes_unplanned),
-        activation_bytes_live: max(|m| m.activation_bytes_live),
-        input_bytes: max(|m| m.input_bytes),
+    // The optimizer's activations (the norm) after the chunks' slots.
+    let liveness = memory::Liveness {
+        programs: vec![optimizer.clone()],
+        view_of: e.view_of.clone(),
     };
-    Ok(Split { roles, memory })
+    let touched: BTreeSet<BufId> = optimizer
+        .iter()
+        .flat_map(Instr::buffers)
+        .filter(|&b| e.buffers[b as usize].class == BufferClass::Activation)
+        .collect();
+    let elems = memory::assign_offsets(&mut e.buffers, &liveness, &[]);
+    for &b in &touched {
+        e.buffers[b as usize].offset += base;
+    }
+    let stage_bytes = |class: BufferClass, buffers: &[Buffer]| -> u64 {
+        buffers
+            .iter()
+            .filter(|b| b.class == class && b.stage == Some(s))
+            .map(|b| (b.offset + b.len()) * b.dtype.size_bytes())
+            .max()
+            .unwrap_or(0)
+    };
+    let stage_inputs: BTreeSet<BufId> = chunks.iter().flat_map(|c| c.inputs.clone()).collect();
+    let mem = MemoryPlan {
+        param_bytes: stage_bytes(BufferClass::Param, &e.buffers),
+        grad_bytes: stage_bytes(BufferClass::Grad, &e.buffers),
+        opt_state_bytes: stage_bytes(BufferClass::OptState, &e.buffers),
+        activation_bytes: (base + elems) * 4,
+        activation_bytes_unplanned: (unplanned + elems) * 4,
+        activation_bytes_live: (live + elems) * 4,
+        input_bytes: stage_inputs
+            .iter()
+            .map(|&b| {
+                let buf = &e.buffers[b as usize];
+                (buf.offset + buf.len()) * buf.dtype.size_bytes()
+            })
+            .max()
+            .unwrap_or(0),
+    };
+    let inputs = e
+        .inputs
+        .iter()
+        .filter(|(_, b)| stage_inputs.contains(b))
+        .map(|(k, &b)| (k.clone(), b))
+        .collect();
+    let mut results = BTreeMap::new();
+    let mut result_axes = BTreeMap::new();
+    for k in &loss_keys {
+        let b = e.results[k];
+        if e.buffers[b as usize].stage == Some(s) {
+            results.insert(k.clone(), b);
+        }
+        // Only the last stage has the loss: every stage adds it up over pp to report it.
+        let mut axes = e.result_axes.get(k).cloned().unwrap_or_default();
+        axes.push(Axis::Pp);
+        result_axes.insert(k.clone(), axes);
+    }
+    results.insert("grad_norm".to_string(), norm);
+    let actions = geo.lists[s as usize]
+        .iter()
+        .filter_map(|a| {
+            let kind = match a.kind {
+                ActionKind::F => PipeKind::F,
+                ActionKind::B => PipeKind::B,
+                ActionKind::W => PipeKind::W,
+                ActionKind::BW => PipeKind::BW,
+                _ => return None,
+            };
+            Some(PipeAction {
+                kind,
+                chunk: a.chunk,
+                microbatch: a.microbatch,
+            })
+        })
+        .collect();
+    let dpp = match geo.kind {
+        ScheduleKind::Dpp(policy) => Some(DppExec {
+            policy: spec.parallel.dpp_policy.as_str().to_string(),
+            cap: match policy {
+                schedule::DppPolicy::Adaptive { cap } => cap.unwrap_or(pp),
+                _ => 0,
+            },
+        }),
+        _ => None,
+    };
+    Role {
+        name: format!("stage{s}"),
+        microbatch: Vec::new(),
+        optimizer,
+        inputs,
+        results,
+        result_axes,
+        pipeline: Some(Pipeline {
+            schedule: spec.parallel.schedule.as_str().to_string(),
+            chunks_total: nc,
+            chunks,
+            actions,
+            dpp,
+        }),
+        memory: Some(mem),
+    }
 }
 
 /// MegaFBD: a forward role per stage (roles `pp..2pp`, the `fbd` coordinate 1). It runs only
