@@ -25,7 +25,6 @@ use megac_ir::plan::{
     BufId, Buffer, BufferClass, ChunkProgram, DppExec, Instr, MemoryPlan, PipeAction, PipeKind,
     Pipeline, Role,
 };
-use megac_ir::spec::{DppPolicy, Schedule};
 use megac_ir::{Axis, OpKind};
 use megac_passes::schedule::{self, ActionKind, ScheduleKind};
 
@@ -37,21 +36,6 @@ enum Phase {
     F,
     B,
     W,
-}
-
-/// The schedule kind of the spec, as the schedule pass names it.
-pub fn schedule_kind(p: &megac_ir::spec::ParallelSection) -> ScheduleKind {
-    match p.schedule {
-        Schedule::Gpipe => ScheduleKind::GPipe,
-        Schedule::OneFOneB => ScheduleKind::OneFOneB,
-        Schedule::Interleaved => ScheduleKind::Interleaved,
-        Schedule::ZbH1 => ScheduleKind::ZbH1,
-        Schedule::Dpp => ScheduleKind::Dpp(match p.dpp_policy {
-            DppPolicy::Bfs => schedule::DppPolicy::Bfs,
-            DppPolicy::Dfs => schedule::DppPolicy::Dfs,
-            DppPolicy::Adaptive => schedule::DppPolicy::Adaptive { cap: None },
-        }),
-    }
 }
 
 /// What the split produces: one role per pipeline rank and the plan-wide memory summary.
@@ -116,7 +100,7 @@ impl Geometry {
             .enumerate()
             .flat_map(|(c, &n)| std::iter::repeat_n(c as u32, n as usize))
             .collect();
-        let kind = schedule_kind(p);
+        let kind = ScheduleKind::of(p);
         let lists = schedule::schedule(kind, pp, vpp, m)
             .map_err(|err| unsupported(format!("pipeline schedule: {err}")))?;
         Ok(Geometry {

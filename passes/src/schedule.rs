@@ -148,6 +148,22 @@ pub enum ScheduleKind {
 }
 
 impl ScheduleKind {
+    /// The schedule a model.toml's `[parallel]` section asks for (`schedule`, `dpp_policy`).
+    pub fn of(p: &megac_ir::spec::ParallelSection) -> ScheduleKind {
+        use megac_ir::spec::{DppPolicy as Policy, Schedule};
+        match p.schedule {
+            Schedule::Gpipe => ScheduleKind::GPipe,
+            Schedule::OneFOneB => ScheduleKind::OneFOneB,
+            Schedule::Interleaved => ScheduleKind::Interleaved,
+            Schedule::ZbH1 => ScheduleKind::ZbH1,
+            Schedule::Dpp => ScheduleKind::Dpp(match p.dpp_policy {
+                Policy::Bfs => DppPolicy::Bfs,
+                Policy::Dfs => DppPolicy::Dfs,
+                Policy::Adaptive => DppPolicy::Adaptive { cap: None },
+            }),
+        }
+    }
+
     /// The CLI name: `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `dpp-bfs`, `dpp-dfs`,
     /// `dpp-adaptive`.
     pub fn name(&self) -> &'static str {

@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use megac_ir::spec::{Arch, DppPolicy, ModelSpec, Recompute, Schedule};
+use megac_ir::spec::{Arch, ModelSpec, Recompute};
 use megac_passes::schedule::{self, Action, Costs, ScheduleKind};
 
 use crate::ModelArgs;
@@ -159,17 +159,7 @@ pub fn run(args: &ModelArgs, opts: &Options) -> Result<(), String> {
     }
     let spec = super::load_spec(args)?;
     let p = &spec.parallel;
-    let kind = match p.schedule {
-        Schedule::Gpipe => ScheduleKind::GPipe,
-        Schedule::OneFOneB => ScheduleKind::OneFOneB,
-        Schedule::Interleaved => ScheduleKind::Interleaved,
-        Schedule::ZbH1 => ScheduleKind::ZbH1,
-        Schedule::Dpp => ScheduleKind::Dpp(match p.dpp_policy {
-            DppPolicy::Bfs => schedule::DppPolicy::Bfs,
-            DppPolicy::Dfs => schedule::DppPolicy::Dfs,
-            DppPolicy::Adaptive => schedule::DppPolicy::Adaptive { cap: None },
-        }),
-    };
+    let kind = ScheduleKind::of(p);
     let (pp, vpp) = (p.pp as u32, p.vpp as u32);
     let m = spec.train.microbatches(p.dp) as u32;
     let lists = schedule::schedule(kind, pp, vpp, m).map_err(|e| format!("error: {e}"))?;
