@@ -444,6 +444,7 @@ fn greedy(
         .collect();
     let mut pos = vec![0usize; pp as usize];
     let mut pending_w: Vec<VecDeque<u32>> = vec![VecDeque::new(); pp as usize];
+    let mut w_issued = vec![0u32; pp as usize];
     let per_rank = if split { 3 * m } else { 2 * vpp * m } as usize;
     let total_tasks = per_rank * pp as usize;
     let mut issued = 0usize;
@@ -470,17 +471,27 @@ fn greedy(
             let pick: Option<Action> = match kind {
                 ScheduleKind::ZbH1 => {
                     let next = orders[ru].get(pos[ru]).copied();
+                    // 1F1B's peak activation memory (ZB-H1): a rank holds at most pp
+                    // micro-batches whose F is done and whose W is not (1F1B's first stage
+                    // holds pp); past that, a deferred W goes first.
+                    let f_issued = orders[ru][..pos[ru]]
+                        .iter()
+                        .filter(|a| a.kind == ActionKind::F)
+                        .count();
+                    let full = f_issued - (w_issued[ru] as usize) >= pp as usize
+                        && !pending_w[ru].is_empty();
                     let next_ready = next.filter(|a| match a.kind {
-                        ActionKind::F => f_ready(a.chunk, a.microbatch, &f_done),
+                        ActionKind::F => !full && f_ready(a.chunk, a.microbatch, &f_done),
                         _ => b_ready(a.chunk, a.microbatch, &f_done, &b_done),
                     });
                     if next_ready.is_some() {
                         pos[ru] += 1;
                         next_ready
                     } else {
-                        pending_w[ru]
-                            .pop_front()
-                            .map(|j| Action::compute(ActionKind::W, r, j))
+                        pending_w[ru].pop_front().map(|j| {
+                            w_issued[ru] += 1;
+                            Action::compute(ActionKind::W, r, j)
+                        })
                     }
                 }
                 ScheduleKind::Dpp(policy) => {

@@ -94,13 +94,38 @@ fn zb_h1_bubble_is_a_third_of_1f1b() {
 }
 
 #[test]
-fn zb_h1_defers_w_into_the_cooldown() {
+fn zb_h1_defers_w_into_the_bubbles_at_1f1b_memory() {
     let (l, _) = run(ScheduleKind::ZbH1, 4, 1, 8);
     let text = render_text(&l, 1, false);
+    let lines: Vec<&str> = text.lines().collect();
+    // The paper's ZB-H1: the first stage runs F B W in the steady state, the last defers
+    // its W into the warm-up bubbles and the cool-down.
     assert_eq!(
-        text.lines().next().unwrap(),
-        "rank 0 | F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 W0 B5 W1 B6 W2 B7 W3 W4 W5 W6 W7"
+        lines[0],
+        "rank 0 | F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
     );
+    assert_eq!(
+        lines[3],
+        "rank 3 | F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
+    );
+    // 1F1B's peak activation memory: no rank ever holds more than pp micro-batches whose F
+    // is done and whose W is not.
+    for pp in [2u32, 4, 8] {
+        for m in [1u32, 2, 4, 8, 16, 24] {
+            let (lists, _) = run(ScheduleKind::ZbH1, pp, 1, m);
+            for (r, list) in lists.iter().enumerate() {
+                let mut held = 0u32;
+                for a in list {
+                    match a.kind {
+                        ActionKind::F => held += 1,
+                        ActionKind::W => held -= 1,
+                        _ => {}
+                    }
+                    assert!(held <= pp, "pp{pp} m{m} rank {r}: {held} held");
+                }
+            }
+        }
+    }
 }
 
 #[test]
