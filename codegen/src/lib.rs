@@ -81,8 +81,8 @@ pub fn emit_plan(
     let activation_bytes_unplanned = e.unplanned_activation_bytes();
     let liveness = e.programs_for_liveness();
     let live_to_end = e.live_to_end.clone();
-    let activation_elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
-    let live_elems = memory::live_peak(&e.buffers, &liveness, &live_to_end);
+    let activation_arena = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
+    let live_bytes = memory::live_peak(&e.buffers, &liveness, &live_to_end);
     // Arena extents (buffers may overlap: views, buckets, the distributed optimizer's
     // flat buffers), with rank-dependent slices at their farthest rank.
     let mesh = &graph.mesh;
@@ -104,9 +104,9 @@ pub fn emit_plan(
         param_bytes: bytes(BufferClass::Param),
         grad_bytes: bytes(BufferClass::Grad),
         opt_state_bytes: bytes(BufferClass::OptState),
-        activation_bytes: activation_elems * 4,
+        activation_bytes: activation_arena,
         activation_bytes_unplanned,
-        activation_bytes_live: live_elems * 4,
+        activation_bytes_live: live_bytes,
         input_bytes: bytes(BufferClass::Input),
     };
     let roles = vec![Role {

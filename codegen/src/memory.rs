@@ -18,13 +18,19 @@ pub struct Liveness {
     pub view_of: BTreeMap<BufId, BufId>,
 }
 
-/// Peak of the activation elements live at the same time (a lower bound for any placement).
+/// Bytes a buffer takes in the activation arena: its size rounded up to the 4-byte unit in
+/// which placements are aligned.
+fn slot_bytes(b: &Buffer) -> u64 {
+    (b.len() * b.dtype.size_bytes()).div_ceil(4) * 4
+}
+
+/// Peak of the activation bytes live at the same time (a lower bound for any placement).
 pub fn live_peak(buffers: &[Buffer], live: &Liveness, live_to_end: &[BufId]) -> u64 {
     let intervals = intervals(buffers, live, live_to_end);
     let end = intervals.values().map(|i| i.1).max().unwrap_or(0);
     let mut delta = vec![0i64; end + 2];
     for (&b, &(s, e)) in &intervals {
-        let len = buffers[b as usize].len() as i64;
+        let len = slot_bytes(&buffers[b as usize]) as i64;
         delta[s] += len;
         delta[e + 1] -= len;
     }
@@ -37,14 +43,17 @@ pub fn live_peak(buffers: &[Buffer], live: &Liveness, live_to_end: &[BufId]) -> 
     peak as u64
 }
 
-/// Assign offsets (in elements) to every activation buffer; returns the arena size.
-/// `live_to_end` buffers stay live to the end of the first program (results read after it).
+/// Assign offsets to every activation buffer; returns the arena size in bytes. Placement is
+/// in bytes, aligned to 4; a buffer's `offset` counts elements of its own dtype (byte offset
+/// / dtype size), so 4-byte buffers keep the runtime's f32 indexing and bf16 ones take half
+/// the room. `live_to_end` buffers stay live to the end of the first program (results read
+/// after it).
 pub fn assign_offsets(buffers: &mut [Buffer], live: &Liveness, live_to_end: &[BufId]) -> u64 {
     let interval = intervals(buffers, live, live_to_end);
     // Largest first; ties by id, so the plan is deterministic.
     let mut order: Vec<(BufId, u64)> = interval
         .keys()
-        .map(|&b| (b, buffers[b as usize].len()))
+        .map(|&b| (b, slot_bytes(&buffers[b as usize])))
         .collect();
     order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let mut placed: Vec<(u64, u64, usize, usize)> = Vec::new(); // offset, len, start, end
@@ -76,11 +85,12 @@ pub fn assign_offsets(buffers: &mut [Buffer], live: &Liveness, live_to_end: &[Bu
         };
         placed.push((offset, len, s, e));
         arena = arena.max(offset + len);
-        buffers[b as usize].offset = offset;
+        buffers[b as usize].offset = offset / buffers[b as usize].dtype.size_bytes().max(1);
     }
-    // Views take their root's offset.
+    // Views take their root's offset (converted to their own dtype's elements).
     for (&v, &r) in &live.view_of {
-        buffers[v as usize].offset = buffers[r as usize].offset;
+        let bytes = buffers[r as usize].offset * buffers[r as usize].dtype.size_bytes();
+        buffers[v as usize].offset = bytes / buffers[v as usize].dtype.size_bytes().max(1);
     }
     arena
 }

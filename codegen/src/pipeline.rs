@@ -724,7 +724,8 @@ fn stage_role(
             programs: vec![forward.clone(), backward.clone(), weight.clone()],
             view_of: e.view_of.clone(),
         };
-        let elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
+        // Slots are counted in the runtime's 4-byte arena units.
+        let elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end) / 4;
         live += memory::live_peak(&e.buffers, &liveness, &live_to_end) * u64::from(n_slots);
         unplanned += e
             .buffers
@@ -735,7 +736,7 @@ fn stage_role(
                     && b.class == BufferClass::Activation
                     && !e.view_of.contains_key(&(*i as BufId))
             })
-            .map(|(_, b)| b.len())
+            .map(|(_, b)| b.len() * b.dtype.size_bytes())
             .sum::<u64>()
             * u64::from(n_slots);
         let inputs: Vec<BufId> = usage
@@ -771,9 +772,10 @@ fn stage_role(
         .flat_map(Instr::buffers)
         .filter(|&b| e.buffers[b as usize].class == BufferClass::Activation)
         .collect();
-    let elems = memory::assign_offsets(&mut e.buffers, &liveness, &[]);
+    let elems = memory::assign_offsets(&mut e.buffers, &liveness, &[]) / 4;
     for &b in &touched {
-        e.buffers[b as usize].offset += base;
+        let size = e.buffers[b as usize].dtype.size_bytes().max(1);
+        e.buffers[b as usize].offset += base * 4 / size;
     }
     let stage_bytes = |class: BufferClass, buffers: &[Buffer]| -> u64 {
         buffers
@@ -789,8 +791,8 @@ fn stage_role(
         grad_bytes: stage_bytes(BufferClass::Grad, &e.buffers),
         opt_state_bytes: stage_bytes(BufferClass::OptState, &e.buffers),
         activation_bytes: (base + elems) * 4,
-        activation_bytes_unplanned: (unplanned + elems) * 4,
-        activation_bytes_live: (live + elems) * 4,
+        activation_bytes_unplanned: unplanned + elems * 4,
+        activation_bytes_live: live + elems * 4,
         input_bytes: stage_inputs
             .iter()
             .map(|&b| {

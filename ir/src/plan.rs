@@ -152,7 +152,8 @@ pub struct Buffer {
     pub dtype: DType,
     /// Sizes (local to the rank, micro-batch sized).
     pub shape: Vec<u64>,
-    /// Offset in elements from the start of the class's arena.
+    /// Offset from the start of the class's arena, in elements of this buffer's dtype (byte
+    /// offset / dtype size; pipeline activations: from the start of their chunk's slot).
     pub offset: u64,
     /// How the buffer's dims are sharded over mesh axes (empty: replicated); kernels whose
     /// meaning depends on it (vocab-parallel embedding and cross-entropy, the gradient norm)
@@ -333,9 +334,9 @@ pub struct ChunkProgram {
     pub backward: Vec<Instr>,
     /// Weight-gradient kernels, split out for zero-bubble schedules (else empty).
     pub weight: Vec<Instr>,
-    /// Activation arena offset (elements) of the chunk's first slot.
+    /// Activation arena offset of the chunk's first slot, in 4-byte units.
     pub activation_base: u64,
-    /// Elements of one slot (one micro-batch's activations of this chunk).
+    /// Size of one slot (one micro-batch's activations of this chunk), in 4-byte units.
     pub activation_elems: u64,
     /// Slots: the most micro-batches of this chunk in flight at once.
     pub slots: u32,

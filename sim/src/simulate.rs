@@ -473,10 +473,14 @@ struct InFlight {
     ranges: Vec<(BufferClass, u64, u64)>,
 }
 
+/// Byte ranges of buffers in their arenas (a buffer's offset counts its own dtype's elements).
 fn ranges(plan: &Plan, ids: &[u32]) -> Vec<(BufferClass, u64, u64)> {
     ids.iter()
         .filter_map(|&b| plan.buffers.get(b as usize))
-        .map(|b| (b.class, b.offset, b.offset + b.len()))
+        .map(|b| {
+            let size = b.dtype.size_bytes();
+            (b.class, b.offset * size, (b.offset + b.len()) * size)
+        })
         .collect()
 }
 

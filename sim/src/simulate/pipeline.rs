@@ -105,8 +105,14 @@ fn ranges_of(ctx: &Ctx, ids: &[u32], base: &BTreeMap<u32, u64>) -> Ranges {
     ids.iter()
         .filter_map(|&b| ctx.plan.buffers.get(b as usize))
         .map(|b| {
-            let shift = b.chunk.and_then(|c| base.get(&c)).copied().unwrap_or(0);
-            (b.class, b.offset + shift, b.offset + shift + b.len())
+            // Chunk slots start at 4-byte arena units; offsets count the dtype's elements.
+            let shift = 4 * b.chunk.and_then(|c| base.get(&c)).copied().unwrap_or(0);
+            let size = b.dtype.size_bytes();
+            (
+                b.class,
+                shift + b.offset * size,
+                shift + (b.offset + b.len()) * size,
+            )
         })
         .collect()
 }
