@@ -702,3 +702,35 @@ fn megatron_pipelined_rows_through_the_plan_path() {
         errs.len()
     );
 }
+
+/// The real-size examples as they are: compile, pass the plan validator, simulate on their
+/// `[cluster]` device, and fit every rank's memory.
+#[test]
+fn real_size_examples_compile_validate_and_fit() {
+    for path in [
+        "examples/llama3-8b.toml",
+        "examples/llama3-70b.toml",
+        "examples/gpt3-175b.toml",
+        "examples/mixtral-8x7b.toml",
+    ] {
+        let s = spec(path, &[]);
+        let plan = plan_of(&s);
+        megac_ir::check::check_plan(&plan).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let device = s.cluster.as_ref().map_or("h100-sxm", |c| c.device.as_str());
+        let cl = Cluster::preset(device).unwrap();
+        let cost = CostModel::new(cl.fit(plan.mesh.world_size() as u64).unwrap());
+        let sim = simulate(&plan, &cost, false).unwrap().report;
+        assert!(
+            sim.step_seconds > 0.0 && sim.mfu > 0.05 && sim.mfu < 0.8,
+            "{path}"
+        );
+        let capacity = cost.cluster.device.memory_bytes;
+        for (rank, &bytes) in sim.peak_memory_bytes.iter().enumerate() {
+            assert!(
+                (bytes as f64) < capacity,
+                "{path}: rank {rank} needs {:.1} GiB",
+                bytes as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
+}
