@@ -143,7 +143,7 @@ enum Command {
     },
     /// Show the pipeline schedule each pipeline rank follows (per-rank timelines, bubble
     /// and peak in-flight micro-batches, with unit or model costs), from a model.toml's
-    /// [parallel] section or from a compiled plan directory (the action lists it carries).
+    /// `[parallel]` section or from a compiled plan directory (the action lists it carries).
     #[command(
         after_help = "Examples:\n  megac schedule examples/llama3-70b.toml --set parallel.schedule=\"zb-h1\"\n  megac schedule examples/gpt3-175b.toml --format json\n  megac schedule examples/llama3-70b.toml --format svg -o schedule.svg --costs model\n  megac schedule /tmp/plan --format svg -o plan-schedule.svg"
     )]

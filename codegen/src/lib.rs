@@ -4,6 +4,8 @@
 //!
 //! Today plans are single-rank; the sharding and pipeline issues add roles.
 
+#![warn(missing_docs)]
+
 mod memory;
 pub mod pipeline;
 

@@ -11,6 +11,8 @@
 //! assert_eq!(spec.parallel.tp, 2);
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod error;
 pub mod raw;
 pub mod schema;

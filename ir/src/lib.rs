@@ -9,6 +9,8 @@
 //!
 //! The sharded and staged levels will build on these types.
 
+#![warn(missing_docs)]
+
 pub mod check;
 pub mod graph;
 pub mod infer;

@@ -25,7 +25,10 @@ use egg::{
 };
 
 define_language! {
-    /// One layer's residual stream and its collectives.
+    /// One layer's residual stream and its collectives: `norm` (per-token norm), `add`
+    /// (residual), `col`/`row` (column-/row-parallel linear), `ar`/`ag`/`rs` (all-reduce,
+    /// all-gather, reduce-scatter over tp), `shard` (this rank's sequence shard), the input.
+    #[allow(missing_docs)]
     pub enum Coll {
         "norm" = Norm(Id),
         "add" = Add([Id; 2]),

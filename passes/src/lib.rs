@@ -6,6 +6,8 @@
 //!   [`shard`]: layouts over the mesh; [`optimizer`]: gradient norm, clipping, AdamW.
 //! - [`flops`]: model FLOPs per step (analysis, not a transformation).
 
+#![warn(missing_docs)]
+
 pub mod autodiff;
 pub mod build;
 pub mod collectives;

@@ -13,6 +13,8 @@
 //! The NCCL communicator and the cuda backend come with later issues; communicators implement
 //! [`comm::Communicator`].
 
+#![warn(missing_docs)]
+
 pub mod comm;
 pub mod data;
 pub mod error;

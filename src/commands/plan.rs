@@ -19,7 +19,7 @@ pub struct PlanArgs {
     #[arg(long, value_name = "N")]
     pub gpus: u64,
     /// A cluster.toml, or a preset: a100-80g, h100-sxm, h200 (default: model.toml's
-    /// [cluster], else h100-sxm).
+    /// `[cluster]`, else h100-sxm).
     #[arg(long, value_name = "CLUSTER.toml|PRESET")]
     pub cluster: Option<String>,
     /// How many layouts to print.
