@@ -505,6 +505,47 @@ fn pipeline_with_tied_embeddings_and_moe() {
             ],
         ],
     );
+    // The head's gradient contribution crosses once per step (Megatron's embedding-group
+    // reduction), not once per micro-batch.
+    let sets: Vec<String> = base
+        .iter()
+        .chain(&["parallel.pp=2"])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("gpt-tiny.toml", &sets);
+    let wte = plan
+        .params
+        .iter()
+        .find(|p| p.name == "transformer.wte.weight")
+        .unwrap();
+    let table = wte.shape.iter().product::<u64>();
+    let sends_of_table = |instrs: &[megac_ir::plan::Instr]| {
+        instrs
+            .iter()
+            .filter(|i| {
+                matches!(i, megac_ir::plan::Instr::Send { buffer, .. }
+                    if plan.buffers[*buffer as usize].len() == table)
+            })
+            .count()
+    };
+    let last = &plan.roles[1];
+    let per_microbatch: usize = last
+        .pipeline
+        .as_ref()
+        .unwrap()
+        .chunks
+        .iter()
+        .map(|c| sends_of_table(&c.forward) + sends_of_table(&c.backward))
+        .sum();
+    assert_eq!(
+        per_microbatch, 0,
+        "the tied gradient is not sent per micro-batch"
+    );
+    assert_eq!(
+        sends_of_table(&last.optimizer),
+        1,
+        "it is sent once per step"
+    );
     // MoE: every layer's auxiliary loss reaches the loss on the last stage.
     assert_equivalent(
         "moe-tiny.toml",

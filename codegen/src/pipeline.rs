@@ -160,10 +160,13 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     let tied = tie_parameters(e, &usage)?;
     let (copy, transfers) = cut_transfers(e, &usage)?;
     let mut segs = segments(program, &place, &copy, &tied, &transfers, &geo);
+    let folds = fold_tied_gradients(e, &mut segs, &transfers, &tied, pp);
     assign_stages(e, &usage, &tied, pp);
     let (norms, mut opt) = split_optimizer(e, pp)?;
     let refresh = tied_refresh(&tied, transfers.len() as u32, pp);
     stage_optimizers(e, &mut opt, &norms, refresh, &tied)?;
+    let first_fold = (transfers.len() + tied.copy.len()) as u32;
+    reduce_tied_gradients(e, &mut opt, &folds, first_fold);
     let slots = slot_counts(&geo);
     let mut roles = Vec::new();
     let mut mems = Vec::new();
@@ -187,7 +190,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         e.buffers[*b as usize].stage = None;
     }
     if e.spec.parallel.fbd {
-        let total = (transfers.len() + tied.copy.len()) as u32;
+        let total = (transfers.len() + tied.copy.len() + folds.len()) as u32;
         let consumer_phase: Vec<Phase> = transfers.iter().map(|t| t.to_phase).collect();
         let forward = fbd_forward_roles(e, &mut roles, &consumer_phase, total, geo.m);
         for r in &forward {
@@ -457,6 +460,171 @@ fn segments(
             });
     }
     segs
+}
+
+/// A tied parameter's gradient contribution computed on another stage (GPT-2's head on the
+/// last stage): accumulated there into `partial` over the step's micro-batches, sent once per
+/// step and added into the home stage's gradient `grad` (through `incoming`) before the
+/// optimizer — Megatron's reduction of the embedding gradient between the first and the last
+/// stage, instead of one transfer per micro-batch.
+struct TiedFold {
+    grad: BufId,
+    home: u32,
+    stage: u32,
+    partial: BufId,
+    incoming: BufId,
+}
+
+/// Turn the per-micro-batch backward transfers that only feed a tied parameter's gradient
+/// sum into per-step reductions ([`TiedFold`]): the producer accumulates into a gradient-class
+/// copy, the home stage's sum drops the transferred term.
+fn fold_tied_gradients(
+    e: &mut Emitter,
+    segs: &mut BTreeMap<(u32, Phase), Vec<Instr>>,
+    transfers: &[Transfer],
+    tied: &Tied,
+    pp: u32,
+) -> Vec<TiedFold> {
+    let tied_grads: BTreeSet<BufId> = e
+        .params
+        .iter()
+        .filter(|p| tied.home.contains_key(&p.buffer))
+        .map(|p| p.grad)
+        .collect();
+    let mut folds: Vec<TiedFold> = Vec::new();
+    for (t, x) in transfers.iter().enumerate() {
+        let t = t as u32;
+        let Some(seg) = segs.get(&(x.to, x.to_phase)) else {
+            continue;
+        };
+        let users: Vec<usize> = seg
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| !matches!(i, Instr::Recv { .. }) && i.buffers().contains(&x.dst))
+            .map(|(k, _)| k)
+            .collect();
+        let [k] = users[..] else { continue };
+        let Instr::Kernel {
+            op: OpKind::GradSum,
+            inputs,
+            outputs,
+            ..
+        } = &seg[k]
+        else {
+            continue;
+        };
+        let [grad] = outputs[..] else { continue };
+        if !tied_grads.contains(&grad) || inputs.len() != 2 {
+            continue;
+        }
+        let stage = x.from % pp;
+        let home = x.to % pp;
+        // The producer's per-step partial sum, and the home stage's landing buffer.
+        let fold = match folds
+            .iter()
+            .position(|f| f.grad == grad && f.stage == stage)
+        {
+            Some(i) => i,
+            None => {
+                let mut partial = e.buffers[grad as usize].clone();
+                partial.name = format!("{}@stage{stage}", partial.name);
+                partial.stage = Some(stage);
+                let mut incoming = partial.clone();
+                incoming.name = format!("{}.from{stage}", e.buffers[grad as usize].name);
+                incoming.stage = Some(home);
+                let id = e.buffers.len() as BufId;
+                e.buffers.push(partial);
+                e.buffers.push(incoming);
+                folds.push(TiedFold {
+                    grad,
+                    home,
+                    stage,
+                    partial: id,
+                    incoming: id + 1,
+                });
+                folds.len() - 1
+            }
+        };
+        let partial = folds[fold].partial;
+        // Home: the sum keeps its own term; the receive goes.
+        let seg = segs.get_mut(&(x.to, x.to_phase)).expect("segment");
+        if let Instr::Kernel { inputs, .. } = &mut seg[k] {
+            inputs.retain(|&b| b != x.dst);
+        }
+        seg.retain(|i| !matches!(i, Instr::Recv { transfer, .. } if *transfer == t));
+        // Producer: accumulate instead of sending.
+        let seg = segs.get_mut(&(x.from, x.from_phase)).expect("segment");
+        for i in seg.iter_mut() {
+            if matches!(i, Instr::Send { transfer, .. } if *transfer == t) {
+                *i = Instr::Kernel {
+                    op: OpKind::GradSum,
+                    inputs: vec![x.src],
+                    outputs: vec![partial],
+                    path: "optimizer.tied_gradient".into(),
+                };
+            }
+        }
+    }
+    folds
+}
+
+/// Once per step, before each stage's gradient reduction: the producers send their partial
+/// tied gradients home, where they are added into the gradient. The extra buffers go after
+/// each stage's gradient arena.
+fn reduce_tied_gradients(e: &mut Emitter, opt: &mut [Vec<Instr>], folds: &[TiedFold], first: u32) {
+    for (transfer, f) in (first..).zip(folds) {
+        opt[f.stage as usize].insert(
+            0,
+            Instr::Send {
+                buffer: f.partial,
+                chunk: f.home,
+                transfer,
+                twin: false,
+            },
+        );
+        let home = &mut opt[f.home as usize];
+        home.insert(
+            0,
+            Instr::Kernel {
+                op: OpKind::GradSum,
+                inputs: vec![f.incoming],
+                outputs: vec![f.grad],
+                path: "optimizer.tied_gradient".into(),
+            },
+        );
+        home.insert(
+            0,
+            Instr::Recv {
+                buffer: f.incoming,
+                chunk: f.stage,
+                transfer,
+                twin: false,
+            },
+        );
+    }
+    let extra: BTreeSet<BufId> = folds.iter().flat_map(|f| [f.partial, f.incoming]).collect();
+    for &b in &extra {
+        let stage = e.buffers[b as usize].stage;
+        let end = e
+            .buffers
+            .iter()
+            .enumerate()
+            .filter(|(i, x)| {
+                x.class == BufferClass::Grad
+                    && x.stage == stage
+                    && (!extra.contains(&(*i as BufId)) || (*i as BufId) < b)
+            })
+            .map(|(_, x)| {
+                let far = x
+                    .rank_offset
+                    .as_ref()
+                    .map_or(0, |r| (e.g.mesh.size(r.axis) - 1) * r.stride);
+                x.offset + far + x.len()
+            })
+            .max()
+            .unwrap_or(0);
+        e.buffers[b as usize].offset = end;
+    }
 }
 
 /// Step 3: the stage of every buffer: persistent ones where they are used (tied parameters

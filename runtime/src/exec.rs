@@ -543,10 +543,14 @@ fn run_kernel(
             }
         }
         OpKind::GradSum => {
-            arity(op, ins, outs, 2, 1)?;
+            // Two contributions (autodiff), or one added into a gradient (the pipeline's
+            // tied-parameter reduction).
+            let n = ins.len().clamp(1, 2);
+            arity(op, ins, outs, n, 1)?;
             let y = mem.f32_mut(outs[0]);
-            k::accumulate(y, mem.f32(ins[0]));
-            k::accumulate(y, mem.f32(ins[1]));
+            for &x in ins {
+                k::accumulate(y, mem.f32(x));
+            }
         }
         OpKind::SwiGlu => {
             arity(op, ins, outs, 2, 1)?;
