@@ -132,6 +132,18 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
             .iter()
             .map(|r| {
                 let m = r.memory.as_ref().unwrap_or(&plan.memory);
+                let pipeline = r.pipeline.as_ref().map(|p| {
+                    serde_json::json!({
+                        "schedule": p.schedule,
+                        "dynamic": p.dpp.is_some(),
+                        "actions": p.actions.len(),
+                        "chunks": p.chunks.iter().map(|c| serde_json::json!({
+                            "chunk": c.chunk,
+                            "slots": c.slots,
+                            "slot_bytes": c.activation_elems * 4,
+                        })).collect::<Vec<_>>(),
+                    })
+                });
                 serde_json::json!({
                     "role": r.name,
                     "memory_bytes": {
@@ -146,6 +158,7 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
                     },
                     "collective_bytes_per_step": role_collective_bytes(&plan, r),
                     "instructions": { "microbatch": r.microbatch.len(), "optimizer": r.optimizer.len() },
+                    "pipeline": pipeline,
                 })
             })
             .collect();
