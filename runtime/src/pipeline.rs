@@ -40,6 +40,15 @@ pub(crate) fn run_step(session: &mut Session<'_>, step: u64) -> Result<f64, Runt
         .as_ref()
         .ok_or_else(|| RuntimeError::Plan("run_step needs a pipelined role".into()))?;
     let m = session.plan.batch.microbatches;
+    if let Some(a) = pipe
+        .actions
+        .iter()
+        .find(|a| u64::from(a.microbatch) >= m || !pipe.chunks.iter().any(|c| c.chunk == a.chunk))
+    {
+        return Err(RuntimeError::Plan(format!(
+            "pipeline action {a:?} names a micro-batch or chunk this role does not have ({m} micro-batches)"
+        )));
+    }
     let data: Vec<(Vec<i32>, Vec<i32>)> = (0..m).map(|mb| session.load(step, mb)).collect();
     let mut st = State {
         free: pipe
