@@ -419,11 +419,23 @@ fn pipeline_stages_balanced_by_cost() {
         .map(|s| s.to_string())
         .collect();
     let plan = plan("llama-tiny.toml", &sets);
-    // Every chunk got at least one layer; the last (with the head) no more than the first.
-    let kernels = |r: &megac_ir::plan::Role| r.pipeline.as_ref().unwrap().chunks[0].forward.len();
-    let first = kernels(&plan.roles[0]);
-    assert!(plan.roles.iter().all(|r| kernels(r) > 0));
-    assert!(kernels(&plan.roles[3]) <= first + 8, "{first}");
+    // The chunks hold contiguous, non-empty runs of all 6 layers; the last (with the head)
+    // no more than the first.
+    let layers: Vec<[u64; 2]> = plan
+        .roles
+        .iter()
+        .map(|r| r.pipeline.as_ref().unwrap().chunks[0].layers.unwrap())
+        .collect();
+    assert_eq!(layers[0][0], 0);
+    assert_eq!(layers[3][1], 6);
+    for w in layers.windows(2) {
+        assert_eq!(w[0][1], w[1][0], "{layers:?}");
+    }
+    assert!(layers.iter().all(|[a, b]| b > a), "{layers:?}");
+    assert!(
+        layers[3][1] - layers[3][0] <= layers[0][1] - layers[0][0],
+        "{layers:?}"
+    );
 }
 
 #[test]

@@ -918,6 +918,13 @@ fn stage_role(
             backward.extend(weight);
             Vec::new()
         };
+        let mine = || {
+            (0..geo.chunk_of_layer.len() as u64).filter(|&l| geo.chunk_of_layer[l as usize] == c)
+        };
+        let layers = mine()
+            .next()
+            .zip(mine().next_back())
+            .map(|(a, b)| [a, b + 1]);
         chunks.push(ChunkProgram {
             chunk: c,
             forward,
@@ -927,6 +934,7 @@ fn stage_role(
             activation_elems: elems,
             slots: n_slots,
             inputs,
+            layers,
         });
         base += elems * u64::from(n_slots);
     }
@@ -1108,6 +1116,7 @@ fn fbd_forward_roles(
                 activation_elems: chunk.activation_elems,
                 slots: 1,
                 inputs: chunk.inputs.clone(),
+                layers: chunk.layers,
             });
             fbase += chunk.activation_elems;
         }

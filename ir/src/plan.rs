@@ -343,6 +343,9 @@ pub struct ChunkProgram {
     /// Data inputs (`tokens`, `labels`) the chunk reads.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inputs: Vec<BufId>,
+    /// The transformer layers the chunk holds, `[first, end)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<[u64; 2]>,
 }
 
 /// MegaDPP's dynamic execution: run the highest-priority ready task.

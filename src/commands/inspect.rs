@@ -139,6 +139,7 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
                         "actions": p.actions.len(),
                         "chunks": p.chunks.iter().map(|c| serde_json::json!({
                             "chunk": c.chunk,
+                            "layers": c.layers,
                             "slots": c.slots,
                             "slot_bytes": c.activation_elems * 4,
                         })).collect::<Vec<_>>(),
@@ -205,8 +206,13 @@ pub fn run(dir: &Path, json: bool) -> Result<(), String> {
                     .iter()
                     .map(|c| {
                         format!(
-                            "chunk {} ({} F, {} B{} kernels, {} slot{} of {})",
+                            "chunk {}{} ({} F, {} B{} kernels, {} slot{} of {})",
                             c.chunk,
+                            c.layers.map_or(String::new(), |[a, b]| if b == a + 1 {
+                                format!(" layer {a}")
+                            } else {
+                                format!(" layers {a}-{}", b - 1)
+                            }),
                             kernels(&c.forward),
                             kernels(&c.backward),
                             if c.weight.is_empty() {
