@@ -92,13 +92,7 @@ pub fn emit_plan(
         e.buffers
             .iter()
             .filter(|b| b.class == class)
-            .map(|b| {
-                let far = b
-                    .rank_offset
-                    .as_ref()
-                    .map_or(0, |r| (mesh.size(r.axis) - 1) * r.stride);
-                (b.offset + far + b.len()) * b.dtype.size_bytes()
-            })
+            .map(|b| b.far_end(mesh) * b.dtype.size_bytes())
             .max()
             .unwrap_or(0)
     };

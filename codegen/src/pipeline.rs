@@ -602,28 +602,32 @@ fn reduce_tied_gradients(e: &mut Emitter, opt: &mut [Vec<Instr>], folds: &[TiedF
             },
         );
     }
-    let extra: BTreeSet<BufId> = folds.iter().flat_map(|f| [f.partial, f.incoming]).collect();
-    for &b in &extra {
-        let stage = e.buffers[b as usize].stage;
-        let end = e
-            .buffers
-            .iter()
-            .enumerate()
-            .filter(|(i, x)| {
-                x.class == BufferClass::Grad
-                    && x.stage == stage
-                    && (!extra.contains(&(*i as BufId)) || (*i as BufId) < b)
-            })
-            .map(|(_, x)| {
-                let far = x
-                    .rank_offset
-                    .as_ref()
-                    .map_or(0, |r| (e.g.mesh.size(r.axis) - 1) * r.stride);
-                x.offset + far + x.len()
-            })
-            .max()
-            .unwrap_or(0);
+    let mut extra: BTreeMap<u32, Vec<BufId>> = BTreeMap::new();
+    for f in folds {
+        extra.entry(f.stage).or_default().push(f.partial);
+        extra.entry(f.home).or_default().push(f.incoming);
+    }
+    for (stage, ids) in extra {
+        place_after_arena(e, BufferClass::Grad, stage, &ids);
+    }
+}
+
+/// Place `ids` one after another past the end of stage `stage`'s `class` arena (the other
+/// buffers' farthest extent over the mesh): buffers added after the arena was laid out.
+fn place_after_arena(e: &mut Emitter, class: BufferClass, stage: u32, ids: &[BufId]) {
+    let mut end = e
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, b)| {
+            b.class == class && b.stage == Some(stage) && !ids.contains(&(*i as BufId))
+        })
+        .map(|(_, b)| b.far_end(&e.g.mesh))
+        .max()
+        .unwrap_or(0);
+    for &b in ids {
         e.buffers[b as usize].offset = end;
+        end += e.buffers[b as usize].len();
     }
 }
 
@@ -801,34 +805,14 @@ fn stage_optimizers(
             b.name = format!("{}@stage{s}", b.name);
         }
         if zero1 {
+            // Tied copies go after the stage's flat segments.
             let copies: Vec<BufId> = tied
                 .copy
                 .iter()
                 .filter(|((_, cs), _)| *cs == s as u32)
                 .map(|(_, &id)| id)
                 .collect();
-            let mut end = e
-                .buffers
-                .iter()
-                .enumerate()
-                .filter(|(i, b)| {
-                    b.class == BufferClass::Param
-                        && b.stage == Some(s as u32)
-                        && !copies.contains(&(*i as BufId))
-                })
-                .map(|(_, b)| {
-                    let far = b
-                        .rank_offset
-                        .as_ref()
-                        .map_or(0, |r| (e.g.mesh.size(r.axis) - 1) * r.stride);
-                    b.offset + far + b.len()
-                })
-                .max()
-                .unwrap_or(0);
-            for c in copies {
-                e.buffers[c as usize].offset = end;
-                end += e.buffers[c as usize].len();
-            }
+            place_after_arena(e, BufferClass::Param, s as u32, &copies);
         }
         prog.append(&mut refresh[s]);
     }
@@ -957,7 +941,7 @@ fn stage_role(
         buffers
             .iter()
             .filter(|b| b.class == class && b.stage == Some(s))
-            .map(|b| (b.offset + b.len()) * b.dtype.size_bytes())
+            .map(|b| b.far_end(&e.g.mesh) * b.dtype.size_bytes())
             .max()
             .unwrap_or(0)
     };

@@ -193,6 +193,16 @@ impl Buffer {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// End (in elements, from the arena's start) at the rank farthest along the buffer's
+    /// rank-dependent offset: what the arena must hold for it on every rank.
+    pub fn far_end(&self, mesh: &crate::mesh::Mesh) -> u64 {
+        let far = self
+            .rank_offset
+            .as_ref()
+            .map_or(0, |r| (mesh.size(r.axis) - 1) * r.stride);
+        self.offset + far + self.len()
+    }
 }
 
 /// How a parameter is initialised without `--init`: per global element from

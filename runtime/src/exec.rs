@@ -114,20 +114,21 @@ pub fn run_program(
                 chunk,
                 transfer,
                 twin,
-            } => {
-                let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
-                comm.send_tagged(peer, tag, mem.f32(*buffer))?;
-                "send"
             }
-            Instr::Recv {
+            | Instr::Recv {
                 buffer,
                 chunk,
                 transfer,
                 twin,
             } => {
                 let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
-                comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))?;
-                "recv"
+                if matches!(instr, Instr::Send { .. }) {
+                    comm.send_tagged(peer, tag, mem.f32(*buffer))?;
+                    "send"
+                } else {
+                    comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))?;
+                    "recv"
+                }
             }
         };
         if let (Some(p), Some(t0)) = (profile.as_deref_mut(), t0) {

@@ -405,40 +405,31 @@ impl<'p> Session<'p> {
     pub fn global_params(&mut self) -> Result<Vec<Vec<f32>>, RuntimeError> {
         let plan = self.plan;
         let mut out = Vec::with_capacity(plan.params.len());
-        let pp = plan.mesh.size(megac_ir::Axis::Pp);
+        let stages = plan.mesh.group(self.comm.rank(), &[megac_ir::Axis::Pp]);
         for p in &plan.params {
-            if !self.mem.holds(p.buffer) {
+            let total = p.shape.iter().product::<u64>() as usize;
+            let mut global = if !self.mem.holds(p.buffer) {
                 // Another pipeline stage's parameter: it arrives in the sum over pp below.
-                let mut global = vec![0f32; p.shape.iter().product::<u64>() as usize];
-                let stages = plan.mesh.group(self.comm.rank(), &[megac_ir::Axis::Pp]);
-                self.comm.all_reduce_sum(&stages, &mut global)?;
-                out.push(global);
-                continue;
-            }
-            let local = self.mem.f32(p.buffer);
-            if p.shards.is_empty() {
-                let mut global = local.to_vec();
-                if pp > 1 {
-                    let stages = plan.mesh.group(self.comm.rank(), &[megac_ir::Axis::Pp]);
-                    self.comm.all_reduce_sum(&stages, &mut global)?;
+                vec![0f32; total]
+            } else if p.shards.is_empty() {
+                self.mem.f32(p.buffer).to_vec()
+            } else {
+                let local = self.mem.f32(p.buffer);
+                let axes: Vec<megac_ir::Axis> = p.shards.iter().flatten().copied().collect();
+                let members = plan.mesh.group(self.comm.rank(), &axes);
+                let mut all = vec![0f32; local.len() * members.len()];
+                self.comm.all_gather(&members, local, &mut all)?;
+                let mut global = vec![0f32; total];
+                for (m, &member) in members.iter().enumerate() {
+                    let chunk = &all[m * local.len()..(m + 1) * local.len()];
+                    for (x, i) in chunk.iter().zip(p.global_indices(&plan.mesh, member)) {
+                        global[i] = *x;
+                    }
                 }
-                out.push(global);
-                continue;
-            }
-            let axes: Vec<megac_ir::Axis> = p.shards.iter().flatten().copied().collect();
-            let members = plan.mesh.group(self.comm.rank(), &axes);
-            let mut all = vec![0f32; local.len() * members.len()];
-            self.comm.all_gather(&members, local, &mut all)?;
-            let total: u64 = p.shape.iter().product();
-            let mut global = vec![0f32; total as usize];
-            for (m, &member) in members.iter().enumerate() {
-                let chunk = &all[m * local.len()..(m + 1) * local.len()];
-                for (x, i) in chunk.iter().zip(p.global_indices(&plan.mesh, member)) {
-                    global[i] = *x;
-                }
-            }
-            if pp > 1 {
-                let stages = plan.mesh.group(self.comm.rank(), &[megac_ir::Axis::Pp]);
+                global
+            };
+            // Each parameter lives on one pipeline stage: the others add zeros.
+            if stages.len() > 1 {
                 self.comm.all_reduce_sum(&stages, &mut global)?;
             }
             out.push(global);

@@ -737,24 +737,7 @@ fn simulate_role(
         })
         .collect();
 
-    let mut st = RoleSim {
-        ri,
-        bstart,
-        trace,
-        m,
-        tp_overlap: params.tp_comm_overlap,
-        dp_overlap: params.dp_comm_overlap,
-        compute_free: 0.0,
-        busy: 0.0,
-        waited: 0.0,
-        streams: BTreeMap::new(),
-        comm_total: BTreeMap::new(),
-        inflight: Vec::new(),
-        kernels: 0,
-        bwd_start_last: 0.0,
-        grad_ready: Vec::new(),
-        deferred_end: 0.0,
-    };
+    let mut st = RoleSim::new(ri, bstart, trace, m, &params);
     let mut fwd_window = f64::INFINITY;
     let mut first_mb = 0.0f64;
     for k in 0..m {
@@ -849,6 +832,35 @@ struct RoleSim {
 }
 
 impl RoleSim {
+    /// A fresh simulation of role `ri` (`bstart`: the first backward instruction of the
+    /// micro-batch program, `usize::MAX` for pipelines), with the cost model's overlaps.
+    fn new(
+        ri: usize,
+        bstart: usize,
+        trace: bool,
+        m: u64,
+        params: &crate::cost::CostParams,
+    ) -> Self {
+        RoleSim {
+            ri,
+            bstart,
+            trace,
+            m,
+            tp_overlap: params.tp_comm_overlap,
+            dp_overlap: params.dp_comm_overlap,
+            compute_free: 0.0,
+            busy: 0.0,
+            waited: 0.0,
+            streams: BTreeMap::new(),
+            comm_total: BTreeMap::new(),
+            inflight: Vec::new(),
+            kernels: 0,
+            bwd_start_last: 0.0,
+            grad_ready: Vec::new(),
+            deferred_end: 0.0,
+        }
+    }
+
     fn detail(&self, k: u64, in_optimizer: bool) -> bool {
         self.trace && (in_optimizer || k == 0 || k + 1 == self.m || self.m <= 4)
     }
