@@ -18,7 +18,7 @@ use megac_ir::plan::{ChunkProgram, Instr, PipeAction, PipeKind, Pipeline};
 use megac_ir::Axis;
 
 use crate::error::RuntimeError;
-use crate::exec::{run_program, transfer_peer};
+use crate::exec::transfer_peer;
 use crate::train::Session;
 
 /// Per-step state of a rank's pipeline: which slots are free and which tasks are done.
@@ -120,23 +120,15 @@ fn run_action(
         PipeKind::BW => vec![&prog.backward, &prog.weight],
     };
     for seg in segments {
-        run_program(
-            seg,
-            session.plan,
-            &session.mem,
-            &ctx,
-            session.comm.as_mut(),
-            session.profile.as_mut(),
-        )?;
+        session.run(seg, &ctx)?;
     }
     match a.kind {
         PipeKind::F => {
             st.f_done.insert((c, j), true);
-            if let Some(b) = session.loss_buf {
-                if session.mem.buffer(b).chunk == Some(c) {
-                    st.loss += f64::from(session.mem.f32(b)[0]);
-                }
-            }
+            let mine = session
+                .loss_buf
+                .filter(|&b| session.mem.buffer(b).chunk == Some(c));
+            st.loss += session.scalar(mine);
         }
         PipeKind::B => {
             st.b_done.insert((c, j), true);

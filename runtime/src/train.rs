@@ -295,15 +295,29 @@ impl<'p> Session<'p> {
         let (tokens, labels) = self.load(step, mb);
         self.write_inputs(&tokens, &labels);
         let ctx = self.context(step);
+        self.run(&self.role().microbatch, &ctx)?;
+        Ok(self.scalar(self.loss_buf))
+    }
+
+    /// Run `program` on this rank's memory and communicator.
+    pub(crate) fn run(
+        &mut self,
+        program: &[megac_ir::plan::Instr],
+        ctx: &StepContext,
+    ) -> Result<(), RuntimeError> {
         run_program(
-            &self.role().microbatch,
+            program,
             self.plan,
             &self.mem,
-            &ctx,
+            ctx,
             self.comm.as_mut(),
             self.profile.as_mut(),
-        )?;
-        Ok(self.loss_buf.map_or(0.0, |b| f64::from(self.mem.f32(b)[0])))
+        )
+    }
+
+    /// The scalar in buffer `b` (0 where this rank holds none).
+    pub(crate) fn scalar(&self, b: Option<megac_ir::plan::BufId>) -> f64 {
+        b.map_or(0.0, |b| f64::from(self.mem.f32(b)[0]))
     }
 
     /// Write micro-batch data (this rank's part, from [`Session::load`]) into the input
@@ -345,15 +359,8 @@ impl<'p> Session<'p> {
     /// One optimizer step (1-based); returns the gradient norm before clipping.
     pub fn optimizer_step(&mut self, step: u64) -> Result<f64, RuntimeError> {
         let ctx = self.context(step);
-        run_program(
-            &self.role().optimizer,
-            self.plan,
-            &self.mem,
-            &ctx,
-            self.comm.as_mut(),
-            self.profile.as_mut(),
-        )?;
-        Ok(self.norm_buf.map_or(0.0, |b| f64::from(self.mem.f32(b)[0])))
+        self.run(&self.role().optimizer, &ctx)?;
+        Ok(self.scalar(self.norm_buf))
     }
 
     /// A whole step: zero gradients, every micro-batch, the optimizer. Returns (loss, grad norm).
