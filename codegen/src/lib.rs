@@ -2,7 +2,9 @@
 //! a buffer table, the per-micro-batch and per-step instruction streams, the parameter map,
 //! and a static memory plan that reuses activation memory by liveness.
 //!
-//! Today plans are single-rank; the sharding and pipeline issues add roles.
+//! Plans cover every layout of the mesh (dp, tp, sp, cp, ep, the distributed optimizer):
+//! ranks that run the same program share a role. With pp > 1, [`pipeline`] splits the
+//! lowering into one role per pipeline stage (and FBD's forward roles).
 
 #![warn(missing_docs)]
 

@@ -1,10 +1,9 @@
 //! Communicators: how ranks exchange data. The runtime talks to the [`Communicator`] trait
-//! only; `local` (threads in one process), `mpi` and `nccl` implement it.
-//!
-//! Today plans are single-rank, so [`SingleRank`] (the `local` communicator of a world of one)
-//! is the only implementation; its collectives are the identity, as they are for any group of
-//! one. The multi-rank local communicator (one thread per rank, channels) and MPI come with
-//! the sharding and multi-process issues and implement the same trait.
+//! only. Three implement it: [`SingleRank`] (a world of one: its collectives are the
+//! identity, as they are for any group of one), `local_comm::LocalComm` (one thread per rank
+//! in this process, over channels; it reports mismatched collectives and deadlocks instead
+//! of hanging) and `mpi_comm::MpiComm` (feature `mpi`: one process per rank over OpenMPI).
+//! There is no NCCL communicator.
 
 use crate::error::RuntimeError;
 

@@ -10,8 +10,8 @@
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
 //!
-//! The NCCL communicator and the cuda backend come with later issues; communicators implement
-//! [`comm::Communicator`].
+//! The cpu backend is the only one (`--device cuda` is refused with an error), and there is no
+//! NCCL communicator; a communicator implements [`comm::Communicator`].
 
 #![warn(missing_docs)]
 
