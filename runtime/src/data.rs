@@ -94,6 +94,13 @@ impl DataSource {
             return Ok(DataSource::Synthetic { seed, vocab });
         }
         let path = Path::new(spec);
+        if path.is_dir() {
+            return Err(err(
+                "is a directory; expected `synthetic`, a `.bin` file (little-endian u32 token \
+                 ids) or a `.txt` file (text, byte-level tokens)"
+                    .to_string(),
+            ));
+        }
         let ext = path
             .extension()
             .and_then(|e| e.to_str())

@@ -25,6 +25,10 @@ pub enum RuntimeError {
     /// The plan is malformed or inconsistent (a corrupted or hand-edited plan.json).
     #[error("plan: {0}")]
     Plan(String),
+    /// Training diverged: a step's loss or gradient norm is NaN or infinite. The run stops
+    /// at that step and saves nothing (message: the step, the value, what to try).
+    #[error("{0}")]
+    NonFinite(String),
     /// The plan needs something this runtime build cannot do yet.
     #[error("{0}")]
     Unsupported(String),

@@ -58,7 +58,8 @@ pub fn is_known_buffer(name: &str) -> bool {
 ///
 /// Errors (all as [`RuntimeError::Params`]): unreadable file, not a safetensors file,
 /// missing tensors and unexpected tensors (every name, up to ten of each then a count),
-/// unsupported dtypes, shape mismatches (name, expected and found shapes).
+/// unsupported dtypes, shape mismatches (name, expected and found shapes), NaN or infinite
+/// values (each tensor with its count and first offender).
 pub fn load_params(
     path: &Path,
     expected: &[(String, Vec<usize>)],
@@ -159,7 +160,28 @@ pub fn load_params(
         )));
     }
 
-    Ok(views.iter().map(|v| to_f32(v.dtype(), v.data())).collect())
+    let values: Vec<Vec<f32>> = views.iter().map(|v| to_f32(v.dtype(), v.data())).collect();
+    // NaN or infinite weights would make every loss NaN: name each tensor that has one.
+    let non_finite: Vec<String> = resolved
+        .iter()
+        .zip(&values)
+        .filter_map(|(name, v)| {
+            let bad = v.iter().filter(|x| !x.is_finite()).count();
+            let (at, x) = v.iter().enumerate().find(|(_, x)| !x.is_finite())?;
+            Some(format!(
+                "{name} ({bad} of {} values, the first {x} at element {at})",
+                v.len()
+            ))
+        })
+        .collect();
+    if !non_finite.is_empty() {
+        return Err(err(format!(
+            "NaN or infinite values in {}: {}",
+            count(non_finite.len(), "tensor"),
+            list(&non_finite)
+        )));
+    }
+    Ok(values)
 }
 
 /// Convert little-endian F32, F16 or BF16 bytes to f32 (the dtype was checked).
@@ -272,7 +294,8 @@ fn to_f32(dtype: Dtype, data: &[u8]) -> Vec<f32> {
 /// the metadata `{"format": "pt"}`, as transformers' `save_pretrained` does, so
 /// `from_pretrained` reads it back.
 ///
-/// The write is atomic: the file is written to a temporary file in the same directory,
+/// Missing folders are created. The write is atomic: the file is written to a temporary file
+/// in the same directory,
 /// synced, then renamed over `path`. On any error nothing is left behind and an existing file
 /// at `path` is untouched.
 ///
@@ -338,6 +361,8 @@ pub fn save_params(
     let mut prefix = std::ffi::OsString::from(".");
     prefix.push(file_name);
     prefix.push(".");
+    std::fs::create_dir_all(dir)
+        .map_err(|e| err(format!("cannot create the folder {}: {e}", dir.display())))?;
     let mut builder = tempfile::Builder::new();
     builder.prefix(&prefix).suffix(".tmp");
     #[cfg(unix)]

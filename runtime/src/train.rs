@@ -625,6 +625,7 @@ fn train_rank(
         }
         let t0 = Instant::now();
         let (loss, grad_norm) = session.step(step)?;
+        check_finite(plan, step, loss, grad_norm)?;
         let seconds = t0.elapsed().as_secs_f64();
         if let Some(p) = &session.profile {
             step_times.push((step, t0.duration_since(p.origin).as_secs_f64(), seconds));
@@ -680,6 +681,51 @@ fn train_rank(
             .map(|a| format!("{:?}{}.{}", a.kind, a.chunk, a.microbatch))
             .collect(),
     })
+}
+
+/// Stop at the first step whose loss or gradient norm is not finite: every later step would
+/// only spread NaN through the weights. The loss and the norm are reduced over the ranks, so
+/// every rank stops at the same step.
+fn check_finite(plan: &Plan, step: u64, loss: f64, grad_norm: f64) -> Result<(), RuntimeError> {
+    let what = if !loss.is_finite() {
+        "loss"
+    } else if !grad_norm.is_finite() {
+        "gradient norm"
+    } else {
+        return Ok(());
+    };
+    let (lr, step_lr) = (
+        plan.train.lr,
+        plan.train.lr_schedule.lr_at(plan.train.lr, step),
+    );
+    let mut tries = vec![format!(
+        "a lower train.lr (now {lr:e}; {step_lr:.3e} at this step)"
+    )];
+    tries.push(match grad_clip(plan) {
+        Some(c) if c > 0.0 => format!("a lower train.grad_clip (now {c})"),
+        _ => "gradient clipping with train.grad_clip = 1.0 (now off)".to_string(),
+    });
+    tries.push("and check the data and the --init weights".to_string());
+    Err(RuntimeError::NonFinite(format!(
+        "step {step}: the {what} is not finite (loss {loss:.4}, gradient norm {grad_norm:.4}); \
+         training stopped there, no parameters or report written\n\
+         help: try {}",
+        tries.join(", ")
+    )))
+}
+
+/// The gradient clipping threshold of the plan's AdamW (None when it has no optimizer).
+fn grad_clip(plan: &Plan) -> Option<f64> {
+    plan.roles
+        .iter()
+        .flat_map(|r| &r.optimizer)
+        .find_map(|i| match i {
+            megac_ir::plan::Instr::Kernel {
+                op: megac_ir::OpKind::AdamW { max_norm, .. },
+                ..
+            } => Some(*max_norm),
+            _ => None,
+        })
 }
 
 fn fmt_duration(s: f64) -> String {

@@ -124,11 +124,20 @@ fn missing_file() {
         );
         assert!(e.contains("No such file"), "{e}");
     }
-    // A directory is unreadable as data.
-    let sub = dir.path().join("d.bin");
-    std::fs::create_dir(&sub).unwrap();
-    let e = message(DataSource::open(sub.to_str().unwrap(), 4, 256, 0).unwrap_err());
-    assert!(e.contains("cannot"), "{e}");
+    // A directory is named as such, whatever its name looks like.
+    for name in ["d.bin", "d.txt", "d"] {
+        let sub = dir.path().join(name);
+        std::fs::create_dir(&sub).unwrap();
+        let e = message(DataSource::open(sub.to_str().unwrap(), 4, 256, 0).unwrap_err());
+        assert_eq!(
+            e,
+            format!(
+                "data {}: is a directory; expected `synthetic`, a `.bin` file (little-endian \
+                 u32 token ids) or a `.txt` file (text, byte-level tokens)",
+                sub.display()
+            )
+        );
+    }
 }
 
 #[test]

@@ -370,12 +370,20 @@ fn save_errors_leave_nothing_behind() {
     assert_eq!(std::fs::read(&path).unwrap(), before);
     assert_eq!(files_in(dir.path()), vec!["out.safetensors"]);
 
-    // A directory that does not exist.
+    // A directory that does not exist is created.
     let path = dir.path().join("no/such/dir/out.safetensors");
+    save_params(&path, &[("w".into(), vec![5], &data)]).unwrap();
+    assert_eq!(
+        files_in(&dir.path().join("no/such/dir")),
+        vec!["out.safetensors"]
+    );
+    std::fs::remove_dir_all(dir.path().join("no")).unwrap();
+    // One that cannot be: a file is in the way.
+    let path = dir.path().join("out.safetensors/x.safetensors");
     let e = save_params(&path, &[("w".into(), vec![5], &data)])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("cannot create a temporary file"), "{e}");
+    assert!(e.contains("cannot create the folder"), "{e}");
 
     // Renaming onto a directory fails after the data was written: the temp file is removed.
     let target = dir.path().join("isdir.safetensors");
