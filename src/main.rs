@@ -187,6 +187,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, so printing to a closed pipe (`megac simulate PLAN | head -1`)
+    // would panic; end quietly instead, as Unix tools do (the shell sees 141).
+    // SAFETY: called first, before any thread exists; SIG_DFL is a valid disposition.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check { model } => commands::check::run(&model),
