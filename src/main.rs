@@ -49,17 +49,19 @@ pub struct RunArgs {
     /// Initial weights from a Hugging Face safetensors file (save_pretrained layout).
     #[arg(long, value_name = "FILE.safetensors")]
     pub init: Option<PathBuf>,
-    /// Write the trained weights as Hugging Face safetensors.
+    /// Write the trained weights as Hugging Face safetensors (not written when the run fails,
+    /// e.g. on a non-finite loss). Every output path is checked before any work; missing
+    /// folders are created.
     #[arg(long, value_name = "FILE.safetensors")]
     pub save_params: Option<PathBuf>,
-    /// Write per-step losses, grad norms and timings as JSON.
+    /// Write per-step losses, grad norms and timings as JSON (only when the run succeeds).
     #[arg(long, value_name = "FILE.json")]
     pub report: Option<PathBuf>,
     /// Time every kernel after the first step and print a table by op (matmul share, GFLOP/s).
     #[arg(long)]
     pub profile: bool,
     /// Write a Chrome-trace timeline (DIR/rank-0.trace.json, opens in Perfetto) of every
-    /// step's kernels.
+    /// step's kernels (DIR is created).
     #[arg(long, value_name = "DIR")]
     pub trace: Option<PathBuf>,
 }
@@ -93,7 +95,8 @@ enum Command {
     Compile {
         #[command(flatten)]
         model: ModelArgs,
-        /// Output directory.
+        /// Output directory (checked before compiling; created, with missing parents, when
+        /// the plan is written).
         #[arg(short = 'o', long = "out", value_name = "PLAN_DIR")]
         out: PathBuf,
     },
@@ -106,6 +109,10 @@ enum Command {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Warn (on stderr) when a rank's memory exceeds one device of this cluster: a
+        /// cluster.toml or a preset (a100-80g, h100-sxm, h200; default h100-sxm).
+        #[arg(long, value_name = "CLUSTER.toml|PRESET")]
+        cluster: Option<String>,
     },
     /// Execute a compiled plan: train, print progress, write a report.
     #[command(
@@ -167,7 +174,7 @@ enum Command {
         /// name; default h100-sxm).
         #[arg(long, value_name = "CLUSTER.toml|PRESET")]
         cluster: Option<String>,
-        /// Write the output to FILE instead of standard output.
+        /// Write the output to FILE instead of standard output (missing folders are created).
         #[arg(short = 'o', long = "output", value_name = "FILE")]
         output: Option<PathBuf>,
     },
@@ -220,11 +227,14 @@ fn main() -> ExitCode {
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Plan(args) => commands::plan::run(&args),
         Command::Compile { model, out } => commands::compile::run(&model, &out),
-        Command::Inspect { plan, json } => commands::inspect::run(&plan, json),
+        Command::Inspect {
+            plan,
+            json,
+            cluster,
+        } => commands::inspect::run(&plan, json, cluster.as_deref()),
         Command::Run { plan, run } => commands::run::run(&plan, &run),
         Command::Launch(args) => commands::launch::run(&args),
-        Command::Train { model, run } => commands::compile::build_plan(&model)
-            .and_then(|plan| commands::run::execute(&plan, &run)),
+        Command::Train { model, run } => commands::run::train_model(&model, &run),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

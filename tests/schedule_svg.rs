@@ -580,8 +580,8 @@ fn cli_headers_name_the_costs_and_bad_options_are_errors() {
             "--costs magic: expected unit or model",
         ),
         (
-            vec!["--format", "svg", "-o", "/nonexistent-dir/x.svg"],
-            "cannot write /nonexistent-dir/x.svg",
+            vec!["--format", "svg", "-o", "README.md/x.svg"],
+            "error: -o README.md/x.svg: cannot create the folder README.md: README.md is a file",
         ),
     ] {
         let o = schedule_cmd("1f1b", 4, 1, 8, &args);

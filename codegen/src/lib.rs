@@ -121,7 +121,8 @@ pub fn emit_plan(
     Ok(e.into_plan(roles, rank_to_role, memory, flops_per_step))
 }
 
-fn lr_schedule(spec: &ModelSpec) -> LrSchedule {
+/// The plan's learning-rate schedule for `spec`.
+pub fn lr_schedule(spec: &ModelSpec) -> LrSchedule {
     match &spec.train.lr_schedule {
         Some(s) => LrSchedule::Cosine {
             warmup_steps: s.warmup_steps,

@@ -168,6 +168,12 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
             t.seed
         ),
     );
+    let lr_schedule = megac_codegen::lr_schedule(spec);
+    let mut lr_line = super::lr_schedule_text(t.lr, &lr_schedule);
+    if let Some(note) = super::lr_schedule_cut_short(t.lr, &lr_schedule, t.steps) {
+        lr_line = format!("{lr_line}; {note}");
+    }
+    line("lr schedule", lr_line);
     let mut schedule = format!("schedule {}", p.schedule.as_str());
     if p.schedule == megac_ir::spec::Schedule::Dpp {
         schedule.push_str(&format!(" ({})", p.dpp_policy.as_str()));

@@ -20,6 +20,7 @@ pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
 
 /// Compile and write `out/plan.json`.
 pub fn run(args: &ModelArgs, out: &Path) -> Result<(), String> {
+    super::output::check_dir("-o", out)?;
     let plan = build_plan(args)?;
     megac_codegen::write_plan(&plan, out).map_err(|e| format!("error: {e}"))?;
     let instrs: usize = plan

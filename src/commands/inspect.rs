@@ -123,8 +123,18 @@ fn mib(bytes: u64) -> String {
 }
 
 /// Print the plan's memory and FLOPs, as text or JSON.
-pub fn run(dir: &Path, json: bool) -> Result<(), String> {
+pub fn run(dir: &Path, json: bool, cluster: Option<&str>) -> Result<(), String> {
     let plan = read_plan(dir)?;
+    let world = plan.mesh.world_size() as u64;
+    let cluster = super::simulate::cluster_arg(cluster)?
+        .fit(world)
+        .map_err(|e| e.render())?;
+    for r in &plan.roles {
+        let bytes = r.memory.as_ref().unwrap_or(&plan.memory).total() as f64;
+        if let Some(w) = super::simulate::memory_warning(&r.name, bytes, &cluster) {
+            eprintln!("{w}");
+        }
+    }
     let m = &plan.memory;
     if json {
         let roles: Vec<serde_json::Value> = plan

@@ -6,12 +6,14 @@ pub mod compile;
 pub mod dump;
 pub mod inspect;
 pub mod launch;
+pub mod output;
 pub mod passes;
 pub mod plan;
 pub mod run;
 pub mod schedule;
 pub mod simulate;
 
+use megac_ir::plan::LrSchedule;
 use megac_ir::ModelSpec;
 use megac_passes::{Module, PassError};
 
@@ -25,4 +27,62 @@ pub fn load_spec(args: &ModelArgs) -> Result<ModelSpec, String> {
 /// Run the pass pipeline (verifying after each pass) up to `after`.
 pub fn compile(spec: ModelSpec, after: Option<&str>) -> Result<Module, String> {
     megac_passes::run_pipeline(spec, after, true).map_err(|e: PassError| format!("error: {e}"))
+}
+
+/// The learning-rate schedule in words, e.g. `cosine: warmup from 0 to 0.001 over 10 steps,
+/// then decay to 0.0001 at step 200` (`megac check`).
+pub fn lr_schedule_text(lr: f64, schedule: &LrSchedule) -> String {
+    match schedule {
+        LrSchedule::Constant => format!("constant {lr}"),
+        LrSchedule::Cosine {
+            warmup_steps,
+            decay_steps,
+            min_lr,
+        } => {
+            let warmup = match warmup_steps {
+                0 => format!("no warmup, {lr} at step 1"),
+                w => format!("warmup from 0 to {lr} over {w} step{}", plural(*w)),
+            };
+            format!("cosine: {warmup}, then decay to {min_lr} at step {decay_steps}")
+        }
+    }
+}
+
+/// One line when a run of `steps` steps stops before its learning-rate schedule ends (in its
+/// warmup, or before the decay reaches `min_lr`): the schedule it will actually follow.
+pub fn lr_schedule_cut_short(lr: f64, schedule: &LrSchedule, steps: u64) -> Option<String> {
+    let LrSchedule::Cosine {
+        warmup_steps,
+        decay_steps,
+        min_lr,
+    } = schedule
+    else {
+        return None;
+    };
+    if steps >= *decay_steps {
+        return None;
+    }
+    let last = schedule.lr_at(lr, steps);
+    let planned = format!("decay to {min_lr} at step {decay_steps}");
+    Some(if steps <= *warmup_steps {
+        format!(
+            "the run stops at step {steps}, inside the lr warmup ({warmup_steps} steps): \
+             the lr rises from 0 to {last:.3e} and never decays (the schedule's {planned})"
+        )
+    } else {
+        format!(
+            "the run stops at step {steps}, before the lr schedule ends: it follows the \
+             warmup ({warmup_steps} step{}) and the cosine decay down to lr {last:.3e} at step \
+             {steps}, not the schedule's {planned}",
+            plural(*warmup_steps)
+        )
+    })
+}
+
+fn plural(n: u64) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
 }

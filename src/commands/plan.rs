@@ -22,10 +22,10 @@ pub struct PlanArgs {
     /// `[cluster]`, else h100-sxm).
     #[arg(long, value_name = "CLUSTER.toml|PRESET")]
     pub cluster: Option<String>,
-    /// How many layouts to print.
+    /// How many layouts to print (at least 1).
     #[arg(long, default_value_t = 10, value_name = "K")]
     pub top: usize,
-    /// Write the best layout as a complete model.toml.
+    /// Write the best layout as a complete model.toml (missing folders are created).
     #[arg(long, value_name = "F.toml")]
     pub emit: Option<PathBuf>,
 }
@@ -59,6 +59,12 @@ fn cluster_for(args: &PlanArgs, spec: &megac_ir::ModelSpec) -> Result<Cluster, S
 pub fn run(args: &PlanArgs) -> Result<(), String> {
     if args.gpus == 0 {
         return Err("error: --gpus 0: the layout needs at least one GPU".into());
+    }
+    if args.top == 0 {
+        return Err("error: --top 0: show at least one layout (--top 1 shows the fastest)".into());
+    }
+    if let Some(path) = &args.emit {
+        super::output::check_file("--emit", path)?;
     }
     let spec = super::load_spec(&args.model)?;
     let cluster = cluster_for(args, &spec)?

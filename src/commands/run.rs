@@ -7,7 +7,8 @@ use megac_runtime::train::{train, RunOptions, RunReport};
 
 use crate::RunArgs;
 
-/// Check the options this build supports and turn them into runtime options.
+/// Check the options this build supports and every path the run will write (before any
+/// work: compiling, loading or training), and turn them into runtime options.
 fn options(args: &RunArgs) -> Result<RunOptions, String> {
     match args.comm.as_str() {
         "local" => {}
@@ -29,6 +30,20 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     if args.steps == Some(0) {
         return Err("error: --steps 0: run at least one step".into());
     }
+    // Rank 0 writes every output (on its node); the other ranks of an MPI job leave its
+    // paths alone.
+    if lead_process() {
+        use super::output::{check_dir, check_file};
+        if let Some(p) = &args.save_params {
+            check_file("--save-params", p)?;
+        }
+        if let Some(p) = &args.report {
+            check_file("--report", p)?;
+        }
+        if let Some(d) = &args.trace {
+            check_dir("--trace", d)?;
+        }
+    }
     Ok(RunOptions {
         steps: args.steps,
         data: args.data.clone(),
@@ -43,18 +58,42 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     })
 }
 
-/// Run `plan` with `args`, write the report, print a summary.
-pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
+/// Whether this process is rank 0 of an MPI job (as mpirun tells it), or not in one.
+fn lead_process() -> bool {
+    std::env::var("OMPI_COMM_WORLD_RANK")
+        .as_deref()
+        .unwrap_or("0")
+        == "0"
+}
+
+/// `megac train MODEL.toml`: check the options and output paths, compile, run.
+pub fn train_model(model: &crate::ModelArgs, args: &RunArgs) -> Result<(), String> {
+    let opts = options(args)?;
+    let plan = super::compile::build_plan(model)?;
+    execute(&plan, args, &opts)
+}
+
+/// Run `plan` with `args` (checked into `opts`), write the report, print a summary.
+fn execute(plan: &Plan, args: &RunArgs, opts: &RunOptions) -> Result<(), String> {
     megac_ir::check::check_plan(plan)
         .map_err(|e| format!("error: the plan does not check: {e}"))?;
-    let opts = options(args)?;
+    if let Some(note) = super::lr_schedule_cut_short(
+        plan.train.lr,
+        &plan.train.lr_schedule,
+        opts.steps.unwrap_or(plan.train.steps),
+    ) {
+        // Once per job: an MPI job's other ranks run the same plan.
+        if lead_process() {
+            eprintln!("note: {note}");
+        }
+    }
     let report = if args.comm == "mpi" {
-        match train_on_mpi(plan, &opts)? {
+        match train_on_mpi(plan, opts)? {
             Some(report) => report,
             None => return Ok(()), // ranks other than 0 print and write nothing
         }
     } else {
-        train(plan, &opts).map_err(|e| format!("error: {e}"))?
+        train(plan, opts).map_err(|e| format!("error: {e}"))?
     };
     if let Some(path) = &args.report {
         write_atomically(path, &report.to_json())?;
@@ -102,7 +141,8 @@ fn train_on_mpi(_plan: &Plan, _opts: &RunOptions) -> Result<Option<RunReport>, S
     Err("error: --comm mpi: this megac was built without MPI".to_string())
 }
 
-/// Write `text` to `path` via a temporary file, so no half-written file is left behind.
+/// Write `text` to `path` via a temporary file, so no half-written file is left behind
+/// (missing folders are created).
 pub fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
     let dir = path
         .parent()
@@ -112,7 +152,9 @@ pub fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
         .file_name()
         .ok_or_else(|| format!("error: {}: not a file path", path.display()))?;
     let tmp: PathBuf = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
+    let result = super::output::make_parent(path)
+        .and_then(|()| std::fs::write(&tmp, text))
+        .and_then(|()| std::fs::rename(&tmp, path));
     result.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         format!("error: {}: cannot write: {e}", path.display())
@@ -121,6 +163,14 @@ pub fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
 
 /// `megac run PLAN_DIR`.
 pub fn run(dir: &Path, args: &RunArgs) -> Result<(), String> {
+    if dir.is_file() {
+        return Err(format!(
+            "error: {0}: is a file; `megac run` takes a plan directory (written by `megac compile`)\n\
+             help: to compile and train a model.toml in one go: megac train {0}",
+            dir.display()
+        ));
+    }
+    let opts = options(args)?;
     let plan = super::inspect::read_plan(dir)?;
-    execute(&plan, args)
+    execute(&plan, args, &opts)
 }

@@ -154,6 +154,9 @@ pub fn run(args: &ModelArgs, opts: &Options) -> Result<(), String> {
             "error: --format {format}: expected text, json or svg"
         ));
     }
+    if let Some(path) = opts.output {
+        super::output::check_file("-o", path)?;
+    }
     if args.model.is_dir() {
         return run_plan(args, opts);
     }
@@ -440,8 +443,7 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
     };
     match opts.output {
         None => print!("{out}"),
-        Some(path) => std::fs::write(path, out)
-            .map_err(|e| format!("error: cannot write {}: {e}", path.display()))?,
+        Some(path) => super::simulate::write_atomic(path, &out)?,
     }
     Ok(())
 }

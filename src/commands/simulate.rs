@@ -19,7 +19,8 @@ pub struct SimulateArgs {
     /// Output format.
     #[arg(long, default_value = "text", value_name = "text|json")]
     pub format: String,
-    /// Write a Chrome-trace timeline (opens in Perfetto) of the simulated step.
+    /// Write a Chrome-trace timeline (opens in Perfetto) of the simulated step (missing
+    /// folders are created).
     #[arg(long, value_name = "F.json")]
     pub trace: Option<PathBuf>,
     /// Costs: `model` (roofline and alpha-beta) or `unit` (every F, B and W of a pipeline
@@ -37,14 +38,39 @@ pub fn cluster_arg(arg: Option<&str>) -> Result<Cluster, String> {
     }
 }
 
-/// Write `text` to `path` atomically (a temporary file renamed into place).
+/// A warning for a role whose per-rank memory (`bytes`) exceeds one device of `cluster`,
+/// None when it fits.
+pub fn memory_warning(role: &str, bytes: f64, cluster: &Cluster) -> Option<String> {
+    let cap = cluster.device.memory_bytes;
+    (bytes > cap).then(|| {
+        let size = |b: f64| {
+            if b >= GIB {
+                format!("{:.2} GiB", b / GIB)
+            } else {
+                format!("{:.2} MiB", b / (1u64 << 20) as f64)
+            }
+        };
+        format!(
+            "warning: role {role} needs {} per rank, more than the {} of one {} ({}): the plan \
+             does not fit its cluster's memory (`megac plan` finds layouts that do)",
+            size(bytes),
+            size(cap),
+            cluster.device.name,
+            cluster.source
+        )
+    })
+}
+
+/// Write `text` to `path` atomically (a temporary file renamed into place; missing folders
+/// are created).
 pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
     let tmp = path.with_extension(format!(
         "{}.tmp{}",
         path.extension().and_then(|e| e.to_str()).unwrap_or(""),
         std::process::id()
     ));
-    std::fs::write(&tmp, text)
+    super::output::make_parent(path)
+        .and_then(|()| std::fs::write(&tmp, text))
         .and_then(|_| std::fs::rename(&tmp, path))
         .map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
@@ -66,6 +92,9 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
             args.costs
         ));
     }
+    if let Some(path) = &args.trace {
+        super::output::check_file("--trace", path)?;
+    }
     let plan = super::inspect::read_plan(&args.plan)?;
     let world = plan.mesh.world_size() as u64;
     let cluster = cluster_arg(args.cluster.as_deref())?
@@ -82,6 +111,11 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
         streams,
     } = simulate(&plan, &cost, args.trace.is_some())
         .map_err(|e| format!("error: {}: {e}", args.plan.join("plan.json").display()))?;
+    for r in &report.roles {
+        if let Some(w) = memory_warning(&r.name, r.memory_bytes as f64, &cost.cluster) {
+            eprintln!("{w}");
+        }
+    }
     if let Some(path) = &args.trace {
         write_atomic(
             path,

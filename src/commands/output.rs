@@ -1,0 +1,88 @@
+//! The check every command makes of the paths it will write, before any work: a run that
+//! trains for an hour must not fail at its end because `--save-params` names a folder that
+//! does not exist or cannot be written.
+//!
+//! Policy: a missing folder is fine when it can be made: the nearest part of the path that
+//! exists must be a folder in which a file can be created (probed by creating a file there
+//! and removing it). The check creates nothing else, so a run that fails leaves nothing
+//! behind; the writers create the missing folders (`mkdir -p`) when they write.
+
+use std::fs::OpenOptions;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Check that the file `path` (given with `flag`, e.g. `--save-params`) can be written:
+/// its folder exists and is writable, or can be made.
+pub fn check_file(flag: &str, path: &Path) -> Result<(), String> {
+    let shown = path.display();
+    if path.is_dir() {
+        return Err(format!(
+            "error: {flag} {shown}: is a directory; give a file name"
+        ));
+    }
+    if path.file_name().is_none() {
+        return Err(format!("error: {flag} {shown}: not a file name"));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    writable_dir(flag, path, dir)
+}
+
+/// Check that the folder `dir` (given with `flag`, e.g. `-o` or `--trace`) can hold the files
+/// the command writes there: it exists and is writable, or can be made.
+pub fn check_dir(flag: &str, dir: &Path) -> Result<(), String> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(format!(
+            "error: {flag} {}: is a file, not a folder",
+            dir.display()
+        ));
+    }
+    writable_dir(flag, dir, dir)
+}
+
+/// Check that `dir` exists and can be written, or can be made: probe its nearest existing
+/// ancestor with a file that is removed again.
+fn writable_dir(flag: &str, arg: &Path, dir: &Path) -> Result<(), String> {
+    let fail = |what: String| format!("error: {flag} {}: {what}", arg.display());
+    // The nearest part of `dir` that exists (`.` for a relative path none of which exists).
+    let existing = dir
+        .ancestors()
+        .find(|a| a.as_os_str().is_empty() || a.exists())
+        .filter(|a| !a.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !existing.is_dir() {
+        return Err(fail(format!(
+            "cannot create the folder {}: {} is a file",
+            dir.display(),
+            existing.display()
+        )));
+    }
+    static PROBES: AtomicU64 = AtomicU64::new(0);
+    let probe = existing.join(format!(
+        ".megac-write-probe-{}-{}",
+        std::process::id(),
+        PROBES.fetch_add(1, Ordering::Relaxed)
+    ));
+    match OpenOptions::new().write(true).create_new(true).open(&probe) {
+        Ok(file) => {
+            drop(file);
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(fail(format!(
+            "cannot write in the folder {}: {e}",
+            existing.display()
+        ))),
+    }
+}
+
+/// Create the folder of the file `path` if it is missing (the writers call this, after
+/// [`check_file`] said it can be made).
+pub fn make_parent(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => std::fs::create_dir_all(d),
+        _ => Ok(()),
+    }
+}
