@@ -84,7 +84,8 @@ pub fn world_rank() -> Option<usize> {
 static ERROR_ON_EVERY_RANK: AtomicBool = AtomicBool::new(false);
 
 /// Record that the error this process is about to return is one every rank of the job
-/// returns too (a wrong number of processes), so rank 0's report of it is enough.
+/// returns too (a wrong number of processes, a non-finite loss or gradient norm), so rank
+/// 0's report of it is enough.
 pub fn set_error_on_every_rank() {
     ERROR_ON_EVERY_RANK.store(true, Ordering::Relaxed);
 }

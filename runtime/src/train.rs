@@ -549,7 +549,13 @@ pub fn train_mpi(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeErr
                 if started == 1 { "" } else { "es" },
             )));
         }
-        train_rank(plan, opts, Box::new(comm))
+        train_rank(plan, opts, Box::new(comm)).inspect_err(|e| {
+            // The loss and the norm are reduced over the world: every rank stops at the same
+            // step with the same values, and rank 0's message is enough.
+            if matches!(e, RuntimeError::NonFinite(_)) {
+                crate::mpi_comm::set_error_on_every_rank();
+            }
+        })
     });
     // One report: rank 0 gathers every rank's peak RSS and step times (losses and norms are
     // the same on every rank: they are reduced over the world).
