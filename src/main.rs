@@ -216,7 +216,8 @@ fn main() -> ExitCode {
         Command::Inspect { plan, json } => commands::inspect::run(&plan, json),
         Command::Run { plan, run } => commands::run::run(&plan, &run),
         Command::Launch(args) => commands::launch::run(&args),
-        Command::Train { model, run } => commands::compile::build_plan(&model)
+        Command::Train { model, run } => commands::run::options(&run)
+            .and_then(|_| commands::compile::build_plan(&model))
             .and_then(|plan| commands::run::execute(&plan, &run)),
     };
     match result {
