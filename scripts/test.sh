@@ -10,8 +10,10 @@
 #   2. The rustfmt and clippy components (rustup component add, when missing).
 #   3. cargo fmt --check; then clippy -D warnings and every test of the workspace, first for
 #      the default build (no MPI), then with --features mpi (the MPI tests: tests/mpi.rs,
-#      runtime/tests/mpi_collectives.rs). The second build recompiles only megac-runtime,
-#      the megac binary and their tests; the other crates are shared.
+#      runtime/tests/mpi_collectives.rs). Both builds keep their own artifacts in target/,
+#      so a rerun recompiles nothing; but the second build compiles most of the workspace
+#      again: bindgen (the `mpi` crate's build script) turns on features of crates that every
+#      proc-macro uses (syn), so the crates above them are different builds.
 #   4. scripts/two-nodes.sh (root only: network namespaces) with the MPI binary the tests
 #      built. Not root: it is not run, and the last line says so.
 set -euo pipefail
