@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-5}
-cargo build --release --quiet --bin megac
+cargo build --release --quiet --features mpi --bin megac
 megac=$PWD/target/release/megac
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT

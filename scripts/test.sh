@@ -1,10 +1,89 @@
 #!/usr/bin/env bash
-# The project's test command (README): formatting, lints, then every test of the workspace.
+# The project's test command (README; `.ci/run` calls exactly this). On a fresh Debian machine
+# with the Rust toolchain it first sets up what the tests need, then runs everything:
+#
+#   1. System packages for the `mpi` feature and its tests: openmpi-bin (mpirun),
+#      libopenmpi-dev (mpicc and headers, for the `mpi` crate's build script), libclang-dev
+#      (bindgen, in that build script), iproute2 (`ip`, for scripts/two-nodes.sh, as root).
+#      Only what is missing is installed, with apt-get, and only as root; without root and
+#      with something missing it stops at once and prints the install line.
+#   2. The rustfmt and clippy components (rustup component add, when missing).
+#   3. cargo fmt --check; then clippy -D warnings and every test of the workspace, first for
+#      the default build (no MPI), then with --features mpi (the MPI tests: tests/mpi.rs,
+#      runtime/tests/mpi_collectives.rs). Both builds keep their own artifacts in target/,
+#      so a rerun recompiles nothing; but the second build compiles most of the workspace
+#      again: bindgen (the `mpi` crate's build script) turns on features of crates that every
+#      proc-macro uses (syn), so the crates above them are different builds.
+#   4. scripts/two-nodes.sh (root only: network namespaces) with the MPI binary the tests
+#      built. Not root: it is not run, and the last line says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "== cargo fmt --check"
+
+start=$SECONDS
+step() { echo "== $* [$((SECONDS - start)) s]"; }
+
+root=false
+[[ $(id -u) == 0 ]] && root=true
+
+# 1. System packages.
+have_libclang() {
+  # clang-sys (bindgen) finds libclang through LIBCLANG_PATH or in /usr/lib/llvm-*/lib;
+  # the unversioned libclang.so and the clang headers come with the -dev package.
+  [[ -n ${LIBCLANG_PATH:-} ]] || compgen -G '/usr/lib/llvm-*/lib/libclang.so' >/dev/null
+}
+missing=()
+command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+have_libclang || missing+=(libclang-dev)
+if $root; then
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+fi
+if ((${#missing[@]})); then
+  if ! $root; then
+    echo "scripts/test.sh: the tests need these packages, which are missing: ${missing[*]}" >&2
+    echo "Install them as root, then run this again:" >&2
+    echo "  apt-get update && apt-get install -y --no-install-recommends ${missing[*]}" >&2
+    exit 1
+  fi
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "scripts/test.sh: missing ${missing[*]}, and there is no apt-get to install them" >&2
+    exit 1
+  fi
+  step "installing ${missing[*]} (apt-get)"
+  apt-get update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+
+# 2. Rust components.
+for component in rustfmt clippy; do
+  subcommand=${component/rustfmt/fmt}
+  if ! cargo "$subcommand" --version >/dev/null 2>&1; then
+    step "rustup component add $component"
+    rustup component add "$component"
+  fi
+done
+cargo --version
+rustc --version
+mpirun --version 2>&1 | sed -n 1p
+
+# 3. Formatting, lints and tests of both builds.
+step "cargo fmt --all -- --check"
 cargo fmt --all -- --check
-echo "== cargo clippy --all-targets -- -D warnings"
+step "default build (no MPI): cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
-echo "== cargo test"
+step "default build (no MPI): cargo test --workspace"
 cargo test --workspace
+step "--features mpi: cargo clippy --workspace --all-targets --features mpi -- -D warnings"
+cargo clippy --workspace --all-targets --features mpi -- -D warnings
+step "--features mpi: cargo test --workspace --features mpi"
+cargo test --workspace --features mpi
+
+# 4. Two "nodes" (network namespaces): a tp2 x dp2 run across them matches the local-thread
+# run bit for bit. Uses the binary `cargo test --features mpi` just built (test profile).
+if $root; then
+  step "scripts/two-nodes.sh"
+  MEGAC=${CARGO_TARGET_DIR:-target}/debug/megac bash scripts/two-nodes.sh
+  step "all passed"
+else
+  step "all passed but scripts/two-nodes.sh, which was NOT run: it needs root (network namespaces)"
+fi

@@ -11,7 +11,8 @@
 # (namespaces, veth, temporary files, processes left in the namespaces) is removed on exit,
 # failure included.
 #
-# Usage: scripts/two-nodes.sh [STEPS]   (MEGAC=path/to/megac to use a given binary)
+# Usage: scripts/two-nodes.sh [STEPS]   (MEGAC=path/to/megac to use a given binary, built with
+# --features mpi; scripts/test.sh passes the one its tests built)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,7 +57,7 @@ for tool in ip unshare mpirun; do
 done
 
 if [[ -z ${MEGAC:-} ]]; then
-  cargo build --release --bin megac
+  cargo build --release --features mpi --bin megac
   MEGAC=${CARGO_TARGET_DIR:-$PWD/target}/release/megac
 fi
 MEGAC=$(realpath "$MEGAC")

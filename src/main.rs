@@ -69,7 +69,9 @@ pub struct RunArgs {
 #[derive(Subcommand)]
 enum Command {
     /// Validate a model.toml and print a one-screen summary (parameters, FLOPs, layout, ranks).
-    #[command(after_help = "Example:\n  megac check examples/llama3-8b.toml --set parallel.tp=4")]
+    #[command(
+        after_help = "Example:\n  megac check examples/llama3-8b.toml --set parallel.tp=4 --set parallel.dp=2"
+    )]
     Check {
         #[command(flatten)]
         model: ModelArgs,
@@ -101,7 +103,9 @@ enum Command {
         out: PathBuf,
     },
     /// Print a plan's memory by class (parameters, gradients, optimizer state, activations) and FLOPs.
-    #[command(after_help = "Example:\n  megac inspect /tmp/llama-plan --json")]
+    #[command(
+        after_help = "Example:\n  megac compile examples/llama-tiny.toml -o /tmp/llama-plan\n  megac inspect /tmp/llama-plan --json"
+    )]
     Inspect {
         /// Plan directory written by `megac compile`.
         #[arg(value_name = "PLAN_DIR")]
@@ -116,7 +120,7 @@ enum Command {
     },
     /// Execute a compiled plan: train, print progress, write a report.
     #[command(
-        after_help = "Example:\n  megac run /tmp/llama-plan --steps 50 --data corpus.txt --report run.json"
+        after_help = "Example:\n  megac compile examples/llama-tiny.toml -o /tmp/llama-plan\n  megac run /tmp/llama-plan --steps 50 --data examples/data/corpus.txt --report run.json"
     )]
     Run {
         /// Plan directory written by `megac compile`.
@@ -127,7 +131,7 @@ enum Command {
     },
     /// Compile and run in one go: the main job.
     #[command(
-        after_help = "Example:\n  megac train examples/llama-tiny.toml --data tests/data/tiny-shakespeare.txt --steps 300"
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --data examples/data/corpus.txt --steps 300"
     )]
     Train {
         #[command(flatten)]
@@ -137,12 +141,14 @@ enum Command {
     },
     /// Run a plan on N processes with mpirun (one per rank; across nodes with a hostfile).
     #[command(
-        after_help = "Run options are those of `megac run`; every rank runs `megac run PLAN_DIR --comm mpi`.\nThe mpirun command is printed first. OMPI_MCA_<name> variables override megac's --mca choices;\nMEGAC_MPIRUN names the mpirun to use.\n\nExample:\n  megac compile examples/llama-tiny.toml --set parallel.dp=2 -o /tmp/dp2\n  megac launch -n 2 /tmp/dp2 --steps 20 --report run.json\n  megac launch -n 16 --hostfile hosts /tmp/plan --steps 100"
+        after_help = "Run options are those of `megac run`; every rank runs `megac run PLAN_DIR --comm mpi`.\nThe mpirun command is printed first. OMPI_MCA_<name> variables override megac's --mca choices;\nMEGAC_MPIRUN names the mpirun to use.\n\nExample:\n  megac compile examples/llama-tiny.toml --set parallel.dp=2 -o /tmp/dp2\n  megac launch -n 2 /tmp/dp2 --steps 20 --report run.json\n  megac launch -n 2 --hostfile examples/hostfile /tmp/dp2 --steps 20"
     )]
     Launch(commands::launch::LaunchArgs),
     /// Prove before a run that every process group's members make the same collective calls
     /// in the same order with the same sizes (`megac run` checks this too).
-    #[command(after_help = "Example:\n  megac check-plan /tmp/llama-plan")]
+    #[command(
+        after_help = "Example:\n  megac compile examples/llama-tiny.toml -o /tmp/llama-plan\n  megac check-plan /tmp/llama-plan"
+    )]
     CheckPlan {
         /// Plan directory written by `megac compile`.
         #[arg(value_name = "PLAN_DIR")]
@@ -152,7 +158,7 @@ enum Command {
     /// and peak in-flight micro-batches, with unit or model costs), from a model.toml's
     /// `[parallel]` section or from a compiled plan directory (the action lists it carries).
     #[command(
-        after_help = "Examples:\n  megac schedule examples/llama3-70b.toml --set parallel.schedule=\"zb-h1\"\n  megac schedule examples/gpt3-175b.toml --format json\n  megac schedule examples/llama3-70b.toml --format svg -o schedule.svg --costs model\n  megac schedule /tmp/plan --format svg -o plan-schedule.svg"
+        after_help = "Examples:\n  megac schedule examples/llama3-70b.toml --set parallel.schedule=\"zb-h1\"\n  megac schedule examples/gpt3-175b.toml --format json\n  megac schedule examples/llama3-70b.toml --format svg -o schedule.svg --costs model\n  megac compile examples/llama-tiny.toml --set parallel.pp=2 -o /tmp/pp2-plan\n  megac schedule /tmp/pp2-plan --format svg -o plan-schedule.svg"
     )]
     Schedule {
         #[command(flatten)]
@@ -183,7 +189,7 @@ enum Command {
     Passes,
     /// Predict a plan's step time, tokens/s, MFU, bubble and memory on a cluster.
     #[command(
-        after_help = "Example:\n  megac simulate /tmp/llama-plan --cluster h100-sxm --format json --trace sim.json"
+        after_help = "Example:\n  megac compile examples/llama-tiny.toml -o /tmp/llama-plan\n  megac simulate /tmp/llama-plan --cluster h100-sxm --format json --trace sim.json"
     )]
     Simulate(commands::simulate::SimulateArgs),
     /// Search every layout of a model on N GPUs and print the fastest that fit in memory.

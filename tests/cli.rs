@@ -846,3 +846,65 @@ fn bf16_activations_take_half_the_arena() {
         assert!(ratio > 0.5 && ratio < 0.6, "bf16/fp32 activations {ratio}");
     }
 }
+
+/// The default build has no MPI (the `mpi` cargo feature is opt-in): `--comm mpi` of `run`
+/// and `train` and `megac launch` each fail with one error, before any work, that says how
+/// to get a build with MPI; never a panic.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn without_the_mpi_feature_comm_mpi_and_launch_say_how_to_get_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan");
+    let plan = plan.to_str().unwrap();
+    let o = megac(&["compile", "examples/llama-tiny.toml", "-o", plan]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report = dir.path().join("run.json");
+    let report = report.to_str().unwrap();
+    let cases: [&[&str]; 5] = [
+        &[
+            "run", plan, "--comm", "mpi", "--steps", "2", "--report", report,
+        ],
+        &[
+            "train",
+            "examples/llama-tiny.toml",
+            "--comm",
+            "mpi",
+            "--steps",
+            "2",
+        ],
+        // Before compiling: a model that does not exist is not the error shown.
+        &["train", "no-such-model.toml", "--comm", "mpi"],
+        &[
+            "launch", "-n", "1", plan, "--steps", "2", "--report", report,
+        ],
+        &["launch", "-n", "2", "--hostfile", "no-such-hostfile", plan],
+    ];
+    for args in cases {
+        let o = megac(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(stdout(&o).is_empty(), "{args:?}: {}", stdout(&o));
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        let what = if args[0] == "launch" {
+            "megac launch"
+        } else {
+            "--comm mpi"
+        };
+        assert!(
+            err.starts_with(&format!("error: {what}: this megac was built without MPI")),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.matches("error:").count(), 1, "{args:?}: {err}");
+        assert!(
+            err.contains(
+                "apt-get install --no-install-recommends libopenmpi-dev openmpi-bin libclang-dev\n"
+            ),
+            "{args:?}: {err}"
+        );
+        assert!(
+            err.contains("cargo build --release --features mpi\n"),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(!std::path::Path::new(report).exists(), "nothing ran");
+}

@@ -273,6 +273,10 @@ extern "C" fn forward_signal(sig: libc::c_int) {
 
 /// `megac launch`.
 pub fn run(args: &LaunchArgs) -> Result<(), String> {
+    // Every rank would run `megac run --comm mpi`: without MPI in this build, say so first.
+    if !cfg!(feature = "mpi") {
+        return Err(super::no_mpi("megac launch", None));
+    }
     if args.n == 0 {
         return Err("error: megac launch: -n must be at least 1".to_string());
     }

@@ -7,15 +7,21 @@ use megac_runtime::train::{train, RunOptions, RunReport};
 
 use crate::RunArgs;
 
+/// What a build without MPI can do instead of `--comm mpi`.
+#[cfg(not(feature = "mpi"))]
+const NO_MPI_ALTERNATIVE: &str =
+    "without MPI, --comm local runs every rank of the plan as a thread of this process";
+
 /// Check the options this build supports and every path the run will write (before any
-/// work: compiling, loading or training), and turn them into runtime options.
+/// work: `megac train` calls it before compiling, `megac run` before reading the plan), and
+/// turn them into runtime options.
 fn options(args: &RunArgs) -> Result<RunOptions, String> {
     match args.comm.as_str() {
         "local" => {}
         #[cfg(feature = "mpi")]
         "mpi" => {}
         #[cfg(not(feature = "mpi"))]
-        "mpi" => return Err("error: --comm mpi: this megac was built without MPI (cargo feature `mpi`, which needs OpenMPI: apt-get install libopenmpi-dev openmpi-bin); use --comm local".into()),
+        "mpi" => return Err(super::no_mpi("--comm mpi", Some(NO_MPI_ALTERNATIVE))),
         other => return Err(format!("error: --comm {other}: expected local or mpi")),
     }
     match args.device.as_str() {
@@ -138,7 +144,7 @@ fn train_on_mpi(plan: &Plan, opts: &RunOptions) -> Result<Option<RunReport>, Str
 
 #[cfg(not(feature = "mpi"))]
 fn train_on_mpi(_plan: &Plan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
-    Err("error: --comm mpi: this megac was built without MPI".to_string())
+    Err(super::no_mpi("--comm mpi", Some(NO_MPI_ALTERNATIVE)))
 }
 
 /// Write `text` to `path` via a temporary file, so no half-written file is left behind
