@@ -5,6 +5,7 @@
 //!   [`types`] (dtypes, named-dim shapes, layouts), [`op`] (kernel-sized ops),
 //!   [`infer`] (shape rules), [`verify`] (invariants), [`print`] and [`parse`] (text form).
 //!
+//! - [`flops`]: Megatron's model FLOPs per step and the padded vocabulary.
 //! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime.
 //!
 //! The sharded and staged levels will build on these types.
@@ -12,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod check;
+pub mod flops;
 pub mod graph;
 pub mod infer;
 pub mod mesh;

@@ -330,8 +330,7 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// Vocabulary padded to a multiple of 128·tp, as Megatron pads it.
     pub fn padded_vocab(&self) -> u64 {
-        let m = 128 * self.parallel.tp;
-        self.model.vocab.div_ceil(m) * m
+        crate::flops::padded_vocab(self.model.vocab, self.parallel.tp)
     }
 }
 
