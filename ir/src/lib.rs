@@ -6,6 +6,7 @@
 //!   [`infer`] (shape rules), [`verify`] (invariants), [`print`] and [`parse`] (text form).
 //!
 //! - [`flops`]: Megatron's model FLOPs per step and the padded vocabulary.
+//! - [`rules`]: layout validity, model.toml's cross-key rules as typed violations.
 //! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime.
 //!
 //! The sharded and staged levels will build on these types.
@@ -21,6 +22,7 @@ pub mod op;
 pub mod parse;
 pub mod plan;
 pub mod print;
+pub mod rules;
 pub mod spec;
 pub mod types;
 pub mod verify;

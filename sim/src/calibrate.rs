@@ -30,7 +30,7 @@ use megac_ir::spec::{
 use crate::cluster::Cluster;
 use crate::cost::CostModel;
 use crate::model::{estimate, Estimate, Layout};
-use crate::search::divisors;
+use megac_ir::rules::divisors;
 
 /// One row of the published table.
 #[derive(Clone, Debug, PartialEq)]

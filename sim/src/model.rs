@@ -83,6 +83,12 @@ impl Layout {
     /// `spec` with this layout in place of its own.
     pub fn apply(&self, spec: &ModelSpec) -> ModelSpec {
         let mut s = spec.clone();
+        self.set_in(&mut s);
+        s
+    }
+
+    /// Put this layout in place of `spec`'s own (without cloning it).
+    pub fn set_in(&self, s: &mut ModelSpec) {
         let p = &mut s.parallel;
         p.tp = self.tp;
         p.pp = self.pp;
@@ -96,7 +102,6 @@ impl Layout {
         p.fbd = false;
         s.train.micro_batch = self.micro_batch;
         s.train.recompute = self.recompute;
-        s
     }
 
     /// Micro-batches per step and data-parallel rank.
