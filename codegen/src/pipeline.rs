@@ -1000,11 +1000,8 @@ fn stage_role(
         .collect();
     let dpp = match geo.kind {
         ScheduleKind::Dpp(policy) => Some(DppExec {
-            policy: spec.parallel.dpp_policy.as_str().to_string(),
-            cap: match policy {
-                schedule::DppPolicy::Adaptive { cap } => cap.unwrap_or(pp),
-                _ => 0,
-            },
+            policy: spec.parallel.dpp_policy,
+            cap: policy.cap_or(pp),
         }),
         _ => None,
     };

@@ -172,3 +172,46 @@ fn layouts_print_and_parse() {
     );
     assert_eq!(parse_graph(&text).unwrap(), g);
 }
+
+/// A plan's `dpp.policy` is the policy's model.toml name (plans stay byte-identical), and
+/// an unknown name is an error rather than a silent adaptive policy.
+#[test]
+fn dpp_policy_serializes_as_its_name() {
+    use megac_ir::plan::DppExec;
+    use megac_ir::spec::DppPolicy;
+    for (policy, name) in [
+        (DppPolicy::Bfs, "bfs"),
+        (DppPolicy::Dfs, "dfs"),
+        (DppPolicy::Adaptive { cap: None }, "adaptive"),
+    ] {
+        let exec = DppExec { policy, cap: 4 };
+        let json = serde_json::to_string(&exec).unwrap();
+        assert_eq!(json, format!("{{\"policy\":\"{name}\",\"cap\":4}}"));
+        assert_eq!(serde_json::from_str::<DppExec>(&json).unwrap(), exec);
+    }
+    let err = serde_json::from_str::<DppExec>("{\"policy\":\"bfz\",\"cap\":0}").unwrap_err();
+    assert!(
+        err.to_string().contains("unknown dpp policy `bfz`"),
+        "{err}"
+    );
+}
+
+/// MegaDPP's priority: backwards first (later chunks first), then breadth- or depth-first.
+#[test]
+fn dpp_priority_orders_backwards_first_then_by_policy() {
+    use megac_ir::spec::{dpp_priority, DppPolicy, DppTask};
+    let t = |backward, local_chunk, microbatch| DppTask {
+        backward,
+        local_chunk,
+        local_chunks: 2,
+        microbatch,
+    };
+    assert!(dpp_priority(true, t(true, 0, 3)) < dpp_priority(true, t(false, 0, 0)));
+    assert!(dpp_priority(true, t(true, 1, 3)) < dpp_priority(true, t(true, 0, 0)));
+    assert!(dpp_priority(true, t(false, 0, 3)) < dpp_priority(true, t(false, 1, 0)));
+    assert!(dpp_priority(false, t(false, 1, 0)) < dpp_priority(false, t(false, 0, 1)));
+    let adaptive = DppPolicy::Adaptive { cap: None };
+    assert!(adaptive.breadth_first(1, 2) && !adaptive.breadth_first(2, 2));
+    assert!(DppPolicy::Adaptive { cap: Some(0) }.breadth_first(0, 2));
+    assert!(DppPolicy::Bfs.breadth_first(99, 1) && !DppPolicy::Dfs.breadth_first(0, 1));
+}

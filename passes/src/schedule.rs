@@ -18,6 +18,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
+use megac_ir::spec::{dpp_priority, DppTask};
+
 /// What a pipeline action does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ActionKind {
@@ -117,20 +119,9 @@ impl fmt::Display for Action {
     }
 }
 
-/// Breadth-first / depth-first policy of MegaDPP's dynamic pipeline planning.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DppPolicy {
-    /// All microbatches of a chunk first (priority key `(chunk, microbatch)`).
-    Bfs,
-    /// One microbatch through all chunks first (priority key `(microbatch, chunk)`).
-    Dfs,
-    /// Breadth-first while the rank's in-flight `(chunk, microbatch)` count is below `cap`,
-    /// depth-first beyond. `None` means `cap = pp`.
-    Adaptive {
-        /// In-flight threshold; `None` = `pp`.
-        cap: Option<u32>,
-    },
-}
+/// MegaDPP's policy: its home is `megac_ir::spec` (with the priority the runtime and the
+/// simulator use too).
+pub use megac_ir::spec::DppPolicy;
 
 /// The pipeline schedules [`schedule`] builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,17 +141,13 @@ pub enum ScheduleKind {
 impl ScheduleKind {
     /// The schedule a model.toml's `[parallel]` section asks for (`schedule`, `dpp_policy`).
     pub fn of(p: &megac_ir::spec::ParallelSection) -> ScheduleKind {
-        use megac_ir::spec::{DppPolicy as Policy, Schedule};
+        use megac_ir::spec::Schedule;
         match p.schedule {
             Schedule::Gpipe => ScheduleKind::GPipe,
             Schedule::OneFOneB => ScheduleKind::OneFOneB,
             Schedule::Interleaved => ScheduleKind::Interleaved,
             Schedule::ZbH1 => ScheduleKind::ZbH1,
-            Schedule::Dpp => ScheduleKind::Dpp(match p.dpp_policy {
-                Policy::Bfs => DppPolicy::Bfs,
-                Policy::Dfs => DppPolicy::Dfs,
-                Policy::Adaptive => DppPolicy::Adaptive { cap: None },
-            }),
+            Schedule::Dpp => ScheduleKind::Dpp(p.dpp_policy),
         }
     }
 
@@ -501,23 +488,34 @@ fn greedy(
                             f_done[idx(c, j)].is_some() && b_done[idx(c, j)].is_none()
                         })
                         .count() as u32;
-                    let breadth = match policy {
-                        DppPolicy::Bfs => true,
-                        DppPolicy::Dfs => false,
-                        DppPolicy::Adaptive { cap } => inflight < cap.unwrap_or(pp),
-                    };
-                    let key = |lc: u32, j: u32| if breadth { (lc, j) } else { (j, lc) };
+                    let breadth = policy.breadth_first(inflight, pp);
                     let tasks = || (0..vpp).flat_map(|lc| (0..m).map(move |j| (lc, j)));
                     let back = tasks()
                         .filter(|&(lc, j)| b_ready(lc * pp + r, j, &f_done, &b_done))
-                        .min_by_key(|&(lc, j)| key(vpp - 1 - lc, j))
-                        .map(|(lc, j)| Action::compute(ActionKind::BW, lc * pp + r, j));
-                    back.or_else(|| {
-                        tasks()
-                            .filter(|&(lc, j)| f_ready(lc * pp + r, j, &f_done))
-                            .min_by_key(|&(lc, j)| key(lc, j))
-                            .map(|(lc, j)| Action::compute(ActionKind::F, lc * pp + r, j))
-                    })
+                        .map(|(lc, j)| (true, lc, j));
+                    let fwd = tasks()
+                        .filter(|&(lc, j)| f_ready(lc * pp + r, j, &f_done))
+                        .map(|(lc, j)| (false, lc, j));
+                    back.chain(fwd)
+                        .min_by_key(|&(backward, local_chunk, microbatch)| {
+                            dpp_priority(
+                                breadth,
+                                DppTask {
+                                    backward,
+                                    local_chunk,
+                                    local_chunks: vpp,
+                                    microbatch,
+                                },
+                            )
+                        })
+                        .map(|(backward, lc, j)| {
+                            let kind = if backward {
+                                ActionKind::BW
+                            } else {
+                                ActionKind::F
+                            };
+                            Action::compute(kind, lc * pp + r, j)
+                        })
                 }
                 _ => unreachable!("greedy is only used for zb-h1 and dpp"),
             };

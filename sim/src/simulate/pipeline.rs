@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use megac_ir::op::OpKind;
 use megac_ir::plan::{BufferClass, ChunkProgram, Instr, PipeAction, PipeKind, Pipeline, Role};
+use megac_ir::spec::{dpp_priority, DppTask};
 use megac_ir::types::Axis;
 
 use super::{overlaps, Ctx, RoleReport, RoleSim, TraceEvent, Work, PHASE_STREAM};
@@ -248,24 +249,19 @@ impl<'a> Stage<'a> {
         let Some(dpp) = &self.pipe.dpp else {
             return Ok(None);
         };
-        let breadth = match dpp.policy.as_str() {
-            "bfs" => true,
-            "dfs" => false,
-            _ => self.inflight_total < dpp.cap.max(1),
-        };
+        let breadth = dpp.policy.breadth_first(self.inflight_total, dpp.cap);
         let n = self.pipe.chunks.len() as u32;
         let per = (self.pipe.chunks_total / n.max(1)).max(1);
         let key = |a: &PipeAction| {
-            let lc = a.chunk / per;
-            let (backward, lc) = match a.kind {
-                PipeKind::F => (1, lc),
-                _ => (0, n.saturating_sub(1 + lc)),
-            };
-            if breadth {
-                (backward, lc, a.microbatch)
-            } else {
-                (backward, a.microbatch, lc)
-            }
+            dpp_priority(
+                breadth,
+                DppTask {
+                    backward: a.kind != PipeKind::F,
+                    local_chunk: a.chunk / per,
+                    local_chunks: n,
+                    microbatch: a.microbatch,
+                },
+            )
         };
         let mut best: Option<usize> = None;
         for (i, a) in self.tasks.iter().enumerate() {
