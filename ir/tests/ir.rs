@@ -215,3 +215,25 @@ fn dpp_priority_orders_backwards_first_then_by_policy() {
     assert!(DppPolicy::Adaptive { cap: Some(0) }.breadth_first(0, 2));
     assert!(DppPolicy::Bfs.breadth_first(99, 1) && !DppPolicy::Dfs.breadth_first(0, 1));
 }
+
+/// Chunk placement: chunk c on pipeline rank c % pp as its c / pp-th local chunk, and the
+/// transfer peer is the rank with the same coordinates on that pipeline rank.
+#[test]
+fn chunk_placement_round_trips() {
+    use megac_ir::mesh::{chunk_owner, global_chunk, local_chunk};
+    for pp in 1..5 {
+        for c in 0..3 * pp {
+            assert_eq!(global_chunk(local_chunk(c, pp), chunk_owner(c, pp), pp), c);
+        }
+    }
+    let mesh = Mesh {
+        axes: vec![
+            (megac_ir::Axis::Tp, 2),
+            (megac_ir::Axis::Dp, 1),
+            (megac_ir::Axis::Pp, 4),
+        ],
+    };
+    // Rank 3 is tp 1, pp 1; chunk 6 lives on pp 2: rank 5.
+    assert_eq!(mesh.chunk_peer(3, 6), 5);
+    assert_eq!(mesh.transfer_peer(3, 6, false), 5);
+}

@@ -18,6 +18,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
+use megac_ir::mesh::{chunk_owner, global_chunk, local_chunk};
 use megac_ir::spec::{dpp_priority, DppTask};
 
 /// What a pipeline action does.
@@ -237,11 +238,6 @@ pub enum ScheduleError {
     },
 }
 
-/// The rank holding chunk `c`.
-pub fn owner(chunk: u32, pp: u32) -> u32 {
-    chunk % pp
-}
-
 /// Builds one action list per pipeline rank (index = rank), with explicit `Send`/`Recv`.
 ///
 /// `gpipe`, `1f1b` and `zb-h1` need `vpp == 1`; `interleaved` needs `vpp > 1` and
@@ -390,11 +386,11 @@ fn interleaved(pp: u32, vpp: u32, r: u32, m: u32) -> Vec<Action> {
     };
     let fwd = |k: u32| {
         let (lc, j) = table(k);
-        Action::compute(ActionKind::F, lc * pp + r, j)
+        Action::compute(ActionKind::F, global_chunk(lc, r, pp), j)
     };
     let bwd = |k: u32| {
         let (lc, j) = table(k);
-        Action::compute(ActionKind::BW, (vpp - 1 - lc) * pp + r, j)
+        Action::compute(ActionKind::BW, global_chunk(vpp - 1 - lc, r, pp), j)
     };
     let warmup = (2 * (pp - r - 1) + (vpp - 1) * pp).min(total);
     let mut out: Vec<Action> = (0..warmup).map(fwd).collect();
@@ -483,7 +479,7 @@ fn greedy(
                 }
                 ScheduleKind::Dpp(policy) => {
                     let inflight = (0..vpp)
-                        .flat_map(|lc| (0..m).map(move |j| (lc * pp + r, j)))
+                        .flat_map(|lc| (0..m).map(move |j| (global_chunk(lc, r, pp), j)))
                         .filter(|&(c, j)| {
                             f_done[idx(c, j)].is_some() && b_done[idx(c, j)].is_none()
                         })
@@ -491,10 +487,10 @@ fn greedy(
                     let breadth = policy.breadth_first(inflight, pp);
                     let tasks = || (0..vpp).flat_map(|lc| (0..m).map(move |j| (lc, j)));
                     let back = tasks()
-                        .filter(|&(lc, j)| b_ready(lc * pp + r, j, &f_done, &b_done))
+                        .filter(|&(lc, j)| b_ready(global_chunk(lc, r, pp), j, &f_done, &b_done))
                         .map(|(lc, j)| (true, lc, j));
                     let fwd = tasks()
-                        .filter(|&(lc, j)| f_ready(lc * pp + r, j, &f_done))
+                        .filter(|&(lc, j)| f_ready(global_chunk(lc, r, pp), j, &f_done))
                         .map(|(lc, j)| (false, lc, j));
                     back.chain(fwd)
                         .min_by_key(|&(backward, local_chunk, microbatch)| {
@@ -514,7 +510,7 @@ fn greedy(
                             } else {
                                 ActionKind::F
                             };
-                            Action::compute(kind, lc * pp + r, j)
+                            Action::compute(kind, global_chunk(lc, r, pp), j)
                         })
                 }
                 _ => unreachable!("greedy is only used for zb-h1 and dpp"),
@@ -560,27 +556,27 @@ fn add_comm(compute: Vec<Vec<Action>>, pp: u32, vpp: u32) -> Vec<Vec<Action>> {
                 };
                 match a.kind {
                     ActionKind::F => {
-                        if c > 0 && owner(c - 1, pp) != r {
-                            let peer = owner(c - 1, pp);
+                        if c > 0 && chunk_owner(c - 1, pp) != r {
+                            let peer = chunk_owner(c - 1, pp);
                             let payload = Payload::Activation;
                             out.push(comm(ActionKind::Recv { payload, peer }, c - 1));
                         }
                         out.push(a);
-                        if c + 1 < nc && owner(c + 1, pp) != r {
-                            let peer = owner(c + 1, pp);
+                        if c + 1 < nc && chunk_owner(c + 1, pp) != r {
+                            let peer = chunk_owner(c + 1, pp);
                             let payload = Payload::Activation;
                             out.push(comm(ActionKind::Send { payload, peer }, c));
                         }
                     }
                     ActionKind::B | ActionKind::BW => {
-                        if c + 1 < nc && owner(c + 1, pp) != r {
-                            let peer = owner(c + 1, pp);
+                        if c + 1 < nc && chunk_owner(c + 1, pp) != r {
+                            let peer = chunk_owner(c + 1, pp);
                             let payload = Payload::Gradient;
                             out.push(comm(ActionKind::Recv { payload, peer }, c + 1));
                         }
                         out.push(a);
-                        if c > 0 && owner(c - 1, pp) != r {
-                            let peer = owner(c - 1, pp);
+                        if c > 0 && chunk_owner(c - 1, pp) != r {
+                            let peer = chunk_owner(c - 1, pp);
                             let payload = Payload::Gradient;
                             out.push(comm(ActionKind::Send { payload, peer }, c));
                         }
@@ -1000,10 +996,10 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                     let is_send = matches!(a.kind, ActionKind::Send { .. });
                     let (src, dst) = match payload {
                         Payload::Activation if a.chunk + 1 < nc => {
-                            (owner(a.chunk, pp), owner(a.chunk + 1, pp))
+                            (chunk_owner(a.chunk, pp), chunk_owner(a.chunk + 1, pp))
                         }
                         Payload::Gradient if a.chunk > 0 => {
-                            (owner(a.chunk, pp), owner(a.chunk - 1, pp))
+                            (chunk_owner(a.chunk, pp), chunk_owner(a.chunk - 1, pp))
                         }
                         _ => return Err(bad("no consumer chunk for this tensor".into())),
                     };
@@ -1021,11 +1017,11 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                     continue;
                 }
                 _ => {
-                    if owner(a.chunk, pp) != r {
+                    if chunk_owner(a.chunk, pp) != r {
                         return Err(bad(format!(
                             "chunk {} lives on rank {}",
                             a.chunk,
-                            owner(a.chunk, pp)
+                            chunk_owner(a.chunk, pp)
                         )));
                     }
                     a.kind
@@ -1055,7 +1051,7 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                         kind,
                         chunk: c,
                         microbatch: j,
-                        rank: owner(c, pp),
+                        rank: chunk_owner(c, pp),
                     });
                 }
             }
@@ -1083,10 +1079,10 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
             let w = compute[&(2, c, j)];
             order(b, f)?;
             order(w, b)?;
-            if c > 0 && owner(c - 1, pp) == owner(c, pp) {
+            if c > 0 && chunk_owner(c - 1, pp) == chunk_owner(c, pp) {
                 order(f, compute[&(0, c - 1, j)])?;
             }
-            if c + 1 < nc && owner(c + 1, pp) == owner(c, pp) {
+            if c + 1 < nc && chunk_owner(c + 1, pp) == chunk_owner(c, pp) {
                 order(b, compute[&(1, c + 1, j)])?;
             }
         }
@@ -1100,7 +1096,7 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                     Payload::Gradient if c > 0 => (c - 1, (1, c), (1, c - 1)),
                     _ => continue,
                 };
-                let (src, dst) = (owner(c, pp), owner(dst_chunk, pp));
+                let (src, dst) = (chunk_owner(c, pp), chunk_owner(dst_chunk, pp));
                 if src == dst {
                     continue;
                 }
@@ -1349,7 +1345,7 @@ pub fn render_svg(lists: &[Vec<Action>], vpp: u32, timeline: &Timeline, title: &
             let present = lists
                 .iter()
                 .flatten()
-                .any(|a| a.kind == kind && a.chunk / pp == lc);
+                .any(|a| a.kind == kind && local_chunk(a.chunk, pp) == lc);
             if present {
                 entries.push((kind, lc));
             }
@@ -1452,7 +1448,7 @@ pub fn render_svg(lists: &[Vec<Action>], vpp: u32, timeline: &Timeline, title: &
             }
             let x = left + start * scale;
             let w = ((end - start) * scale).max(0.0);
-            let (color, text_color) = fill(a.kind, a.chunk / pp, vpp);
+            let (color, text_color) = fill(a.kind, local_chunk(a.chunk, pp), vpp);
             let label = label(a);
             let _ = write!(
                 s,

@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 
+use megac_ir::mesh::local_chunk;
 use megac_ir::plan::{ChunkProgram, Instr, PipeAction, PipeKind, Pipeline};
 use megac_ir::spec::{dpp_priority, DppTask};
 use megac_ir::Axis;
@@ -247,7 +248,7 @@ fn run_dynamic(
                 breadth,
                 DppTask {
                     backward: t.kind != PipeKind::F,
-                    local_chunk: t.chunk / (nc / n).max(1),
+                    local_chunk: local_chunk(t.chunk, nc / n.max(1)),
                     local_chunks: n,
                     microbatch: t.microbatch,
                 },

@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use megac_ir::mesh::{chunk_owner, local_chunk};
 use megac_ir::op::OpKind;
 use megac_ir::plan::{BufferClass, ChunkProgram, Instr, PipeAction, PipeKind, Pipeline, Role};
 use megac_ir::spec::{dpp_priority, DppTask};
@@ -257,7 +258,7 @@ impl<'a> Stage<'a> {
                 breadth,
                 DppTask {
                     backward: a.kind != PipeKind::F,
-                    local_chunk: a.chunk / per,
+                    local_chunk: local_chunk(a.chunk, per),
                     local_chunks: n,
                     microbatch: a.microbatch,
                 },
@@ -338,12 +339,12 @@ pub(super) fn simulate_pipeline(
             .collect();
         let mut chunks = BTreeMap::new();
         for c in &pipe.chunks {
-            if c.chunk % pp != stage {
+            if chunk_owner(c.chunk, pp) != stage {
                 return Err(SimError::new(format!(
                     "malformed plan: role {} (pipeline stage {stage}) holds chunk {}, which lives on stage {}",
                     role.name,
                     c.chunk,
-                    c.chunk % pp
+                    chunk_owner(c.chunk, pp)
                 )));
             }
             let f = seg(ctx, &c.forward, &base)?;
@@ -724,7 +725,7 @@ fn run_action(
                             st.sim.busy += unit_cost;
                             charged = true;
                         }
-                        let dst = chunk % pp;
+                        let dst = chunk_owner(*chunk, pp);
                         if !stage_index.contains_key(&dst) {
                             return Err(SimError::new(format!(
                                 "malformed plan: stage {} sends transfer {transfer} to chunk {chunk}, whose stage {dst} has no role",
@@ -741,7 +742,7 @@ fn run_action(
                         let t = if unit || dst == st.stage {
                             0.0
                         } else {
-                            let peer = plan.mesh.rank_with(st.rep_rank, Axis::Pp, dst as usize);
+                            let peer = plan.mesh.chunk_peer(st.rep_rank, *chunk);
                             let same_node = peer / gpn == st.rep_rank / gpn;
                             let group = Group {
                                 size: 2,
