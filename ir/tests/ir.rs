@@ -237,3 +237,31 @@ fn chunk_placement_round_trips() {
     assert_eq!(mesh.chunk_peer(3, 6), 5);
     assert_eq!(mesh.transfer_peer(3, 6, false), 5);
 }
+
+/// Atomic writes: folders are made, a file is replaced whole, and a failed write leaves the
+/// old file and no temporary behind.
+#[test]
+fn write_atomic_replaces_whole_or_not_at_all() {
+    use megac_ir::file::{write_atomic, write_atomic_with, WriteError};
+    let dir = std::env::temp_dir().join(format!("megac-ir-atomic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("a/b/plan.json");
+    write_atomic(&path, "one").unwrap();
+    write_atomic(&path, b"two").unwrap();
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "two");
+    let e = write_atomic_with(&path, |w| {
+        w.write_all(b"half")?;
+        Err(std::io::Error::other("the writer failed"))
+    })
+    .unwrap_err();
+    assert!(matches!(e, WriteError::Write(_)), "{e}");
+    assert_eq!(e.to_string(), "cannot write: the writer failed");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "two");
+    let left: Vec<_> = std::fs::read_dir(dir.join("a/b")).unwrap().collect();
+    assert_eq!(left.len(), 1, "a temporary file was left behind");
+    assert!(matches!(
+        write_atomic(std::path::Path::new(".."), "x"),
+        Err(WriteError::NotAFile)
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
