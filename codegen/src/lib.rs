@@ -135,20 +135,11 @@ pub fn lr_schedule(spec: &ModelSpec) -> LrSchedule {
 
 /// Write `plan` to `dir/plan.json`, atomically: the file appears whole or not at all.
 pub fn write_plan(plan: &Plan, dir: &Path) -> Result<(), CodegenError> {
-    let fail = |message: String| CodegenError::Write {
-        path: dir.display().to_string(),
-        message,
-    };
-    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
-    let tmp = dir.join(".plan.json.tmp");
-    let dst = dir.join("plan.json");
-    std::fs::write(&tmp, plan.to_json()).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        fail(e.to_string())
-    })?;
-    std::fs::rename(&tmp, &dst).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        fail(e.to_string())
+    megac_ir::file::write_atomic(&dir.join("plan.json"), plan.to_json()).map_err(|e| {
+        CodegenError::Write {
+            path: dir.display().to_string(),
+            message: e.to_string(),
+        }
     })
 }
 

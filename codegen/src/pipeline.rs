@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use megac_ir::mesh::chunk_owner;
 use megac_ir::plan::{
     BufId, Buffer, BufferClass, ChunkProgram, DppExec, Instr, MemoryPlan, PipeAction, PipeKind,
     Pipeline, Role,
@@ -283,7 +284,10 @@ fn scan_usage(
                     u.chunk_inputs.entry(c).or_default().insert(r);
                 }
                 _ => {
-                    u.persistent_stage.entry(r).or_default().insert(c % pp);
+                    u.persistent_stage
+                        .entry(r)
+                        .or_default()
+                        .insert(chunk_owner(c, pp));
                 }
             }
         }
@@ -427,7 +431,7 @@ fn segments(
         let map = |b: BufId| {
             *copy
                 .get(&(b, c))
-                .or_else(|| tied.copy.get(&(b, c % geo.pp)))
+                .or_else(|| tied.copy.get(&(b, chunk_owner(c, geo.pp))))
                 .unwrap_or(&b)
         };
         let instr = match instr {
@@ -517,8 +521,8 @@ fn fold_tied_gradients(
         if !tied_grads.contains(&grad) || inputs.len() != 2 {
             continue;
         }
-        let stage = x.from % pp;
-        let home = x.to % pp;
+        let stage = chunk_owner(x.from, pp);
+        let home = chunk_owner(x.to, pp);
         // The producer's per-step partial sum, and the home stage's landing buffer.
         let fold = match folds
             .iter()
@@ -638,11 +642,11 @@ fn assign_stages(e: &mut Emitter, usage: &Usage, tied: &Tied, pp: u32) {
         e.buffers[b as usize].stage = tied.home.get(&b).or(stages.iter().next()).copied();
     }
     for (&r, &c) in &usage.owner {
-        e.buffers[r as usize].stage = Some(c % pp);
+        e.buffers[r as usize].stage = Some(chunk_owner(c, pp));
     }
     for i in 0..e.buffers.len() {
         if let Some(c) = e.buffers[i].chunk {
-            e.buffers[i].stage = Some(c % pp);
+            e.buffers[i].stage = Some(chunk_owner(c, pp));
         }
     }
     for entry in &e.params {
@@ -1000,11 +1004,8 @@ fn stage_role(
         .collect();
     let dpp = match geo.kind {
         ScheduleKind::Dpp(policy) => Some(DppExec {
-            policy: spec.parallel.dpp_policy.as_str().to_string(),
-            cap: match policy {
-                schedule::DppPolicy::Adaptive { cap } => cap.unwrap_or(pp),
-                _ => 0,
-            },
+            policy: spec.parallel.dpp_policy,
+            cap: policy.cap_or(pp),
         }),
         _ => None,
     };

@@ -724,12 +724,13 @@ fn read_parallel(
         .choice(
             "dpp_policy",
             &[
-                ("bfs", DppPolicy::Bfs),
-                ("dfs", DppPolicy::Dfs),
-                ("adaptive", DppPolicy::Adaptive),
-            ],
+                DppPolicy::Bfs,
+                DppPolicy::Dfs,
+                DppPolicy::Adaptive { cap: None },
+            ]
+            .map(|p| (p.as_str(), p)),
         )?
-        .unwrap_or(DppPolicy::Adaptive);
+        .unwrap_or(DppPolicy::Adaptive { cap: None });
     let fbd = s.boolean("fbd", false)?;
     let cp_comm = s
         .choice(

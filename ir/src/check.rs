@@ -445,12 +445,16 @@ fn check_placement(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> 
                 role.name, c.chunk, pipe.chunks_total
             ));
         }
-        if u64::from(c.chunk) % pp != here {
+        let owner = u64::from(crate::mesh::chunk_owner(
+            c.chunk,
+            u32::try_from(pp).unwrap_or(u32::MAX),
+        ));
+        if owner != here {
             return Err(format!(
                 "{} (rank {rank}, pipeline rank {here}) holds chunk {}, which lives on pipeline rank {}",
                 role.name,
                 c.chunk,
-                u64::from(c.chunk) % pp
+                owner
             ));
         }
     }
@@ -617,16 +621,9 @@ impl<'p, 'a> Sim<'p, 'a> {
         }
     }
 
-    /// The peer of a transfer: the FBD twin (same coordinates, the other fbd one), or the
-    /// rank with the same coordinates but the pipeline one, `chunk % pp`.
+    /// The peer of a transfer ([`crate::Mesh::transfer_peer`]).
     fn peer(&self, rank: usize, chunk: u32, twin: bool) -> usize {
-        let mesh = &self.plan.mesh;
-        if twin {
-            let fbd = mesh.coord(rank, Axis::Fbd);
-            return mesh.rank_with(rank, Axis::Fbd, 1 - fbd.min(1));
-        }
-        let pp = mesh.size(Axis::Pp).max(1);
-        mesh.rank_with(rank, Axis::Pp, (u64::from(chunk) % pp) as usize)
+        self.plan.mesh.transfer_peer(rank, chunk, twin)
     }
 
     /// Run rank `i` until it blocks or finishes.

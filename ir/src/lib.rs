@@ -5,6 +5,9 @@
 //!   [`types`] (dtypes, named-dim shapes, layouts), [`op`] (kernel-sized ops),
 //!   [`infer`] (shape rules), [`verify`] (invariants), [`print`] and [`parse`] (text form).
 //!
+//! - [`file`]: atomic file writing (every writer of plans, reports, traces, checkpoints).
+//! - [`flops`]: Megatron's model FLOPs per step and the padded vocabulary.
+//! - [`rules`]: layout validity, model.toml's cross-key rules as typed violations.
 //! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime.
 //!
 //! The sharded and staged levels will build on these types.
@@ -12,6 +15,8 @@
 #![warn(missing_docs)]
 
 pub mod check;
+pub mod file;
+pub mod flops;
 pub mod graph;
 pub mod infer;
 pub mod mesh;
@@ -19,6 +24,7 @@ pub mod op;
 pub mod parse;
 pub mod plan;
 pub mod print;
+pub mod rules;
 pub mod spec;
 pub mod types;
 pub mod verify;

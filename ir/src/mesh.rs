@@ -15,10 +15,32 @@
 //! consecutive ranks (stride tp) within the dp·cp ranks, e.g. with cp = 2 and ep = 2 it is
 //! the cp group. Experts are tensor-parallel (or replicated) over tp, so an ep group never
 //! spans tp.
+//!
+//! **Pipeline chunks.** The model's `pp·vpp` chunks are placed as Megatron's interleaved
+//! schedule places them: chunk `c` lives on pipeline rank `c % pp`, as its `c / pp`-th local
+//! chunk ([`chunk_owner`], [`local_chunk`], [`global_chunk`]; [`Mesh::chunk_peer`] for the
+//! rank). This is the one home of the placement: the stage split, the schedule pass,
+//! codegen, the plan validator, the runtime and the simulator call it.
 
 use serde::{Deserialize, Serialize};
 
 use crate::types::Axis;
+
+/// The pipeline rank that holds chunk `chunk` of a model split over `pp` pipeline ranks:
+/// `chunk % pp` (a `pp` of 0 counts as 1).
+pub fn chunk_owner(chunk: u32, pp: u32) -> u32 {
+    chunk % pp.max(1)
+}
+
+/// Chunk `chunk`'s index among its owner's chunks, in model order: `chunk / pp`.
+pub fn local_chunk(chunk: u32, pp: u32) -> u32 {
+    chunk / pp.max(1)
+}
+
+/// The global index of local chunk `local` of pipeline rank `rank`: `local·pp + rank`.
+pub fn global_chunk(local: u32, rank: u32, pp: u32) -> u32 {
+    local * pp + rank
+}
 
 /// Axis sizes in rank order, innermost (stride 1) first.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,6 +109,23 @@ impl Mesh {
             stride *= n as usize;
         }
         rank
+    }
+
+    /// The rank that holds pipeline chunk `chunk` among `rank`'s pipeline group: `rank`'s
+    /// coordinates, with the pipeline one [`chunk_owner`]'s.
+    pub fn chunk_peer(&self, rank: usize, chunk: u32) -> usize {
+        let pp = u32::try_from(self.size(Axis::Pp)).unwrap_or(u32::MAX);
+        self.rank_with(rank, Axis::Pp, chunk_owner(chunk, pp) as usize)
+    }
+
+    /// The peer of a pipeline transfer from `rank` for chunk `chunk`: with `twin`, the
+    /// MegaFBD twin (the same coordinates, the other fbd one); otherwise [`Mesh::chunk_peer`].
+    pub fn transfer_peer(&self, rank: usize, chunk: u32, twin: bool) -> usize {
+        if twin {
+            let fbd = self.coord(rank, Axis::Fbd);
+            return self.rank_with(rank, Axis::Fbd, 1 - fbd.min(1));
+        }
+        self.chunk_peer(rank, chunk)
     }
 
     /// `rank`'s position in its dp·cp group (rank order).

@@ -361,8 +361,9 @@ pub struct ChunkProgram {
 /// MegaDPP's dynamic execution: run the highest-priority ready task.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DppExec {
-    /// `bfs`, `dfs` or `adaptive`.
-    pub policy: String,
+    /// `bfs`, `dfs` or `adaptive` (its cap is `cap`).
+    #[serde(with = "crate::spec::dpp_policy_name")]
+    pub policy: crate::spec::DppPolicy,
     /// Adaptive: breadth-first while fewer than `cap` micro-batches are in flight.
     pub cap: u32,
 }

@@ -199,25 +199,118 @@ impl Schedule {
     }
 }
 
-/// MegaDPP priority policy (`parallel.dpp_policy`).
+/// MegaDPP priority policy (`parallel.dpp_policy`, `megac schedule dpp-*`, a plan's
+/// `dpp.policy`): the one home of the policy and of its priority ([`DppPolicy::breadth_first`],
+/// [`dpp_priority`]), used by the schedule pass's reference order, the runtime's dynamic
+/// execution and the simulator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DppPolicy {
-    /// All micro-batches of a chunk first.
+    /// All micro-batches of a chunk first (priority `(chunk, micro-batch)`).
     Bfs,
-    /// One micro-batch through all chunks first.
+    /// One micro-batch through all chunks first (priority `(micro-batch, chunk)`).
     Dfs,
-    /// Breadth-first under a memory cap, depth-first beyond it.
-    Adaptive,
+    /// Breadth-first while fewer than `cap` micro-batches are in flight on the rank,
+    /// depth-first beyond.
+    Adaptive {
+        /// In-flight threshold; `None`: the default (`pp`, or a plan's `dpp.cap`).
+        cap: Option<u32>,
+    },
 }
 
 impl DppPolicy {
-    /// The spelling used in model.toml.
+    /// The spelling used in model.toml and in a plan's `dpp.policy`.
     pub fn as_str(self) -> &'static str {
         match self {
             DppPolicy::Bfs => "bfs",
             DppPolicy::Dfs => "dfs",
-            DppPolicy::Adaptive => "adaptive",
+            DppPolicy::Adaptive { .. } => "adaptive",
         }
+    }
+
+    /// The policy spelled `name` (`bfs`, `dfs`, `adaptive` with the default cap).
+    pub fn from_name(name: &str) -> Option<DppPolicy> {
+        match name {
+            "bfs" => Some(DppPolicy::Bfs),
+            "dfs" => Some(DppPolicy::Dfs),
+            "adaptive" => Some(DppPolicy::Adaptive { cap: None }),
+            _ => None,
+        }
+    }
+
+    /// The in-flight cap a plan records: adaptive's cap (`default` when unset), 0 for the
+    /// policies without one.
+    pub fn cap_or(self, default: u32) -> u32 {
+        match self {
+            DppPolicy::Adaptive { cap } => cap.unwrap_or(default),
+            _ => 0,
+        }
+    }
+
+    /// Whether the next task is chosen breadth-first with `inflight` micro-batches in flight
+    /// on the rank (forward done, backward not); `default_cap` stands for an unset adaptive
+    /// cap, and a cap under 1 counts as 1.
+    pub fn breadth_first(self, inflight: u32, default_cap: u32) -> bool {
+        match self {
+            DppPolicy::Bfs => true,
+            DppPolicy::Dfs => false,
+            DppPolicy::Adaptive { cap } => inflight < cap.unwrap_or(default_cap).max(1),
+        }
+    }
+}
+
+impl fmt::Display for DppPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A ready pipeline task as MegaDPP's priority sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DppTask {
+    /// A backward (B, or fused BW), not a forward.
+    pub backward: bool,
+    /// The chunk's index among the rank's own chunks (0 = earliest in the model).
+    pub local_chunk: u32,
+    /// How many chunks the rank holds.
+    pub local_chunks: u32,
+    /// The micro-batch.
+    pub microbatch: u32,
+}
+
+/// MegaDPP's priority of a ready task, lowest first: any backward before any forward, later
+/// chunks' backwards first; breadth-first orders by chunk then micro-batch, depth-first by
+/// micro-batch then chunk (`breadth` from [`DppPolicy::breadth_first`]).
+pub fn dpp_priority(breadth: bool, t: DppTask) -> (u32, u32, u32) {
+    let (kind, chunk) = if t.backward {
+        (0, t.local_chunks.saturating_sub(1 + t.local_chunk))
+    } else {
+        (1, t.local_chunk)
+    };
+    if breadth {
+        (kind, chunk, t.microbatch)
+    } else {
+        (kind, t.microbatch, chunk)
+    }
+}
+
+/// Serde for a plan's `dpp.policy`: the policy's name (its cap travels apart, as
+/// `dpp.cap`); an unknown name is an error.
+pub mod dpp_policy_name {
+    use super::DppPolicy;
+
+    /// Write the name.
+    pub fn serialize<S: serde::Serializer>(p: &DppPolicy, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(p.as_str())
+    }
+
+    /// Read a name (`bfs`, `dfs`, `adaptive`).
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DppPolicy, D::Error> {
+        let name = <String as serde::Deserialize>::deserialize(d)?;
+        DppPolicy::from_name(&name).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "unknown dpp policy `{name}` (expected bfs, dfs or adaptive)"
+            ))
+        })
     }
 }
 
@@ -330,8 +423,7 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// Vocabulary padded to a multiple of 128·tp, as Megatron pads it.
     pub fn padded_vocab(&self) -> u64 {
-        let m = 128 * self.parallel.tp;
-        self.model.vocab.div_ceil(m) * m
+        crate::flops::padded_vocab(self.model.vocab, self.parallel.tp)
     }
 }
 

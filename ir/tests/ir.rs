@@ -172,3 +172,96 @@ fn layouts_print_and_parse() {
     );
     assert_eq!(parse_graph(&text).unwrap(), g);
 }
+
+/// A plan's `dpp.policy` is the policy's model.toml name (plans stay byte-identical), and
+/// an unknown name is an error rather than a silent adaptive policy.
+#[test]
+fn dpp_policy_serializes_as_its_name() {
+    use megac_ir::plan::DppExec;
+    use megac_ir::spec::DppPolicy;
+    for (policy, name) in [
+        (DppPolicy::Bfs, "bfs"),
+        (DppPolicy::Dfs, "dfs"),
+        (DppPolicy::Adaptive { cap: None }, "adaptive"),
+    ] {
+        let exec = DppExec { policy, cap: 4 };
+        let json = serde_json::to_string(&exec).unwrap();
+        assert_eq!(json, format!("{{\"policy\":\"{name}\",\"cap\":4}}"));
+        assert_eq!(serde_json::from_str::<DppExec>(&json).unwrap(), exec);
+    }
+    let err = serde_json::from_str::<DppExec>("{\"policy\":\"bfz\",\"cap\":0}").unwrap_err();
+    assert!(
+        err.to_string().contains("unknown dpp policy `bfz`"),
+        "{err}"
+    );
+}
+
+/// MegaDPP's priority: backwards first (later chunks first), then breadth- or depth-first.
+#[test]
+fn dpp_priority_orders_backwards_first_then_by_policy() {
+    use megac_ir::spec::{dpp_priority, DppPolicy, DppTask};
+    let t = |backward, local_chunk, microbatch| DppTask {
+        backward,
+        local_chunk,
+        local_chunks: 2,
+        microbatch,
+    };
+    assert!(dpp_priority(true, t(true, 0, 3)) < dpp_priority(true, t(false, 0, 0)));
+    assert!(dpp_priority(true, t(true, 1, 3)) < dpp_priority(true, t(true, 0, 0)));
+    assert!(dpp_priority(true, t(false, 0, 3)) < dpp_priority(true, t(false, 1, 0)));
+    assert!(dpp_priority(false, t(false, 1, 0)) < dpp_priority(false, t(false, 0, 1)));
+    let adaptive = DppPolicy::Adaptive { cap: None };
+    assert!(adaptive.breadth_first(1, 2) && !adaptive.breadth_first(2, 2));
+    assert!(DppPolicy::Adaptive { cap: Some(0) }.breadth_first(0, 2));
+    assert!(DppPolicy::Bfs.breadth_first(99, 1) && !DppPolicy::Dfs.breadth_first(0, 1));
+}
+
+/// Chunk placement: chunk c on pipeline rank c % pp as its c / pp-th local chunk, and the
+/// transfer peer is the rank with the same coordinates on that pipeline rank.
+#[test]
+fn chunk_placement_round_trips() {
+    use megac_ir::mesh::{chunk_owner, global_chunk, local_chunk};
+    for pp in 1..5 {
+        for c in 0..3 * pp {
+            assert_eq!(global_chunk(local_chunk(c, pp), chunk_owner(c, pp), pp), c);
+        }
+    }
+    let mesh = Mesh {
+        axes: vec![
+            (megac_ir::Axis::Tp, 2),
+            (megac_ir::Axis::Dp, 1),
+            (megac_ir::Axis::Pp, 4),
+        ],
+    };
+    // Rank 3 is tp 1, pp 1; chunk 6 lives on pp 2: rank 5.
+    assert_eq!(mesh.chunk_peer(3, 6), 5);
+    assert_eq!(mesh.transfer_peer(3, 6, false), 5);
+}
+
+/// Atomic writes: folders are made, a file is replaced whole, and a failed write leaves the
+/// old file and no temporary behind.
+#[test]
+fn write_atomic_replaces_whole_or_not_at_all() {
+    use megac_ir::file::{write_atomic, write_atomic_with, WriteError};
+    let dir = std::env::temp_dir().join(format!("megac-ir-atomic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("a/b/plan.json");
+    write_atomic(&path, "one").unwrap();
+    write_atomic(&path, b"two").unwrap();
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "two");
+    let e = write_atomic_with(&path, |w| {
+        w.write_all(b"half")?;
+        Err(std::io::Error::other("the writer failed"))
+    })
+    .unwrap_err();
+    assert!(matches!(e, WriteError::Write(_)), "{e}");
+    assert_eq!(e.to_string(), "cannot write: the writer failed");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "two");
+    let left: Vec<_> = std::fs::read_dir(dir.join("a/b")).unwrap().collect();
+    assert_eq!(left.len(), 1, "a temporary file was left behind");
+    assert!(matches!(
+        write_atomic(std::path::Path::new(".."), "x"),
+        Err(WriteError::NotAFile)
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

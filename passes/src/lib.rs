@@ -4,14 +4,13 @@
 //! - [`build`]: ModelSpec -> Graph IR.
 //! - [`autodiff`]: backward graph; [`recompute`]: activation recomputation rewrite;
 //!   [`shard`]: layouts over the mesh; [`optimizer`]: gradient norm, clipping, AdamW.
-//! - [`flops`]: model FLOPs per step (analysis, not a transformation).
+//! - `flops`: model FLOPs per step, re-exported from their home, [`megac_ir::flops`].
 
 #![warn(missing_docs)]
 
 pub mod autodiff;
 pub mod build;
 pub mod collectives;
-pub mod flops;
 pub mod manager;
 pub mod optimizer;
 pub mod recompute;
@@ -19,10 +18,9 @@ pub mod schedule;
 pub mod shard;
 pub mod stages;
 
-#[cfg(test)]
-mod test_support;
-
 pub use manager::{pass_names, pipeline, run_pipeline, Module, Pass};
+/// Model FLOPs per step (analysis, not a transformation): their home is in ir.
+pub use megac_ir::flops;
 
 /// Errors raised by passes.
 #[derive(Debug, thiserror::Error)]

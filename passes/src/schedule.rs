@@ -18,6 +18,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
+use megac_ir::mesh::{chunk_owner, global_chunk, local_chunk};
+use megac_ir::spec::{dpp_priority, DppTask};
+
 /// What a pipeline action does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ActionKind {
@@ -117,20 +120,9 @@ impl fmt::Display for Action {
     }
 }
 
-/// Breadth-first / depth-first policy of MegaDPP's dynamic pipeline planning.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DppPolicy {
-    /// All microbatches of a chunk first (priority key `(chunk, microbatch)`).
-    Bfs,
-    /// One microbatch through all chunks first (priority key `(microbatch, chunk)`).
-    Dfs,
-    /// Breadth-first while the rank's in-flight `(chunk, microbatch)` count is below `cap`,
-    /// depth-first beyond. `None` means `cap = pp`.
-    Adaptive {
-        /// In-flight threshold; `None` = `pp`.
-        cap: Option<u32>,
-    },
-}
+/// MegaDPP's policy: its home is `megac_ir::spec` (with the priority the runtime and the
+/// simulator use too).
+pub use megac_ir::spec::DppPolicy;
 
 /// The pipeline schedules [`schedule`] builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,17 +142,13 @@ pub enum ScheduleKind {
 impl ScheduleKind {
     /// The schedule a model.toml's `[parallel]` section asks for (`schedule`, `dpp_policy`).
     pub fn of(p: &megac_ir::spec::ParallelSection) -> ScheduleKind {
-        use megac_ir::spec::{DppPolicy as Policy, Schedule};
+        use megac_ir::spec::Schedule;
         match p.schedule {
             Schedule::Gpipe => ScheduleKind::GPipe,
             Schedule::OneFOneB => ScheduleKind::OneFOneB,
             Schedule::Interleaved => ScheduleKind::Interleaved,
             Schedule::ZbH1 => ScheduleKind::ZbH1,
-            Schedule::Dpp => ScheduleKind::Dpp(match p.dpp_policy {
-                Policy::Bfs => DppPolicy::Bfs,
-                Policy::Dfs => DppPolicy::Dfs,
-                Policy::Adaptive => DppPolicy::Adaptive { cap: None },
-            }),
+            Schedule::Dpp => ScheduleKind::Dpp(p.dpp_policy),
         }
     }
 
@@ -248,11 +236,6 @@ pub enum ScheduleError {
         /// The schedule name.
         kind: &'static str,
     },
-}
-
-/// The rank holding chunk `c`.
-pub fn owner(chunk: u32, pp: u32) -> u32 {
-    chunk % pp
 }
 
 /// Builds one action list per pipeline rank (index = rank), with explicit `Send`/`Recv`.
@@ -403,11 +386,11 @@ fn interleaved(pp: u32, vpp: u32, r: u32, m: u32) -> Vec<Action> {
     };
     let fwd = |k: u32| {
         let (lc, j) = table(k);
-        Action::compute(ActionKind::F, lc * pp + r, j)
+        Action::compute(ActionKind::F, global_chunk(lc, r, pp), j)
     };
     let bwd = |k: u32| {
         let (lc, j) = table(k);
-        Action::compute(ActionKind::BW, (vpp - 1 - lc) * pp + r, j)
+        Action::compute(ActionKind::BW, global_chunk(vpp - 1 - lc, r, pp), j)
     };
     let warmup = (2 * (pp - r - 1) + (vpp - 1) * pp).min(total);
     let mut out: Vec<Action> = (0..warmup).map(fwd).collect();
@@ -496,28 +479,39 @@ fn greedy(
                 }
                 ScheduleKind::Dpp(policy) => {
                     let inflight = (0..vpp)
-                        .flat_map(|lc| (0..m).map(move |j| (lc * pp + r, j)))
+                        .flat_map(|lc| (0..m).map(move |j| (global_chunk(lc, r, pp), j)))
                         .filter(|&(c, j)| {
                             f_done[idx(c, j)].is_some() && b_done[idx(c, j)].is_none()
                         })
                         .count() as u32;
-                    let breadth = match policy {
-                        DppPolicy::Bfs => true,
-                        DppPolicy::Dfs => false,
-                        DppPolicy::Adaptive { cap } => inflight < cap.unwrap_or(pp),
-                    };
-                    let key = |lc: u32, j: u32| if breadth { (lc, j) } else { (j, lc) };
+                    let breadth = policy.breadth_first(inflight, pp);
                     let tasks = || (0..vpp).flat_map(|lc| (0..m).map(move |j| (lc, j)));
                     let back = tasks()
-                        .filter(|&(lc, j)| b_ready(lc * pp + r, j, &f_done, &b_done))
-                        .min_by_key(|&(lc, j)| key(vpp - 1 - lc, j))
-                        .map(|(lc, j)| Action::compute(ActionKind::BW, lc * pp + r, j));
-                    back.or_else(|| {
-                        tasks()
-                            .filter(|&(lc, j)| f_ready(lc * pp + r, j, &f_done))
-                            .min_by_key(|&(lc, j)| key(lc, j))
-                            .map(|(lc, j)| Action::compute(ActionKind::F, lc * pp + r, j))
-                    })
+                        .filter(|&(lc, j)| b_ready(global_chunk(lc, r, pp), j, &f_done, &b_done))
+                        .map(|(lc, j)| (true, lc, j));
+                    let fwd = tasks()
+                        .filter(|&(lc, j)| f_ready(global_chunk(lc, r, pp), j, &f_done))
+                        .map(|(lc, j)| (false, lc, j));
+                    back.chain(fwd)
+                        .min_by_key(|&(backward, local_chunk, microbatch)| {
+                            dpp_priority(
+                                breadth,
+                                DppTask {
+                                    backward,
+                                    local_chunk,
+                                    local_chunks: vpp,
+                                    microbatch,
+                                },
+                            )
+                        })
+                        .map(|(backward, lc, j)| {
+                            let kind = if backward {
+                                ActionKind::BW
+                            } else {
+                                ActionKind::F
+                            };
+                            Action::compute(kind, global_chunk(lc, r, pp), j)
+                        })
                 }
                 _ => unreachable!("greedy is only used for zb-h1 and dpp"),
             };
@@ -562,27 +556,27 @@ fn add_comm(compute: Vec<Vec<Action>>, pp: u32, vpp: u32) -> Vec<Vec<Action>> {
                 };
                 match a.kind {
                     ActionKind::F => {
-                        if c > 0 && owner(c - 1, pp) != r {
-                            let peer = owner(c - 1, pp);
+                        if c > 0 && chunk_owner(c - 1, pp) != r {
+                            let peer = chunk_owner(c - 1, pp);
                             let payload = Payload::Activation;
                             out.push(comm(ActionKind::Recv { payload, peer }, c - 1));
                         }
                         out.push(a);
-                        if c + 1 < nc && owner(c + 1, pp) != r {
-                            let peer = owner(c + 1, pp);
+                        if c + 1 < nc && chunk_owner(c + 1, pp) != r {
+                            let peer = chunk_owner(c + 1, pp);
                             let payload = Payload::Activation;
                             out.push(comm(ActionKind::Send { payload, peer }, c));
                         }
                     }
                     ActionKind::B | ActionKind::BW => {
-                        if c + 1 < nc && owner(c + 1, pp) != r {
-                            let peer = owner(c + 1, pp);
+                        if c + 1 < nc && chunk_owner(c + 1, pp) != r {
+                            let peer = chunk_owner(c + 1, pp);
                             let payload = Payload::Gradient;
                             out.push(comm(ActionKind::Recv { payload, peer }, c + 1));
                         }
                         out.push(a);
-                        if c > 0 && owner(c - 1, pp) != r {
-                            let peer = owner(c - 1, pp);
+                        if c > 0 && chunk_owner(c - 1, pp) != r {
+                            let peer = chunk_owner(c - 1, pp);
                             let payload = Payload::Gradient;
                             out.push(comm(ActionKind::Send { payload, peer }, c));
                         }
@@ -1002,10 +996,10 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                     let is_send = matches!(a.kind, ActionKind::Send { .. });
                     let (src, dst) = match payload {
                         Payload::Activation if a.chunk + 1 < nc => {
-                            (owner(a.chunk, pp), owner(a.chunk + 1, pp))
+                            (chunk_owner(a.chunk, pp), chunk_owner(a.chunk + 1, pp))
                         }
                         Payload::Gradient if a.chunk > 0 => {
-                            (owner(a.chunk, pp), owner(a.chunk - 1, pp))
+                            (chunk_owner(a.chunk, pp), chunk_owner(a.chunk - 1, pp))
                         }
                         _ => return Err(bad("no consumer chunk for this tensor".into())),
                     };
@@ -1023,11 +1017,11 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                     continue;
                 }
                 _ => {
-                    if owner(a.chunk, pp) != r {
+                    if chunk_owner(a.chunk, pp) != r {
                         return Err(bad(format!(
                             "chunk {} lives on rank {}",
                             a.chunk,
-                            owner(a.chunk, pp)
+                            chunk_owner(a.chunk, pp)
                         )));
                     }
                     a.kind
@@ -1057,7 +1051,7 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                         kind,
                         chunk: c,
                         microbatch: j,
-                        rank: owner(c, pp),
+                        rank: chunk_owner(c, pp),
                     });
                 }
             }
@@ -1085,10 +1079,10 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
             let w = compute[&(2, c, j)];
             order(b, f)?;
             order(w, b)?;
-            if c > 0 && owner(c - 1, pp) == owner(c, pp) {
+            if c > 0 && chunk_owner(c - 1, pp) == chunk_owner(c, pp) {
                 order(f, compute[&(0, c - 1, j)])?;
             }
-            if c + 1 < nc && owner(c + 1, pp) == owner(c, pp) {
+            if c + 1 < nc && chunk_owner(c + 1, pp) == chunk_owner(c, pp) {
                 order(b, compute[&(1, c + 1, j)])?;
             }
         }
@@ -1102,7 +1096,7 @@ pub fn validate(lists: &[Vec<Action>], pp: u32, vpp: u32, m: u32) -> Result<(), 
                     Payload::Gradient if c > 0 => (c - 1, (1, c), (1, c - 1)),
                     _ => continue,
                 };
-                let (src, dst) = (owner(c, pp), owner(dst_chunk, pp));
+                let (src, dst) = (chunk_owner(c, pp), chunk_owner(dst_chunk, pp));
                 if src == dst {
                     continue;
                 }
@@ -1351,7 +1345,7 @@ pub fn render_svg(lists: &[Vec<Action>], vpp: u32, timeline: &Timeline, title: &
             let present = lists
                 .iter()
                 .flatten()
-                .any(|a| a.kind == kind && a.chunk / pp == lc);
+                .any(|a| a.kind == kind && local_chunk(a.chunk, pp) == lc);
             if present {
                 entries.push((kind, lc));
             }
@@ -1454,7 +1448,7 @@ pub fn render_svg(lists: &[Vec<Action>], vpp: u32, timeline: &Timeline, title: &
             }
             let x = left + start * scale;
             let w = ((end - start) * scale).max(0.0);
-            let (color, text_color) = fill(a.kind, a.chunk / pp, vpp);
+            let (color, text_color) = fill(a.kind, local_chunk(a.chunk, pp), vpp);
             let label = label(a);
             let _ = write!(
                 s,

@@ -5,7 +5,7 @@
 //! estimate (Megatron's model FLOPs of the layer, forward and backward, plus the output layer
 //! and loss on the last chunk; the embedding is a gather and costs nothing); without the key
 //! every chunk gets `layers / (pp·vpp)` (Megatron's default). Chunk `c` runs on pipeline rank
-//! `c % pp`.
+//! `c % pp` (`megac_ir::mesh::chunk_owner`).
 
 use megac_ir::spec::{Arch, ModelSpec};
 

@@ -174,15 +174,7 @@ pub fn transfer_peer(
     twin: bool,
     ctx: &StepContext,
 ) -> (usize, u64) {
-    use megac_ir::Axis;
-    let pp = plan.mesh.size(Axis::Pp).max(1);
-    let peer = if twin {
-        let fbd = plan.mesh.coord(rank, Axis::Fbd);
-        plan.mesh.rank_with(rank, Axis::Fbd, 1 - fbd.min(1))
-    } else {
-        plan.mesh
-            .rank_with(rank, Axis::Pp, (u64::from(chunk) % pp) as usize)
-    };
+    let peer = plan.mesh.transfer_peer(rank, chunk, twin);
     let tag = u64::from(transfer) * plan.batch.microbatches.max(1) + ctx.microbatch;
     (peer, tag)
 }

@@ -14,8 +14,6 @@
 //! Everything else that does not match is an error listing all offending names.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
@@ -309,14 +307,6 @@ pub fn save_params(
         path: path.display().to_string(),
         message,
     };
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| err("not a file path".to_string()))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-
     // Check and lay out the tensors, in name order (as the safetensors crate does).
     let mut order: Vec<usize> = (0..tensors.len()).collect();
     order.sort_by(|&a, &b| tensors[a].0.cmp(&tensors[b].0));
@@ -358,31 +348,9 @@ pub fn save_params(
         .map_err(|e| err(format!("cannot encode the safetensors header: {e}")))?;
     header.resize(header.len().div_ceil(8) * 8, b' ');
 
-    let mut prefix = std::ffi::OsString::from(".");
-    prefix.push(file_name);
-    prefix.push(".");
-    std::fs::create_dir_all(dir)
-        .map_err(|e| err(format!("cannot create the folder {}: {e}", dir.display())))?;
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(&prefix).suffix(".tmp");
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        builder.permissions(std::fs::Permissions::from_mode(0o666));
-    }
-    let tmp = builder.tempfile_in(dir).map_err(|e| {
-        err(format!(
-            "cannot create a temporary file in {}: {e}",
-            dir.display()
-        ))
-    })?;
-    // `tmp` deletes itself when dropped, so every early return below cleans up.
-    let write_err = |e: std::io::Error| err(format!("cannot write: {e}"));
-    {
-        let mut w = BufWriter::with_capacity(1 << 20, tmp.as_file());
-        w.write_all(&(header.len() as u64).to_le_bytes())
-            .map_err(write_err)?;
-        w.write_all(&header).map_err(write_err)?;
+    megac_ir::file::write_atomic_with(path, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
         let mut buf = Vec::with_capacity(1 << 16);
         for &i in &order {
             for chunk in tensors[i].2.chunks(1 << 14) {
@@ -390,22 +358,12 @@ pub fn save_params(
                 for x in chunk {
                     buf.extend_from_slice(&x.to_le_bytes());
                 }
-                w.write_all(&buf).map_err(write_err)?;
+                w.write_all(&buf)?;
             }
         }
-        w.flush().map_err(write_err)?;
-    }
-    tmp.as_file().sync_all().map_err(write_err)?;
-    tmp.persist(path).map_err(|e| {
-        err(format!(
-            "cannot rename the temporary file into place: {}",
-            e.error
-        ))
-    })?;
-    // Make the rename durable; failing to sync a directory is not worth an error.
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
+        Ok(())
+    })
+    .map_err(|e| err(e.to_string()))?;
     Ok(())
 }
 

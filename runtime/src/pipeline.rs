@@ -14,7 +14,9 @@
 
 use std::collections::BTreeMap;
 
+use megac_ir::mesh::local_chunk;
 use megac_ir::plan::{ChunkProgram, Instr, PipeAction, PipeKind, Pipeline};
+use megac_ir::spec::{dpp_priority, DppTask};
 use megac_ir::Axis;
 
 use crate::error::RuntimeError;
@@ -239,22 +241,18 @@ fn run_dynamic(
             session.comm.all_reduce_max(&peers, &mut not_ready)?;
         }
         let inflight = st.slot_of.len() as u32;
-        let breadth = match dpp.policy.as_str() {
-            "bfs" => true,
-            "dfs" => false,
-            _ => inflight < dpp.cap.max(1),
-        };
+        let breadth = dpp.policy.breadth_first(inflight, dpp.cap);
+        let n = pipe.chunks.len() as u32;
         let key = |t: &PipeAction| {
-            let lc = t.chunk / (nc / pipe.chunks.len() as u32).max(1);
-            let (backward, lc) = match t.kind {
-                PipeKind::F => (1, lc),
-                _ => (0, pipe.chunks.len() as u32 - 1 - lc),
-            };
-            if breadth {
-                (backward, lc, t.microbatch)
-            } else {
-                (backward, t.microbatch, lc)
-            }
+            dpp_priority(
+                breadth,
+                DppTask {
+                    backward: t.kind != PipeKind::F,
+                    local_chunk: local_chunk(t.chunk, nc / n.max(1)),
+                    local_chunks: n,
+                    microbatch: t.microbatch,
+                },
+            )
         };
         let pick = (0..tasks.len())
             .filter(|&i| !done[i] && not_ready[i] == 0.0)

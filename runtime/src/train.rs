@@ -660,19 +660,14 @@ fn train_rank(
         session.save_params(path)?;
     }
     if let (true, Some(dir), Some(p)) = (lead, &opts.trace, &session.profile) {
-        let io = |e: std::io::Error| RuntimeError::Io {
+        megac_ir::file::write_atomic(
+            &dir.join("rank-0.trace.json"),
+            p.chrome_trace(0, &step_times),
+        )
+        .map_err(|e| RuntimeError::Io {
             path: dir.display().to_string(),
             message: e.to_string(),
-        };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let file = dir.join("rank-0.trace.json");
-        let tmp = dir.join(".rank-0.trace.json.tmp");
-        std::fs::write(&tmp, p.chrome_trace(0, &step_times))
-            .and_then(|()| std::fs::rename(&tmp, &file))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                io(e)
-            })?;
+        })?;
     }
     Ok(RunReport {
         tokens_per_s: (steps * b.tokens_per_step) as f64 / elapsed.max(1e-9),

@@ -30,7 +30,7 @@ use megac_ir::spec::{
 use crate::cluster::Cluster;
 use crate::cost::CostModel;
 use crate::model::{estimate, Estimate, Layout};
-use crate::search::divisors;
+use megac_ir::rules::divisors;
 
 /// One row of the published table.
 #[derive(Clone, Debug, PartialEq)]
@@ -165,7 +165,7 @@ impl TableRow {
                 sequence_parallel: self.tp > 1,
                 distributed_optimizer: true,
                 schedule: Schedule::OneFOneB,
-                dpp_policy: megac_ir::spec::DppPolicy::Adaptive,
+                dpp_policy: megac_ir::spec::DppPolicy::Adaptive { cap: None },
                 fbd: false,
                 cp_comm: Default::default(),
                 order: megac_ir::Axis::ALL.to_vec(),

@@ -23,6 +23,7 @@
 //!
 //! [`CostParams`]: crate::cost::CostParams
 
+use megac_ir::flops::padded_vocab;
 use megac_ir::spec::{Arch, ModelSpec, Recompute, Schedule};
 use megac_ir::types::DType;
 
@@ -82,6 +83,12 @@ impl Layout {
     /// `spec` with this layout in place of its own.
     pub fn apply(&self, spec: &ModelSpec) -> ModelSpec {
         let mut s = spec.clone();
+        self.set_in(&mut s);
+        s
+    }
+
+    /// Put this layout in place of `spec`'s own (without cloning it).
+    pub fn set_in(&self, s: &mut ModelSpec) {
         let p = &mut s.parallel;
         p.tp = self.tp;
         p.pp = self.pp;
@@ -95,7 +102,6 @@ impl Layout {
         p.fbd = false;
         s.train.micro_batch = self.micro_batch;
         s.train.recompute = self.recompute;
-        s
     }
 
     /// Micro-batches per step and data-parallel rank.
@@ -193,29 +199,6 @@ pub struct Estimate {
     pub time: TimeBreakdown,
     /// Micro-batches per step and data-parallel rank.
     pub microbatches: u64,
-}
-
-/// Megatron's model FLOPs per step (passes/src/flops.rs, with the vocabulary padded for `tp`).
-pub fn model_flops(spec: &ModelSpec, tp: u64) -> f64 {
-    let m = &spec.model;
-    let tokens = (spec.train.global_batch * m.seq_len) as f64;
-    let (h, l) = (m.hidden as f64, m.layers as f64);
-    let q = (m.heads * m.head_dim()) as f64;
-    let kv = (m.kv_heads * m.head_dim()) as f64;
-    let gated = if m.arch == Arch::Llama { 3.0 } else { 2.0 };
-    let ffn = m.ffn_hidden as f64;
-    let moe_layers = (0..m.layers).filter(|&i| m.is_moe_layer(i)).count() as f64;
-    let top_k = m.moe.as_ref().map_or(1.0, |x| x.top_k as f64);
-    let mlp = (l - moe_layers) * h * ffn * gated + moe_layers * h * ffn * gated * top_k;
-    let vocab = padded_vocab(m.vocab, tp) as f64;
-    6.0 * tokens * (l * (h * (q + 2.0 * kv) + q * h) + mlp + h * vocab)
-        + 6.0 * tokens * m.seq_len as f64 * q * l
-}
-
-/// Vocabulary padded to a multiple of 128·tp (Megatron).
-pub fn padded_vocab(vocab: u64, tp: u64) -> u64 {
-    let m = 128 * tp.max(1);
-    vocab.div_ceil(m) * m
 }
 
 /// Times of one stage for one micro-batch (all its chunks).
@@ -1017,7 +1000,7 @@ pub fn estimate(spec: &ModelSpec, layout: &Layout, cost: &CostModel) -> Estimate
     let step = pipeline + dp_exposed + optimizer;
     let tokens = (spec.train.global_batch * m.seq_len) as f64;
     let world = layout.world() as f64;
-    let flops = model_flops(spec, tp);
+    let flops = megac_ir::flops::step_flops_at_tp(spec, tp).total;
     let ideal = mf * t_max;
     let fits = peak + params.reserved_memory_gib * crate::cluster::GIB <= cl.device.memory_bytes;
     let crit = &phases[imax];

@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use megac_ir::rules::{self, divisors};
 use megac_ir::spec::{ModelSpec, Recompute, Schedule};
 
 use crate::cluster::{Cluster, GIB};
@@ -36,44 +37,28 @@ pub struct SearchResult {
     pub seconds: f64,
 }
 
-/// The divisors of `n`, increasing.
-pub fn divisors(n: u64) -> Vec<u64> {
-    let (mut low, mut high) = (Vec::new(), Vec::new());
-    let mut d = 1;
-    while d * d <= n {
-        if n.is_multiple_of(d) {
-            low.push(d);
-            if d * d != n {
-                high.push(n / d);
-            }
-        }
-        d += 1;
-    }
-    low.extend(high.into_iter().rev());
-    low
-}
-
 /// Every layout of `spec` on exactly `gpus` ranks that model.toml's rules accept.
+///
+/// The candidates are the factorisations `tp·cp·pp·dp = gpus` with every vpp, micro-batch,
+/// schedule, sequence parallelism, ep, recompute and distributed-optimizer choice; the
+/// rules that decide which are valid are not repeated here: a candidate is kept when
+/// [`megac_ir::rules::check`] finds nothing wrong with `spec` in that layout (as
+/// `megac plan --emit` writes it: layers split evenly, FBD off, and the search's own cluster
+/// instead of model.toml's `[cluster]`). Only choices that cannot change a run are left out:
+/// sequence parallelism without tp, other schedules without a pipeline, the distributed
+/// optimizer without dp.
 pub fn enumerate(spec: &ModelSpec, gpus: u64) -> Vec<Layout> {
     let m = &spec.model;
     let gb = spec.train.global_batch;
     let mut out = Vec::new();
     let moe = m.moe.as_ref();
+    let mut candidate = spec.clone();
+    candidate.parallel.stage_layers.clear();
+    candidate.parallel.balance_stages = false;
+    candidate.cluster = None;
     for tp in divisors(gpus) {
-        let tp_ok = m.heads.is_multiple_of(tp)
-            && (m.kv_heads.is_multiple_of(tp) || tp.is_multiple_of(m.kv_heads))
-            && m.ffn_hidden.is_multiple_of(tp);
-        if !tp_ok {
-            continue;
-        }
         for cp in divisors(gpus / tp) {
-            if cp > 1 && !m.seq_len.is_multiple_of(2 * cp) {
-                continue;
-            }
             for pp in divisors(gpus / (tp * cp)) {
-                if !m.layers.is_multiple_of(pp) {
-                    continue;
-                }
                 let dp = gpus / (tp * cp * pp);
                 let vpps = if pp >= 2 {
                     divisors(m.layers / pp)
@@ -82,57 +67,31 @@ pub fn enumerate(spec: &ModelSpec, gpus: u64) -> Vec<Layout> {
                 };
                 let eps = match moe {
                     None => vec![1],
-                    Some(x) => divisors(dp * cp)
-                        .into_iter()
-                        .filter(|e| x.experts.is_multiple_of(*e))
-                        .collect(),
+                    Some(_) => divisors(dp * cp),
                 };
-                let sps: &[bool] = if tp == 1 {
-                    &[false]
-                } else if moe.is_some() {
-                    &[true]
-                } else {
-                    &[false, true]
-                };
-                // megac's distributed optimizer shards over dp (cp ranks all-reduce first).
+                let sps: &[bool] = if tp == 1 { &[false] } else { &[false, true] };
                 let dists: &[bool] = if dp > 1 { &[false, true] } else { &[false] };
-                if !gb.is_multiple_of(dp) {
-                    continue;
-                }
                 for mb in divisors(gb / dp) {
-                    let micro = gb / (mb * dp);
                     for &vpp in &vpps {
                         let schedules: &[Schedule] = if pp == 1 {
                             &[Schedule::OneFOneB]
-                        } else if vpp == 1 {
+                        } else {
                             &[
                                 Schedule::OneFOneB,
                                 Schedule::Gpipe,
                                 Schedule::ZbH1,
+                                Schedule::Interleaved,
                                 Schedule::Dpp,
                             ]
-                        } else {
-                            &[Schedule::Interleaved, Schedule::Dpp]
                         };
                         for &schedule in schedules {
-                            if schedule == Schedule::Interleaved && !micro.is_multiple_of(pp) {
-                                continue;
-                            }
                             for &sequence_parallel in sps {
-                                if sequence_parallel {
-                                    if !m.seq_len.is_multiple_of(tp) {
-                                        continue;
-                                    }
-                                    if cp > 1 && !m.seq_len.is_multiple_of(2 * cp * tp) {
-                                        continue;
-                                    }
-                                }
                                 for &ep in &eps {
                                     for recompute in
                                         [Recompute::None, Recompute::Selective, Recompute::Full]
                                     {
                                         for &distributed_optimizer in dists {
-                                            out.push(Layout {
+                                            let layout = Layout {
                                                 tp,
                                                 pp,
                                                 vpp,
@@ -144,7 +103,11 @@ pub fn enumerate(spec: &ModelSpec, gpus: u64) -> Vec<Layout> {
                                                 recompute,
                                                 sequence_parallel,
                                                 distributed_optimizer,
-                                            });
+                                            };
+                                            layout.set_in(&mut candidate);
+                                            if rules::check(&candidate).is_empty() {
+                                                out.push(layout);
+                                            }
                                         }
                                     }
                                 }

@@ -1,8 +1,9 @@
 //! The analytic layout model: schedule formulas under unit costs, memory, FLOPs, search.
 
+use megac_ir::flops::step_flops_at_tp;
 use megac_ir::spec::{Recompute, Schedule};
 use megac_sim::calibrate::MEGATRON_H100;
-use megac_sim::model::{estimate, inflight, model_flops, Layout};
+use megac_sim::model::{estimate, inflight, Layout};
 use megac_sim::search::{enumerate, search};
 use megac_sim::{Cluster, CostModel};
 
@@ -150,7 +151,7 @@ fn model_flops_match_megatron() {
         131072.0,
     );
     let closed = 72.0 * b * s * l * h * h * (1.0 + s / (12.0 * h) + v / (12.0 * l * h));
-    assert!((model_flops(&spec, 4) / closed - 1.0).abs() < 1e-12);
+    assert!((step_flops_at_tp(&spec, 4).total / closed - 1.0).abs() < 1e-12);
 }
 
 #[test]

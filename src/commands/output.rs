@@ -78,11 +78,8 @@ fn writable_dir(flag: &str, arg: &Path, dir: &Path) -> Result<(), String> {
     }
 }
 
-/// Create the folder of the file `path` if it is missing (the writers call this, after
-/// [`check_file`] said it can be made).
-pub fn make_parent(path: &Path) -> std::io::Result<()> {
-    match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => std::fs::create_dir_all(d),
-        _ => Ok(()),
-    }
+/// Write `text` to `path` atomically (`megac_ir::file::write_atomic`: missing folders are
+/// made, a temporary file is renamed into place), with the CLI's error line.
+pub fn write_file(path: &Path, text: &str) -> Result<(), String> {
+    megac_ir::file::write_atomic(path, text).map_err(|e| format!("error: {}: {e}", path.display()))
 }

@@ -120,7 +120,7 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
             ),
         ];
         let text = emit_model_toml(&spec, &best.layout, &cost.cluster, &header);
-        super::simulate::write_atomic(path, &text)?;
+        super::output::write_file(path, &text)?;
         println!("wrote {}", path.display());
     }
     println!(

@@ -1,6 +1,6 @@
 //! `megac run` and `megac train`: execute a plan and report.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use megac_ir::plan::Plan;
 use megac_runtime::train::{train, RunOptions, RunReport};
@@ -102,7 +102,7 @@ fn execute(plan: &Plan, args: &RunArgs, opts: &RunOptions) -> Result<(), String>
         train(plan, opts).map_err(|e| format!("error: {e}"))?
     };
     if let Some(path) = &args.report {
-        write_atomically(path, &report.to_json())?;
+        super::output::write_file(path, &report.to_json())?;
     }
     let (first, last) = (report.steps.first(), report.steps.last());
     if let (Some(a), Some(z)) = (first, last) {
@@ -145,26 +145,6 @@ fn train_on_mpi(plan: &Plan, opts: &RunOptions) -> Result<Option<RunReport>, Str
 #[cfg(not(feature = "mpi"))]
 fn train_on_mpi(_plan: &Plan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
     Err(super::no_mpi("--comm mpi", Some(NO_MPI_ALTERNATIVE)))
-}
-
-/// Write `text` to `path` via a temporary file, so no half-written file is left behind
-/// (missing folders are created).
-pub fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| format!("error: {}: not a file path", path.display()))?;
-    let tmp: PathBuf = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    let result = super::output::make_parent(path)
-        .and_then(|()| std::fs::write(&tmp, text))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("error: {}: cannot write: {e}", path.display())
-    })
 }
 
 /// `megac run PLAN_DIR`.

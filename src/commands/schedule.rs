@@ -443,7 +443,7 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
     };
     match opts.output {
         None => print!("{out}"),
-        Some(path) => super::simulate::write_atomic(path, &out)?,
+        Some(path) => super::output::write_file(path, &out)?,
     }
     Ok(())
 }

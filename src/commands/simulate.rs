@@ -1,7 +1,7 @@
 //! `megac simulate`: predict a compiled plan's step time, throughput, MFU and memory on a
 //! cluster, and optionally write its timeline.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use megac_sim::cluster::{Cluster, GIB};
 use megac_sim::{simulate, CostModel};
@@ -61,23 +61,6 @@ pub fn memory_warning(role: &str, bytes: f64, cluster: &Cluster) -> Option<Strin
     })
 }
 
-/// Write `text` to `path` atomically (a temporary file renamed into place; missing folders
-/// are created).
-pub fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
-    let tmp = path.with_extension(format!(
-        "{}.tmp{}",
-        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
-        std::process::id()
-    ));
-    super::output::make_parent(path)
-        .and_then(|()| std::fs::write(&tmp, text))
-        .and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            format!("error: {}: cannot write: {e}", path.display())
-        })
-}
-
 /// Run `megac simulate`.
 pub fn run(args: &SimulateArgs) -> Result<(), String> {
     if args.format != "text" && args.format != "json" {
@@ -117,7 +100,7 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
         }
     }
     if let Some(path) = &args.trace {
-        write_atomic(
+        super::output::write_file(
             path,
             &megac_sim::simulate::trace_json(&plan, &events, &streams),
         )?;

@@ -22,8 +22,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use megac_ir::mesh::{chunk_owner, local_chunk};
 use megac_ir::op::OpKind;
 use megac_ir::plan::{BufferClass, ChunkProgram, Instr, PipeAction, PipeKind, Pipeline, Role};
+use megac_ir::spec::{dpp_priority, DppTask};
 use megac_ir::types::Axis;
 
 use super::{overlaps, Ctx, RoleReport, RoleSim, TraceEvent, Work, PHASE_STREAM};
@@ -248,24 +250,19 @@ impl<'a> Stage<'a> {
         let Some(dpp) = &self.pipe.dpp else {
             return Ok(None);
         };
-        let breadth = match dpp.policy.as_str() {
-            "bfs" => true,
-            "dfs" => false,
-            _ => self.inflight_total < dpp.cap.max(1),
-        };
+        let breadth = dpp.policy.breadth_first(self.inflight_total, dpp.cap);
         let n = self.pipe.chunks.len() as u32;
         let per = (self.pipe.chunks_total / n.max(1)).max(1);
         let key = |a: &PipeAction| {
-            let lc = a.chunk / per;
-            let (backward, lc) = match a.kind {
-                PipeKind::F => (1, lc),
-                _ => (0, n.saturating_sub(1 + lc)),
-            };
-            if breadth {
-                (backward, lc, a.microbatch)
-            } else {
-                (backward, a.microbatch, lc)
-            }
+            dpp_priority(
+                breadth,
+                DppTask {
+                    backward: a.kind != PipeKind::F,
+                    local_chunk: local_chunk(a.chunk, per),
+                    local_chunks: n,
+                    microbatch: a.microbatch,
+                },
+            )
         };
         let mut best: Option<usize> = None;
         for (i, a) in self.tasks.iter().enumerate() {
@@ -342,12 +339,12 @@ pub(super) fn simulate_pipeline(
             .collect();
         let mut chunks = BTreeMap::new();
         for c in &pipe.chunks {
-            if c.chunk % pp != stage {
+            if chunk_owner(c.chunk, pp) != stage {
                 return Err(SimError::new(format!(
                     "malformed plan: role {} (pipeline stage {stage}) holds chunk {}, which lives on stage {}",
                     role.name,
                     c.chunk,
-                    c.chunk % pp
+                    chunk_owner(c.chunk, pp)
                 )));
             }
             let f = seg(ctx, &c.forward, &base)?;
@@ -728,7 +725,7 @@ fn run_action(
                             st.sim.busy += unit_cost;
                             charged = true;
                         }
-                        let dst = chunk % pp;
+                        let dst = chunk_owner(*chunk, pp);
                         if !stage_index.contains_key(&dst) {
                             return Err(SimError::new(format!(
                                 "malformed plan: stage {} sends transfer {transfer} to chunk {chunk}, whose stage {dst} has no role",
@@ -745,7 +742,7 @@ fn run_action(
                         let t = if unit || dst == st.stage {
                             0.0
                         } else {
-                            let peer = plan.mesh.rank_with(st.rep_rank, Axis::Pp, dst as usize);
+                            let peer = plan.mesh.chunk_peer(st.rep_rank, *chunk);
                             let same_node = peer / gpn == st.rep_rank / gpn;
                             let group = Group {
                                 size: 2,

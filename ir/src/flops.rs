@@ -1,4 +1,6 @@
-//! Model FLOPs per training step, with the formula that produced them.
+//! Model FLOPs per training step and the padded vocabulary: the one home of both rules,
+//! used by the compiler (`megac check`, the plan's `flops`, the stage balancer through
+//! [`ModelSpec::padded_vocab`]) and by the simulator's layout model (at a layout's tp).
 //!
 //! Megatron-LM's `num_floating_point_operations` (training.py): per token
 //! `6 · (attention projections + MLP + logits)` multiply-adds counted as 2 FLOPs, 3 passes
@@ -6,7 +8,13 @@
 //! (`q = heads · head_dim`, halved for the causal mask). Recomputation is not counted
 //! (model FLOPs, as MFU uses them); the router's small matmul is left out, as in Megatron.
 
-use megac_ir::spec::{Arch, ModelSpec};
+use crate::spec::{Arch, ModelSpec};
+
+/// Vocabulary padded to a multiple of 128·tp, as Megatron pads it (tp 0 counts as 1).
+pub fn padded_vocab(vocab: u64, tp: u64) -> u64 {
+    let m = 128 * tp.max(1);
+    vocab.div_ceil(m) * m
+}
 
 /// FLOPs of one training step and their breakdown.
 #[derive(Clone, Debug, PartialEq)]
@@ -25,8 +33,15 @@ pub struct StepFlops {
     pub formula: &'static str,
 }
 
-/// Megatron's model FLOPs for one step of `spec` (global batch, padded vocabulary).
+/// Megatron's model FLOPs for one step of `spec` (global batch, vocabulary padded for the
+/// spec's own tp).
 pub fn step_flops(spec: &ModelSpec) -> StepFlops {
+    step_flops_at_tp(spec, spec.parallel.tp)
+}
+
+/// Megatron's model FLOPs for one step of `spec` with the vocabulary padded for `tp` (the
+/// simulator's search prices layouts whose tp differs from the spec's).
+pub fn step_flops_at_tp(spec: &ModelSpec, tp: u64) -> StepFlops {
     let m = &spec.model;
     let tokens = (spec.train.global_batch * m.seq_len) as f64;
     let (h, l) = (m.hidden as f64, m.layers as f64);
@@ -40,7 +55,7 @@ pub fn step_flops(spec: &ModelSpec) -> StepFlops {
     let attn_proj = 6.0 * tokens * l * (h * (q + 2.0 * kv) + q * h);
     let attn_core = 6.0 * tokens * m.seq_len as f64 * q * l;
     let mlp = 6.0 * tokens * mlp_per_token;
-    let logits = 6.0 * tokens * h * spec.padded_vocab() as f64;
+    let logits = 6.0 * tokens * h * padded_vocab(m.vocab, tp) as f64;
     StepFlops {
         total: attn_proj + attn_core + mlp + logits,
         attn_proj,
@@ -49,31 +64,5 @@ pub fn step_flops(spec: &ModelSpec) -> StepFlops {
         logits,
         formula: "6·T·[l·(h·(q+2·kv) + q·h) + l·h·ffn·g·k + h·V] + 6·T·s·q·l  \
                   (T = tokens/step, g = 3 SwiGLU | 2 GELU, k = top_k on MoE layers, V padded; Megatron)",
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// For dense MHA GPT the formula reduces to Megatron's closed form
-    /// `72·B·s·l·h²·(1 + s/(12h) + V/(12·l·h))` (megatron-lm.md §10.4).
-    #[test]
-    fn gpt_matches_closed_form() {
-        let text = "[model]\narch = \"gpt\"\nlayers = 24\nhidden = 2048\nheads = 16\n\
-                    ffn_hidden = 8192\nvocab = 131072\nseq_len = 4096\n[train]\nglobal_batch = 8\n";
-        let spec = megac_frontend_free_parse(text);
-        let f = step_flops(&spec);
-        let (b, s, l, h, v) = (8.0, 4096.0, 24.0, 2048.0, 131072.0);
-        let closed = 72.0 * b * s * l * h * h * (1.0 + s / (12.0 * h) + v / (12.0 * l * h));
-        assert!(
-            (f.total - closed).abs() / closed < 1e-12,
-            "{} vs {closed}",
-            f.total
-        );
-    }
-
-    fn megac_frontend_free_parse(text: &str) -> ModelSpec {
-        crate::test_support::spec(text)
     }
 }
