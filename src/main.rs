@@ -217,6 +217,12 @@ fn main() -> ExitCode {
         Command::Run { plan, run } => commands::run::run(&plan, &run),
         Command::Launch(args) => commands::launch::run(&args),
         Command::Train { model, run } => commands::compile::build_plan(&model)
+            .and_then(|plan| {
+                // The compiler's own plans pass the same gate as plan files.
+                megac_ir::gate::CheckedPlan::check(plan).map_err(|e| {
+                    format!("error: the compiled plan does not pass the plan gate: {e}")
+                })
+            })
             .and_then(|plan| commands::run::execute(&plan, &run)),
     };
     match result {

@@ -5,13 +5,15 @@
 //!   [`types`] (dtypes, named-dim shapes, layouts), [`op`] (kernel-sized ops),
 //!   [`infer`] (shape rules), [`verify`] (invariants), [`print`] and [`parse`] (text form).
 //!
-//! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime.
+//! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime;
+//!   [`gate`]: the check every plan passes before the runtime accepts it ([`gate::CheckedPlan`]).
 //!
 //! The sharded and staged levels will build on these types.
 
 #![warn(missing_docs)]
 
 pub mod check;
+pub mod gate;
 pub mod graph;
 pub mod infer;
 pub mod mesh;

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use megac_ir::plan::Plan;
+use megac_ir::gate::CheckedPlan;
 use megac_runtime::train::{train, RunOptions, RunReport};
 
 use crate::RunArgs;
@@ -44,9 +44,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
 }
 
 /// Run `plan` with `args`, write the report, print a summary.
-pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
-    megac_ir::check::check_plan(plan)
-        .map_err(|e| format!("error: the plan does not check: {e}"))?;
+pub fn execute(plan: &CheckedPlan, args: &RunArgs) -> Result<(), String> {
     let opts = options(args)?;
     let report = if args.comm == "mpi" {
         match train_on_mpi(plan, &opts)? {
@@ -84,7 +82,7 @@ pub fn execute(plan: &Plan, args: &RunArgs) -> Result<(), String> {
 /// Run `plan` as one process of an MPI job; rank 0's report, None on the other ranks. An
 /// error on a rank other than 0 names the rank (and is left to rank 0 when every rank has it).
 #[cfg(feature = "mpi")]
-fn train_on_mpi(plan: &Plan, opts: &RunOptions) -> Result<Option<RunReport>, String> {
+fn train_on_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<Option<RunReport>, String> {
     use megac_runtime::mpi_comm;
     let result = megac_runtime::train::train_mpi(plan, opts);
     let rank = mpi_comm::world_rank().unwrap_or(0);
@@ -98,7 +96,7 @@ fn train_on_mpi(plan: &Plan, opts: &RunOptions) -> Result<Option<RunReport>, Str
 }
 
 #[cfg(not(feature = "mpi"))]
-fn train_on_mpi(_plan: &Plan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
+fn train_on_mpi(_plan: &CheckedPlan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
     Err("error: --comm mpi: this megac was built without MPI".to_string())
 }
 

@@ -1,0 +1,2067 @@
+//! The plan gate: `plan.json` is the contract between compiler and runtime, and a plan
+//! reaches the runtime only as a [`CheckedPlan`], which only [`CheckedPlan::check`] makes.
+//!
+//! The check proves what the runtime later assumes, so that no plan that passes it can make
+//! the runtime panic, abort or index out of bounds:
+//! - **Indices**: every buffer, role, parameter, chunk, result and input a plan names exists;
+//!   the rank table covers the mesh; transfers address chunks of the model (and FBD twins
+//!   only on meshes with an fbd axis of 2).
+//! - **Memory**: every buffer lies inside its arena on every rank (its offset, its
+//!   rank-dependent far end, its chunk slot inside `activation_base + elems · slots`, all
+//!   inside the role's memory plan), with overflow-checked arithmetic; dtypes fit their
+//!   class; a stage holds every buffer its programs touch.
+//! - **Kernels**: each instruction's arity, operand dtypes and local shapes are those its
+//!   kernel reads and writes ([`op_rule`]: the plan-level shape rules, on the local shapes
+//!   of a rank, including the collectives' group sizes); a kernel's outputs do not overlap
+//!   its inputs or each other (except the documented in-place ops); token and label ids
+//!   stay inside the embedding table and the logits; MoE index buffers come from a router
+//!   of no more experts than their reader routes to.
+//! - **Programs**: a program reads no activation before it writes it (a truncated program),
+//!   the loss is written by the program the runtime reads it after, and the reported loss
+//!   reaches rank 0.
+//! - **Batch**: micro-batch counts are positive and match `global_batch / (micro_batch ·
+//!   dp)`; data inputs are `[micro_batch, seq_len]` (the local part under context
+//!   parallelism).
+//! - **Parameters**: their buffers have the right class and dtype and hold exactly the
+//!   rank's shard of the global shape.
+//! - **Schedules and communication**: [`crate::check::check_plan`] (every collective and
+//!   transfer matches, no deadlock, each action list runs every (chunk, micro-batch) once).
+//!
+//! A violation is one [`PlanError`] naming the JSON path and the values involved, e.g.
+//! `roles[0].results.loss: buffer 100000 does not exist (the plan has 312 buffers)`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use crate::op::{OpKind, WeightLayout};
+use crate::plan::{BufId, Buffer, BufferClass, Instr, MemoryPlan, Plan, Role};
+use crate::types::{Axis, DType};
+
+/// The most ranks a plan may have.
+pub const MAX_RANKS: u64 = 1 << 20;
+/// The most elements one buffer may have (2^40).
+pub const MAX_ELEMENTS: u64 = 1 << 40;
+/// The most dims a buffer may have.
+pub const MAX_DIMS: usize = 8;
+
+/// Why a plan file is not a plan this runtime can run.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// The file could not be read.
+    #[error("cannot read the plan: {0}")]
+    Io(String),
+    /// Not JSON, an unsupported schema version, or JSON that is not a plan.
+    #[error("{0}")]
+    Format(String),
+    /// A value of the plan is out of range or inconsistent with another.
+    #[error("{at}: {message}")]
+    Invalid {
+        /// JSON path of the value (`roles[0].results.loss`).
+        at: String,
+        /// What is wrong, with the values involved.
+        message: String,
+    },
+    /// Communication or schedule: a collective or transfer that does not match, a
+    /// deadlock, or an action list that misses or repeats a (chunk, micro-batch).
+    #[error("{0}")]
+    Schedule(String),
+}
+
+fn invalid(at: impl Into<String>, message: impl Into<String>) -> PlanError {
+    PlanError::Invalid {
+        at: at.into(),
+        message: message.into(),
+    }
+}
+
+/// A plan that passed [`CheckedPlan::check`]: the only form the runtime accepts. It derefs
+/// to the [`Plan`] it holds, read-only.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckedPlan(Plan);
+
+impl std::ops::Deref for CheckedPlan {
+    type Target = Plan;
+    fn deref(&self) -> &Plan {
+        &self.0
+    }
+}
+
+impl AsRef<Plan> for CheckedPlan {
+    fn as_ref(&self) -> &Plan {
+        &self.0
+    }
+}
+
+impl CheckedPlan {
+    /// Check `plan`: the first violation as one error, else the checked plan.
+    pub fn check(plan: Plan) -> Result<CheckedPlan, PlanError> {
+        Gate::new(&plan)?.run()?;
+        crate::check::check_plan(&plan).map_err(PlanError::Schedule)?;
+        Ok(CheckedPlan(plan))
+    }
+
+    /// Parse `text` ([`Plan::parse_json`]) and check it.
+    pub fn from_json(text: &str) -> Result<CheckedPlan, PlanError> {
+        CheckedPlan::check(Plan::parse_json(text)?)
+    }
+
+    /// Read, parse and check the plan file at `path`.
+    pub fn load(path: &Path) -> Result<CheckedPlan, PlanError> {
+        let text = std::fs::read_to_string(path).map_err(|e| PlanError::Io(e.to_string()))?;
+        CheckedPlan::from_json(&text)
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        &self.0
+    }
+
+    /// Give the plan back (to change it; it must pass the check again to run).
+    pub fn into_inner(self) -> Plan {
+        self.0
+    }
+}
+
+/// Which instruction stream of a role: its JSON path and whether it is the optimizer.
+struct Stream<'a> {
+    at: String,
+    instrs: &'a [Instr],
+    /// The chunk whose activations the stream's slot-relative buffers belong to.
+    chunk: Option<u32>,
+}
+
+/// What wrote an i32 activation: a router's expert indices (of this many experts) or
+/// per-expert token counts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum IntSource {
+    Indices(u64),
+    Counts,
+}
+
+struct Gate<'p> {
+    plan: &'p Plan,
+    world: usize,
+    pp: u64,
+}
+
+/// Product of `dims` with overflow checking.
+fn product(dims: &[u64]) -> Option<u64> {
+    dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+}
+
+impl<'p> Gate<'p> {
+    fn new(plan: &'p Plan) -> Result<Gate<'p>, PlanError> {
+        let mut seen = Vec::new();
+        let mut world = 1u64;
+        for (i, &(axis, n)) in plan.mesh.axes.iter().enumerate() {
+            let at = format!("mesh.axes[{i}]");
+            if n == 0 {
+                return Err(invalid(at, format!("axis {} has size 0", axis.as_str())));
+            }
+            if axis == Axis::Edp {
+                return Err(invalid(
+                    at,
+                    "edp is derived from dp, cp and ep and cannot be listed",
+                ));
+            }
+            if seen.contains(&axis) {
+                return Err(invalid(
+                    at,
+                    format!("axis {} is listed twice", axis.as_str()),
+                ));
+            }
+            seen.push(axis);
+            if axis != Axis::Ep {
+                world = world.saturating_mul(n);
+            }
+        }
+        if world > MAX_RANKS {
+            return Err(invalid(
+                "mesh",
+                format!("{world} ranks; this runtime supports at most {MAX_RANKS}"),
+            ));
+        }
+        let mesh = &plan.mesh;
+        if mesh.size(Axis::Fbd) > 2 {
+            return Err(invalid(
+                "mesh",
+                format!("fbd has size {}; it is 1 or 2", mesh.size(Axis::Fbd)),
+            ));
+        }
+        let data = mesh.size(Axis::Dp) * mesh.size(Axis::Cp);
+        if data % mesh.size(Axis::Ep) != 0 {
+            return Err(invalid(
+                "mesh",
+                format!(
+                    "ep = {} does not divide dp·cp = {data}",
+                    mesh.size(Axis::Ep)
+                ),
+            ));
+        }
+        Ok(Gate {
+            plan,
+            world: world as usize,
+            pp: mesh.size(Axis::Pp),
+        })
+    }
+
+    fn run(&self) -> Result<(), PlanError> {
+        self.ranks()?;
+        self.batch()?;
+        for (i, b) in self.plan.buffers.iter().enumerate() {
+            self.buffer(i, b)?;
+        }
+        for i in 0..self.plan.params.len() {
+            self.param(i)?;
+        }
+        for r in 0..self.plan.roles.len() {
+            self.role(r)?;
+        }
+        self.loss_reaches_rank_0()
+    }
+
+    fn ranks(&self) -> Result<(), PlanError> {
+        let plan = self.plan;
+        if plan.rank_to_role.len() != self.world {
+            return Err(invalid(
+                "rank_to_role",
+                format!(
+                    "lists {} ranks but the mesh has {}",
+                    plan.rank_to_role.len(),
+                    self.world
+                ),
+            ));
+        }
+        for (rank, &r) in plan.rank_to_role.iter().enumerate() {
+            if r as usize >= plan.roles.len() {
+                return Err(invalid(
+                    format!("rank_to_role[{rank}]"),
+                    format!(
+                        "role {r} does not exist (the plan has {} roles)",
+                        plan.roles.len()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn batch(&self) -> Result<(), PlanError> {
+        let b = &self.plan.batch;
+        for (name, v) in [
+            ("micro_batch", b.micro_batch),
+            ("global_batch", b.global_batch),
+            ("seq_len", b.seq_len),
+            ("vocab", b.vocab),
+            ("microbatches", b.microbatches),
+        ] {
+            if v == 0 {
+                return Err(invalid(format!("batch.{name}"), "must be positive, got 0"));
+            }
+        }
+        if b.vocab > i32::MAX as u64 {
+            return Err(invalid(
+                "batch.vocab",
+                format!("{} does not fit token ids (i32)", b.vocab),
+            ));
+        }
+        let dp = self.plan.mesh.size(Axis::Dp);
+        let per_step = b
+            .micro_batch
+            .checked_mul(b.microbatches)
+            .and_then(|x| x.checked_mul(dp));
+        if per_step != Some(b.global_batch) {
+            return Err(invalid(
+                "batch.microbatches",
+                format!(
+                    "{} micro-batches of {} samples on {dp} data-parallel rank(s) do not make the global batch of {}",
+                    b.microbatches, b.micro_batch, b.global_batch
+                ),
+            ));
+        }
+        if b.global_batch.checked_mul(b.seq_len) != Some(b.tokens_per_step) {
+            return Err(invalid(
+                "batch.tokens_per_step",
+                format!(
+                    "{} is not global_batch {} × seq_len {}",
+                    b.tokens_per_step, b.global_batch, b.seq_len
+                ),
+            ));
+        }
+        let t = &self.plan.train;
+        if !(t.lr.is_finite() && t.lr >= 0.0) {
+            return Err(invalid(
+                "train.lr",
+                format!("{} is not a finite, non-negative rate", t.lr),
+            ));
+        }
+        if let crate::plan::LrSchedule::Cosine { min_lr, .. } = t.lr_schedule {
+            if !(min_lr.is_finite() && min_lr >= 0.0) {
+                return Err(invalid(
+                    "train.lr_schedule.min_lr",
+                    format!("{min_lr} is not a finite, non-negative rate"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn buffer(&self, i: usize, b: &Buffer) -> Result<(), PlanError> {
+        let at = format!("buffers[{i}]");
+        if b.shape.len() > MAX_DIMS {
+            return Err(invalid(
+                format!("{at}.shape"),
+                format!("{} dims; at most {MAX_DIMS}", b.shape.len()),
+            ));
+        }
+        match product(&b.shape) {
+            Some(n) if n <= MAX_ELEMENTS => {}
+            _ => {
+                return Err(invalid(
+                    format!("{at}.shape"),
+                    format!("{:?} has more than {MAX_ELEMENTS} elements", b.shape),
+                ))
+            }
+        }
+        if b.layout.len() > b.shape.len() {
+            return Err(invalid(
+                format!("{at}.layout"),
+                format!(
+                    "shards {} dims of a {}-d buffer",
+                    b.layout.len(),
+                    b.shape.len()
+                ),
+            ));
+        }
+        if b.layout.get(1).is_some_and(|a| a.contains(&Axis::Cp)) && b.shape[1] % 2 != 0 {
+            return Err(invalid(
+                format!("{at}.shape"),
+                format!(
+                    "{:?}: a sequence split over cp holds two chunks, so dim 1 must be even",
+                    b.shape
+                ),
+            ));
+        }
+        let int = b.dtype == DType::I32;
+        if int && !matches!(b.class, BufferClass::Input | BufferClass::Activation)
+            || !int && b.class == BufferClass::Input
+        {
+            return Err(invalid(
+                format!("{at}.dtype"),
+                format!(
+                    "a {} buffer cannot be {}",
+                    class_name(b.class),
+                    b.dtype.as_str()
+                ),
+            ));
+        }
+        if let Some(s) = b.stage {
+            if u64::from(s) >= self.pp {
+                return Err(invalid(
+                    format!("{at}.stage"),
+                    format!("stage {s} does not exist (pp = {})", self.pp),
+                ));
+            }
+        }
+        if let Some(r) = &b.rank_offset {
+            let far = (self.plan.mesh.size(r.axis) - 1)
+                .checked_mul(r.stride)
+                .and_then(|x| x.checked_add(b.offset))
+                .and_then(|x| x.checked_add(b.len()));
+            if far.is_none() {
+                return Err(invalid(
+                    format!("{at}.rank_offset"),
+                    format!("offset {} + stride {} overflows", b.offset, r.stride),
+                ));
+            }
+        }
+        if let Some(c) = b.chunk {
+            if b.class != BufferClass::Activation {
+                return Err(invalid(
+                    format!("{at}.chunk"),
+                    format!(
+                        "only activations live in chunk slots, not {}",
+                        class_name(b.class)
+                    ),
+                ));
+            }
+            if b.rank_offset.is_some() {
+                return Err(invalid(
+                    format!("{at}.rank_offset"),
+                    "a chunk activation has no rank-dependent offset",
+                ));
+            }
+            if self.pp > 0 && b.stage != Some((u64::from(c) % self.pp) as u32) {
+                return Err(invalid(
+                    format!("{at}.stage"),
+                    format!(
+                        "{:?}, but chunk {c} lives on stage {}",
+                        b.stage,
+                        u64::from(c) % self.pp
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn buf(&self, id: BufId, at: &str) -> Result<&'p Buffer, PlanError> {
+        self.plan.buffers.get(id as usize).ok_or_else(|| {
+            invalid(
+                at,
+                format!(
+                    "buffer {id} does not exist (the plan has {} buffers)",
+                    self.plan.buffers.len()
+                ),
+            )
+        })
+    }
+
+    fn want(
+        &self,
+        id: BufId,
+        at: &str,
+        class: BufferClass,
+        dtype: DType,
+    ) -> Result<&'p Buffer, PlanError> {
+        let b = self.buf(id, at)?;
+        if b.class != class || b.dtype != dtype {
+            return Err(invalid(
+                at,
+                format!(
+                    "buffer {id} ({}) is {} {}, expected {} {}",
+                    b.name,
+                    class_name(b.class),
+                    b.dtype.as_str(),
+                    class_name(class),
+                    dtype.as_str()
+                ),
+            ));
+        }
+        Ok(b)
+    }
+
+    fn param(&self, i: usize) -> Result<(), PlanError> {
+        let p = &self.plan.params[i];
+        let at = format!("params[{i}]");
+        let mesh = &self.plan.mesh;
+        let total = product(&p.shape)
+            .filter(|&n| n <= MAX_ELEMENTS)
+            .ok_or_else(|| invalid(format!("{at}.shape"), format!("{:?} is too large", p.shape)))?;
+        if p.shards.len() > p.shape.len() || p.blocks.len() > p.shape.len() {
+            return Err(invalid(
+                format!("{at}.shards"),
+                format!(
+                    "{} shard and {} block entries for a {}-d shape",
+                    p.shards.len(),
+                    p.blocks.len(),
+                    p.shape.len()
+                ),
+            ));
+        }
+        let mut local = 1u64;
+        for (d, &size) in p.shape.iter().enumerate() {
+            let axes = p.shards.get(d).map_or(&[][..], |a| a.as_slice());
+            let parts: u64 = axes.iter().map(|&a| mesh.size(a)).product();
+            let blocks = p.blocks.get(d).copied().unwrap_or(1).max(1);
+            if size % (parts * blocks) != 0 || (size == 0 && parts > 1) {
+                return Err(invalid(
+                    format!("{at}.shape[{d}]"),
+                    format!("{size} does not split into {blocks} block(s) over {parts} rank(s)"),
+                ));
+            }
+            local *= size / parts;
+        }
+        if let Some(rows) = p.hf_rows {
+            if p.shape.first().is_none_or(|&r| rows > r) {
+                return Err(invalid(
+                    format!("{at}.hf_rows"),
+                    format!(
+                        "{rows} is more than the {:?} rows of the shape",
+                        p.shape.first()
+                    ),
+                ));
+            }
+        }
+        if p.per_expert.is_some() && p.shape.is_empty() {
+            return Err(invalid(
+                format!("{at}.per_expert"),
+                "stacked experts need an experts dim",
+            ));
+        }
+        if let crate::plan::Init::Normal { std } = p.init {
+            if !(std.is_finite() && std >= 0.0) {
+                return Err(invalid(
+                    format!("{at}.init.std"),
+                    format!("{std} is not a finite, non-negative deviation"),
+                ));
+            }
+        }
+        let _ = total;
+        let mut check = |id: BufId, field: &str, class: BufferClass| -> Result<(), PlanError> {
+            let at = format!("{at}.{field}");
+            let b = self.want(id, &at, class, DType::F32)?;
+            if b.len() != local {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "buffer {id} ({}) has {} elements, but the rank's shard of {:?} has {local}",
+                        b.name,
+                        b.len(),
+                        p.shape
+                    ),
+                ));
+            }
+            Ok(())
+        };
+        check(p.buffer, "buffer", BufferClass::Param)?;
+        check(p.grad, "grad", BufferClass::Grad)?;
+        if let Some(m) = p.exp_avg {
+            check(m, "exp_avg", BufferClass::OptState)?;
+        }
+        if let Some(v) = p.exp_avg_sq {
+            check(v, "exp_avg_sq", BufferClass::OptState)?;
+        }
+        for (k, &c) in p.tied_copies.iter().enumerate() {
+            check(c, &format!("tied_copies[{k}]"), BufferClass::Param)?;
+        }
+        Ok(())
+    }
+
+    /// The first rank with role `r`, if any.
+    fn rank_of(&self, r: usize) -> Option<usize> {
+        self.plan.rank_to_role.iter().position(|&x| x as usize == r)
+    }
+
+    fn role(&self, r: usize) -> Result<(), PlanError> {
+        let plan = self.plan;
+        let role = &plan.roles[r];
+        let at = format!("roles[{r}]");
+        let Some(rank) = self.rank_of(r) else {
+            // No rank runs it: nothing of it reaches the runtime.
+            return Ok(());
+        };
+        let stage = plan.mesh.coord(rank, Axis::Pp) as u32;
+        let mut streams = Vec::new();
+        let mut chunks: BTreeMap<u32, &crate::plan::ChunkProgram> = BTreeMap::new();
+        match &role.pipeline {
+            None => streams.push(Stream {
+                at: format!("{at}.microbatch"),
+                instrs: &role.microbatch,
+                chunk: None,
+            }),
+            Some(p) => {
+                if !role.microbatch.is_empty() {
+                    return Err(invalid(
+                        format!("{at}.microbatch"),
+                        "a pipelined role runs its chunks' programs, not a micro-batch program",
+                    ));
+                }
+                if p.chunks_total == 0 {
+                    return Err(invalid(
+                        format!("{at}.pipeline.chunks_total"),
+                        "must be positive",
+                    ));
+                }
+                if let Some(d) = &p.dpp {
+                    if !matches!(d.policy.as_str(), "bfs" | "dfs" | "adaptive") {
+                        return Err(invalid(
+                            format!("{at}.pipeline.dpp.policy"),
+                            format!("`{}` is not bfs, dfs or adaptive", d.policy),
+                        ));
+                    }
+                }
+                for (k, c) in p.chunks.iter().enumerate() {
+                    let cat = format!("{at}.pipeline.chunks[{k}]");
+                    if c.slots == 0 {
+                        return Err(invalid(format!("{cat}.slots"), "must be positive"));
+                    }
+                    let end = c
+                        .activation_elems
+                        .checked_mul(u64::from(c.slots))
+                        .and_then(|x| x.checked_add(c.activation_base));
+                    let arena = self.memory(rank).activation_bytes / 4;
+                    if end.is_none_or(|e| e > arena) {
+                        return Err(invalid(
+                            format!("{cat}.activation_base"),
+                            format!(
+                                "{} slots of {} elements from {} do not fit the activation arena of {arena} elements",
+                                c.slots, c.activation_elems, c.activation_base
+                            ),
+                        ));
+                    }
+                    for (j, &b) in c.inputs.iter().enumerate() {
+                        self.input_buffer(b, &format!("{cat}.inputs[{j}]"), rank)?;
+                        if !role.inputs.values().any(|&x| x == b) {
+                            return Err(invalid(
+                                format!("{cat}.inputs[{j}]"),
+                                format!("buffer {b} is not one of the role's inputs"),
+                            ));
+                        }
+                    }
+                    chunks.insert(c.chunk, c);
+                    for (name, instrs) in [
+                        ("forward", &c.forward),
+                        ("backward", &c.backward),
+                        ("weight", &c.weight),
+                    ] {
+                        streams.push(Stream {
+                            at: format!("{cat}.{name}"),
+                            instrs,
+                            chunk: Some(c.chunk),
+                        });
+                    }
+                }
+            }
+        }
+        streams.push(Stream {
+            at: format!("{at}.optimizer"),
+            instrs: &role.optimizer,
+            chunk: None,
+        });
+        // Inputs and results.
+        for (name, &b) in &role.inputs {
+            let iat = format!("{at}.inputs.{name}");
+            if !matches!(name.as_str(), "tokens" | "labels") {
+                return Err(invalid(iat, "unknown input (expected tokens or labels)"));
+            }
+            self.input_buffer(b, &iat, rank)?;
+        }
+        for (name, &b) in &role.results {
+            let rat = format!("{at}.results.{name}");
+            let buf = self.want(b, &rat, BufferClass::Activation, DType::F32)?;
+            if buf.is_empty() {
+                return Err(invalid(
+                    rat,
+                    format!("buffer {b} ({}) has no elements", buf.name),
+                ));
+            }
+        }
+        for (name, axes) in &role.result_axes {
+            // The members of the reduction group call it together: they reduce alike.
+            for other in plan.mesh.group(rank, axes) {
+                let theirs = &plan.roles[plan.rank_to_role[other] as usize];
+                if theirs.result_axes.get(name) != Some(axes) {
+                    return Err(invalid(
+                        format!("{at}.result_axes.{name}"),
+                        format!(
+                            "rank {rank} sums `{name}` over {axes:?}, but rank {other} of that group (role {}) sums it over {:?}",
+                            theirs.name,
+                            theirs.result_axes.get(name)
+                        ),
+                    ));
+                }
+            }
+        }
+        if role.pipeline.is_none() {
+            for name in ["tokens", "labels"] {
+                if !role.inputs.contains_key(name) {
+                    return Err(invalid(
+                        format!("{at}.inputs"),
+                        format!("no `{name}` input"),
+                    ));
+                }
+            }
+            for name in ["loss", "grad_norm"] {
+                if !role.results.contains_key(name) {
+                    return Err(invalid(
+                        format!("{at}.results"),
+                        format!("no `{name}` result"),
+                    ));
+                }
+            }
+        }
+        // Buffers: held by this stage, inside this rank's arenas.
+        self.arenas(r, rank, stage, &chunks, &streams)?;
+        // Instructions.
+        let mut written = Written::default();
+        let mut ints: HashMap<BufId, IntSource> = HashMap::new();
+        let mut loss_written = false;
+        let loss = role.results.get("loss").copied();
+        for s in &streams {
+            for (i, instr) in s.instrs.iter().enumerate() {
+                let iat = format!("{}[{i}]", s.at);
+                self.instr(&iat, instr, rank, s.chunk, &chunks, &mut written, &mut ints)?;
+                if let Some(l) = loss {
+                    if instr_writes(instr).contains(&l) {
+                        let right = match role.pipeline {
+                            None => s.at.ends_with(".microbatch"),
+                            Some(_) => {
+                                s.at.ends_with(".forward")
+                                    && s.chunk == plan.buffers[l as usize].chunk
+                            }
+                        };
+                        loss_written |= right;
+                    }
+                }
+            }
+        }
+        if let Some(l) = loss {
+            if !loss_written {
+                let what = match role.pipeline {
+                    None => "the micro-batch program".to_string(),
+                    Some(_) => format!(
+                        "the forward of its chunk ({:?}) on this role",
+                        plan.buffers[l as usize].chunk
+                    ),
+                };
+                return Err(invalid(
+                    format!("{at}.results.loss"),
+                    format!("buffer {l} is never written by {what}"),
+                ));
+            }
+        }
+        // A training role (one with a gradient norm) computes the gradient of every
+        // parameter it holds before its optimizer runs.
+        if role.results.contains_key("grad_norm") {
+            let mut grads = Written::default();
+            for s in &streams[..streams.len() - 1] {
+                for i in s.instrs {
+                    for o in instr_writes(i) {
+                        let b = &plan.buffers[o as usize];
+                        if b.class == BufferClass::Grad {
+                            grads.0.insert((None, b.offset, o as u64));
+                        }
+                    }
+                }
+            }
+            for (i, p) in plan.params.iter().enumerate() {
+                let g = &plan.buffers[p.grad as usize];
+                if g.stage.is_some_and(|s| s != stage) {
+                    continue;
+                }
+                if !grads.0.contains(&(None, g.offset, u64::from(p.grad))) {
+                    return Err(invalid(
+                        format!("params[{i}].grad"),
+                        format!(
+                            "buffer {} ({}) is never written by the programs of role {} before its optimizer (a truncated program?)",
+                            p.grad, g.name, role.name
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some(&g) = role.results.get("grad_norm") {
+            if !role.optimizer.iter().any(|i| instr_writes(i).contains(&g)) {
+                return Err(invalid(
+                    format!("{at}.results.grad_norm"),
+                    format!("buffer {g} is never written by the optimizer program"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn memory(&self, rank: usize) -> &'p MemoryPlan {
+        self.plan.memory_of(rank)
+    }
+
+    fn input_buffer(&self, b: BufId, at: &str, _rank: usize) -> Result<(), PlanError> {
+        let buf = self.want(b, at, BufferClass::Input, DType::I32)?;
+        let batch = &self.plan.batch;
+        let cp_split = buf.layout.get(1).is_some_and(|a| a.contains(&Axis::Cp));
+        let cp = if cp_split {
+            self.plan.mesh.size(Axis::Cp)
+        } else {
+            1
+        };
+        let ok = buf.shape.len() == 2
+            && buf.shape[0] == batch.micro_batch
+            && buf.shape[1].checked_mul(cp) == Some(batch.seq_len);
+        if !ok {
+            return Err(invalid(
+                at,
+                format!(
+                    "buffer {b} ({}) has shape {:?}, but a micro-batch is [{}, {}]{}",
+                    buf.name,
+                    buf.shape,
+                    batch.micro_batch,
+                    batch.seq_len,
+                    if cp_split {
+                        format!(" (split over cp = {cp})")
+                    } else {
+                        String::new()
+                    }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every buffer role `r` touches (its programs' and the parameters of its stage) is held
+    /// by its stage and lies inside its arenas on every rank.
+    fn arenas(
+        &self,
+        r: usize,
+        rank: usize,
+        stage: u32,
+        chunks: &BTreeMap<u32, &crate::plan::ChunkProgram>,
+        streams: &[Stream],
+    ) -> Result<(), PlanError> {
+        let plan = self.plan;
+        let mem = self.memory(rank);
+        let mut first_use: Vec<Option<String>> = vec![None; plan.buffers.len()];
+        for s in streams {
+            for (i, instr) in s.instrs.iter().enumerate() {
+                for (k, b) in operands(instr) {
+                    let at = format!("{}[{i}].{k}", s.at);
+                    let buf = self.buf(b, &at)?;
+                    if buf.stage.is_some_and(|x| x != stage) {
+                        return Err(invalid(
+                            at,
+                            format!(
+                                "buffer {b} ({}) lives on pipeline stage {:?}, but role {} runs on stage {stage}",
+                                buf.name, buf.stage, plan.roles[r].name
+                            ),
+                        ));
+                    }
+                    if let Some(c) = buf.chunk {
+                        if !chunks.contains_key(&c) {
+                            return Err(invalid(
+                                at,
+                                format!(
+                                    "buffer {b} ({}) is an activation of chunk {c}, which role {} does not hold",
+                                    buf.name, plan.roles[r].name
+                                ),
+                            ));
+                        }
+                    }
+                    first_use[b as usize].get_or_insert(at);
+                }
+            }
+        }
+        for (name, &b) in plan.roles[r].inputs.iter().chain(&plan.roles[r].results) {
+            first_use[b as usize].get_or_insert_with(|| format!("roles[{r}].{name}"));
+        }
+        for (i, p) in plan.params.iter().enumerate() {
+            for b in std::iter::once(p.buffer).chain(p.tied_copies.iter().copied()) {
+                let buf = &plan.buffers[b as usize];
+                if buf.stage.is_none_or(|s| s == stage) {
+                    first_use[b as usize].get_or_insert_with(|| format!("params[{i}]"));
+                }
+            }
+        }
+        for (id, used) in first_use.iter().enumerate() {
+            if used.is_none() {
+                continue;
+            }
+            let b = &plan.buffers[id];
+            let at = format!("buffers[{id}]");
+            let arena = match b.class {
+                BufferClass::Param => mem.param_bytes,
+                BufferClass::Grad => mem.grad_bytes,
+                BufferClass::OptState => mem.opt_state_bytes,
+                BufferClass::Activation => mem.activation_bytes,
+                BufferClass::Input => mem.input_bytes,
+            } / 4;
+            let (end, limit, what) = match b.chunk {
+                Some(c) => {
+                    let elems = chunks.get(&c).map_or(0, |c| c.activation_elems);
+                    (
+                        b.offset.checked_add(b.len()),
+                        elems,
+                        format!("a chunk-{c} activation slot of {elems} elements"),
+                    )
+                }
+                None => {
+                    let far = b.rank_offset.as_ref().map_or(Some(0), |ro| {
+                        (plan.mesh.size(ro.axis) - 1).checked_mul(ro.stride)
+                    });
+                    (
+                        far.and_then(|f| f.checked_add(b.offset))
+                            .and_then(|x| x.checked_add(b.len())),
+                        arena,
+                        format!(
+                            "the {} arena of {arena} elements ({} bytes) of role {}",
+                            class_name(b.class),
+                            arena * 4,
+                            plan.roles[r].name
+                        ),
+                    )
+                }
+            };
+            if end.is_none_or(|e| e > limit) {
+                return Err(invalid(
+                    format!("{at}.offset"),
+                    format!(
+                        "{} elements at offset {}{} do not fit {what}",
+                        b.len(),
+                        b.offset,
+                        match &b.rank_offset {
+                            Some(ro) => format!(
+                                " (+ {} × {} on the farthest rank)",
+                                plan.mesh.size(ro.axis) - 1,
+                                ro.stride
+                            ),
+                            None => String::new(),
+                        }
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn instr(
+        &self,
+        at: &str,
+        instr: &Instr,
+        _rank: usize,
+        chunk: Option<u32>,
+        chunks: &BTreeMap<u32, &crate::plan::ChunkProgram>,
+        written: &mut Written,
+        ints: &mut HashMap<BufId, IntSource>,
+    ) -> Result<(), PlanError> {
+        let plan = self.plan;
+        let buffers = &plan.buffers;
+        let _ = chunks;
+        match instr {
+            Instr::Zero { buffer } => {
+                let b = &buffers[*buffer as usize];
+                if b.dtype != DType::F32 || b.class == BufferClass::Input {
+                    return Err(invalid(
+                        format!("{at}.out[0]"),
+                        format!(
+                            "zero clears f32 buffers; buffer {buffer} ({}) is {} {}",
+                            b.name,
+                            class_name(b.class),
+                            b.dtype.as_str()
+                        ),
+                    ));
+                }
+                written.mark(&buffers[*buffer as usize]);
+                ints.remove(buffer);
+            }
+            Instr::Send {
+                buffer,
+                chunk: c,
+                twin,
+                ..
+            }
+            | Instr::Recv {
+                buffer,
+                chunk: c,
+                twin,
+                ..
+            } => {
+                let send = matches!(instr, Instr::Send { .. });
+                let b = &buffers[*buffer as usize];
+                let slot = if send { "in[0]" } else { "out[0]" };
+                if b.dtype != DType::F32 || b.class == BufferClass::Input {
+                    return Err(invalid(
+                        format!("{at}.{slot}"),
+                        format!(
+                            "transfers move f32 buffers; buffer {buffer} ({}) is {} {}",
+                            b.name,
+                            class_name(b.class),
+                            b.dtype.as_str()
+                        ),
+                    ));
+                }
+                let total = plan
+                    .roles
+                    .iter()
+                    .filter_map(|r| r.pipeline.as_ref().map(|p| p.chunks_total))
+                    .max()
+                    .unwrap_or(0);
+                if *c >= total {
+                    return Err(invalid(
+                        format!("{at}.attrs.chunk"),
+                        format!("chunk {c} does not exist (the model has {total} chunks)"),
+                    ));
+                }
+                if *twin && plan.mesh.size(Axis::Fbd) != 2 {
+                    return Err(invalid(
+                        format!("{at}.attrs.twin"),
+                        "a transfer to the FBD twin needs an fbd axis of size 2",
+                    ));
+                }
+                if send {
+                    self.read(at, "in[0]", *buffer, chunk, written)?;
+                } else {
+                    written.mark(b);
+                }
+            }
+            Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                path,
+            } => {
+                let at_op = || format!("{at} ({} {path})", op.name());
+                op_rule(plan, op, inputs, outputs).map_err(|m| invalid(at_op(), m))?;
+                // Integer operands: where they come from.
+                for (k, &b) in inputs.iter().enumerate() {
+                    let buf = &buffers[b as usize];
+                    if buf.dtype != DType::I32 {
+                        continue;
+                    }
+                    let want = int_input(plan, op, inputs);
+                    match (want, buf.class, ints.get(&b)) {
+                        (IntUse::Ids, BufferClass::Input, _) => {}
+                        (IntUse::Ids, _, _) => {
+                            return Err(invalid(
+                                format!("{at}.in[{k}]"),
+                                format!(
+                                    "`{}` reads token ids or labels from the data inputs; buffer {b} ({}) is {}",
+                                    op.name(),
+                                    buf.name,
+                                    class_name(buf.class)
+                                ),
+                            ))
+                        }
+                        (IntUse::Indices(e), _, Some(IntSource::Indices(n))) if *n <= e => {}
+                        (IntUse::Counts, _, Some(IntSource::Counts)) => {}
+                        (want, _, got) => {
+                            return Err(invalid(
+                                format!("{at}.in[{k}]"),
+                                format!(
+                                    "`{}` needs {} here; buffer {b} ({}) holds {}",
+                                    op.name(),
+                                    match want {
+                                        IntUse::Indices(e) => format!("expert indices below {e}"),
+                                        IntUse::Counts => "per-expert token counts".into(),
+                                        IntUse::Ids => "token ids".into(),
+                                    },
+                                    buf.name,
+                                    match got {
+                                        Some(IntSource::Indices(n)) =>
+                                            format!("indices of a router over {n} experts"),
+                                        Some(IntSource::Counts) => "token counts".into(),
+                                        None => "nothing written by this program".into(),
+                                    }
+                                ),
+                            ))
+                        }
+                    }
+                }
+                for (k, &b) in inputs.iter().enumerate() {
+                    self.read(at, &format!("in[{k}]"), b, chunk, written)?;
+                }
+                // Outputs never overlap inputs or each other, except where the kernel works
+                // in place by design.
+                for (k, &o) in outputs.iter().enumerate() {
+                    for (j, &x) in inputs.iter().enumerate() {
+                        if in_place_ok(op, j, k, x == o) {
+                            continue;
+                        }
+                        if self.overlap(o, x) {
+                            return Err(invalid(
+                                format!("{at}.out[{k}]"),
+                                format!(
+                                    "buffer {o} ({}) overlaps input {j}, buffer {x} ({}), in the {} arena; `{}` does not work in place",
+                                    buffers[o as usize].name,
+                                    buffers[x as usize].name,
+                                    class_name(buffers[o as usize].class),
+                                    op.name()
+                                ),
+                            ));
+                        }
+                    }
+                    for (j, &p) in outputs[..k].iter().enumerate() {
+                        if self.overlap(o, p) {
+                            return Err(invalid(
+                                format!("{at}.out[{k}]"),
+                                format!(
+                                    "buffer {o} ({}) overlaps output {j}, buffer {p} ({})",
+                                    buffers[o as usize].name, buffers[p as usize].name
+                                ),
+                            ));
+                        }
+                    }
+                }
+                for (k, &o) in outputs.iter().enumerate() {
+                    written.mark(&buffers[o as usize]);
+                    ints.remove(&o);
+                    match (op, k) {
+                        (OpKind::Router { .. }, 1) => {
+                            let e = buffers[inputs[0] as usize]
+                                .shape
+                                .last()
+                                .copied()
+                                .unwrap_or(0);
+                            ints.insert(o, IntSource::Indices(e));
+                        }
+                        (OpKind::DispatchExperts { .. }, 1) => {
+                            ints.insert(o, IntSource::Counts);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A read of buffer `b`: activations must have been written earlier in the role's
+    /// programs (parameters, gradients, optimizer state and inputs are live from the start).
+    fn read(
+        &self,
+        at: &str,
+        slot: &str,
+        b: BufId,
+        _chunk: Option<u32>,
+        written: &Written,
+    ) -> Result<(), PlanError> {
+        let buf = &self.plan.buffers[b as usize];
+        if buf.class == BufferClass::Activation && !written.has(buf) {
+            return Err(invalid(
+                format!("{at}.{slot}"),
+                format!(
+                    "reads activation buffer {b} ({}) before any instruction of the program writes it",
+                    buf.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether buffers `a` and `b` may share memory on some rank.
+    fn overlap(&self, a: BufId, b: BufId) -> bool {
+        let (x, y) = (
+            &self.plan.buffers[a as usize],
+            &self.plan.buffers[b as usize],
+        );
+        if a == b {
+            return !x.is_empty();
+        }
+        if x.class != y.class || x.is_empty() || y.is_empty() {
+            return false;
+        }
+        let range = |buf: &Buffer| -> (u64, u64) {
+            let far = buf
+                .rank_offset
+                .as_ref()
+                .map_or(0, |r| (self.plan.mesh.size(r.axis) - 1) * r.stride);
+            (buf.offset, buf.offset + far + buf.len())
+        };
+        match (x.chunk, y.chunk) {
+            // Slot-relative offsets of one chunk: the same slot at run time.
+            (Some(c), Some(d)) if c == d => {
+                x.offset < y.offset + y.len() && y.offset < x.offset + x.len()
+            }
+            // Different chunks' slots, or a slot and a chunk-less activation: the planner
+            // keeps them apart; compare where they can be.
+            (Some(_), _) | (_, Some(_)) => false,
+            _ => {
+                let (xa, xb) = range(x);
+                let (ya, yb) = range(y);
+                if x.rank_offset.is_some() || y.rank_offset.is_some() {
+                    // Rank-dependent slices: compare on each coordinate of the axis.
+                    return self.overlap_per_rank(x, y);
+                }
+                xa < yb && ya < xb
+            }
+        }
+    }
+
+    fn overlap_per_rank(&self, x: &Buffer, y: &Buffer) -> bool {
+        let at = |buf: &Buffer, rank: usize| -> (u64, u64) {
+            let o = buf.offset
+                + buf
+                    .rank_offset
+                    .as_ref()
+                    .map_or(0, |r| self.plan.mesh.coord(rank, r.axis) as u64 * r.stride);
+            (o, o + buf.len())
+        };
+        // Ranks that differ along the buffers' axes: one representative per coordinate pair.
+        let axes: Vec<Axis> = [&x.rank_offset, &y.rank_offset]
+            .iter()
+            .filter_map(|r| r.as_ref().map(|r| r.axis))
+            .collect();
+        let group = self.plan.mesh.group(0, &axes);
+        group.into_iter().any(|rank| {
+            let ((xa, xb), (ya, yb)) = (at(x, rank), at(y, rank));
+            xa < yb && ya < xb
+        })
+    }
+
+    /// The reported loss reaches rank 0: rank 0's role has it, or its loss reduction group
+    /// includes a rank whose role has it.
+    fn loss_reaches_rank_0(&self) -> Result<(), PlanError> {
+        let plan = self.plan;
+        let role0 = &plan.roles[plan.rank_to_role[0] as usize];
+        let has = |rank: usize| {
+            plan.roles[plan.rank_to_role[rank] as usize]
+                .results
+                .contains_key("loss")
+        };
+        let group = match role0.result_axes.get("loss") {
+            Some(axes) if !axes.is_empty() => plan.mesh.group(0, axes),
+            _ => vec![0],
+        };
+        if !group.iter().any(|&r| has(r)) {
+            return Err(invalid(
+                format!("roles[{}].result_axes.loss", plan.rank_to_role[0]),
+                format!(
+                    "rank 0 reports the loss summed over ranks {group:?}, none of which computes one"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The activations a role's programs have written so far, by where they live (chunk slot,
+/// offset, length): a view (`split_heads`, `merge_heads`) is an alias of the buffer it
+/// views, so writing one writes the other.
+#[derive(Default)]
+struct Written(std::collections::HashSet<(Option<u32>, u64, u64)>);
+
+impl Written {
+    fn key(b: &Buffer) -> (Option<u32>, u64, u64) {
+        (b.chunk, b.offset, b.len())
+    }
+    fn mark(&mut self, b: &Buffer) {
+        if b.class == BufferClass::Activation {
+            self.0.insert(Written::key(b));
+        }
+    }
+    fn has(&self, b: &Buffer) -> bool {
+        self.0.contains(&Written::key(b))
+    }
+}
+
+/// What an i32 operand of a kernel must hold.
+#[derive(Clone, Copy, Debug)]
+enum IntUse {
+    /// Token ids or labels (the data inputs).
+    Ids,
+    /// Expert indices of a router over at most this many experts.
+    Indices(u64),
+    /// Per-expert token counts.
+    Counts,
+}
+
+/// What the i32 operand of `op` (its only one) must hold; for expert indices, the number of
+/// experts the kernel routes to (the router that wrote them must have no more).
+fn int_input(plan: &Plan, op: &OpKind, ins: &[BufId]) -> IntUse {
+    let dim0 = |k: usize| {
+        ins.get(k)
+            .and_then(|&b| plan.buffers[b as usize].shape.first().copied())
+            .unwrap_or(0)
+    };
+    match op {
+        OpKind::AllToAll { .. } => IntUse::Counts,
+        OpKind::Embedding
+        | OpKind::EmbeddingGrad
+        | OpKind::CrossEntropy
+        | OpKind::CrossEntropyGrad => IntUse::Ids,
+        OpKind::MoeAuxLoss { .. } | OpKind::MoeAuxLossGrad { .. } => IntUse::Indices(
+            ins.first()
+                .and_then(|&b| plan.buffers[b as usize].shape.last().copied())
+                .unwrap_or(0),
+        ),
+        OpKind::DispatchExperts { experts, .. } => IntUse::Indices(*experts),
+        OpKind::DispatchExpertsGrad => IntUse::Indices(dim0(0)),
+        OpKind::CombineExperts | OpKind::CombineExpertsGrad => IntUse::Indices(dim0(2)),
+        OpKind::Combine => IntUse::Indices(ins.len().saturating_sub(2) as u64),
+        OpKind::CombineGrad => IntUse::Indices(ins.len().saturating_sub(3) as u64),
+        // A single expert's dispatch routes to as many experts as the indices name.
+        _ => IntUse::Indices(u64::MAX),
+    }
+}
+
+/// Kernels that may write an output over an input: `adamw` updates the parameter it reads
+/// (input 0 is output 0), `all_reduce` reduces in place, `all_gather` and `reduce_scatter`
+/// copy their input before writing.
+fn in_place_ok(op: &OpKind, input: usize, output: usize, same: bool) -> bool {
+    match op {
+        OpKind::AdamW { .. } => input == 0 && output == 0 && same,
+        OpKind::AllReduce { .. } => same,
+        OpKind::AllGather { .. } | OpKind::ReduceScatter { .. } => true,
+        _ => false,
+    }
+}
+
+/// Buffers an instruction writes.
+fn instr_writes(instr: &Instr) -> Vec<BufId> {
+    match instr {
+        Instr::Kernel { outputs, .. } => outputs.clone(),
+        Instr::Zero { buffer } | Instr::Recv { buffer, .. } => vec![*buffer],
+        Instr::Send { .. } => Vec::new(),
+    }
+}
+
+/// Every operand of an instruction with its JSON field (`in[1]`, `out[0]`).
+fn operands(instr: &Instr) -> Vec<(String, BufId)> {
+    match instr {
+        Instr::Kernel {
+            inputs, outputs, ..
+        } => inputs
+            .iter()
+            .enumerate()
+            .map(|(k, &b)| (format!("in[{k}]"), b))
+            .chain(
+                outputs
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &b)| (format!("out[{k}]"), b)),
+            )
+            .collect(),
+        Instr::Send { buffer, .. } => vec![("in[0]".into(), *buffer)],
+        Instr::Zero { buffer } | Instr::Recv { buffer, .. } => vec![("out[0]".into(), *buffer)],
+    }
+}
+
+fn class_name(c: BufferClass) -> &'static str {
+    match c {
+        BufferClass::Param => "param",
+        BufferClass::Grad => "grad",
+        BufferClass::OptState => "opt_state",
+        BufferClass::Activation => "activation",
+        BufferClass::Input => "input",
+    }
+}
+
+/// The plan-level shape rule of `op` on one rank's local shapes: arity, operand dtypes and
+/// the shapes its kernel reads and writes. The graph-level rules (global shapes, named dims)
+/// are `infer`'s; these are what the runtime's kernels index by.
+pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Result<(), String> {
+    let bufs = &plan.buffers;
+    let b = |id: BufId| &bufs[id as usize];
+    let sh = |id: BufId| -> &[u64] { &bufs[id as usize].shape };
+    let n = |id: BufId| bufs[id as usize].len();
+    let arity = |i: usize, o: usize| -> Result<(), String> {
+        if ins.len() == i && outs.len() == o {
+            Ok(())
+        } else {
+            Err(format!(
+                "takes {i} inputs and {o} outputs, the plan gives {} and {}",
+                ins.len(),
+                outs.len()
+            ))
+        }
+    };
+    let eq = |x: BufId, want: &[u64], what: &str| -> Result<(), String> {
+        if sh(x) == want {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} (buffer {x}, {}) has shape {:?}, expected {want:?}",
+                b(x).name,
+                sh(x)
+            ))
+        }
+    };
+    let rank = |x: BufId, r: usize, what: &str| -> Result<(), String> {
+        if sh(x).len() == r {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} (buffer {x}, {}) must have {r} dims, has shape {:?}",
+                b(x).name,
+                sh(x)
+            ))
+        }
+    };
+    let nonscalar = |x: BufId, what: &str| -> Result<u64, String> {
+        match sh(x).last() {
+            Some(&l) if l > 0 => Ok(l),
+            _ => Err(format!(
+                "{what} (buffer {x}, {}) needs a positive last dim, has shape {:?}",
+                b(x).name,
+                sh(x)
+            )),
+        }
+    };
+    let with_last = |x: BufId, last: u64| -> Vec<u64> {
+        let mut s = sh(x).to_vec();
+        if let Some(l) = s.last_mut() {
+            *l = last;
+        }
+        s
+    };
+    let parts = |x: BufId, dim: usize, axis: Axis| -> u64 {
+        if b(x).layout.get(dim).is_some_and(|a| a.contains(&axis)) {
+            plan.mesh.size(axis)
+        } else {
+            1
+        }
+    };
+    let group = |axes: &[Axis]| -> u64 {
+        if axes.is_empty() {
+            1
+        } else {
+            plan.mesh.group(0, axes).len() as u64
+        }
+    };
+    // Operand dtypes: i32 where the kernel reads ids, indices or counts, f32 elsewhere.
+    let int_ins: &[usize] = match op {
+        OpKind::Embedding | OpKind::EmbeddingGrad => &[0],
+        OpKind::CrossEntropy
+        | OpKind::CrossEntropyGrad
+        | OpKind::MoeAuxLoss { .. }
+        | OpKind::MoeAuxLossGrad { .. }
+        | OpKind::Dispatch { .. }
+        | OpKind::DispatchGrad { .. }
+        | OpKind::DispatchExperts { .. }
+        | OpKind::DispatchExpertsGrad
+        | OpKind::CombineExperts
+        | OpKind::CombineExpertsGrad
+        | OpKind::Combine
+        | OpKind::CombineGrad
+        | OpKind::AllToAll { .. } => &[1],
+        _ => &[],
+    };
+    let int_outs: &[usize] = match op {
+        OpKind::Router { .. } | OpKind::DispatchExperts { .. } => &[1],
+        _ => &[],
+    };
+    for (k, &x) in ins.iter().enumerate() {
+        let want = if int_ins.contains(&k) {
+            DType::I32
+        } else {
+            DType::F32
+        };
+        if b(x).dtype != want || (want == DType::F32 && b(x).class == BufferClass::Input) {
+            return Err(format!(
+                "input {k} (buffer {x}, {}) is {} {}, expected {}",
+                b(x).name,
+                class_name(b(x).class),
+                b(x).dtype.as_str(),
+                want.as_str()
+            ));
+        }
+    }
+    for (k, &x) in outs.iter().enumerate() {
+        let int = int_outs.contains(&k);
+        let ok = if int {
+            b(x).dtype == DType::I32 && b(x).class == BufferClass::Activation
+        } else {
+            b(x).dtype == DType::F32 && b(x).class != BufferClass::Input
+        };
+        if !ok {
+            return Err(format!(
+                "output {k} (buffer {x}, {}) is {} {}, expected {}",
+                b(x).name,
+                class_name(b(x).class),
+                b(x).dtype.as_str(),
+                if int { "activation i32" } else { "f32" }
+            ));
+        }
+    }
+    let vocab = plan.batch.vocab;
+    let covers_vocab = |rows: u64, x: BufId, what: &str| -> Result<(), String> {
+        if rows == 0 || rows.saturating_mul(parts_of(plan, x)) < vocab {
+            Err(format!(
+                "{what} (buffer {x}, {}) has {rows} rows per rank, which do not cover the vocabulary of {vocab}",
+                b(x).name
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    let _ = &covers_vocab;
+    match op {
+        OpKind::Embedding | OpKind::EmbeddingGrad => {
+            let grad = matches!(op, OpKind::EmbeddingGrad);
+            arity(if grad { 3 } else { 2 }, 1)?;
+            rank(ins[1], 2, "embedding table")?;
+            let (rows, h) = (sh(ins[1])[0], sh(ins[1])[1]);
+            let vparts = parts(ins[1], 0, Axis::Tp);
+            if rows == 0 || rows.saturating_mul(vparts) < vocab {
+                return Err(format!(
+                    "the embedding table (buffer {}) has {rows} rows{}, which do not cover the vocabulary of {vocab}",
+                    ins[1],
+                    if vparts > 1 { format!(" per rank over {vparts} ranks") } else { String::new() }
+                ));
+            }
+            let mut y = sh(ins[0]).to_vec();
+            y.push(h);
+            if grad {
+                eq(ins[2], &y, "the output gradient")?;
+                eq(outs[0], sh(ins[1]), "the table gradient")
+            } else {
+                eq(outs[0], &y, "the output")
+            }
+        }
+        OpKind::PosEmbedding | OpKind::PosEmbeddingGrad => {
+            let grad = matches!(op, OpKind::PosEmbeddingGrad);
+            arity(2, 1)?;
+            let (x, wpe) = if grad {
+                (ins[1], ins[0])
+            } else {
+                (ins[0], ins[1])
+            };
+            rank(x, 3, "the activations")?;
+            rank(wpe, 2, "the position table")?;
+            let s = sh(x)[1].saturating_mul(parts(x, 1, Axis::Cp));
+            if sh(wpe)[0] < s || sh(wpe)[1] != sh(x)[2] {
+                return Err(format!(
+                    "the position table {:?} does not cover {s} positions of width {}",
+                    sh(wpe),
+                    sh(x)[2]
+                ));
+            }
+            if grad {
+                eq(outs[0], sh(wpe), "the table gradient")
+            } else {
+                eq(outs[0], sh(x), "the output")
+            }
+        }
+        OpKind::Linear { weight } | OpKind::LinearGradInput { weight } => {
+            let fwd = matches!(op, OpKind::Linear { .. });
+            if fwd && ins.len() == 3 {
+                arity(3, 1)?;
+            } else {
+                arity(2, 1)?;
+            }
+            let x = ins[0];
+            let kk = nonscalar(x, "the input")?;
+            let w = sh(ins[1]);
+            if w.len() != 2 && w.len() != 3 {
+                return Err(format!(
+                    "the weight (buffer {}) has shape {w:?}; expected 2 or 3 dims",
+                    ins[1]
+                ));
+            }
+            let g = if w.len() == 3 { w[0] } else { 1 };
+            let (a, c) = (w[w.len() - 2], w[w.len() - 1]);
+            let (w_in, w_out) = match weight {
+                WeightLayout::OutIn => (c, a),
+                WeightLayout::InOut => (a, c),
+            };
+            // Forward: x[.., in] -> y[.., out]; input gradient: dy[.., out] -> dx[.., in].
+            let (from, to) = if fwd { (w_in, w_out) } else { (w_out, w_in) };
+            if kk != from || g == 0 || (g > 1 && sh(x).first() != Some(&g)) {
+                return Err(format!(
+                    "the input {:?} does not match the weight {w:?} (w={})",
+                    sh(x),
+                    weight.as_str()
+                ));
+            }
+            if let Some(&bias) = ins.get(2) {
+                eq(bias, &[to], "the bias")?;
+            }
+            eq(outs[0], &with_last(x, to), "the output")
+        }
+        OpKind::LinearGradWeight { weight } => {
+            arity(2, 1)?;
+            let (x, dy) = (ins[0], ins[1]);
+            let kk = nonscalar(x, "the input")?;
+            let nn = nonscalar(dy, "the output gradient")?;
+            if sh(x)[..sh(x).len() - 1] != sh(dy)[..sh(dy).len().saturating_sub(1)] {
+                return Err(format!(
+                    "the input {:?} and the output gradient {:?} disagree",
+                    sh(x),
+                    sh(dy)
+                ));
+            }
+            let mat = match weight {
+                WeightLayout::OutIn => vec![nn, kk],
+                WeightLayout::InOut => vec![kk, nn],
+            };
+            let dw = sh(outs[0]);
+            if dw.len() == 3 {
+                let mut want = vec![dw[0]];
+                want.extend(&mat);
+                if dw[0] == 0 || sh(x).first() != Some(&dw[0]) {
+                    return Err(format!(
+                        "the weight gradient {dw:?} does not match the input {:?}",
+                        sh(x)
+                    ));
+                }
+                eq(outs[0], &want, "the weight gradient")
+            } else {
+                eq(outs[0], &mat, "the weight gradient")
+            }
+        }
+        OpKind::RmsNorm { eps } | OpKind::LayerNorm { eps } => {
+            let k = if matches!(op, OpKind::RmsNorm { .. }) {
+                2
+            } else {
+                3
+            };
+            arity(k, 1)?;
+            positive(*eps, "eps")?;
+            let h = nonscalar(ins[0], "the input")?;
+            for &p in &ins[1..] {
+                eq(p, &[h], "the norm parameter")?;
+            }
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::RmsNormGrad { eps } | OpKind::LayerNormGrad { eps } => {
+            let k = if matches!(op, OpKind::RmsNormGrad { .. }) {
+                2
+            } else {
+                3
+            };
+            arity(3, k)?;
+            positive(*eps, "eps")?;
+            let h = nonscalar(ins[0], "the input")?;
+            eq(ins[1], &[h], "the norm weight")?;
+            eq(ins[2], sh(ins[0]), "the output gradient")?;
+            eq(outs[0], sh(ins[0]), "the input gradient")?;
+            for &o in &outs[1..] {
+                eq(o, &[h], "the parameter gradient")?;
+            }
+            Ok(())
+        }
+        OpKind::Split { n: parts_n } => {
+            arity(1, *parts_n as usize)?;
+            let w = nonscalar(ins[0], "the input")?;
+            if *parts_n == 0 || w % parts_n != 0 {
+                return Err(format!(
+                    "cannot split a last dim of {w} into {parts_n} parts"
+                ));
+            }
+            for &o in outs {
+                eq(o, &with_last(ins[0], w / parts_n), "a part")?;
+            }
+            Ok(())
+        }
+        OpKind::Concat => {
+            if ins.is_empty() {
+                return Err("takes at least one input".into());
+            }
+            arity(ins.len(), 1)?;
+            let w = nonscalar(ins[0], "the first input")?;
+            for &x in &ins[1..] {
+                eq(x, sh(ins[0]), "an input")?;
+            }
+            eq(
+                outs[0],
+                &with_last(ins[0], w * ins.len() as u64),
+                "the output",
+            )
+        }
+        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+            arity(1, 1)?;
+            positive(*theta, "theta")?;
+            rank(ins[0], 4, "the input [b, s, heads, head_dim]")?;
+            if sh(ins[0])[3] % 2 != 0 {
+                return Err(format!("head dim {} is odd", sh(ins[0])[3]));
+            }
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::CausalAttention | OpKind::AttentionGrad => {
+            let fwd = matches!(op, OpKind::CausalAttention);
+            if fwd {
+                arity(3, 2)?;
+            } else {
+                arity(6, 3)?;
+            }
+            let (q, k, v) = (ins[0], ins[1], ins[2]);
+            rank(q, 4, "q")?;
+            rank(k, 4, "k")?;
+            eq(v, sh(k), "v")?;
+            let (qs, ks) = (sh(q), sh(k));
+            if qs[0] != ks[0]
+                || qs[1] != ks[1]
+                || qs[3] != ks[3]
+                || ks[2] == 0
+                || qs[2] % ks[2] != 0
+            {
+                return Err(format!("q {qs:?} and k {ks:?} do not match"));
+            }
+            if parts(q, 1, Axis::Cp) != parts(k, 1, Axis::Cp) {
+                return Err("q and k are split over cp differently".into());
+            }
+            let lse = [qs[0], qs[2], qs[1]];
+            if fwd {
+                eq(outs[0], qs, "the output")?;
+                eq(outs[1], &lse, "the log-sum-exp")
+            } else {
+                eq(ins[3], qs, "the output")?;
+                eq(ins[4], &lse, "the log-sum-exp")?;
+                eq(ins[5], qs, "the output gradient")?;
+                eq(outs[0], qs, "dq")?;
+                eq(outs[1], ks, "dk")?;
+                eq(outs[2], ks, "dv")
+            }
+        }
+        OpKind::Cast { to } => {
+            arity(1, 1)?;
+            if *to != DType::F32 {
+                return Err(format!(
+                    "casts to {}, which the cpu backend cannot hold",
+                    to.as_str()
+                ));
+            }
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::Add | OpKind::SwiGlu => {
+            arity(2, 1)?;
+            eq(ins[1], sh(ins[0]), "the second operand")?;
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::GradSum => {
+            if ins.is_empty() || ins.len() > 2 {
+                return Err(format!("takes 1 or 2 inputs, the plan gives {}", ins.len()));
+            }
+            arity(ins.len(), 1)?;
+            for &x in ins {
+                if n(x) != n(outs[0]) {
+                    return Err(format!(
+                        "input (buffer {x}) has {} elements, the output {}",
+                        n(x),
+                        n(outs[0])
+                    ));
+                }
+            }
+            Ok(())
+        }
+        OpKind::RepeatKv { n: r } | OpKind::RepeatKvGrad { n: r } => {
+            arity(1, 1)?;
+            rank(ins[0], 4, "the heads tensor")?;
+            let mut y = sh(ins[0]).to_vec();
+            if *r == 0 || y[3] == 0 {
+                return Err(format!("repeats {r} times heads of width {}", y[3]));
+            }
+            if matches!(op, OpKind::RepeatKv { .. }) {
+                y[2] = y[2].checked_mul(*r).ok_or("too many heads")?;
+            } else {
+                if y[2] % r != 0 {
+                    return Err(format!("{} heads are not a multiple of {r}", y[2]));
+                }
+                y[2] /= r;
+            }
+            eq(outs[0], &y, "the output")
+        }
+        OpKind::BiasAdd => {
+            arity(2, 1)?;
+            let h = nonscalar(ins[0], "the input")?;
+            eq(ins[1], &[h], "the bias")?;
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::BiasGrad => {
+            arity(1, 1)?;
+            let h = nonscalar(ins[0], "the gradient")?;
+            eq(outs[0], &[h], "the bias gradient")
+        }
+        OpKind::GeluTanh => {
+            arity(1, 1)?;
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::GeluTanhGrad => {
+            arity(2, 1)?;
+            eq(ins[1], sh(ins[0]), "the output gradient")?;
+            eq(outs[0], sh(ins[0]), "the input gradient")
+        }
+        OpKind::SwiGluGrad => {
+            arity(3, 2)?;
+            eq(ins[1], sh(ins[0]), "up")?;
+            eq(ins[2], sh(ins[0]), "the output gradient")?;
+            eq(outs[0], sh(ins[0]), "the gate gradient")?;
+            eq(outs[1], sh(ins[0]), "the up gradient")
+        }
+        OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
+            arity(2, 1)?;
+            let (logits, labels) = (ins[0], ins[1]);
+            let v = nonscalar(logits, "the logits")?;
+            let ls = sh(logits);
+            if ls[..ls.len() - 1] != *sh(labels) {
+                return Err(format!(
+                    "the logits {ls:?} do not match the labels {:?}",
+                    sh(labels)
+                ));
+            }
+            let vparts = parts(logits, ls.len() - 1, Axis::Tp);
+            if v.saturating_mul(vparts) < vocab {
+                return Err(format!(
+                    "the logits (buffer {logits}) have {v} columns{}, which do not cover the vocabulary of {vocab}",
+                    if vparts > 1 { format!(" per rank over {vparts} ranks") } else { String::new() }
+                ));
+            }
+            if matches!(op, OpKind::CrossEntropy) {
+                scalar(outs[0], b(outs[0]), "the loss")
+            } else {
+                eq(outs[0], ls, "the logits gradient")
+            }
+        }
+        OpKind::GradNorm { .. } => {
+            if ins.is_empty() {
+                return Err("takes at least one gradient".into());
+            }
+            arity(ins.len(), 1)?;
+            scalar(outs[0], b(outs[0]), "the norm")
+        }
+        OpKind::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            max_norm,
+            ..
+        } => {
+            arity(3, 3)?;
+            for (v, what) in [(*beta1, "beta1"), (*beta2, "beta2")] {
+                if !(0.0..1.0).contains(&v) {
+                    return Err(format!("{what} = {v} is not in [0, 1)"));
+                }
+            }
+            positive(*eps, "eps")?;
+            if !(weight_decay.is_finite() && *weight_decay >= 0.0 && max_norm.is_finite()) {
+                return Err(format!(
+                    "weight_decay {weight_decay} and max_norm {max_norm} must be finite"
+                ));
+            }
+            if ins[0] != outs[0] {
+                return Err("updates its parameter in place: input 0 is output 0".into());
+            }
+            for &x in [ins[1]].iter().chain(outs) {
+                if n(x) != n(outs[0]) {
+                    return Err(format!(
+                        "buffer {x} has {} elements, the parameter {}",
+                        n(x),
+                        n(outs[0])
+                    ));
+                }
+            }
+            scalar(ins[2], b(ins[2]), "the norm")
+        }
+        OpKind::AllReduce { .. } => {
+            arity(1, 1)?;
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::Slice { axes, dim }
+        | OpKind::AllGather { axes, dim }
+        | OpKind::ReduceScatter { axes, dim } => {
+            arity(1, 1)?;
+            let members = group(axes);
+            // The sharded side and the whole side.
+            let (local, whole) = match op {
+                OpKind::AllGather { .. } => (ins[0], outs[0]),
+                _ => (outs[0], ins[0]),
+            };
+            let d = *dim as usize;
+            if d >= sh(local).len() {
+                return Err(format!("dim {d} of a {}-d buffer", sh(local).len()));
+            }
+            let mut want = sh(local).to_vec();
+            want[d] = want[d].checked_mul(members).ok_or("too large")?;
+            eq(whole, &want, &format!("the whole (over {members} ranks)"))
+        }
+        OpKind::SplitHeads { .. } | OpKind::MergeHeads => {
+            Err("is a view and never an instruction".into())
+        }
+        OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
+            let fwd = matches!(op, OpKind::Router { .. });
+            if fwd {
+                arity(1, 2)?;
+            } else {
+                arity(2, 1)?;
+            }
+            rank(ins[0], 3, "the router logits")?;
+            let e = sh(ins[0])[2];
+            if *top_k == 0 || *top_k > e {
+                return Err(format!(
+                    "top_k {top_k} must be between 1 and the {e} experts"
+                ));
+            }
+            let w = with_last(ins[0], *top_k);
+            if fwd {
+                eq(outs[0], &w, "the weights")?;
+                eq(outs[1], &w, "the indices")
+            } else {
+                eq(ins[1], &w, "the weights gradient")?;
+                eq(outs[0], sh(ins[0]), "the logits gradient")
+            }
+        }
+        OpKind::MoeAuxLoss { coeff } | OpKind::MoeAuxLossGrad { coeff } => {
+            arity(2, 1)?;
+            if !coeff.is_finite() {
+                return Err(format!("coeff {coeff} is not finite"));
+            }
+            rank(ins[0], 3, "the router logits")?;
+            rank(ins[1], 3, "the indices")?;
+            let (l, i) = (sh(ins[0]), sh(ins[1]));
+            if l[..2] != i[..2] || i[2] == 0 || i[2] > l[2] {
+                return Err(format!(
+                    "the router logits {l:?} and indices {i:?} disagree"
+                ));
+            }
+            if matches!(op, OpKind::MoeAuxLoss { .. }) {
+                scalar(outs[0], b(outs[0]), "the loss")
+            } else {
+                eq(outs[0], l, "the logits gradient")
+            }
+        }
+        OpKind::Dispatch { .. } => {
+            arity(2, 1)?;
+            let (x, idx) = tokens_and_indices(plan, ins[0], ins[1])?;
+            let _ = idx;
+            rank(outs[0], 2, "the expert tokens")?;
+            if sh(outs[0])[1] != x[2] {
+                return Err(format!(
+                    "the expert tokens {:?} are not of width {}",
+                    sh(outs[0]),
+                    x[2]
+                ));
+            }
+            Ok(())
+        }
+        OpKind::DispatchGrad { .. } => {
+            arity(2, 1)?;
+            rank(ins[0], 2, "the expert gradient")?;
+            rank(ins[1], 3, "the indices")?;
+            let i = sh(ins[1]);
+            eq(outs[0], &[i[0], i[1], sh(ins[0])[1]], "the token gradient")
+        }
+        OpKind::DispatchExperts { experts, .. } => {
+            arity(2, 2)?;
+            let (x, _) = tokens_and_indices(plan, ins[0], ins[1])?;
+            rank(outs[0], 3, "the expert tokens")?;
+            let o = sh(outs[0]);
+            if o[0] != *experts || o[2] != x[2] || *experts == 0 {
+                return Err(format!(
+                    "the expert tokens {o:?} are not [{experts}, rows, {}]",
+                    x[2]
+                ));
+            }
+            eq(outs[1], &[*experts], "the token counts")
+        }
+        OpKind::DispatchExpertsGrad => {
+            arity(2, 1)?;
+            rank(ins[0], 3, "the expert gradients")?;
+            rank(ins[1], 3, "the indices")?;
+            let (d, i) = (sh(ins[0]), sh(ins[1]));
+            if d[0] == 0 {
+                return Err("no experts".into());
+            }
+            eq(outs[0], &[i[0], i[1], d[2]], "the token gradient")
+        }
+        OpKind::CombineExperts | OpKind::CombineExpertsGrad => {
+            let fwd = matches!(op, OpKind::CombineExperts);
+            if fwd {
+                arity(3, 1)?;
+            } else {
+                arity(4, 2)?;
+            }
+            rank(ins[0], 3, "the router weights")?;
+            eq(ins[1], sh(ins[0]), "the indices")?;
+            rank(ins[2], 3, "the expert outputs")?;
+            let (w, y) = (sh(ins[0]), sh(ins[2]));
+            if y[0] == 0 || y[2] == 0 {
+                return Err(format!("the expert outputs {y:?} are empty"));
+            }
+            let tokens = [w[0], w[1], y[2]];
+            if fwd {
+                eq(outs[0], &tokens, "the output")
+            } else {
+                eq(ins[3], &tokens, "the output gradient")?;
+                eq(outs[0], w, "the weights gradient")?;
+                eq(outs[1], y, "the expert gradients")
+            }
+        }
+        OpKind::Combine | OpKind::CombineGrad => {
+            let fwd = matches!(op, OpKind::Combine);
+            let experts = if fwd {
+                ins.len().saturating_sub(2)
+            } else {
+                ins.len().saturating_sub(3)
+            };
+            if experts == 0 {
+                return Err(format!("no expert outputs among {} inputs", ins.len()));
+            }
+            if fwd {
+                arity(ins.len(), 1)?;
+            } else {
+                arity(ins.len(), experts + 1)?;
+            }
+            rank(ins[0], 3, "the router weights")?;
+            eq(ins[1], sh(ins[0]), "the indices")?;
+            rank(ins[2], 2, "an expert output")?;
+            let y = sh(ins[2]).to_vec();
+            if y[1] == 0 {
+                return Err("expert outputs of width 0".into());
+            }
+            for &e in &ins[2..2 + experts] {
+                eq(e, &y, "an expert output")?;
+            }
+            let w = sh(ins[0]);
+            let tokens = [w[0], w[1], y[1]];
+            if fwd {
+                eq(outs[0], &tokens, "the output")
+            } else {
+                eq(ins[2 + experts], &tokens, "the output gradient")?;
+                eq(outs[0], w, "the weights gradient")?;
+                for &o in &outs[1..] {
+                    eq(o, &y, "an expert gradient")?;
+                }
+                Ok(())
+            }
+        }
+        OpKind::AllToAll {
+            axes,
+            split,
+            concat,
+        } => {
+            arity(2, 1)?;
+            rank(ins[0], 3, "the expert tokens")?;
+            rank(outs[0], 3, "the output")?;
+            let (x, y) = (sh(ins[0]), sh(outs[0]));
+            if *split > 1 || *concat > 1 || split == concat || x[2] != y[2] {
+                return Err(format!(
+                    "moves [experts, tokens, h] buffers (split 0/1, concat 1/0), the plan gives {x:?} -> {y:?} (split {split}, concat {concat})"
+                ));
+            }
+            let members = group(axes);
+            let e = n(ins[1]);
+            let experts = if *split == 0 { x[0] } else { y[0] };
+            if e == 0 || e % members != 0 || e != experts {
+                return Err(format!(
+                    "{e} token counts for {experts} experts over {members} ranks"
+                ));
+            }
+            let local = e / members;
+            // The experts' side holds every member's rows of its local experts (bounded by
+            // the tokens side's rows, which the runtime checks the counts against).
+            let (local_side, full_side) = if *split == 0 { (y, x) } else { (x, y) };
+            if local_side[0] != local
+                || full_side[1] == 0
+                || local_side[1] < full_side[1].saturating_mul(members)
+            {
+                return Err(format!(
+                    "the exchange over {members} ranks does not map {x:?} to {y:?}"
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The rank count a buffer's vocabulary dim (0) is split over (tp where its layout says so).
+fn parts_of(plan: &Plan, x: BufId) -> u64 {
+    let b = &plan.buffers[x as usize];
+    if b.layout.first().is_some_and(|a| a.contains(&Axis::Tp)) {
+        plan.mesh.size(Axis::Tp)
+    } else {
+        1
+    }
+}
+
+fn positive(v: f64, what: &str) -> Result<(), String> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{what} = {v} must be positive and finite"))
+    }
+}
+
+fn scalar(id: BufId, b: &Buffer, what: &str) -> Result<(), String> {
+    if b.len() == 1 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} (buffer {id}, {}) must be a scalar, has shape {:?}",
+            b.name, b.shape
+        ))
+    }
+}
+
+/// MoE: tokens `[b, s, h]` and router indices `[b, s, top_k]` of the same tokens.
+fn tokens_and_indices(plan: &Plan, x: BufId, idx: BufId) -> Result<(Vec<u64>, Vec<u64>), String> {
+    let (xs, is) = (
+        plan.buffers[x as usize].shape.clone(),
+        plan.buffers[idx as usize].shape.clone(),
+    );
+    if xs.len() != 3 || is.len() != 3 || xs[..2] != is[..2] || is[2] == 0 || xs[2] == 0 {
+        return Err(format!(
+            "the tokens {xs:?} and the indices {is:?} are not [b, s, h] and [b, s, top_k]"
+        ));
+    }
+    Ok((xs, is))
+}
