@@ -673,6 +673,7 @@ impl<'p> Gate<'p> {
         }
         // Buffers: held by this stage, inside this rank's arenas.
         self.arenas(r, rank, stage, &chunks, &streams)?;
+        self.state(r, stage, &streams)?;
         // Instructions.
         let mut written = Written::default();
         let mut ints: HashMap<BufId, IntSource> = HashMap::new();
@@ -714,23 +715,16 @@ impl<'p> Gate<'p> {
         // A training role (one with a gradient norm) computes the gradient of every
         // parameter it holds before its optimizer runs.
         if role.results.contains_key("grad_norm") {
-            let mut grads = Written::default();
-            for s in &streams[..streams.len() - 1] {
-                for i in s.instrs {
-                    for o in instr_writes(i) {
-                        let b = &plan.buffers[o as usize];
-                        if b.class == BufferClass::Grad {
-                            grads.0.insert((None, b.offset, o as u64));
-                        }
-                    }
-                }
-            }
+            let grads: std::collections::HashSet<BufId> = streams[..streams.len() - 1]
+                .iter()
+                .flat_map(|s| s.instrs.iter().flat_map(instr_writes))
+                .collect();
             for (i, p) in plan.params.iter().enumerate() {
                 let g = &plan.buffers[p.grad as usize];
                 if g.stage.is_some_and(|s| s != stage) {
                     continue;
                 }
-                if !grads.0.contains(&(None, g.offset, u64::from(p.grad))) {
+                if !grads.contains(&p.grad) {
                     return Err(invalid(
                         format!("params[{i}].grad"),
                         format!(
@@ -746,6 +740,92 @@ impl<'p> Gate<'p> {
                 return Err(invalid(
                     format!("{at}.results.grad_norm"),
                     format!("buffer {g} is never written by the optimizer program"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Persistent state keeps apart: the buffers of distinct parameters (value, gradient,
+    /// moments, tied copies) and all optimizer state never share memory (flat segments of
+    /// the distributed optimizer may cover whole parameters), and each moment buffer is
+    /// always the same moment of `adamw` (a first moment used as a second one goes negative).
+    fn state(&self, r: usize, stage: u32, streams: &[Stream]) -> Result<(), PlanError> {
+        let plan = self.plan;
+        let mut owned: Vec<(BufId, String)> = Vec::new();
+        for (i, p) in plan.params.iter().enumerate() {
+            let here = |b: BufId| plan.buffers[b as usize].stage.is_none_or(|s| s == stage);
+            let mut add = |b: BufId, field: String| {
+                if here(b) {
+                    owned.push((b, format!("params[{i}].{field}")));
+                }
+            };
+            add(p.buffer, "buffer".into());
+            add(p.grad, "grad".into());
+            if let Some(m) = p.exp_avg {
+                add(m, "exp_avg".into());
+            }
+            if let Some(v) = p.exp_avg_sq {
+                add(v, "exp_avg_sq".into());
+            }
+            for (k, &c) in p.tied_copies.iter().enumerate() {
+                add(c, format!("tied_copies[{k}]"));
+            }
+        }
+        let mut moment: HashMap<BufId, (usize, String)> = HashMap::new();
+        for s in streams {
+            for (i, instr) in s.instrs.iter().enumerate() {
+                if let Instr::Kernel {
+                    op: OpKind::AdamW { .. },
+                    outputs,
+                    ..
+                } = instr
+                {
+                    for (k, &o) in outputs.iter().enumerate().skip(1) {
+                        let at = format!("{}[{i}].out[{k}]", s.at);
+                        if let Some((prev, where_)) = moment.insert(o, (k, at.clone())) {
+                            return Err(invalid(
+                                at,
+                                format!(
+                                    "buffer {o} ({}) is already {} at {where_}",
+                                    plan.buffers[o as usize].name,
+                                    if prev == k {
+                                        "updated by another adamw"
+                                    } else if prev == 1 {
+                                        "a first moment (exp_avg)"
+                                    } else {
+                                        "a second moment (exp_avg_sq)"
+                                    }
+                                ),
+                            ));
+                        }
+                        owned.push((o, at));
+                    }
+                }
+            }
+        }
+        owned.sort_by_key(|&(b, _)| {
+            let buf = &plan.buffers[b as usize];
+            (class_index(buf.class), buf.offset, b)
+        });
+        owned.dedup_by_key(|(b, _)| *b);
+        for w in owned.windows(2) {
+            let ((a, at_a), (b, at_b)) = (&w[0], &w[1]);
+            if self.overlap(*a, *b) {
+                let (x, y) = (&plan.buffers[*a as usize], &plan.buffers[*b as usize]);
+                return Err(invalid(
+                    format!("buffers[{b}].offset"),
+                    format!(
+                        "{} ({at_b}) at [{}, {}) overlaps {} ({at_a}) at [{}, {}) in the {} arena of role {}",
+                        y.name,
+                        y.offset,
+                        y.offset.saturating_add(y.len()),
+                        x.name,
+                        x.offset,
+                        x.offset.saturating_add(x.len()),
+                        class_name(y.class),
+                        plan.roles[r].name
+                    ),
                 ));
             }
         }
@@ -841,6 +921,44 @@ impl<'p> Gate<'p> {
                 }
             }
         }
+        // Pipeline chunks' slot regions are disjoint, and no other activation lies in one.
+        let regions: Vec<(u32, u64, u64)> = chunks
+            .values()
+            .map(|c| {
+                let end = c.activation_base + c.activation_elems * u64::from(c.slots);
+                (c.chunk, c.activation_base, end)
+            })
+            .collect();
+        for (k, &(c, s, e)) in regions.iter().enumerate() {
+            for &(d, t, f) in &regions[..k] {
+                if s < f && t < e {
+                    return Err(invalid(
+                        format!("roles[{r}].pipeline.chunks"),
+                        format!(
+                            "the activation slots of chunk {c} ([{s}, {e})) overlap those of chunk {d} ([{t}, {f}))"
+                        ),
+                    ));
+                }
+            }
+        }
+        for (id, used) in first_use.iter().enumerate() {
+            if used.is_none() {
+                continue;
+            }
+            let b = &plan.buffers[id];
+            if b.class == BufferClass::Activation && b.chunk.is_none() && !b.is_empty() {
+                let (s, e) = (b.offset, b.offset.saturating_add(b.len()));
+                if let Some(&(c, t, f)) = regions.iter().find(|&&(_, t, f)| s < f && t < e) {
+                    return Err(invalid(
+                        format!("buffers[{id}].offset"),
+                        format!(
+                            "activation {} at [{s}, {e}) lies in the activation slots of chunk {c} ([{t}, {f}))",
+                            b.name
+                        ),
+                    ));
+                }
+            }
+        }
         for (id, used) in first_use.iter().enumerate() {
             if used.is_none() {
                 continue;
@@ -930,7 +1048,7 @@ impl<'p> Gate<'p> {
                         ),
                     ));
                 }
-                written.mark(&buffers[*buffer as usize]);
+                written.mark(*buffer, &buffers[*buffer as usize], at);
                 ints.remove(buffer);
             }
             Instr::Send {
@@ -980,7 +1098,7 @@ impl<'p> Gate<'p> {
                 if send {
                     self.read(at, "in[0]", *buffer, chunk, written)?;
                 } else {
-                    written.mark(b);
+                    written.mark(*buffer, b, at);
                 }
             }
             Instr::Kernel {
@@ -1072,7 +1190,7 @@ impl<'p> Gate<'p> {
                     }
                 }
                 for (k, &o) in outputs.iter().enumerate() {
-                    written.mark(&buffers[o as usize]);
+                    written.mark(o, &buffers[o as usize], at);
                     ints.remove(&o);
                     match (op, k) {
                         (OpKind::Router { .. }, 1) => {
@@ -1105,13 +1223,13 @@ impl<'p> Gate<'p> {
         written: &Written,
     ) -> Result<(), PlanError> {
         let buf = &self.plan.buffers[b as usize];
-        if buf.class == BufferClass::Activation && !written.has(buf) {
+        if buf.class != BufferClass::Activation {
+            return Ok(());
+        }
+        if let Some(why) = written.missing(buf) {
             return Err(invalid(
                 format!("{at}.{slot}"),
-                format!(
-                    "reads activation buffer {b} ({}) before any instruction of the program writes it",
-                    buf.name
-                ),
+                format!("reads activation buffer {b} ({}) {why}", buf.name),
             ));
         }
         Ok(())
@@ -1203,23 +1321,58 @@ impl<'p> Gate<'p> {
     }
 }
 
-/// The activations a role's programs have written so far, by where they live (chunk slot,
-/// offset, length): a view (`split_heads`, `merge_heads`) is an alias of the buffer it
-/// views, so writing one writes the other.
+/// The activations whose values a role's programs have written and not overwritten since,
+/// by where they live: (chunk slot or none, first element) -> (end, who wrote it). A view
+/// (`split_heads`, `merge_heads`) is an alias of the buffer it views (same place), so
+/// writing one writes the other; a write over part of a live value ends that value.
 #[derive(Default)]
-struct Written(std::collections::HashSet<(Option<u32>, u64, u64)>);
+struct Written {
+    live: BTreeMap<(Option<u32>, u64), (u64, BufId)>,
+    /// Values that ended: (chunk, first element, end) -> the instruction that overwrote them.
+    ended: HashMap<(Option<u32>, u64, u64), String>,
+}
 
 impl Written {
-    fn key(b: &Buffer) -> (Option<u32>, u64, u64) {
-        (b.chunk, b.offset, b.len())
+    fn range(b: &Buffer) -> (Option<u32>, u64, u64) {
+        (b.chunk, b.offset, b.offset.saturating_add(b.len()))
     }
-    fn mark(&mut self, b: &Buffer) {
-        if b.class == BufferClass::Activation {
-            self.0.insert(Written::key(b));
+
+    fn mark(&mut self, id: BufId, b: &Buffer, at: &str) {
+        if b.class != BufferClass::Activation || b.is_empty() {
+            return;
         }
+        let (c, s, e) = Written::range(b);
+        // Live values that overlap [s, e): the one starting before s, and those inside.
+        let mut gone: Vec<(u64, u64)> = Vec::new();
+        if let Some((&(pc, ps), &(pe, _))) = self.live.range(..(c, s)).next_back() {
+            if pc == c && pe > s {
+                gone.push((ps, pe));
+            }
+        }
+        for (&(_, qs), &(qe, _)) in self.live.range((c, s)..(c, e)) {
+            gone.push((qs, qe));
+        }
+        for (gs, ge) in gone {
+            self.live.remove(&(c, gs));
+            if (gs, ge) != (s, e) {
+                self.ended
+                    .insert((c, gs, ge), format!("{at} (buffer {id}, {})", b.name));
+            }
+        }
+        self.ended.remove(&(c, s, e));
+        self.live.insert((c, s), (e, id));
     }
-    fn has(&self, b: &Buffer) -> bool {
-        self.0.contains(&Written::key(b))
+
+    /// None if `b`'s value is live, else why not.
+    fn missing(&self, b: &Buffer) -> Option<String> {
+        let (c, s, e) = Written::range(b);
+        if b.is_empty() || self.live.get(&(c, s)).is_some_and(|&(end, _)| end == e) {
+            return None;
+        }
+        Some(match self.ended.get(&(c, s, e)) {
+            Some(by) => format!("after {by} overwrote it"),
+            None => "before any instruction of the program writes it".to_string(),
+        })
     }
 }
 
@@ -1302,6 +1455,16 @@ fn operands(instr: &Instr) -> Vec<(String, BufId)> {
             .collect(),
         Instr::Send { buffer, .. } => vec![("in[0]".into(), *buffer)],
         Instr::Zero { buffer } | Instr::Recv { buffer, .. } => vec![("out[0]".into(), *buffer)],
+    }
+}
+
+fn class_index(c: BufferClass) -> usize {
+    match c {
+        BufferClass::Param => 0,
+        BufferClass::Grad => 1,
+        BufferClass::OptState => 2,
+        BufferClass::Activation => 3,
+        BufferClass::Input => 4,
     }
 }
 
@@ -1800,6 +1963,21 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
             if ins[0] != outs[0] {
                 return Err("updates its parameter in place: input 0 is output 0".into());
+            }
+            for (x, class, what) in [
+                (outs[0], BufferClass::Param, "the parameter"),
+                (ins[1], BufferClass::Grad, "the gradient"),
+                (outs[1], BufferClass::OptState, "the first moment"),
+                (outs[2], BufferClass::OptState, "the second moment"),
+            ] {
+                if b(x).class != class {
+                    return Err(format!(
+                        "{what} (buffer {x}, {}) is a {} buffer, expected {}",
+                        b(x).name,
+                        class_name(b(x).class),
+                        class_name(class)
+                    ));
+                }
             }
             for &x in [ins[1]].iter().chain(outs) {
                 if n(x) != n(outs[0]) {

@@ -53,7 +53,7 @@ impl Rng {
 /// JSON pointers of every leaf number under `v`.
 fn numbers(v: &Value, at: String, out: &mut Vec<String>) {
     match v {
-        Value::Number(_) => out.push(at),
+        Value::Number(n) if n.is_u64() => out.push(at),
         Value::Array(a) => {
             for (i, x) in a.iter().enumerate() {
                 numbers(x, format!("{at}/{i}"), out);
@@ -420,8 +420,9 @@ pub fn run_mutations(seed: u64, n: usize, timeout: Duration) -> Tally {
             Outcome::RanOk => tally.ran_ok += 1,
             Outcome::Failure(f) => {
                 eprintln!("FAILURE seed {s} {name}: {what}: {f}");
+                let hang = f.starts_with("hang");
                 tally.failures.push((s, name.clone(), what, f));
-                if f.starts_with("hang") {
+                if hang {
                     // A hung run keeps its thread; stop rather than pile them up.
                     break;
                 }
