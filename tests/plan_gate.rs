@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{megac, stderr};
+use common::{megac, stderr, stdout};
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::Plan;
 
@@ -257,22 +257,13 @@ fn assert_rejects(sets: &[&str], mutate: impl FnOnce(&mut serde_json::Value), ex
     assert_eq!(err, format!("error: {file}: {expected}"));
 }
 
-fn buffers(v: &serde_json::Value) -> usize {
-    v["buffers"].as_array().unwrap().len()
-}
-
 #[test]
 fn rejects_a_loss_result_that_does_not_exist() {
-    let mut n = 0;
     assert_rejects(
         &[],
-        |v| {
-            n = buffers(v);
-            v["roles"][0]["results"]["loss"] = 100000.into();
-        },
-        &format!("roles[0].results.loss: buffer 100000 does not exist (the plan has 184 buffers)"),
+        |v| v["roles"][0]["results"]["loss"] = 100000.into(),
+        "roles[0].results.loss: buffer 100000 does not exist (the plan has 184 buffers)",
     );
-    let _ = n;
 }
 
 #[test]
@@ -410,6 +401,7 @@ fn the_gate_rejects_a_plan_for_every_command_that_reads_one() {
     for cmd in ["check-plan", "inspect"] {
         let o = megac(&[cmd, out_s]);
         assert_eq!(o.status.code(), Some(1), "{cmd}");
+        assert_eq!(stdout(&o), "", "{cmd}");
         assert_eq!(
             stderr(&o).trim_end(),
             format!(

@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use crate::op::{OpKind, WeightLayout};
-use crate::plan::{BufId, Buffer, BufferClass, Instr, MemoryPlan, Plan, Role};
+use crate::plan::{BufId, Buffer, BufferClass, Instr, MemoryPlan, Plan};
 use crate::types::{Axis, DType};
 
 /// The most ranks a plan may have.
@@ -189,7 +189,7 @@ impl<'p> Gate<'p> {
             ));
         }
         let data = mesh.size(Axis::Dp) * mesh.size(Axis::Cp);
-        if data % mesh.size(Axis::Ep) != 0 {
+        if !data.is_multiple_of(mesh.size(Axis::Ep)) {
             return Err(invalid(
                 "mesh",
                 format!(
@@ -333,7 +333,7 @@ impl<'p> Gate<'p> {
                 ),
             ));
         }
-        if b.layout.get(1).is_some_and(|a| a.contains(&Axis::Cp)) && b.shape[1] % 2 != 0 {
+        if b.layout.get(1).is_some_and(|a| a.contains(&Axis::Cp)) && !b.shape[1].is_multiple_of(2) {
             return Err(invalid(
                 format!("{at}.shape"),
                 format!(
@@ -498,7 +498,7 @@ impl<'p> Gate<'p> {
             }
         }
         let _ = total;
-        let mut check = |id: BufId, field: &str, class: BufferClass| -> Result<(), PlanError> {
+        let check = |id: BufId, field: &str, class: BufferClass| -> Result<(), PlanError> {
             let at = format!("{at}.{field}");
             let b = self.want(id, &at, class, DType::F32)?;
             if b.len() != local {
@@ -569,6 +569,39 @@ impl<'p> Gate<'p> {
                             format!("{at}.pipeline.dpp.policy"),
                             format!("`{}` is not bfs, dfs or adaptive", d.policy),
                         ));
+                    }
+                }
+                // A static action list keeps at most `slots` micro-batches of a chunk in
+                // flight (the dynamic `dpp` schedule waits for a free slot instead).
+                if p.dpp.is_none() {
+                    let mut inflight: HashMap<u32, u32> = HashMap::new();
+                    for (i, a) in p.actions.iter().enumerate() {
+                        let Some(c) = p.chunks.iter().find(|c| c.chunk == a.chunk) else {
+                            continue; // check_plan names the missing chunk
+                        };
+                        let n = inflight.entry(a.chunk).or_default();
+                        if a.kind == crate::plan::PipeKind::F {
+                            if *n >= c.slots {
+                                return Err(invalid(
+                                    format!("{at}.pipeline.actions[{i}]"),
+                                    format!(
+                                        "the forward of chunk {} micro-batch {} needs an activation slot, but all {} of the chunk are in flight",
+                                        a.chunk, a.microbatch, c.slots
+                                    ),
+                                ));
+                            }
+                            *n += 1;
+                        }
+                        let last = match a.kind {
+                            crate::plan::PipeKind::BW | crate::plan::PipeKind::W => true,
+                            crate::plan::PipeKind::B => c.weight.is_empty(),
+                            crate::plan::PipeKind::F => {
+                                c.backward.is_empty() && c.weight.is_empty()
+                            }
+                        };
+                        if last {
+                            *n = n.saturating_sub(1);
+                        }
                     }
                 }
                 for (k, c) in p.chunks.iter().enumerate() {
@@ -910,7 +943,36 @@ impl<'p> Gate<'p> {
                 }
             }
         }
-        for (name, &b) in plan.roles[r].inputs.iter().chain(&plan.roles[r].results) {
+        let role = &plan.roles[r];
+        let named = role
+            .inputs
+            .iter()
+            .map(|(n, b)| (format!("inputs.{n}"), *b))
+            .chain(
+                role.results
+                    .iter()
+                    .map(|(n, b)| (format!("results.{n}"), *b)),
+            );
+        for (name, b) in named {
+            let buf = &plan.buffers[b as usize];
+            if buf.stage.is_some_and(|x| x != stage) {
+                return Err(invalid(
+                    format!("roles[{r}].{name}"),
+                    format!(
+                        "buffer {b} ({}) lives on pipeline stage {:?}, but role {} runs on stage {stage}",
+                        buf.name, buf.stage, role.name
+                    ),
+                ));
+            }
+            if let Some(c) = buf.chunk.filter(|c| !chunks.contains_key(c)) {
+                return Err(invalid(
+                    format!("roles[{r}].{name}"),
+                    format!(
+                        "buffer {b} ({}) is an activation of chunk {c}, which role {} does not hold",
+                        buf.name, role.name
+                    ),
+                ));
+            }
             first_use[b as usize].get_or_insert_with(|| format!("roles[{r}].{name}"));
         }
         for (i, p) in plan.params.iter().enumerate() {

@@ -64,6 +64,13 @@ impl Memory {
                 }
             }
         }
+        // The data inputs it is fed and the results it reports, even if no instruction
+        // of its programs touches them (the gate checks them like the others).
+        for &b in role.inputs.values().chain(role.results.values()) {
+            if let Some(u) = used.get_mut(b as usize) {
+                *u = true;
+            }
+        }
         let mut need = [0u64; 5];
         let mut offsets = Vec::with_capacity(plan.buffers.len());
         let mut slots: BTreeMap<u32, (u64, u64, Vec<BufId>)> = BTreeMap::new();
