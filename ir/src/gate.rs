@@ -839,7 +839,7 @@ impl<'p> Gate<'p> {
         }
         owned.sort_by_key(|&(b, _)| {
             let buf = &plan.buffers[b as usize];
-            (class_index(buf.class), buf.offset, b)
+            (class_index(buf.class), bytes(buf).0, b)
         });
         owned.dedup_by_key(|(b, _)| *b);
         for w in owned.windows(2) {
@@ -988,7 +988,7 @@ impl<'p> Gate<'p> {
             .values()
             .map(|c| {
                 let end = c.activation_base + c.activation_elems * u64::from(c.slots);
-                (c.chunk, c.activation_base, end)
+                (c.chunk, c.activation_base * 4, end * 4)
             })
             .collect();
         for (k, &(c, s, e)) in regions.iter().enumerate() {
@@ -1009,12 +1009,12 @@ impl<'p> Gate<'p> {
             }
             let b = &plan.buffers[id];
             if b.class == BufferClass::Activation && b.chunk.is_none() && !b.is_empty() {
-                let (s, e) = (b.offset, b.offset.saturating_add(b.len()));
+                let (s, e) = bytes(b);
                 if let Some(&(c, t, f)) = regions.iter().find(|&&(_, t, f)| s < f && t < e) {
                     return Err(invalid(
                         format!("buffers[{id}].offset"),
                         format!(
-                            "activation {} at [{s}, {e}) lies in the activation slots of chunk {c} ([{t}, {f}))",
+                            "activation {} at bytes [{s}, {e}) lies in the activation slots of chunk {c} (bytes [{t}, {f}))",
                             b.name
                         ),
                     ));
@@ -1033,14 +1033,16 @@ impl<'p> Gate<'p> {
                 BufferClass::OptState => mem.opt_state_bytes,
                 BufferClass::Activation => mem.activation_bytes,
                 BufferClass::Input => mem.input_bytes,
-            } / 4;
+            } / b.dtype.size_bytes();
             let (end, limit, what) = match b.chunk {
                 Some(c) => {
+                    // Slots are sized in 4-byte units; offsets in the buffer's dtype.
                     let elems = chunks.get(&c).map_or(0, |c| c.activation_elems);
+                    let limit = elems.saturating_mul(4) / b.dtype.size_bytes();
                     (
                         b.offset.checked_add(b.len()),
-                        elems,
-                        format!("a chunk-{c} activation slot of {elems} elements"),
+                        limit,
+                        format!("a chunk-{c} activation slot of {limit} elements"),
                     )
                 }
                 None => {
@@ -1054,7 +1056,7 @@ impl<'p> Gate<'p> {
                         format!(
                             "the {} arena of {arena} elements ({} bytes) of role {}",
                             class_name(b.class),
-                            arena * 4,
+                            arena * b.dtype.size_bytes(),
                             plan.roles[r].name
                         ),
                     )
@@ -1099,11 +1101,11 @@ impl<'p> Gate<'p> {
         match instr {
             Instr::Zero { buffer } => {
                 let b = &buffers[*buffer as usize];
-                if b.dtype != DType::F32 || b.class == BufferClass::Input {
+                if b.dtype == DType::I32 || b.class == BufferClass::Input {
                     return Err(invalid(
                         format!("{at}.out[0]"),
                         format!(
-                            "zero clears f32 buffers; buffer {buffer} ({}) is {} {}",
+                            "zero clears float buffers; buffer {buffer} ({}) is {} {}",
                             b.name,
                             class_name(b.class),
                             b.dtype.as_str()
@@ -1128,11 +1130,11 @@ impl<'p> Gate<'p> {
                 let send = matches!(instr, Instr::Send { .. });
                 let b = &buffers[*buffer as usize];
                 let slot = if send { "in[0]" } else { "out[0]" };
-                if b.dtype != DType::F32 || b.class == BufferClass::Input {
+                if b.dtype == DType::I32 || b.class == BufferClass::Input {
                     return Err(invalid(
                         format!("{at}.{slot}"),
                         format!(
-                            "transfers move f32 buffers; buffer {buffer} ({}) is {} {}",
+                            "transfers move float buffers; buffer {buffer} ({}) is {} {}",
                             b.name,
                             class_name(b.class),
                             b.dtype.as_str()
@@ -1314,12 +1316,14 @@ impl<'p> Gate<'p> {
                 .rank_offset
                 .as_ref()
                 .map_or(0, |r| (self.plan.mesh.size(r.axis) - 1) * r.stride);
-            (buf.offset, buf.offset + far + buf.len())
+            let size = buf.dtype.size_bytes();
+            (buf.offset * size, (buf.offset + far + buf.len()) * size)
         };
         match (x.chunk, y.chunk) {
             // Slot-relative offsets of one chunk: the same slot at run time.
             (Some(c), Some(d)) if c == d => {
-                x.offset < y.offset + y.len() && y.offset < x.offset + x.len()
+                let ((xa, xb), (ya, yb)) = (bytes(x), bytes(y));
+                xa < yb && ya < xb
             }
             // Different chunks' slots, or a slot and a chunk-less activation: the planner
             // keeps them apart; compare where they can be.
@@ -1343,7 +1347,8 @@ impl<'p> Gate<'p> {
                     .rank_offset
                     .as_ref()
                     .map_or(0, |r| self.plan.mesh.coord(rank, r.axis) as u64 * r.stride);
-            (o, o + buf.len())
+            let size = buf.dtype.size_bytes();
+            (o * size, (o + buf.len()) * size)
         };
         // Ranks that differ along the buffers' axes: one representative per coordinate pair.
         let axes: Vec<Axis> = [&x.rank_offset, &y.rank_offset]
@@ -1396,7 +1401,8 @@ struct Written {
 
 impl Written {
     fn range(b: &Buffer) -> (Option<u32>, u64, u64) {
-        (b.chunk, b.offset, b.offset.saturating_add(b.len()))
+        let (s, e) = bytes(b);
+        (b.chunk, s, e)
     }
 
     fn mark(&mut self, id: BufId, b: &Buffer, at: &str) {
@@ -1520,6 +1526,16 @@ fn operands(instr: &Instr) -> Vec<(String, BufId)> {
     }
 }
 
+/// Where a buffer lies, in bytes from the start of its arena (or chunk slot), on a rank
+/// without a rank-dependent part.
+fn bytes(b: &Buffer) -> (u64, u64) {
+    let size = b.dtype.size_bytes();
+    (
+        b.offset.saturating_mul(size),
+        b.offset.saturating_add(b.len()).saturating_mul(size),
+    )
+}
+
 fn class_index(c: BufferClass) -> usize {
     match c {
         BufferClass::Param => 0,
@@ -1640,7 +1656,13 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         } else {
             DType::F32
         };
-        if b(x).dtype != want || (want == DType::F32 && b(x).class == BufferClass::Input) {
+        let float = |d: DType| d != DType::I32;
+        let fits = if want == DType::I32 {
+            b(x).dtype == DType::I32
+        } else {
+            float(b(x).dtype) && b(x).class != BufferClass::Input
+        };
+        if !fits {
             return Err(format!(
                 "input {k} (buffer {x}, {}) is {} {}, expected {}",
                 b(x).name,
@@ -1655,7 +1677,7 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         let ok = if int {
             b(x).dtype == DType::I32 && b(x).class == BufferClass::Activation
         } else {
-            b(x).dtype == DType::F32 && b(x).class != BufferClass::Input
+            b(x).dtype != DType::I32 && b(x).class != BufferClass::Input
         };
         if !ok {
             return Err(format!(
@@ -1899,10 +1921,11 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
         OpKind::Cast { to } => {
             arity(1, 1)?;
-            if *to != DType::F32 {
+            if *to == DType::I32 || b(outs[0]).dtype != *to {
                 return Err(format!(
-                    "casts to {}, which the cpu backend cannot hold",
-                    to.as_str()
+                    "casts to {} into a {} buffer",
+                    to.as_str(),
+                    b(outs[0]).dtype.as_str()
                 ));
             }
             eq(outs[0], sh(ins[0]), "the output")
