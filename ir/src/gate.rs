@@ -462,9 +462,13 @@ impl<'p> Gate<'p> {
         let mut local = 1u64;
         for (d, &size) in p.shape.iter().enumerate() {
             let axes = p.shards.get(d).map_or(&[][..], |a| a.as_slice());
-            let parts: u64 = axes.iter().map(|&a| mesh.size(a)).product();
+            let parts = axes
+                .iter()
+                .try_fold(1u64, |n, &a| n.checked_mul(mesh.size(a)))
+                .unwrap_or(u64::MAX);
             let blocks = p.blocks.get(d).copied().unwrap_or(1).max(1);
-            if size % (parts * blocks) != 0 || (size == 0 && parts > 1) {
+            let split = parts.checked_mul(blocks).filter(|&n| n <= MAX_ELEMENTS);
+            if split.is_none_or(|n| size % n != 0) {
                 return Err(invalid(
                     format!("{at}.shape[{d}]"),
                     format!("{size} does not split into {blocks} block(s) over {parts} rank(s)"),
