@@ -2061,7 +2061,7 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             ] {
                 if b(x).class != class {
                     return Err(format!(
-                        "{what} (buffer {x}, {}) is a {} buffer, expected {}",
+                        "{what} (buffer {x}, {}) is in the {} arena, expected {}",
                         b(x).name,
                         class_name(b(x).class),
                         class_name(class)

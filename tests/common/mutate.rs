@@ -416,7 +416,12 @@ pub fn run_mutations(seed: u64, n: usize, timeout: Duration) -> Tally {
         let what = mutate(&mut plan, &mut rng);
         tally.tried += 1;
         match outcome(plan.to_string(), timeout) {
-            Outcome::Rejected(_) => tally.rejected += 1,
+            Outcome::Rejected(e) => {
+                if std::env::var_os("MEGAC_SHOW_REJECTIONS").is_some() {
+                    println!("rejected: {name}: {what}: {e}");
+                }
+                tally.rejected += 1
+            }
             Outcome::RanOk => tally.ran_ok += 1,
             Outcome::Failure(f) => {
                 eprintln!("FAILURE seed {s} {name}: {what}: {f}");
