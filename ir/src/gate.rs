@@ -122,7 +122,7 @@ impl CheckedPlan {
     }
 }
 
-/// Which instruction stream of a role: its JSON path and whether it is the optimizer.
+/// One instruction stream of a role: its JSON path, its instructions and its chunk.
 struct Stream<'a> {
     at: String,
     instrs: &'a [Instr],
@@ -445,7 +445,7 @@ impl<'p> Gate<'p> {
         let p = &self.plan.params[i];
         let at = format!("params[{i}]");
         let mesh = &self.plan.mesh;
-        let total = product(&p.shape)
+        product(&p.shape)
             .filter(|&n| n <= MAX_ELEMENTS)
             .ok_or_else(|| invalid(format!("{at}.shape"), format!("{:?} is too large", p.shape)))?;
         if p.shards.len() > p.shape.len() || p.blocks.len() > p.shape.len() {
@@ -501,7 +501,6 @@ impl<'p> Gate<'p> {
                 ));
             }
         }
-        let _ = total;
         let check = |id: BufId, field: &str, class: BufferClass| -> Result<(), PlanError> {
             let at = format!("{at}.{field}");
             let b = self.want(id, &at, class, DType::F32)?;
@@ -628,7 +627,7 @@ impl<'p> Gate<'p> {
                         ));
                     }
                     for (j, &b) in c.inputs.iter().enumerate() {
-                        self.input_buffer(b, &format!("{cat}.inputs[{j}]"), rank)?;
+                        self.input_buffer(b, &format!("{cat}.inputs[{j}]"))?;
                         if !role.inputs.values().any(|&x| x == b) {
                             return Err(invalid(
                                 format!("{cat}.inputs[{j}]"),
@@ -662,7 +661,7 @@ impl<'p> Gate<'p> {
             if !matches!(name.as_str(), "tokens" | "labels") {
                 return Err(invalid(iat, "unknown input (expected tokens or labels)"));
             }
-            self.input_buffer(b, &iat, rank)?;
+            self.input_buffer(b, &iat)?;
         }
         for (name, &b) in &role.results {
             let rat = format!("{at}.results.{name}");
@@ -719,7 +718,7 @@ impl<'p> Gate<'p> {
         for s in &streams {
             for (i, instr) in s.instrs.iter().enumerate() {
                 let iat = format!("{}[{i}]", s.at);
-                self.instr(&iat, instr, rank, s.chunk, &chunks, &mut written, &mut ints)?;
+                self.instr(&iat, instr, &mut written, &mut ints)?;
                 if let Some(l) = loss {
                     if instr_writes(instr).contains(&l) {
                         let right = match role.pipeline {
@@ -873,7 +872,7 @@ impl<'p> Gate<'p> {
         self.plan.memory_of(rank)
     }
 
-    fn input_buffer(&self, b: BufId, at: &str, _rank: usize) -> Result<(), PlanError> {
+    fn input_buffer(&self, b: BufId, at: &str) -> Result<(), PlanError> {
         let buf = self.want(b, at, BufferClass::Input, DType::I32)?;
         let batch = &self.plan.batch;
         let cp_split = buf.layout.get(1).is_some_and(|a| a.contains(&Axis::Cp));
@@ -1088,20 +1087,17 @@ impl<'p> Gate<'p> {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Check one instruction (its operands exist and are held: [`Gate::arenas`]) and
+    /// follow what it writes.
     fn instr(
         &self,
         at: &str,
         instr: &Instr,
-        _rank: usize,
-        chunk: Option<u32>,
-        chunks: &BTreeMap<u32, &crate::plan::ChunkProgram>,
         written: &mut Written,
         ints: &mut HashMap<BufId, IntSource>,
     ) -> Result<(), PlanError> {
         let plan = self.plan;
         let buffers = &plan.buffers;
-        let _ = chunks;
         match instr {
             Instr::Zero { buffer } => {
                 let b = &buffers[*buffer as usize];
@@ -1164,7 +1160,7 @@ impl<'p> Gate<'p> {
                     ));
                 }
                 if send {
-                    self.read(at, "in[0]", *buffer, chunk, written)?;
+                    self.read(at, "in[0]", *buffer, written)?;
                 } else {
                     written.mark(*buffer, b, at);
                 }
@@ -1223,7 +1219,7 @@ impl<'p> Gate<'p> {
                     }
                 }
                 for (k, &b) in inputs.iter().enumerate() {
-                    self.read(at, &format!("in[{k}]"), b, chunk, written)?;
+                    self.read(at, &format!("in[{k}]"), b, written)?;
                 }
                 // Outputs never overlap inputs or each other, except where the kernel works
                 // in place by design.
@@ -1282,14 +1278,7 @@ impl<'p> Gate<'p> {
 
     /// A read of buffer `b`: activations must have been written earlier in the role's
     /// programs (parameters, gradients, optimizer state and inputs are live from the start).
-    fn read(
-        &self,
-        at: &str,
-        slot: &str,
-        b: BufId,
-        _chunk: Option<u32>,
-        written: &Written,
-    ) -> Result<(), PlanError> {
+    fn read(&self, at: &str, slot: &str, b: BufId, written: &Written) -> Result<(), PlanError> {
         let buf = &self.plan.buffers[b as usize];
         if buf.class != BufferClass::Activation {
             return Ok(());
@@ -1694,17 +1683,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
     }
     let vocab = plan.batch.vocab;
-    let covers_vocab = |rows: u64, x: BufId, what: &str| -> Result<(), String> {
-        if rows == 0 || rows.saturating_mul(parts_of(plan, x)) < vocab {
-            Err(format!(
-                "{what} (buffer {x}, {}) has {rows} rows per rank, which do not cover the vocabulary of {vocab}",
-                b(x).name
-            ))
-        } else {
-            Ok(())
-        }
-    };
-    let _ = &covers_vocab;
     match op {
         OpKind::Embedding | OpKind::EmbeddingGrad => {
             let grad = matches!(op, OpKind::EmbeddingGrad);
@@ -2148,8 +2126,7 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
         OpKind::Dispatch { .. } => {
             arity(2, 1)?;
-            let (x, idx) = tokens_and_indices(plan, ins[0], ins[1])?;
-            let _ = idx;
+            let (x, _) = tokens_and_indices(plan, ins[0], ins[1])?;
             rank(outs[0], 2, "the expert tokens")?;
             if sh(outs[0])[1] != x[2] {
                 return Err(format!(
@@ -2287,16 +2264,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
             Ok(())
         }
-    }
-}
-
-/// The rank count a buffer's vocabulary dim (0) is split over (tp where its layout says so).
-fn parts_of(plan: &Plan, x: BufId) -> u64 {
-    let b = &plan.buffers[x as usize];
-    if b.layout.first().is_some_and(|a| a.contains(&Axis::Tp)) {
-        plan.mesh.size(Axis::Tp)
-    } else {
-        1
     }
 }
 
