@@ -225,10 +225,19 @@ fn every_example_at_its_own_size_passes_the_gate() {
 /// Compile llama-tiny with the binary, apply `mutate` to plan.json, run 1 step and return the
 /// error (stderr) after checking the exit code and that nothing panicked.
 fn run_mutated(sets: &[&str], mutate: impl FnOnce(&mut serde_json::Value)) -> (String, String) {
+    run_mutated_model("examples/llama-tiny.toml", sets, mutate)
+}
+
+/// [`run_mutated`] for another model.
+fn run_mutated_model(
+    model: &str,
+    sets: &[&str],
+    mutate: impl FnOnce(&mut serde_json::Value),
+) -> (String, String) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan");
     let out_s = out.to_str().unwrap();
-    let mut args = vec!["compile", "examples/llama-tiny.toml", "-o", out_s];
+    let mut args = vec!["compile", model, "-o", out_s];
     for s in sets {
         args.extend(["--set", s]);
     }
@@ -369,6 +378,50 @@ fn rejects_a_loss_no_program_writes() {
         &[],
         |v| v["roles"][0]["results"]["loss"] = v["roles"][0]["results"]["grad_norm"].clone(),
         "roles[0].results.loss: buffer 183 is never written by the micro-batch program",
+    );
+}
+
+#[test]
+fn rejects_a_loss_that_is_not_a_scalar() {
+    assert_rejects(
+        &[],
+        |v| v["roles"][0]["results"]["loss"] = 86.into(),
+        "roles[0].results.loss: buffer 86 (%3) has shape [4, 64, 64]; results are scalars",
+    );
+}
+
+#[test]
+fn rejects_a_loss_that_is_not_a_cross_entropy() {
+    // Another scalar the micro-batch program writes: a MoE layer's load-balancing loss.
+    let mut found = None;
+    let (err, file) = run_mutated_model("examples/moe-tiny.toml", &[], |v| {
+        let program = v["roles"][0]["microbatch"].as_array().unwrap();
+        let (i, b) = program
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i["op"] != "cross_entropy")
+            .find_map(|(k, i)| {
+                let b = i["out"].as_array()?.first()?.as_u64()?;
+                let shape = v["buffers"][b as usize]["shape"].as_array()?;
+                shape.is_empty().then_some((k, b))
+            })
+            .unwrap();
+        let (op, name) = (
+            program[i]["op"].as_str().unwrap().to_string(),
+            v["buffers"][b as usize]["name"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+        found = Some((i, b, op, name));
+        v["roles"][0]["results"]["loss"] = b.into();
+    });
+    let (i, b, op, name) = found.unwrap();
+    assert_eq!(
+        err,
+        format!(
+            "error: {file}: roles[0].results.loss: buffer {b} ({name}) is last written by roles[0].microbatch[{i}] (`{op}`), not by a cross_entropy"
+        )
     );
 }
 

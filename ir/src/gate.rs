@@ -669,10 +669,13 @@ impl<'p> Gate<'p> {
         for (name, &b) in &role.results {
             let rat = format!("{at}.results.{name}");
             let buf = self.want(b, &rat, BufferClass::Activation, DType::F32)?;
-            if buf.is_empty() {
+            if buf.len() != 1 {
                 return Err(invalid(
                     rat,
-                    format!("buffer {b} ({}) has no elements", buf.name),
+                    format!(
+                        "buffer {b} ({}) has shape {:?}; results are scalars",
+                        buf.name, buf.shape
+                    ),
                 ));
             }
         }
@@ -716,7 +719,8 @@ impl<'p> Gate<'p> {
         // Instructions.
         let mut written = Written::default();
         let mut ints: HashMap<BufId, IntSource> = HashMap::new();
-        let mut loss_written = false;
+        // The last write of the loss in the program it is read after: (where, op).
+        let mut loss_by: Option<(String, &'static str)> = None;
         let loss = role.results.get("loss").copied();
         for s in &streams {
             for (i, instr) in s.instrs.iter().enumerate() {
@@ -731,13 +735,30 @@ impl<'p> Gate<'p> {
                                     && s.chunk == plan.buffers[l as usize].chunk
                             }
                         };
-                        loss_written |= right;
+                        if right {
+                            let op = match instr {
+                                Instr::Kernel { op, .. } => op.name(),
+                                Instr::Zero { .. } => "zero",
+                                Instr::Recv { .. } => "recv",
+                                Instr::Send { .. } => "send",
+                            };
+                            loss_by = Some((iat.clone(), op));
+                        }
                     }
                 }
             }
         }
         if let Some(l) = loss {
-            if !loss_written {
+            if let Some((by, op)) = loss_by.as_ref().filter(|(_, op)| *op != "cross_entropy") {
+                return Err(invalid(
+                    format!("{at}.results.loss"),
+                    format!(
+                        "buffer {l} ({}) is last written by {by} (`{op}`), not by a cross_entropy",
+                        plan.buffers[l as usize].name
+                    ),
+                ));
+            }
+            if loss_by.is_none() {
                 let what = match role.pipeline {
                     None => "the micro-batch program".to_string(),
                     Some(_) => format!(

@@ -400,7 +400,8 @@ pub struct Tally {
     pub failures: Vec<(u64, String, String, String)>,
 }
 
-/// Run `n` mutations from `seed` over [`LAYOUTS`] (round robin), `timeout` per run.
+/// Run mutations `seed..seed + n` over [`LAYOUTS`] (mutation s on layout s mod their
+/// number), `timeout` per run.
 pub fn run_mutations(seed: u64, n: usize, timeout: Duration) -> Tally {
     install_panic_counter();
     let bases: Vec<(String, Value)> = LAYOUTS
@@ -411,7 +412,9 @@ pub fn run_mutations(seed: u64, n: usize, timeout: Duration) -> Tally {
     for i in 0..n {
         let s = seed.wrapping_add(i as u64);
         let mut rng = Rng::new(s);
-        let (name, base) = &bases[i % bases.len()];
+        // The seed alone picks the layout and the mutation: `MEGAC_MUTATIONS=1
+        // MEGAC_SEED=s` reproduces mutation s.
+        let (name, base) = &bases[(s % bases.len() as u64) as usize];
         let mut plan = base.clone();
         let what = mutate(&mut plan, &mut rng);
         tally.tried += 1;
