@@ -451,7 +451,10 @@ fn mismatched_collective_in_an_edited_plan_is_reported() {
         .iter()
         .position(|i| i["op"] == "all_reduce")
         .unwrap();
-    program.remove(first);
+    // The edited role copies instead of reducing: its data flow stays whole (the plan gate
+    // passes it), but it skips a collective its partner calls.
+    program[first]["op"] = serde_json::json!("cast");
+    program[first]["attrs"] = serde_json::json!({"to": "f32"});
     role["name"] = serde_json::json!("edited");
     plan["roles"].as_array_mut().unwrap().push(role);
     plan["rank_to_role"] = serde_json::json!([0, 1]);

@@ -37,6 +37,7 @@ fn golden_with_init(name: &str, init_file: &str) {
     let module = megac_passes::run_pipeline(spec, None, true).unwrap();
     let plan =
         megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+    let plan = megac_ir::gate::CheckedPlan::check(plan).unwrap();
 
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();

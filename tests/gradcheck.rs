@@ -5,7 +5,7 @@ use std::path::Path;
 
 use megac_runtime::train::Session;
 
-fn plan(file: &str, sets: &[&str]) -> megac_ir::plan::Plan {
+fn plan(file: &str, sets: &[&str]) -> megac_ir::gate::CheckedPlan {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("examples")
@@ -13,7 +13,9 @@ fn plan(file: &str, sets: &[&str]) -> megac_ir::plan::Plan {
     let spec = megac_frontend::load(&path, &sets).unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
     let module = megac_passes::run_pipeline(spec, None, true).unwrap();
-    megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap()
+    let plan =
+        megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+    megac_ir::gate::CheckedPlan::check(plan).unwrap()
 }
 
 /// Loss of micro-batch 0 of step 1 (gradients accumulate as a side effect; callers zero them).

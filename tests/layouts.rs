@@ -6,7 +6,7 @@ use std::path::Path;
 
 use megac_runtime::train::{train, RunOptions};
 
-fn plan(file: &str, sets: &[String]) -> megac_ir::plan::Plan {
+fn plan(file: &str, sets: &[String]) -> megac_ir::gate::CheckedPlan {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("examples")
         .join(file);
@@ -22,9 +22,8 @@ fn plan(file: &str, sets: &[String]) -> megac_ir::plan::Plan {
     let module = megac_passes::run_pipeline(spec, None, true).unwrap();
     let plan = megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
         .unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"));
-    // Every compiled layout passes the plan validator.
-    megac_ir::check::check_plan(&plan).unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"));
-    plan
+    // Every compiled layout passes the plan gate (and its deadlock and schedule check).
+    megac_ir::gate::CheckedPlan::check(plan).unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"))
 }
 
 /// A layout key for tests only: tensor parallelism without sequence parallelism for MoE.

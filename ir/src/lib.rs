@@ -8,7 +8,8 @@
 //! - [`file`]: atomic file writing (every writer of plans, reports, traces, checkpoints).
 //! - [`flops`]: Megatron's model FLOPs per step and the padded vocabulary.
 //! - [`rules`]: layout validity, model.toml's cross-key rules as typed violations.
-//! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime.
+//! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime;
+//!   [`gate`]: the check every plan passes before the runtime accepts it ([`gate::CheckedPlan`]).
 //!
 //! The sharded and staged levels will build on these types.
 
@@ -17,6 +18,7 @@
 pub mod check;
 pub mod file;
 pub mod flops;
+pub mod gate;
 pub mod graph;
 pub mod infer;
 pub mod mesh;

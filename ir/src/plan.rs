@@ -705,18 +705,34 @@ impl Plan {
         s
     }
 
-    /// Read a plan from JSON, checking the schema version.
-    pub fn from_json(text: &str) -> Result<Plan, String> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| format!("not a plan (invalid JSON): {e}"))?;
+    /// Parse a plan from JSON, checking only the schema version and the JSON's form: the
+    /// result is not checked and no runtime entry point accepts it. Use
+    /// [`Plan::from_json`] or [`Plan::load`] for a plan to run.
+    pub fn parse_json(text: &str) -> Result<Plan, crate::gate::PlanError> {
+        use crate::gate::PlanError;
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| PlanError::Format(format!("not a plan (invalid JSON): {e}")))?;
         let version = value.get("schema_version").and_then(|v| v.as_u64());
         if version != Some(u64::from(SCHEMA_VERSION)) {
-            return Err(format!(
+            return Err(PlanError::Format(format!(
                 "plan schema version {} is not supported by this build (expects {SCHEMA_VERSION}); recompile the plan",
                 version.map_or("(missing)".to_string(), |v| v.to_string())
-            ));
+            )));
         }
-        serde_json::from_value(value).map_err(|e| format!("malformed plan: {e}"))
+        serde_json::from_value(value).map_err(|e| PlanError::Format(format!("malformed plan: {e}")))
+    }
+
+    /// Parse and check a plan: the gate between a plan file and the runtime
+    /// ([`crate::gate::CheckedPlan::check`]).
+    pub fn from_json(text: &str) -> Result<crate::gate::CheckedPlan, crate::gate::PlanError> {
+        crate::gate::CheckedPlan::from_json(text)
+    }
+
+    /// Read, parse and check the plan file at `path` (`PLAN_DIR/plan.json`).
+    pub fn load(
+        path: &std::path::Path,
+    ) -> Result<crate::gate::CheckedPlan, crate::gate::PlanError> {
+        crate::gate::CheckedPlan::load(path)
     }
 }
 

@@ -31,7 +31,7 @@ fn plan(axes: Value, roles: Value, rank_to_role: Value) -> Plan {
         "params": [], "roles": roles, "rank_to_role": rank_to_role,
         "memory": memory, "flops_per_step": 0.0
     });
-    Plan::from_json(&plan.to_string()).unwrap()
+    Plan::parse_json(&plan.to_string()).unwrap()
 }
 
 fn grid() -> Value {

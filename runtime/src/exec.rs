@@ -79,7 +79,7 @@ fn routing(mem: &Memory, indices: BufId, experts: usize, rows: usize) -> k::moe:
 /// over the global batch); `ctx` is used by optimizer instructions.
 pub fn run_program(
     program: &[Instr],
-    plan: &Plan,
+    plan: &megac_ir::gate::CheckedPlan,
     mem: &Memory,
     ctx: &StepContext,
     comm: &mut dyn Communicator,

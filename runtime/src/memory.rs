@@ -28,7 +28,8 @@ impl Memory {
     /// Allocate rank `rank`'s arenas of `plan` (zeroed) and check every buffer it holds lies
     /// inside its arena. In a pipelined plan the rank holds only its stage's buffers, and each
     /// of its chunks' activations once per slot.
-    pub fn new(plan: &Plan, rank: usize) -> Result<Memory, RuntimeError> {
+    pub fn new(plan: &megac_ir::gate::CheckedPlan, rank: usize) -> Result<Memory, RuntimeError> {
+        let plan: &Plan = plan;
         let stage = plan.mesh.coord(rank, megac_ir::Axis::Pp) as u32;
         let role = plan
             .rank_to_role
@@ -61,6 +62,13 @@ impl Memory {
                 if let Some(u) = used.get_mut(b as usize) {
                     *u = true;
                 }
+            }
+        }
+        // The data inputs it is fed and the results it reports, even if no instruction
+        // of its programs touches them (the gate checks them like the others).
+        for &b in role.inputs.values().chain(role.results.values()) {
+            if let Some(u) = used.get_mut(b as usize) {
+                *u = true;
             }
         }
         let mut need = [0u64; 5];
@@ -145,16 +153,15 @@ impl Memory {
                 need[class_index(BufferClass::Activation)] * 4,
             )));
         }
-        let alloc = |n: u64| vec![0.0f32; n as usize];
         Ok(Memory {
             buffers: plan.buffers.clone(),
             offsets,
             slots,
-            param: alloc(need[0]),
-            grad: alloc(need[1]),
-            opt: alloc(need[2]),
-            act: alloc(need[3]),
-            input: vec![0; need[4] as usize],
+            param: zeroed(need[0], "parameter")?,
+            grad: zeroed(need[1], "gradient")?,
+            opt: zeroed(need[2], "optimizer state")?,
+            act: zeroed(need[3], "activation")?,
+            input: zeroed(need[4], "input")?,
         })
     }
 
@@ -262,6 +269,21 @@ impl Memory {
             self.input.len() as u64 * 4,
         ]
     }
+}
+
+/// A zeroed arena of `n` elements, or an error (not an abort) when it cannot be allocated.
+fn zeroed<T: Clone + Default>(n: u64, what: &str) -> Result<Vec<T>, RuntimeError> {
+    let fail = || {
+        RuntimeError::Unsupported(format!(
+            "cannot allocate the {what} arena of {n} elements ({} bytes): not enough memory",
+            n.saturating_mul(4)
+        ))
+    };
+    let n = usize::try_from(n).map_err(|_| fail())?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| fail())?;
+    v.resize(n, T::default());
+    Ok(v)
 }
 
 fn class_index(c: BufferClass) -> usize {

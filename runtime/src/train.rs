@@ -4,6 +4,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
+use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::Plan;
 
 use crate::data::DataSource;
@@ -116,7 +117,7 @@ pub fn peak_rss_bytes() -> u64 {
 
 /// One rank's state while training: memory, data and the plan's well-known buffers.
 pub struct Session<'p> {
-    pub(crate) plan: &'p Plan,
+    pub(crate) plan: &'p CheckedPlan,
     /// The rank's memory.
     pub mem: Memory,
     data: DataSource,
@@ -140,7 +141,7 @@ impl<'p> Session<'p> {
     /// Allocate memory, open the data and initialise the parameters (from `init` or per
     /// element from the seed).
     pub fn new(
-        plan: &'p Plan,
+        plan: &'p CheckedPlan,
         data: &str,
         init: Option<&std::path::Path>,
     ) -> Result<Self, RuntimeError> {
@@ -149,7 +150,7 @@ impl<'p> Session<'p> {
 
     /// As [`Session::new`], for the rank `comm` stands for.
     pub fn with_comm(
-        plan: &'p Plan,
+        plan: &'p CheckedPlan,
         data: &str,
         init: Option<&std::path::Path>,
         comm: Box<dyn crate::comm::Communicator>,
@@ -168,8 +169,10 @@ impl<'p> Session<'p> {
             )));
         }
         crate::exec::check_supported(plan)?;
-        let role = &plan.roles[plan.rank_to_role[comm.rank()] as usize];
         let mem = Memory::new(plan, comm.rank())?;
+        let checked = plan;
+        let plan: &'p Plan = plan;
+        let role = &plan.roles[plan.rank_to_role[comm.rank()] as usize];
         let b = &plan.batch;
         let data = DataSource::open(data, b.seq_len as usize, b.vocab as u32, plan.train.seed)?;
         let get = |name: &str| {
@@ -192,7 +195,7 @@ impl<'p> Session<'p> {
             Err(e) => Err(e),
         };
         let session = Session {
-            plan,
+            plan: checked,
             mem,
             data,
             loss_buf: optional(get("loss"))?,
@@ -500,7 +503,7 @@ fn local_tokens(
 /// Train with `plan`: one rank in this thread, or one thread per rank on the local
 /// communicator. Rank 0 prints progress, saves parameters and writes the trace; its report
 /// is returned (every rank computes the same losses and norms).
-pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
     crate::exec::check_supported(plan)?;
     let world = plan.mesh.world_size();
     if world == 1 {
@@ -522,7 +525,7 @@ pub fn train(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> 
 /// report the error and exit non-zero, and mpirun then ends the ranks that may be waiting for
 /// this one in a collective (finalising would wait for them).
 #[cfg(feature = "mpi")]
-pub fn train_mpi(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
     crate::exec::check_supported(plan)?;
     let world = plan.mesh.world_size();
     if world > 1 && !crate::mpi_comm::started_by_launcher() {
@@ -604,7 +607,7 @@ pub fn train_mpi(plan: &Plan, opts: &RunOptions) -> Result<RunReport, RuntimeErr
 }
 
 fn train_rank(
-    plan: &Plan,
+    plan: &CheckedPlan,
     opts: &RunOptions,
     comm: Box<dyn crate::comm::Communicator>,
 ) -> Result<RunReport, RuntimeError> {

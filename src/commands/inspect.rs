@@ -2,14 +2,14 @@
 
 use std::path::Path;
 
+use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::{Instr, Plan};
 
-/// Read `dir/plan.json`.
-pub fn read_plan(dir: &Path) -> Result<Plan, String> {
+/// Read and check `dir/plan.json` (the plan gate, `megac_ir::gate`): every command that
+/// reads a plan gets a checked one, or one error naming the file, the JSON path and values.
+pub fn read_plan(dir: &Path) -> Result<CheckedPlan, String> {
     let path = dir.join("plan.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| format!("error: {}: cannot read the plan: {e}", path.display()))?;
-    Plan::from_json(&text).map_err(|e| format!("error: {}: {e}", path.display()))
+    Plan::load(&path).map_err(|e| format!("error: {}: {e}", path.display()))
 }
 
 /// Bytes each collective kind moves per step and rank (the size of the buffer it reduces or

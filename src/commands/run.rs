@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use megac_ir::plan::Plan;
+use megac_ir::gate::CheckedPlan;
 use megac_runtime::train::{train, RunOptions, RunReport};
 
 use crate::RunArgs;
@@ -76,13 +76,14 @@ fn lead_process() -> bool {
 pub fn train_model(model: &crate::ModelArgs, args: &RunArgs) -> Result<(), String> {
     let opts = options(args)?;
     let plan = super::compile::build_plan(model)?;
+    // The compiler's own plans pass the same gate as plan files.
+    let plan = CheckedPlan::check(plan)
+        .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))?;
     execute(&plan, args, &opts)
 }
 
 /// Run `plan` with `args` (checked into `opts`), write the report, print a summary.
-fn execute(plan: &Plan, args: &RunArgs, opts: &RunOptions) -> Result<(), String> {
-    megac_ir::check::check_plan(plan)
-        .map_err(|e| format!("error: the plan does not check: {e}"))?;
+fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), String> {
     if let Some(note) = super::lr_schedule_cut_short(
         plan.train.lr,
         &plan.train.lr_schedule,
@@ -129,7 +130,7 @@ fn execute(plan: &Plan, args: &RunArgs, opts: &RunOptions) -> Result<(), String>
 /// Run `plan` as one process of an MPI job; rank 0's report, None on the other ranks. An
 /// error on a rank other than 0 names the rank (and is left to rank 0 when every rank has it).
 #[cfg(feature = "mpi")]
-fn train_on_mpi(plan: &Plan, opts: &RunOptions) -> Result<Option<RunReport>, String> {
+fn train_on_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<Option<RunReport>, String> {
     use megac_runtime::mpi_comm;
     let result = megac_runtime::train::train_mpi(plan, opts);
     let rank = mpi_comm::world_rank().unwrap_or(0);
@@ -143,7 +144,7 @@ fn train_on_mpi(plan: &Plan, opts: &RunOptions) -> Result<Option<RunReport>, Str
 }
 
 #[cfg(not(feature = "mpi"))]
-fn train_on_mpi(_plan: &Plan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
+fn train_on_mpi(_plan: &CheckedPlan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
     Err(super::no_mpi("--comm mpi", Some(NO_MPI_ALTERNATIVE)))
 }
 
