@@ -56,6 +56,8 @@ struct TestFile {
     input_text: String,
     /// The text after `; expected:`, if the file has that line.
     expected: Option<String>,
+    /// The file's line number of the first expected line.
+    expected_line: usize,
 }
 
 impl TestFile {
@@ -67,7 +69,8 @@ impl TestFile {
         let mut input_text = String::new();
         let mut expected: Option<String> = None;
         let mut in_header = true;
-        for line in text.split_inclusive('\n') {
+        let mut expected_line = 0;
+        for (n, line) in text.split_inclusive('\n').enumerate() {
             if let Some(exp) = expected.as_mut() {
                 exp.push_str(line);
                 continue;
@@ -75,6 +78,7 @@ impl TestFile {
             let trimmed = line.trim_end();
             if trimmed == EXPECTED {
                 expected = Some(String::new());
+                expected_line = n + 2;
                 continue;
             }
             let comment = trimmed.trim_start().starts_with(';');
@@ -100,6 +104,7 @@ impl TestFile {
             input,
             input_text,
             expected,
+            expected_line,
         })
     }
 
@@ -250,7 +255,7 @@ fn every_pass_file_gives_its_expected_output() {
                 None => format!("{name}: no `{EXPECTED}` line; the pass printed:\n{got}"),
                 Some(want) => format!(
                     "{name}: output differs (- expected, + actual):\n{}",
-                    diff(want, &got)
+                    diff(want, &got, file.expected_line)
                 ),
             });
         }
@@ -339,9 +344,10 @@ fn report(failures: Vec<String>) {
     );
 }
 
-/// A line diff of `want` and `got` (longest common subsequence), changed lines with three
-/// lines of context, `-` expected and `+` actual, with line numbers of the expected text.
-fn diff(want: &str, got: &str) -> String {
+/// A line diff of `want` and `got` (longest common subsequence): changed lines with three
+/// lines of context, `-` expected and `+` actual; `want` starts on the file's line
+/// `first_line`, and expected lines show their line number in the file.
+fn diff(want: &str, got: &str, first_line: usize) -> String {
     let a: Vec<&str> = want.lines().collect();
     let b: Vec<&str> = got.lines().collect();
     let (n, m) = (a.len(), b.len());
@@ -363,12 +369,12 @@ fn diff(want: &str, got: &str) -> String {
             script.push((' ', i + 1, a[i]));
             i += 1;
             j += 1;
-        } else if j < m && (i == n || lcs[i][j + 1] >= lcs[i + 1][j]) {
-            script.push(('+', i + 1, b[j]));
-            j += 1;
-        } else {
+        } else if i < n && (j == m || lcs[i + 1][j] >= lcs[i][j + 1]) {
             script.push(('-', i + 1, a[i]));
             i += 1;
+        } else {
+            script.push(('+', 0, b[j]));
+            j += 1;
         }
     }
     const CONTEXT: usize = 3;
@@ -385,7 +391,12 @@ fn diff(want: &str, got: &str) -> String {
         if last_shown.is_some_and(|l| l + 1 != k) {
             out.push_str("   ...\n");
         }
-        writeln!(out, "{tag} {line:4} | {text}").expect("write to String");
+        if tag == '+' {
+            writeln!(out, "+      | {text}")
+        } else {
+            writeln!(out, "{tag} {:4} | {text}", line + first_line - 1)
+        }
+        .expect("write to String");
         last_shown = Some(k);
     }
     out
