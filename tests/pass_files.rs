@@ -260,6 +260,16 @@ fn every_pass_file_gives_its_expected_output() {
             });
         }
     }
+    for entry in std::fs::read_dir(&dir).expect("read tests/passes") {
+        let path = entry.expect("read folder entry").path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if path.is_dir() && name != "models" && !pass_names().contains(&name.as_ref()) {
+            failures.push(format!(
+                "tests/passes/{name}/: no pass has that name (passes: {})",
+                pass_names().join(", ")
+            ));
+        }
+    }
     assert!(count > 0, "no pass files under {}", dir.display());
     report(failures);
 }
