@@ -157,7 +157,7 @@ fn load_spec(file: &TestFile) -> Result<ModelSpec, String> {
 }
 
 /// Run one pass file; the text the pass produced, or why the case is broken.
-fn run_pass_file(path: &Path, pass_dir: &str, file: &TestFile) -> Result<String, String> {
+fn run_pass_file(pass_dir: &str, file: &TestFile) -> Result<String, String> {
     let pass = file.get("pass").ok_or("no `; pass:` header")?;
     if pass != pass_dir {
         return Err(format!(
@@ -174,8 +174,7 @@ fn run_pass_file(path: &Path, pass_dir: &str, file: &TestFile) -> Result<String,
         if !file.has_input() {
             return Err("no input IR before `; expected:`".into());
         }
-        let graph = parse_graph(&file.input)
-            .map_err(|e| format!("{}: input does not parse: {e}", path.display()))?;
+        let graph = parse_graph(&file.input).map_err(|e| format!("input does not parse: {e}"))?;
         verify(&graph).map_err(|e| format!("input does not verify: {e}"))?;
         check_mesh(&graph, &module.spec)?;
         module.graph = Some(graph);
@@ -235,7 +234,7 @@ fn every_pass_file_gives_its_expected_output() {
                     continue;
                 }
             };
-            let got = match run_pass_file(&path, pass, &file) {
+            let got = match run_pass_file(pass, &file) {
                 Ok(got) => got,
                 Err(e) => {
                     failures.push(format!("{name}: {e}"));
