@@ -18,7 +18,7 @@ pub mod schedule;
 pub mod shard;
 pub mod stages;
 
-pub use manager::{pass_names, pipeline, run_pipeline, Module, Pass};
+pub use manager::{pass_names, pipeline, run_pass, run_pipeline, Module, Pass};
 /// Model FLOPs per step (analysis, not a transformation): their home is in ir.
 pub use megac_ir::flops;
 

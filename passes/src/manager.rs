@@ -92,6 +92,33 @@ fn graph_mut(m: &mut Module) -> Result<&mut Graph, PassError> {
         .ok_or_else(|| PassError::Autodiff("no graph: run the build pass first".into()))
 }
 
+impl Pass {
+    /// Run this pass alone on `module` (the file tests run one pass on a parsed graph);
+    /// the verifier is not run here.
+    pub fn run(&self, module: &mut Module) -> Result<(), PassError> {
+        (self.run)(module)
+    }
+}
+
+/// Run the single pass named `name` on `module`, then verify the graph it leaves.
+pub fn run_pass(module: &mut Module, name: &str) -> Result<(), PassError> {
+    let pass = pipeline()
+        .into_iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| PassError::UnknownPass {
+            name: name.to_string(),
+            known: pass_names().join(", "),
+        })?;
+    pass.run(module)?;
+    if let Some(g) = &module.graph {
+        verify(g).map_err(|message| PassError::Verify {
+            pass: pass.name,
+            message,
+        })?;
+    }
+    Ok(())
+}
+
 /// Names of every pass, in order.
 pub fn pass_names() -> Vec<&'static str> {
     pipeline().iter().map(|p| p.name).collect()
