@@ -134,7 +134,7 @@ impl Corpus {
         if rng.chance(1, 64) {
             let most = if rng.chance(1, 2) { 16 } else { 4096 };
             let n = rng.below(most);
-            return (0..n).map(|_| rng.next() as u8).collect();
+            return (0..n).map(|_| rng.next_u64() as u8).collect();
         }
         match self.target {
             Target::Plan if !self.json.is_empty() && rng.chance(3, 4) => {
@@ -189,7 +189,7 @@ impl Corpus {
                                 }
                             }
                         } else {
-                            data.extend((0..rng.below(16)).map(|_| rng.next() as u8));
+                            data.extend((0..rng.below(16)).map(|_| rng.next_u64() as u8));
                         }
                     }
                 }
@@ -258,14 +258,18 @@ thread_local! {
 
 /// Install (once) a panic hook that, while [`run_one`] runs a target on this thread, records
 /// the message and location instead of printing (a million inputs must not print a million
-/// backtraces); other panics (a failing test's assertion) go to the previous hook.
+/// backtraces); other panics (a failing test's assertion) go to the previous hook, and so
+/// do all when `MEGAC_FUZZ_VERBOSE` is set (with `RUST_BACKTRACE=1`: where a finding panics).
 pub fn install_quiet_panic_hook() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
+            if !IN_TARGET.with(|t| t.get()) || std::env::var_os("MEGAC_FUZZ_VERBOSE").is_some() {
+                previous(info);
+            }
             if !IN_TARGET.with(|t| t.get()) {
-                return previous(info);
+                return;
             }
             let message = info
                 .payload()

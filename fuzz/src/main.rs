@@ -308,7 +308,7 @@ fn worker(opts: &Opts) -> Result<bool, String> {
             }
         }
         stats.count(&v);
-        if (index + 1 - opts.start) % progress_every == 0 {
+        if (index + 1 - opts.start).is_multiple_of(progress_every) {
             eprintln!(
                 "megac-fuzz: {}: {} inputs ({:.0}/s)",
                 target.name(),

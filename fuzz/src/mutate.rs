@@ -15,12 +15,12 @@ impl Rng {
     /// A generator for input `index` of the run seeded `seed`.
     pub fn for_input(seed: u64, index: u64) -> Rng {
         let mut r = Rng(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        r.next();
+        r.next_u64();
         r
     }
 
     /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -30,12 +30,12 @@ impl Rng {
 
     /// A number in `0..n` (`n > 0`).
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
+        (self.next_u64() % n.max(1) as u64) as usize
     }
 
     /// True with probability `num / den`.
     pub fn chance(&mut self, num: u64, den: u64) -> bool {
-        self.next() % den < num
+        self.next_u64() % den < num
     }
 
     /// One element of a non-empty slice.
@@ -196,7 +196,7 @@ pub fn mutate_bytes(
             }
             1 if len > 0 => {
                 let i = rng.below(len);
-                data[i] = rng.next() as u8;
+                data[i] = rng.next_u64() as u8;
             }
             2 if len > 0 => {
                 let i = rng.below(len);
@@ -205,7 +205,7 @@ pub fn mutate_bytes(
             3 => {
                 let n = 1 + rng.below(8);
                 for _ in 0..n {
-                    data.insert(pos.min(data.len()), rng.next() as u8);
+                    data.insert(pos.min(data.len()), rng.next_u64() as u8);
                 }
             }
             4 if len > 0 => {
@@ -325,7 +325,7 @@ fn extreme_value(rng: &mut Rng) -> Value {
         11 => serde_json::json!(-1e308),
         12 => serde_json::json!(0.5),
         13 => serde_json::json!(1u64 << 53),
-        14 => serde_json::json!(rng.below(4) as u64 + 1 << 32),
+        14 => serde_json::json!((rng.below(4) as u64 + 1) << 32),
         15 => serde_json::json!(*rng.pick(INTS)),
         _ => serde_json::json!(rng.below(6) as u64),
     }

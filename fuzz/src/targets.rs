@@ -202,9 +202,13 @@ fn tokens(bytes: &[u8], format: TokenFormat) -> Outcome {
     Outcome::Accepted
 }
 
-/// The parameters the safetensors target asks for: (name, shape) lists and whether the
-/// embeddings are tied. A dense Llama, a GPT-2 (`transformer.` prefix, tied) and a MoE layer.
-pub fn safetensors_models() -> Vec<(Vec<(String, Vec<usize>)>, bool)> {
+/// A model's parameters as `megac_runtime::hf::load_params` takes them: (name, shape) in
+/// order, and whether the embeddings are tied.
+pub type Params = (Vec<(String, Vec<usize>)>, bool);
+
+/// The parameters the safetensors target asks for: a dense Llama, a GPT-2 (`transformer.`
+/// prefix, tied) and a MoE layer.
+pub fn safetensors_models() -> Vec<Params> {
     let named = |v: &[(&str, &[usize])]| -> Vec<(String, Vec<usize>)> {
         v.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect()
     };
