@@ -54,6 +54,7 @@ use crate::types::Axis;
 
 /// Check `plan`: the first violation, with ranks, instructions and schedule positions.
 pub fn check_plan(plan: &Plan) -> Result<(), String> {
+    plan.mesh.validate()?;
     let world = plan.mesh.world_size();
     if plan.rank_to_role.len() != world {
         return Err(format!(
