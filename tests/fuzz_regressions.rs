@@ -89,3 +89,41 @@ fn generated_inputs_never_crash_a_reader() {
     }
     eprintln!("{}", report.join("\n"));
 }
+
+/// A sparse file of `len` bytes (no disk used) at `dir/name`.
+fn sparse(dir: &Path, name: &str, len: u64) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::File::create(&path).unwrap().set_len(len).unwrap();
+    path
+}
+
+#[test]
+fn files_too_big_are_errors_not_aborts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let huge = 8u64 << 30; // past the 1 GiB allocation cap of this test binary
+
+    let model = sparse(dir, "model.toml", megac_ir::files::MAX_CONFIG_BYTES + 1);
+    let e = megac_frontend::load(&model, &[]).unwrap_err().render();
+    assert!(e.contains("more than the 16777216 bytes"), "{e}");
+
+    let cluster = sparse(dir, "cluster.toml", huge);
+    let e = megac_sim::cluster::Cluster::load(cluster.to_str().unwrap()).unwrap_err();
+    assert!(e.to_string().contains("more than the"), "{e}");
+
+    let plan = sparse(dir, "plan.json", huge);
+    let e = megac_ir::files::read_text(&plan, u64::MAX).unwrap_err();
+    assert!(e.to_string().contains("more than fits in memory"), "{e}");
+
+    let bin = sparse(dir, "tokens.bin", huge);
+    let e = megac_runtime::data::DataSource::open(bin.to_str().unwrap(), 4, 300, 0).unwrap_err();
+    assert!(e.to_string().contains("not enough memory"), "{e}");
+
+    let txt = sparse(dir, "tokens.txt", huge);
+    let e = megac_runtime::data::DataSource::open(txt.to_str().unwrap(), 4, 300, 0).unwrap_err();
+    assert!(e.to_string().contains("not enough memory"), "{e}");
+
+    let st = sparse(dir, "init.safetensors", huge);
+    let e = megac_runtime::hf::load_params(&st, &[], false).unwrap_err();
+    assert!(e.to_string().contains("more than fits in memory"), "{e}");
+}

@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 pub mod check;
+pub mod files;
 pub mod graph;
 pub mod infer;
 pub mod mesh;

@@ -98,9 +98,10 @@ impl Cluster {
     pub fn load(arg: &str) -> Result<Cluster, SimError> {
         let path = std::path::Path::new(arg);
         if path.is_file() || arg.contains('/') || arg.ends_with(".toml") {
-            let text = std::fs::read_to_string(path).map_err(|e| {
-                SimError::in_file(arg, format!("cannot read the cluster file: {e}"))
-            })?;
+            let text = megac_ir::files::read_text(path, megac_ir::files::MAX_CONFIG_BYTES)
+                .map_err(|e| {
+                    SimError::in_file(arg, format!("cannot read the cluster file: {e}"))
+                })?;
             Cluster::parse(arg, &text)
         } else {
             Cluster::preset(arg).map_err(|e| {

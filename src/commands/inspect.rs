@@ -7,7 +7,7 @@ use megac_ir::plan::{Instr, Plan};
 /// Read `dir/plan.json`.
 pub fn read_plan(dir: &Path) -> Result<Plan, String> {
     let path = dir.join("plan.json");
-    let text = std::fs::read_to_string(&path)
+    let text = megac_ir::files::read_text(&path, u64::MAX)
         .map_err(|e| format!("error: {}: cannot read the plan: {e}", path.display()))?;
     Plan::from_json(&text).map_err(|e| format!("error: {}: {e}", path.display()))
 }

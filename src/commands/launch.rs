@@ -253,7 +253,7 @@ pub fn run(args: &LaunchArgs) -> Result<(), String> {
         ));
     }
     if let Some(f) = &args.hostfile {
-        let text = std::fs::read_to_string(f)
+        let text = megac_ir::files::read_text(f, megac_ir::files::MAX_CONFIG_BYTES)
             .map_err(|e| format!("error: --hostfile {}: cannot read: {e}", f.display()))?;
         check_hostfile(f, &text, args.n)?;
     }
