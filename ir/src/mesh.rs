@@ -84,7 +84,7 @@ impl Mesh {
         }
         let data = self.size(Axis::Dp) * self.size(Axis::Cp);
         let ep = self.size(Axis::Ep);
-        if data % ep != 0 {
+        if !data.is_multiple_of(ep) {
             return Err(format!(
                 "mesh.axes: ep = {ep} does not divide dp·cp = {data}"
             ));
