@@ -127,3 +127,37 @@ fn files_too_big_are_errors_not_aborts() {
     let e = megac_runtime::hf::load_params(&st, &[], false).unwrap_err();
     assert!(e.to_string().contains("more than fits in memory"), "{e}");
 }
+
+#[test]
+fn a_plan_mesh_that_no_rank_table_can_match_is_rejected() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny_plan(tmp.path());
+    let text = std::fs::read_to_string(tmp.path().join("plan/plan.json")).unwrap();
+    let plan: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(megac_fuzz::load_plan(&text).is_ok());
+    let axes = |axes: serde_json::Value| {
+        let mut p = plan.clone();
+        p["mesh"]["axes"] = axes;
+        megac_fuzz::load_plan(&p.to_string()).unwrap_err()
+    };
+    let cases = [
+        (
+            serde_json::json!([["tp", 1], ["pp", u64::MAX - 7], ["dp", 16]]),
+            "the world size (tp·cp·dp·pp) overflows",
+        ),
+        (serde_json::json!([["tp", 0]]), "axis tp has size 0"),
+        (
+            serde_json::json!([["tp", 1], ["tp", 1]]),
+            "axis tp is listed twice",
+        ),
+        (serde_json::json!([["edp", 1]]), "edp is derived"),
+        (
+            serde_json::json!([["dp", 2], ["ep", 3]]),
+            "ep = 3 does not divide dp·cp = 2",
+        ),
+    ];
+    for (mesh, want) in cases {
+        let e = axes(mesh.clone());
+        assert!(e.contains(want), "{mesh}: {e}");
+    }
+}
