@@ -54,6 +54,11 @@ use crate::types::Axis;
 
 /// Check `plan`: the first violation, with ranks, instructions and schedule positions.
 pub fn check_plan(plan: &Plan) -> Result<(), String> {
+    plan.mesh.validate().map_err(|e| format!("mesh.axes: {e}"))?;
+    for (i, b) in plan.buffers.iter().enumerate() {
+        b.check_extent(&plan.mesh)
+            .map_err(|e| format!("buffers[{i}] ({}): {e}", b.name))?;
+    }
     let world = plan.mesh.world_size();
     if plan.rank_to_role.len() != world {
         return Err(format!(

@@ -1,11 +1,18 @@
-//! Atomic file writing: the one home of "write a temporary file beside the target, then
-//! rename it into place", so a reader never sees a half-written plan, report, trace or
+//! Reading and writing users' files, in one home.
+//!
+//! Reading ([`read_text`]): the text files users hand megac (model.toml, cluster.toml,
+//! hostfiles, plan.json) are read without trusting their size: a file over a limit is an
+//! error before anything is read, and the memory for the rest is reserved fallibly, so a
+//! file too large for memory is an error, never an abort.
+//!
+//! Writing ([`write_atomic`]): write a temporary file beside the target, then rename it
+//! into place, so a reader never sees a half-written plan, report, trace or
 //! checkpoint, and a failed write leaves the old file (or none) behind. Codegen's
 //! `write_plan`, the runtime's trace and `save_params`, and the CLI's report, trace, schedule
 //! and `--emit` writers all call it (it lives in ir because the runtime depends on ir only).
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, BufWriter, Write};
+use std::io::{self, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 /// Why an atomic write failed (the target is untouched, the temporary file removed).
@@ -101,4 +108,62 @@ fn create_temporary(dir: &Path, name: &str) -> Result<(PathBuf, File), WriteErro
             }
         }
     }
+}
+
+
+/// The largest configuration file megac reads (model.toml, cluster.toml, hostfile): real
+/// ones are a few kilobytes.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// Why a text file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadTextError {
+    /// The file could not be opened or read, or is not UTF-8.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The file is larger than the reader accepts.
+    #[error("the file is {size} bytes, more than the {max} bytes this kind of file may have")]
+    TooLarge {
+        /// The file's size in bytes.
+        size: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The file does not fit in memory.
+    #[error("the file is {size} bytes, more than fits in memory")]
+    OutOfMemory {
+        /// The file's size in bytes.
+        size: u64,
+    },
+}
+
+/// Read the UTF-8 file at `path`, at most `max` bytes long (`u64::MAX`: no limit but
+/// memory).
+pub fn read_text(path: &Path, max: u64) -> Result<String, ReadTextError> {
+    let mut file = std::fs::File::open(path)?;
+    let size = file.metadata()?.len();
+    if size > max {
+        return Err(ReadTextError::TooLarge { size, max });
+    }
+    let mut bytes = Vec::new();
+    usize::try_from(size)
+        .ok()
+        .and_then(|n| bytes.try_reserve_exact(n).ok())
+        .ok_or(ReadTextError::OutOfMemory { size })?;
+    // A file that grows while it is read stops at the limit plus one byte (then too large).
+    (&mut file)
+        .take(max.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(ReadTextError::TooLarge {
+            size: bytes.len() as u64,
+            max,
+        });
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        ReadTextError::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("stream did not contain valid UTF-8: {}", e.utf8_error()),
+        ))
+    })
 }

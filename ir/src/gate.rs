@@ -110,7 +110,7 @@ impl CheckedPlan {
 
     /// Read, parse and check the plan file at `path`.
     pub fn load(path: &Path) -> Result<CheckedPlan, PlanError> {
-        let text = std::fs::read_to_string(path).map_err(|e| PlanError::Io(e.to_string()))?;
+        let text = crate::file::read_text(path, u64::MAX).map_err(|e| PlanError::Io(e.to_string()))?;
         CheckedPlan::from_json(&text)
     }
 
@@ -154,30 +154,9 @@ fn product(dims: &[u64]) -> Option<u64> {
 
 impl<'p> Gate<'p> {
     fn new(plan: &'p Plan) -> Result<Gate<'p>, PlanError> {
-        let mut seen = Vec::new();
-        let mut world = 1u64;
-        for (i, &(axis, n)) in plan.mesh.axes.iter().enumerate() {
-            let at = format!("mesh.axes[{i}]");
-            if n == 0 {
-                return Err(invalid(at, format!("axis {} has size 0", axis.as_str())));
-            }
-            if axis == Axis::Edp {
-                return Err(invalid(
-                    at,
-                    "edp is derived from dp, cp and ep and cannot be listed",
-                ));
-            }
-            if seen.contains(&axis) {
-                return Err(invalid(
-                    at,
-                    format!("axis {} is listed twice", axis.as_str()),
-                ));
-            }
-            seen.push(axis);
-            if axis != Axis::Ep {
-                world = world.saturating_mul(n);
-            }
-        }
+        // The mesh's own rules (axes once, sizes >= 1, a world size that fits, ep | dp·cp).
+        plan.mesh.validate().map_err(|e| invalid("mesh.axes", e))?;
+        let world = plan.mesh.world_size() as u64;
         if world > MAX_RANKS {
             return Err(invalid(
                 "mesh",
@@ -189,16 +168,6 @@ impl<'p> Gate<'p> {
             return Err(invalid(
                 "mesh",
                 format!("fbd has size {}; it is 1 or 2", mesh.size(Axis::Fbd)),
-            ));
-        }
-        let data = mesh.size(Axis::Dp) * mesh.size(Axis::Cp);
-        if !data.is_multiple_of(mesh.size(Axis::Ep)) {
-            return Err(invalid(
-                "mesh",
-                format!(
-                    "ep = {} does not divide dp·cp = {data}",
-                    mesh.size(Axis::Ep)
-                ),
             ));
         }
         Ok(Gate {

@@ -75,6 +75,45 @@ impl Mesh {
         self.axes.iter().copied().filter(|(a, _)| *a != Axis::Ep)
     }
 
+    /// Check what every other method assumes of a mesh read from a file: each axis listed
+    /// once, `edp` not listed (it is derived), sizes at least 1, a world size (tp·cp·dp·pp)
+    /// that fits in `usize`, and `ep` dividing dp·cp.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut world = 1usize;
+        for (i, &(axis, n)) in self.axes.iter().enumerate() {
+            let name = axis.as_str();
+            if self.axes[..i].iter().any(|(a, _)| *a == axis) {
+                return Err(format!("axis {name} is listed twice"));
+            }
+            if axis == Axis::Edp {
+                return Err(
+                    "edp is derived from dp, cp and ep and cannot be listed".to_string(),
+                );
+            }
+            if n == 0 {
+                return Err(format!(
+                    "axis {name} has size 0 (sizes are at least 1)"
+                ));
+            }
+            if axis != Axis::Ep {
+                world = usize::try_from(n)
+                    .ok()
+                    .and_then(|n| world.checked_mul(n))
+                    .ok_or_else(|| {
+                        format!("the world size (tp·cp·dp·pp) overflows at {name} = {n}")
+                    })?;
+            }
+        }
+        let data = self.size(Axis::Dp) * self.size(Axis::Cp);
+        let ep = self.size(Axis::Ep);
+        if !data.is_multiple_of(ep) {
+            return Err(format!(
+                "ep = {ep} does not divide dp·cp = {data}"
+            ));
+        }
+        Ok(())
+    }
+
     /// Number of ranks (tp·cp·dp·pp).
     pub fn world_size(&self) -> usize {
         self.dense().map(|(_, n)| n as usize).product()

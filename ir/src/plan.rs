@@ -184,9 +184,33 @@ pub struct RankOffset {
 }
 
 impl Buffer {
-    /// Number of elements.
+    /// Number of elements (saturating at `u64::MAX`; [`Buffer::check_extent`] rejects such
+    /// buffers in a plan read from a file).
     pub fn len(&self) -> u64 {
-        self.shape.iter().product()
+        self.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d))
+    }
+
+    /// Check that the buffer's element count, its end (`offset + len`) and its farthest
+    /// rank-dependent end fit in `u64` on `mesh`, as every size computation assumes.
+    pub fn check_extent(&self, mesh: &crate::mesh::Mesh) -> Result<(), String> {
+        let len = self
+            .shape
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| format!("shape {:?} has more than 2^64 elements", self.shape))?;
+        let far = match &self.rank_offset {
+            Some(r) => (mesh.size(r.axis).max(1) - 1).checked_mul(r.stride),
+            None => Some(0),
+        };
+        far.and_then(|f| f.checked_add(self.offset))
+            .and_then(|e| e.checked_add(len))
+            .map(|_| ())
+            .ok_or_else(|| {
+                format!(
+                    "offset {} + {len} elements (and its rank offset) is past 2^64",
+                    self.offset
+                )
+            })
     }
 
     /// True for zero-element buffers.

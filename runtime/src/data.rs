@@ -79,17 +79,7 @@ impl DataSource {
             source_name: spec.to_string(),
             message,
         };
-        if seq_len == 0 {
-            return Err(err("seq_len must be at least 1".to_string()));
-        }
-        if vocab == 0 {
-            return Err(err("vocab must be at least 1".to_string()));
-        }
-        if vocab > MAX_VOCAB {
-            return Err(err(format!(
-                "vocab {vocab} is too large: token ids must fit in i32 (vocab <= {MAX_VOCAB})"
-            )));
-        }
+        check_sizes(seq_len, vocab).map_err(err)?;
         if spec == "synthetic" {
             return Ok(DataSource::Synthetic { seed, vocab });
         }
@@ -105,17 +95,9 @@ impl DataSource {
             .extension()
             .and_then(|e| e.to_str())
             .map(|e| e.to_ascii_lowercase());
-        let tokens = match ext.as_deref() {
-            Some("bin") => read_bin(path).map_err(err)?,
-            Some("txt") => {
-                if vocab < BYTE_VOCAB {
-                    return Err(err(format!(
-                        "a .txt file is tokenized byte by byte (token ids 0..=255), so the \
-                         model's vocab must be at least {BYTE_VOCAB}, but it is {vocab}"
-                    )));
-                }
-                read_txt(path).map_err(err)?
-            }
+        let format = match ext.as_deref() {
+            Some("bin") => TokenFormat::Bin,
+            Some("txt") => TokenFormat::Txt,
             _ => {
                 return Err(err(
                     "unknown kind of data: expected `synthetic`, a `.bin` file (little-endian \
@@ -124,6 +106,43 @@ impl DataSource {
                 ))
             }
         };
+        let kind = format.extension();
+        let file = File::open(path).map_err(|e| err(format!("cannot open {kind} file: {e}")))?;
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        DataSource::from_reader(spec, format, file, size, seq_len, vocab)
+    }
+
+    /// Read a token file of `format` from `reader` (`size_hint`: its length in bytes, or 0 if
+    /// unknown), with the checks of [`DataSource::open`]; `name` names it in messages.
+    ///
+    /// Never panics and never aborts on any input: a file too large for memory is an error
+    /// (the memory is reserved fallibly), and so is every malformed or unusable file.
+    pub fn from_reader<R: Read>(
+        name: &str,
+        format: TokenFormat,
+        reader: R,
+        size_hint: u64,
+        seq_len: usize,
+        vocab: u32,
+    ) -> Result<DataSource, RuntimeError> {
+        let err = |message: String| RuntimeError::Data {
+            source_name: name.to_string(),
+            message,
+        };
+        check_sizes(seq_len, vocab).map_err(err)?;
+        let tokens = match format {
+            TokenFormat::Bin => read_bin(reader, size_hint).map_err(err)?,
+            TokenFormat::Txt => {
+                if vocab < BYTE_VOCAB {
+                    return Err(err(format!(
+                        "a .txt file is tokenized byte by byte (token ids 0..=255), so the \
+                         model's vocab must be at least {BYTE_VOCAB}, but it is {vocab}"
+                    )));
+                }
+                read_txt(reader, size_hint).map_err(err)?
+            }
+        };
+        // `check_sizes` bounds seq_len, so the window cannot overflow.
         let window = seq_len as u64 + 1;
         if (tokens.len() as u64) < window {
             return Err(err(format!(
@@ -140,7 +159,7 @@ impl DataSource {
         }
         Ok(DataSource::Tokens {
             tokens,
-            name: spec.to_string(),
+            name: name.to_string(),
         })
     }
 
@@ -157,7 +176,9 @@ impl DataSource {
     pub fn samples_in_file(&self, seq_len: usize) -> Option<u64> {
         match self {
             DataSource::Synthetic { .. } => None,
-            DataSource::Tokens { tokens, .. } => Some(tokens.len() as u64 / (seq_len as u64 + 1)),
+            DataSource::Tokens { tokens, .. } => {
+                Some(tokens.len() as u64 / (seq_len as u64).saturating_add(1))
+            }
         }
     }
 
@@ -281,16 +302,77 @@ fn synthetic_sample(seed: u64, vocab: u32, index: u64, inputs: &mut [i32], label
     }
 }
 
+/// The format of a token file, chosen by its extension (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenFormat {
+    /// `.bin`: little-endian `u32` token ids, back to back.
+    Bin,
+    /// `.txt`: bytes, one token per byte.
+    Txt,
+}
+
+impl TokenFormat {
+    /// The file extension, with its dot, for messages.
+    pub fn extension(self) -> &'static str {
+        match self {
+            TokenFormat::Bin => ".bin",
+            TokenFormat::Txt => ".txt",
+        }
+    }
+}
+
+/// The largest `seq_len` a data source accepts: a window of `seq_len + 1` tokens must be
+/// addressable.
+pub const MAX_SEQ_LEN: usize = 1 << 40;
+
+/// The checks on the model sizes every data source relies on.
+fn check_sizes(seq_len: usize, vocab: u32) -> Result<(), String> {
+    if seq_len == 0 {
+        return Err("seq_len must be at least 1".to_string());
+    }
+    if seq_len > MAX_SEQ_LEN {
+        return Err(format!(
+            "seq_len {seq_len} is too large (at most {MAX_SEQ_LEN})"
+        ));
+    }
+    if vocab == 0 {
+        return Err("vocab must be at least 1".to_string());
+    }
+    if vocab > MAX_VOCAB {
+        return Err(format!(
+            "vocab {vocab} is too large: token ids must fit in i32 (vocab <= {MAX_VOCAB})"
+        ));
+    }
+    Ok(())
+}
+
+/// Reserve room for `n` more items (amortized, fallibly), or say that a file of at least
+/// `size` bytes does not fit in memory.
+fn reserve<T>(v: &mut Vec<T>, n: u64, size: u64, kind: &str) -> Result<(), String> {
+    usize::try_from(n)
+        .ok()
+        .and_then(|n| v.try_reserve(n).ok())
+        .ok_or_else(|| {
+            format!(
+                "the {kind} file is {size} bytes or more: not enough memory to read it \
+                 ({} more bytes needed)",
+                n.saturating_mul(std::mem::size_of::<T>() as u64)
+            )
+        })
+}
+
 /// Read a `.bin` token file: little-endian u32 ids, back to back.
-fn read_bin(path: &Path) -> Result<Vec<u32>, String> {
-    let mut file = open_file(path, ".bin")?;
-    let hint = file.metadata().map(|m| m.len() / 4).unwrap_or(0);
-    let mut tokens = Vec::with_capacity(usize::try_from(hint).unwrap_or(0));
-    let mut buf = vec![0u8; 1 << 20];
+fn read_bin<R: Read>(mut reader: R, size_hint: u64) -> Result<Vec<u32>, String> {
+    let mut tokens = Vec::new();
+    reserve(&mut tokens, size_hint / 4, size_hint, ".bin")?;
+    // A read buffer of the file's size (plus room to see its end), within 4 KiB .. 1 MiB.
+    let buf_len =
+        usize::try_from(size_hint.saturating_add(8)).map_or(1 << 20, |n| n.clamp(1 << 12, 1 << 20));
+    let mut buf = vec![0u8; buf_len];
     let mut pending = 0usize;
     let mut total = 0u64;
     loop {
-        let n = match file.read(&mut buf[pending..]) {
+        let n = match reader.read(&mut buf[pending..]) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -299,6 +381,9 @@ fn read_bin(path: &Path) -> Result<Vec<u32>, String> {
         total += n as u64;
         let filled = pending + n;
         let whole = filled / 4 * 4;
+        if tokens.capacity() - tokens.len() < whole / 4 {
+            reserve(&mut tokens, (whole / 4) as u64, total, ".bin")?;
+        }
         tokens.extend(
             buf[..whole]
                 .chunks_exact(4)
@@ -317,14 +402,27 @@ fn read_bin(path: &Path) -> Result<Vec<u32>, String> {
 }
 
 /// Read a `.txt` file and tokenize it byte by byte (token id = byte value).
-fn read_txt(path: &Path) -> Result<Vec<u32>, String> {
-    let mut file = open_file(path, ".txt")?;
+fn read_txt<R: Read>(mut reader: R, size_hint: u64) -> Result<Vec<u32>, String> {
     let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read .txt file: {e}"))?;
-    Ok(bytes.into_iter().map(u32::from).collect())
-}
-
-fn open_file(path: &Path, kind: &str) -> Result<File, String> {
-    File::open(path).map_err(|e| format!("cannot open {kind} file: {e}"))
+    reserve(&mut bytes, size_hint, size_hint, ".txt")?;
+    let chunk_len =
+        usize::try_from(size_hint.saturating_add(8)).map_or(1 << 16, |n| n.clamp(1 << 12, 1 << 16));
+    let mut chunk = vec![0u8; chunk_len];
+    loop {
+        let n = match reader.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("cannot read .txt file: {e}")),
+        };
+        if bytes.capacity() - bytes.len() < n {
+            let size = (bytes.len() + n) as u64;
+            reserve(&mut bytes, n as u64, size, ".txt")?;
+        }
+        bytes.extend_from_slice(&chunk[..n]);
+    }
+    let mut tokens = Vec::new();
+    reserve(&mut tokens, bytes.len() as u64, bytes.len() as u64, ".txt")?;
+    tokens.extend(bytes.into_iter().map(u32::from));
+    Ok(tokens)
 }

@@ -14,6 +14,8 @@
 //! Everything else that does not match is an error listing all offending names.
 
 use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
@@ -63,11 +65,46 @@ pub fn load_params(
     expected: &[(String, Vec<usize>)],
     tied_embeddings: bool,
 ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    let name = path.display().to_string();
     let err = |message: String| RuntimeError::Params {
-        path: path.display().to_string(),
+        path: name.clone(),
         message,
     };
-    let mut bytes = std::fs::read(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let bytes = read_file(path).map_err(err)?;
+    load_params_from_bytes(&name, bytes, expected, tied_embeddings)
+}
+
+/// Read a whole file into memory, reserving the memory fallibly: a file too large for
+/// memory is an error, not an abort.
+fn read_file(path: &Path) -> Result<Vec<u8>, String> {
+    let mut file = File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut bytes = Vec::new();
+    usize::try_from(size)
+        .ok()
+        .and_then(|n| bytes.try_reserve_exact(n).ok())
+        .ok_or_else(|| {
+            format!("cannot read: the file is {size} bytes, more than fits in memory")
+        })?;
+    file.read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    Ok(bytes)
+}
+
+/// [`load_params`] on the bytes of a safetensors file already in memory; `name` names the
+/// file in messages. Never panics and never aborts on any input: every malformed file
+/// (header length, header JSON, dtypes, shapes, offsets, fused expert tensors) is a
+/// [`RuntimeError::Params`].
+pub fn load_params_from_bytes(
+    name: &str,
+    mut bytes: Vec<u8>,
+    expected: &[(String, Vec<usize>)],
+    tied_embeddings: bool,
+) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    let err = |message: String| RuntimeError::Params {
+        path: name.to_string(),
+        message,
+    };
     if let Some(unfused) = unfuse_moe(&bytes).map_err(err)? {
         bytes = unfused;
     }
@@ -182,7 +219,6 @@ pub fn load_params(
     Ok(values)
 }
 
-/// Convert little-endian F32, F16 or BF16 bytes to f32 (the dtype was checked).
 /// transformers 5 stores Mixtral's experts fused per layer: `model.layers.{i}.mlp.gate.weight`
 /// (the router), `mlp.experts.gate_up_proj` `[E, 2·ffn, h]` (rows `0..ffn` are w1, the gate;
 /// rows `ffn..2·ffn` are w3, the up projection) and `mlp.experts.down_proj` `[E, h, ffn]` (w2).
@@ -198,47 +234,75 @@ fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
     {
         return Ok(None);
     }
-    let mut out: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    // Every tensor of the rewritten file: name, dtype, shape, little-endian bytes. Tensors
+    // that are not fused keep their dtype and bytes (the dtype check comes later).
+    let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     for name in &names {
         let t = file
             .tensor(name)
             .map_err(|e| format!("not a valid safetensors file: {e}"))?;
-        let data = to_f32(t.dtype(), t.data());
         let shape = t.shape().to_vec();
+        let fused =
+            name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
+        if fused && !matches!(t.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+            return Err(format!(
+                "unsupported dtype for {name} ({:?}; supported: F32, F16, BF16)",
+                t.dtype()
+            ));
+        }
         if let Some(layer) = name.strip_suffix(".mlp.experts.gate_up_proj") {
+            let data = to_f32(t.dtype(), t.data());
             let [e, two_f, h] = shape[..] else {
                 return Err(format!(
                     "{name} has shape {shape:?}, expected [experts, 2·ffn, hidden]"
                 ));
             };
+            if two_f % 2 != 0
+                || Some(data.len()) != e.checked_mul(two_f).and_then(|n| n.checked_mul(h))
+            {
+                return Err(format!(
+                    "{name} has shape {shape:?}, expected [experts, 2·ffn, hidden] with an even \
+                     2·ffn"
+                ));
+            }
             let f = two_f / 2;
             for j in 0..e {
                 let base = j * two_f * h;
-                let w1 = data[base..base + f * h].to_vec();
-                let w3 = data[base + f * h..base + two_f * h].to_vec();
+                let w1 = &data[base..base + f * h];
+                let w3 = &data[base + f * h..base + two_f * h];
                 out.push((
                     format!("{layer}.block_sparse_moe.experts.{j}.w1.weight"),
+                    Dtype::F32,
                     vec![f, h],
-                    w1,
+                    f32_bytes(w1),
                 ));
                 out.push((
                     format!("{layer}.block_sparse_moe.experts.{j}.w3.weight"),
+                    Dtype::F32,
                     vec![f, h],
-                    w3,
+                    f32_bytes(w3),
                 ));
             }
         } else if let Some(layer) = name.strip_suffix(".mlp.experts.down_proj") {
+            let data = to_f32(t.dtype(), t.data());
             let [e, h, f] = shape[..] else {
                 return Err(format!(
                     "{name} has shape {shape:?}, expected [experts, hidden, ffn]"
                 ));
             };
+            if Some(data.len()) != e.checked_mul(h).and_then(|n| n.checked_mul(f)) {
+                return Err(format!(
+                    "{name} has shape {shape:?}, expected [experts, hidden, ffn]"
+                ));
+            }
             for j in 0..e {
-                let w2 = data[j * h * f..(j + 1) * h * f].to_vec();
+                let w2 = &data[j * h * f..(j + 1) * h * f];
                 out.push((
                     format!("{layer}.block_sparse_moe.experts.{j}.w2.weight"),
+                    Dtype::F32,
                     vec![h, f],
-                    w2,
+                    f32_bytes(w2),
                 ));
             }
         } else if let Some(layer) = name.strip_suffix(".mlp.gate.weight").filter(|l| {
@@ -246,16 +310,26 @@ fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
                 .iter()
                 .any(|n| n == &format!("{l}.mlp.experts.gate_up_proj"))
         }) {
-            out.push((format!("{layer}.block_sparse_moe.gate.weight"), shape, data));
+            out.push((
+                format!("{layer}.block_sparse_moe.gate.weight"),
+                t.dtype(),
+                shape,
+                t.data().to_vec(),
+            ));
         } else {
-            out.push((name.clone(), shape, data));
+            out.push((name.clone(), t.dtype(), shape, t.data().to_vec()));
         }
+    }
+    let mut seen = HashSet::new();
+    if let Some((dup, ..)) = out.iter().find(|(n, ..)| !seen.insert(n.as_str())) {
+        return Err(format!(
+            "{dup} is in the file both fused (mlp.experts.*) and unfused"
+        ));
     }
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = out
         .iter()
-        .map(|(n, shape, data)| {
-            let bytes: &[u8] = bytemuck_f32(data);
-            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)
+        .map(|(n, dtype, shape, bytes)| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| format!("cannot unfuse {n}: {e}"))
         })
@@ -265,12 +339,7 @@ fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
         .map_err(|e| format!("cannot unfuse the experts: {e}"))
 }
 
-/// The bytes of an f32 slice (little-endian hosts, as safetensors stores them).
-fn bytemuck_f32(data: &[f32]) -> &[u8] {
-    // SAFETY: any f32 slice is a valid byte slice of 4x its length; the borrow is kept.
-    unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) }
-}
-
+/// Convert little-endian F32, F16 or BF16 bytes to f32 (the dtype was checked).
 fn to_f32(dtype: Dtype, data: &[u8]) -> Vec<f32> {
     match dtype {
         Dtype::F32 => data

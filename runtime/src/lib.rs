@@ -20,6 +20,7 @@ pub mod data;
 pub mod error;
 pub mod exec;
 pub mod hf;
+pub mod hostfile;
 pub mod init;
 pub mod local_comm;
 pub mod memory;

@@ -98,9 +98,10 @@ impl Cluster {
     pub fn load(arg: &str) -> Result<Cluster, SimError> {
         let path = std::path::Path::new(arg);
         if path.is_file() || arg.contains('/') || arg.ends_with(".toml") {
-            let text = std::fs::read_to_string(path).map_err(|e| {
-                SimError::in_file(arg, format!("cannot read the cluster file: {e}"))
-            })?;
+            let text = megac_ir::file::read_text(path, megac_ir::file::MAX_CONFIG_BYTES)
+                .map_err(|e| {
+                    SimError::in_file(arg, format!("cannot read the cluster file: {e}"))
+                })?;
             Cluster::parse(arg, &text)
         } else {
             Cluster::preset(arg).map_err(|e| {
@@ -166,9 +167,10 @@ impl Cluster {
         Ok(c)
     }
 
-    /// Total GPUs (after [`Cluster::fit`]; `gpus_per_node` before).
+    /// Total GPUs (after [`Cluster::fit`]; `gpus_per_node` before), saturating at
+    /// `u64::MAX`.
     pub fn gpus(&self) -> u64 {
-        self.nodes.unwrap_or(1) * self.gpus_per_node
+        self.nodes.unwrap_or(1).saturating_mul(self.gpus_per_node)
     }
 
     /// One line for people: `h100-sxm: 16 × 8 NVIDIA H100 SXM5 80GB (80 GiB, 989 TFLOP/s bf16)`.
@@ -320,7 +322,21 @@ impl RawCluster {
             None => return Err(missing("gpus_per_node")),
         };
         let nodes = match &self.nodes {
-            Some(v) => Some(count(v, "nodes")?),
+            Some(v) => {
+                let n = count(v, "nodes")?;
+                if n.checked_mul(gpus_per_node).is_none() {
+                    return Err(SimError::at(
+                        file,
+                        text,
+                        v.span().start,
+                        format!(
+                            "nodes = {n} with gpus_per_node = {gpus_per_node} is more GPUs \
+                             than megac can count (2^64)"
+                        ),
+                    ));
+                }
+                Some(n)
+            }
             None => None,
         };
         let dev = self.device.unwrap_or_default();

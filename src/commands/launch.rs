@@ -176,65 +176,9 @@ fn quote(s: &OsStr) -> String {
 }
 
 /// Check an OpenMPI hostfile (`host [slots=N] [max_slots=N]` per line, `#` comments) for
-/// `n` processes: one clear error for a malformed line, an empty file, or fewer slots than
-/// processes (when every line gives its slots).
+/// `n` processes (see [`megac_runtime::hostfile::check_hostfile`]), as an `error: ...` line.
 pub fn check_hostfile(path: &Path, text: &str, n: usize) -> Result<(), String> {
-    let bad =
-        |line: usize, why: String| format!("error: --hostfile {}:{line}: {why}", path.display());
-    let mut hosts = 0;
-    let mut slots = Some(0usize);
-    for (i, raw) in text.lines().enumerate() {
-        let line = raw.split('#').next().unwrap_or("").trim();
-        let mut words = line.split_whitespace();
-        let Some(_host) = words.next() else { continue };
-        hosts += 1;
-        let mut line_slots = None;
-        for w in words {
-            let (key, value) = w.split_once('=').unwrap_or((w, ""));
-            match key {
-                "slots" | "max_slots" | "max-slots" => {
-                    let v = value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|&v| v > 0)
-                        .ok_or_else(|| {
-                            bad(
-                                i + 1,
-                                format!("`{w}`: {key} must be a positive whole number"),
-                            )
-                        })?;
-                    if key == "slots" {
-                        line_slots = Some(v);
-                    }
-                }
-                _ => {
-                    return Err(bad(
-                        i + 1,
-                        format!(
-                            "`{w}`: expected `HOST [slots=N] [max_slots=N]` (one node per line)"
-                        ),
-                    ))
-                }
-            }
-        }
-        slots = slots.zip(line_slots).map(|(a, b)| a + b);
-    }
-    if hosts == 0 {
-        return Err(format!(
-            "error: --hostfile {}: no hosts (expected one node per line: `HOST slots=N`)",
-            path.display()
-        ));
-    }
-    if let Some(total) = slots.filter(|&t| t < n) {
-        return Err(format!(
-            "error: --hostfile {}: {total} slot{} on {hosts} host{}, but megac launch -n {n} \
-             starts {n} processes; add slots or hosts",
-            path.display(),
-            if total == 1 { "" } else { "s" },
-            if hosts == 1 { "" } else { "s" },
-        ));
-    }
-    Ok(())
+    megac_runtime::hostfile::check_hostfile(path, text, n).map_err(|e| format!("error: {e}"))
 }
 
 /// mpirun's path: `$MEGAC_MPIRUN`, else `mpirun` or `mpiexec` on PATH.
@@ -313,7 +257,7 @@ pub fn run(args: &LaunchArgs) -> Result<(), String> {
         ));
     }
     if let Some(f) = &args.hostfile {
-        let text = std::fs::read_to_string(f)
+        let text = megac_ir::file::read_text(f, megac_ir::file::MAX_CONFIG_BYTES)
             .map_err(|e| format!("error: --hostfile {}: cannot read: {e}", f.display()))?;
         check_hostfile(f, &text, args.n)?;
     }
