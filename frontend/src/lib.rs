@@ -26,10 +26,9 @@ pub use megac_ir::spec::ModelSpec;
 /// Read, override and validate the model.toml at `path`.
 pub fn load(path: &Path, sets: &[String]) -> Result<ModelSpec, SpecError> {
     let file = path.display().to_string();
-    let text =
-        megac_ir::file::read_text(path, megac_ir::file::MAX_CONFIG_BYTES).map_err(|e| {
-            SpecError::new(&file, Origin::Default, format!("cannot read the file: {e}"))
-        })?;
+    let text = megac_ir::file::read_text(path, megac_ir::file::MAX_CONFIG_BYTES).map_err(|e| {
+        SpecError::new(&file, Origin::Default, format!("cannot read the file: {e}"))
+    })?;
     parse_str(&file, &text, sets)
 }
 

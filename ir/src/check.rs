@@ -54,7 +54,9 @@ use crate::types::Axis;
 
 /// Check `plan`: the first violation, with ranks, instructions and schedule positions.
 pub fn check_plan(plan: &Plan) -> Result<(), String> {
-    plan.mesh.validate().map_err(|e| format!("mesh.axes: {e}"))?;
+    plan.mesh
+        .validate()
+        .map_err(|e| format!("mesh.axes: {e}"))?;
     for (i, b) in plan.buffers.iter().enumerate() {
         b.check_extent(&plan.mesh)
             .map_err(|e| format!("buffers[{i}] ({}): {e}", b.name))?;

@@ -110,7 +110,6 @@ fn create_temporary(dir: &Path, name: &str) -> Result<(PathBuf, File), WriteErro
     }
 }
 
-
 /// The largest configuration file megac reads (model.toml, cluster.toml, hostfile): real
 /// ones are a few kilobytes.
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;

@@ -110,7 +110,8 @@ impl CheckedPlan {
 
     /// Read, parse and check the plan file at `path`.
     pub fn load(path: &Path) -> Result<CheckedPlan, PlanError> {
-        let text = crate::file::read_text(path, u64::MAX).map_err(|e| PlanError::Io(e.to_string()))?;
+        let text =
+            crate::file::read_text(path, u64::MAX).map_err(|e| PlanError::Io(e.to_string()))?;
         CheckedPlan::from_json(&text)
     }
 

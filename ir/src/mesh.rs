@@ -86,14 +86,10 @@ impl Mesh {
                 return Err(format!("axis {name} is listed twice"));
             }
             if axis == Axis::Edp {
-                return Err(
-                    "edp is derived from dp, cp and ep and cannot be listed".to_string(),
-                );
+                return Err("edp is derived from dp, cp and ep and cannot be listed".to_string());
             }
             if n == 0 {
-                return Err(format!(
-                    "axis {name} has size 0 (sizes are at least 1)"
-                ));
+                return Err(format!("axis {name} has size 0 (sizes are at least 1)"));
             }
             if axis != Axis::Ep {
                 world = usize::try_from(n)
@@ -107,9 +103,7 @@ impl Mesh {
         let data = self.size(Axis::Dp) * self.size(Axis::Cp);
         let ep = self.size(Axis::Ep);
         if !data.is_multiple_of(ep) {
-            return Err(format!(
-                "ep = {ep} does not divide dp·cp = {data}"
-            ));
+            return Err(format!("ep = {ep} does not divide dp·cp = {data}"));
         }
         Ok(())
     }

@@ -98,8 +98,8 @@ impl Cluster {
     pub fn load(arg: &str) -> Result<Cluster, SimError> {
         let path = std::path::Path::new(arg);
         if path.is_file() || arg.contains('/') || arg.ends_with(".toml") {
-            let text = megac_ir::file::read_text(path, megac_ir::file::MAX_CONFIG_BYTES)
-                .map_err(|e| {
+            let text =
+                megac_ir::file::read_text(path, megac_ir::file::MAX_CONFIG_BYTES).map_err(|e| {
                     SimError::in_file(arg, format!("cannot read the cluster file: {e}"))
                 })?;
             Cluster::parse(arg, &text)
