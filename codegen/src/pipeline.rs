@@ -3,7 +3,7 @@
 //! The emitter first lowers the whole graph as for one pipeline stage (one micro-batch
 //! program, one optimizer program). This module then
 //! 1. gives every micro-batch instruction a chunk (virtual stage) from its provenance path:
-//!    the embedding in chunk 0, the layers in contiguous runs ([`megac_passes::stages`]), the
+//!    the embedding in chunk 0, the layers in contiguous runs ([`megac_ir::pipeline::stages`]), the
 //!    final norm, head and loss in the last chunk; and a phase: forward `F`, input-gradient
 //!    backward `B`, or, for zero-bubble schedules, weight-gradient `W` (kernels that only
 //!    write parameter gradients);
@@ -22,12 +22,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use megac_ir::mesh::chunk_owner;
+use megac_ir::pipeline::schedule::{self, ActionKind, ScheduleKind};
 use megac_ir::plan::{
     BufId, Buffer, BufferClass, ChunkProgram, DppExec, Instr, MemoryPlan, PipeAction, PipeKind,
     Pipeline, Role,
 };
 use megac_ir::{Axis, OpKind};
-use megac_passes::schedule::{self, ActionKind, ScheduleKind};
 
 use crate::{memory, CodegenError, Emitter};
 
@@ -95,7 +95,7 @@ impl Geometry {
         let (pp, vpp) = (p.pp as u32, p.vpp as u32);
         let m = spec.train.microbatches(p.dp) as u32;
         // Layers per chunk: the stage pass's split.
-        let per_chunk = megac_passes::stages::chunk_layers(spec).map_err(unsupported)?;
+        let per_chunk = megac_ir::pipeline::stages::chunk_layers(spec).map_err(unsupported)?;
         let chunk_of_layer = per_chunk
             .iter()
             .enumerate()

@@ -8,6 +8,7 @@
 //! - [`file`]: atomic file writing (every writer of plans, reports, traces, checkpoints).
 //! - [`flops`]: Megatron's model FLOPs per step and the padded vocabulary.
 //! - [`rules`]: layout validity, model.toml's cross-key rules as typed violations.
+//! - [`pipeline`]: pipeline scheduling: the stage split and per-rank schedules.
 //! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime.
 //!
 //! The sharded and staged levels will build on these types.
@@ -22,6 +23,7 @@ pub mod infer;
 pub mod mesh;
 pub mod op;
 pub mod parse;
+pub mod pipeline;
 pub mod plan;
 pub mod print;
 pub mod rules;

@@ -9,8 +9,8 @@
 
 use std::path::Path;
 
+use megac_ir::pipeline::schedule::{self, Action, Costs, ScheduleKind};
 use megac_ir::spec::{Arch, ModelSpec, Recompute};
-use megac_passes::schedule::{self, Action, Costs, ScheduleKind};
 
 use crate::ModelArgs;
 
@@ -64,7 +64,7 @@ pub fn model_costs(spec: &ModelSpec, pp: u32, vpp: u32) -> ChunkCosts {
     let head = 2.0 * h * spec.padded_vocab() as f64;
     let (per, extra) = (m.layers / nc.max(1), m.layers % nc.max(1));
     // The stage pass's split (stage_layers, balanced or even).
-    let split = megac_passes::stages::chunk_layers(spec);
+    let split = megac_ir::pipeline::stages::chunk_layers(spec);
     let mut start = 0;
     let mut raw: Vec<(f64, f64, f64)> = (0..nc)
         .map(|c| {
@@ -451,7 +451,7 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use megac_passes::schedule::ActionKind;
+    use megac_ir::pipeline::schedule::ActionKind;
 
     #[test]
     fn unused_kinds_cost_nothing() {

@@ -18,8 +18,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
-use megac_ir::mesh::{chunk_owner, global_chunk, local_chunk};
-use megac_ir::spec::{dpp_priority, DppTask};
+use crate::mesh::{chunk_owner, global_chunk, local_chunk};
+use crate::spec::{dpp_priority, DppTask};
 
 /// What a pipeline action does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -120,9 +120,9 @@ impl fmt::Display for Action {
     }
 }
 
-/// MegaDPP's policy: its home is `megac_ir::spec` (with the priority the runtime and the
+/// MegaDPP's policy: its home is [`crate::spec`] (with the priority the runtime and the
 /// simulator use too).
-pub use megac_ir::spec::DppPolicy;
+pub use crate::spec::DppPolicy;
 
 /// The pipeline schedules [`schedule`] builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,8 +141,8 @@ pub enum ScheduleKind {
 
 impl ScheduleKind {
     /// The schedule a model.toml's `[parallel]` section asks for (`schedule`, `dpp_policy`).
-    pub fn of(p: &megac_ir::spec::ParallelSection) -> ScheduleKind {
-        use megac_ir::spec::Schedule;
+    pub fn of(p: &crate::spec::ParallelSection) -> ScheduleKind {
+        use crate::spec::Schedule;
         match p.schedule {
             Schedule::Gpipe => ScheduleKind::GPipe,
             Schedule::OneFOneB => ScheduleKind::OneFOneB,

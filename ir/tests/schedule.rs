@@ -1,6 +1,6 @@
-//! Tests of the pipeline schedule pass: bubble formulas, peaks, validator, DPP policies.
+//! Tests of the pipeline schedules: bubble formulas, peaks, validator, DPP policies.
 
-use megac_passes::schedule::*;
+use megac_ir::pipeline::schedule::*;
 
 const FIXED: [ScheduleKind; 4] = [
     ScheduleKind::GPipe,
