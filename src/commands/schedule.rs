@@ -12,6 +12,7 @@ use std::path::Path;
 use megac_ir::pipeline::schedule::{self, Action, Costs, ScheduleKind};
 use megac_ir::spec::{Arch, ModelSpec, Recompute};
 
+use crate::render::schedule as render;
 use crate::ModelArgs;
 
 /// Per-chunk durations of `F`, `B` and `W` for one microbatch.
@@ -418,7 +419,7 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
     } = *shown;
     let format = opts.format;
     let out = match format {
-        "json" => format!("{}\n", schedule::render_json(lists, vpp, timeline)),
+        "json" => format!("{}\n", render::render_json(lists, vpp, timeline)),
         "svg" => {
             let vpp_part = if vpp > 1 {
                 format!(" vpp={vpp}")
@@ -427,13 +428,13 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
             };
             let title =
                 format!("{name} schedule: pp={pp}{vpp_part}, {m} micro-batches, {costs_short}");
-            schedule::render_svg(lists, vpp, timeline, &title)
+            render::render_svg(lists, vpp, timeline, &title)
         }
         _ => {
             let mut s = format!(
                 "{name} schedule: pp={pp} vpp={vpp}, {m} micro-batches per step, {costs_line}\n{note}"
             );
-            s.push_str(&schedule::render_text(lists, vpp, opts.with_comm));
+            s.push_str(&render::render_text(lists, vpp, opts.with_comm));
             s.push_str(&format!(
                 "bubble fraction {:.4} (idle over total time, all ranks)\n",
                 timeline.bubble_fraction
