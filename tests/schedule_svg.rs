@@ -7,7 +7,7 @@
 mod common;
 use common::{megac, stderr, stdout};
 
-use megac_ir::pipeline::schedule::{
+use megac_ir::pipeline::{
     schedule, simulate, simulate_by, Action, ActionKind, Costs, DppPolicy, ScheduleKind, Timeline,
 };
 

@@ -427,15 +427,11 @@ fn pipelined_plans_under_unit_costs_reproduce_the_bubble_formulas() {
                 );
                 assert_eq!(r.pipeline_execution.as_deref(), Some("static"));
                 // And the schedule pass's own unit-cost simulation of the same order.
-                let kind: megac_ir::pipeline::schedule::ScheduleKind = schedule.parse().unwrap();
+                let kind: megac_ir::pipeline::ScheduleKind = schedule.parse().unwrap();
                 let lists =
-                    megac_ir::pipeline::schedule::schedule(kind, pp as u32, vpp as u32, m as u32)
-                        .unwrap();
-                let t = megac_ir::pipeline::schedule::simulate(
-                    &lists,
-                    megac_ir::pipeline::schedule::Costs::unit(),
-                )
-                .unwrap();
+                    megac_ir::pipeline::schedule(kind, pp as u32, vpp as u32, m as u32).unwrap();
+                let t = megac_ir::pipeline::simulate(&lists, megac_ir::pipeline::Costs::unit())
+                    .unwrap();
                 assert!(close(r.bubble_fraction, t.bubble_fraction));
                 assert!(close(r.step_seconds, t.makespan));
                 assert_eq!(r.roles.len(), pp as usize);
@@ -475,14 +471,9 @@ fn dpp_plans_run_dynamically_and_match_the_reference_order_under_unit_costs() {
         ];
         let (_, r) = unit_pipeline(&sets);
         assert_eq!(r.pipeline_execution.as_deref(), Some("dynamic"));
-        let kind: megac_ir::pipeline::schedule::ScheduleKind =
-            format!("dpp-{policy}").parse().unwrap();
-        let lists = megac_ir::pipeline::schedule::schedule(kind, 2, 2, 8).unwrap();
-        let t = megac_ir::pipeline::schedule::simulate(
-            &lists,
-            megac_ir::pipeline::schedule::Costs::unit(),
-        )
-        .unwrap();
+        let kind: megac_ir::pipeline::ScheduleKind = format!("dpp-{policy}").parse().unwrap();
+        let lists = megac_ir::pipeline::schedule(kind, 2, 2, 8).unwrap();
+        let t = megac_ir::pipeline::simulate(&lists, megac_ir::pipeline::Costs::unit()).unwrap();
         assert!(
             close(r.bubble_fraction, t.bubble_fraction),
             "dpp-{policy}: {} vs reference {}",

@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use megac_ir::mesh::chunk_owner;
-use megac_ir::pipeline::schedule::{self, ActionKind, ScheduleKind};
+use megac_ir::pipeline::{self, ActionKind, ScheduleKind};
 use megac_ir::plan::{
     BufId, Buffer, BufferClass, ChunkProgram, DppExec, Instr, MemoryPlan, PipeAction, PipeKind,
     Pipeline, Role,
@@ -86,7 +86,7 @@ struct Geometry {
     /// Layer index -> chunk.
     chunk_of_layer: Vec<u32>,
     /// The schedule pass's action lists, per pipeline rank.
-    lists: Vec<Vec<schedule::Action>>,
+    lists: Vec<Vec<pipeline::Action>>,
 }
 
 impl Geometry {
@@ -102,7 +102,7 @@ impl Geometry {
             .flat_map(|(c, &n)| std::iter::repeat_n(c as u32, n as usize))
             .collect();
         let kind = ScheduleKind::of(p);
-        let lists = schedule::schedule(kind, pp, vpp, m)
+        let lists = pipeline::schedule(kind, pp, vpp, m)
             .map_err(|err| unsupported(format!("pipeline schedule: {err}")))?;
         Ok(Geometry {
             pp,

@@ -1,6 +1,6 @@
 //! Tests of the pipeline schedules: bubble formulas, peaks, validator, DPP policies.
 
-use megac_ir::pipeline::schedule::*;
+use megac_ir::pipeline::*;
 
 const FIXED: [ScheduleKind; 4] = [
     ScheduleKind::GPipe,

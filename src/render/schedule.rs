@@ -2,12 +2,12 @@
 //! tokens per rank), JSON (tokens, bubble fractions and peaks) and SVG (the simulated
 //! timeline as a Gantt chart).
 //!
-//! The schedules, their simulator and validator live in [`megac_ir::pipeline::schedule`];
+//! The schedules, their simulator and validator live in [`megac_ir::pipeline`];
 //! this module only draws what they return. It uses nothing else from the binary, so
 //! `tests/schedule_svg.rs` and `tests/schedule_render.rs` include it by path.
 
 use megac_ir::mesh::local_chunk;
-use megac_ir::pipeline::schedule::{Action, ActionKind, Timeline};
+use megac_ir::pipeline::{Action, ActionKind, Timeline};
 
 /// One row per rank: `rank 0 | F0 F1 B0 ...`. Chunks are shown (`F1.0` = chunk 1,
 /// microbatch 0) when `vpp > 1`; `Send`/`Recv` tokens only when `with_comm`.
