@@ -85,7 +85,7 @@ struct Geometry {
     split_bw: bool,
     /// Layer index -> chunk.
     chunk_of_layer: Vec<u32>,
-    /// The schedule pass's action lists, per pipeline rank.
+    /// The pipeline schedule's action lists, per pipeline rank.
     lists: Vec<Vec<pipeline::Action>>,
 }
 
