@@ -2,6 +2,7 @@
 //! contract). Each subcommand lives in `commands/`; errors are rendered once, here.
 
 mod commands;
+mod render;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -2,15 +2,20 @@
 //! is well-formed XML with one lane per pipeline rank and one box per compute action, the
 //! same input gives the same bytes, the picture in docs/ is what the documented command
 //! prints, and `--format json` reports the bubble fractions and peaks of the formulas for
-//! p = 2, 4, 8.
+//! p = 2, 4, 8; the text and JSON renderers print the documented tokens.
 
 mod common;
 use common::{megac, stderr, stdout};
 
-use megac_passes::schedule::{
-    render_svg, schedule, simulate, simulate_by, Action, ActionKind, Costs, DppPolicy,
-    ScheduleKind, Timeline,
+use megac_ir::pipeline::{
+    schedule, simulate, simulate_by, Action, ActionKind, Costs, DppPolicy, ScheduleKind, Timeline,
 };
+
+// The renderers live in the binary (`src/render/schedule.rs`), which has no library target:
+// the test compiles the module itself.
+#[path = "../src/render/schedule.rs"]
+mod render;
+use render::{render_json, render_svg, render_text};
 
 // ---------------------------------------------------------------------------------------
 // A small XML reader: enough to prove well-formedness (one root, matched tags, quoted and
@@ -591,7 +596,7 @@ fn cli_headers_name_the_costs_and_bad_options_are_errors() {
 }
 
 // ---------------------------------------------------------------------------------------
-// Bubble formulas and peaks under unit costs, p = 2, 4, 8.
+// Bubble formulas and peaks under unit costs, p = 2, 4, 8; the text and JSON renderers print the documented tokens.
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-12
@@ -764,5 +769,26 @@ fn schedule_of_a_compiled_plan_directory() {
         stderr(&o).contains("is not a pipelined plan"),
         "{}",
         stderr(&o)
+    );
+}
+
+#[test]
+fn renders_text_and_json() {
+    let l = schedule(ScheduleKind::OneFOneB, 2, 1, 3).unwrap();
+    assert_eq!(
+        render_text(&l, 1, false),
+        "rank 0 | F0 F1 BW0 F2 BW1 BW2\nrank 1 | F0 BW0 F1 BW1 F2 BW2\n"
+    );
+    assert_eq!(
+        render_text(&l, 1, true).lines().nth(1).unwrap(),
+        "rank 1 | rA0<0 F0 BW0 sG0>0 rA1<0 F1 BW1 sG1>0 rA2<0 F2 BW2 sG2>0"
+    );
+    let l = schedule(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+    let t = simulate(&l, Costs::unit()).unwrap();
+    assert_eq!(
+        render_json(&l, 1, &t),
+        "{\"bubble_fraction\": 0.5, \"ranks\": [\
+         {\"rank\": 0, \"actions\": [\"F0\", \"sA0>1\", \"rG0<1\", \"BW0\"], \"bubble_fraction\": 0.5, \"peak_inflight\": 1}, \
+         {\"rank\": 1, \"actions\": [\"rA0<0\", \"F0\", \"BW0\", \"sG0>0\"], \"bubble_fraction\": 0.5, \"peak_inflight\": 1}]}"
     );
 }

@@ -381,7 +381,7 @@ fn close(a: f64, b: f64) -> bool {
 }
 
 /// Unit costs (F = B = W = 1 per chunk action, BW = 2, free communication) reproduce the
-/// schedule pass's bubble formulas exactly on compiled plans: gpipe and 1f1b
+/// pipeline schedules' bubble formulas exactly on compiled plans: gpipe and 1f1b
 /// (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), zb-h1 (p−1)/(3m+p−1).
 #[test]
 fn pipelined_plans_under_unit_costs_reproduce_the_bubble_formulas() {
@@ -426,13 +426,12 @@ fn pipelined_plans_under_unit_costs_reproduce_the_bubble_formulas() {
                     r.step_seconds
                 );
                 assert_eq!(r.pipeline_execution.as_deref(), Some("static"));
-                // And the schedule pass's own unit-cost simulation of the same order.
-                let kind: megac_passes::schedule::ScheduleKind = schedule.parse().unwrap();
-                let lists = megac_passes::schedule::schedule(kind, pp as u32, vpp as u32, m as u32)
+                // And the pipeline schedules' own unit-cost simulation of the same order.
+                let kind: megac_ir::pipeline::ScheduleKind = schedule.parse().unwrap();
+                let lists =
+                    megac_ir::pipeline::schedule(kind, pp as u32, vpp as u32, m as u32).unwrap();
+                let t = megac_ir::pipeline::simulate(&lists, megac_ir::pipeline::Costs::unit())
                     .unwrap();
-                let t =
-                    megac_passes::schedule::simulate(&lists, megac_passes::schedule::Costs::unit())
-                        .unwrap();
                 assert!(close(r.bubble_fraction, t.bubble_fraction));
                 assert!(close(r.step_seconds, t.makespan));
                 assert_eq!(r.roles.len(), pp as usize);
@@ -457,7 +456,7 @@ fn pipelined_plans_under_unit_costs_reproduce_the_bubble_formulas() {
 }
 
 /// MegaDPP runs dynamically (the highest-priority ready task); under unit costs it takes the
-/// schedule pass's reference order, so its bubble equals that order's.
+/// pipeline schedule's reference order, so its bubble equals that order's.
 #[test]
 fn dpp_plans_run_dynamically_and_match_the_reference_order_under_unit_costs() {
     for policy in ["bfs", "dfs", "adaptive"] {
@@ -472,10 +471,9 @@ fn dpp_plans_run_dynamically_and_match_the_reference_order_under_unit_costs() {
         ];
         let (_, r) = unit_pipeline(&sets);
         assert_eq!(r.pipeline_execution.as_deref(), Some("dynamic"));
-        let kind: megac_passes::schedule::ScheduleKind = format!("dpp-{policy}").parse().unwrap();
-        let lists = megac_passes::schedule::schedule(kind, 2, 2, 8).unwrap();
-        let t = megac_passes::schedule::simulate(&lists, megac_passes::schedule::Costs::unit())
-            .unwrap();
+        let kind: megac_ir::pipeline::ScheduleKind = format!("dpp-{policy}").parse().unwrap();
+        let lists = megac_ir::pipeline::schedule(kind, 2, 2, 8).unwrap();
+        let t = megac_ir::pipeline::simulate(&lists, megac_ir::pipeline::Costs::unit()).unwrap();
         assert!(
             close(r.bubble_fraction, t.bubble_fraction),
             "dpp-{policy}: {} vs reference {}",

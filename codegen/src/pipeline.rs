@@ -3,7 +3,7 @@
 //! The emitter first lowers the whole graph as for one pipeline stage (one micro-batch
 //! program, one optimizer program). This module then
 //! 1. gives every micro-batch instruction a chunk (virtual stage) from its provenance path:
-//!    the embedding in chunk 0, the layers in contiguous runs ([`megac_passes::stages`]), the
+//!    the embedding in chunk 0, the layers in contiguous runs ([`megac_ir::pipeline::stages`]), the
 //!    final norm, head and loss in the last chunk; and a phase: forward `F`, input-gradient
 //!    backward `B`, or, for zero-bubble schedules, weight-gradient `W` (kernels that only
 //!    write parameter gradients);
@@ -22,12 +22,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use megac_ir::mesh::chunk_owner;
+use megac_ir::pipeline::{self, ActionKind, ScheduleKind};
 use megac_ir::plan::{
     BufId, Buffer, BufferClass, ChunkProgram, DppExec, Instr, MemoryPlan, PipeAction, PipeKind,
     Pipeline, Role,
 };
 use megac_ir::{Axis, OpKind};
-use megac_passes::schedule::{self, ActionKind, ScheduleKind};
 
 use crate::{memory, CodegenError, Emitter};
 
@@ -85,8 +85,8 @@ struct Geometry {
     split_bw: bool,
     /// Layer index -> chunk.
     chunk_of_layer: Vec<u32>,
-    /// The schedule pass's action lists, per pipeline rank.
-    lists: Vec<Vec<schedule::Action>>,
+    /// The pipeline schedule's action lists, per pipeline rank.
+    lists: Vec<Vec<pipeline::Action>>,
 }
 
 impl Geometry {
@@ -95,14 +95,14 @@ impl Geometry {
         let (pp, vpp) = (p.pp as u32, p.vpp as u32);
         let m = spec.train.microbatches(p.dp) as u32;
         // Layers per chunk: the stage pass's split.
-        let per_chunk = megac_passes::stages::chunk_layers(spec).map_err(unsupported)?;
+        let per_chunk = megac_ir::pipeline::stages::chunk_layers(spec).map_err(unsupported)?;
         let chunk_of_layer = per_chunk
             .iter()
             .enumerate()
             .flat_map(|(c, &n)| std::iter::repeat_n(c as u32, n as usize))
             .collect();
         let kind = ScheduleKind::of(p);
-        let lists = schedule::schedule(kind, pp, vpp, m)
+        let lists = pipeline::schedule(kind, pp, vpp, m)
             .map_err(|err| unsupported(format!("pipeline schedule: {err}")))?;
         Ok(Geometry {
             pp,

@@ -5,9 +5,11 @@
 //!   [`types`] (dtypes, named-dim shapes, layouts), [`op`] (kernel-sized ops),
 //!   [`infer`] (shape rules), [`verify`] (invariants), [`print`] and [`parse`] (text form).
 //!
-//! - [`file`]: atomic file writing (every writer of plans, reports, traces, checkpoints).
+//! - [`file`]: reading users' files with size limits, and atomic writing (every writer of plans,
+//!   reports, traces).
 //! - [`flops`]: Megatron's model FLOPs per step and the padded vocabulary.
 //! - [`rules`]: layout validity, model.toml's cross-key rules as typed violations.
+//! - [`pipeline`]: pipeline scheduling: the stage split and per-rank schedules.
 //! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime;
 //!   [`gate`]: the check every plan passes before the runtime accepts it ([`gate::CheckedPlan`]).
 //!
@@ -24,6 +26,7 @@ pub mod infer;
 pub mod mesh;
 pub mod op;
 pub mod parse;
+pub mod pipeline;
 pub mod plan;
 pub mod print;
 pub mod rules;

@@ -19,8 +19,8 @@
 //! **Pipeline chunks.** The model's `pp·vpp` chunks are placed as Megatron's interleaved
 //! schedule places them: chunk `c` lives on pipeline rank `c % pp`, as its `c / pp`-th local
 //! chunk ([`chunk_owner`], [`local_chunk`], [`global_chunk`]; [`Mesh::chunk_peer`] for the
-//! rank). This is the one home of the placement: the stage split, the schedule pass,
-//! codegen, the plan validator, the runtime and the simulator call it.
+//! rank). This is the one home of the placement: the stage split and schedules
+//! ([`crate::pipeline`]), codegen, the plan validator, the runtime and the simulator call it.
 
 use serde::{Deserialize, Serialize};
 

@@ -201,7 +201,7 @@ impl Schedule {
 
 /// MegaDPP priority policy (`parallel.dpp_policy`, `megac schedule dpp-*`, a plan's
 /// `dpp.policy`): the one home of the policy and of its priority ([`DppPolicy::breadth_first`],
-/// [`dpp_priority`]), used by the schedule pass's reference order, the runtime's dynamic
+/// [`dpp_priority`]), used by the pipeline schedules' reference order, the runtime's dynamic
 /// execution and the simulator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DppPolicy {

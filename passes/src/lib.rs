@@ -14,9 +14,7 @@ pub mod collectives;
 pub mod manager;
 pub mod optimizer;
 pub mod recompute;
-pub mod schedule;
 pub mod shard;
-pub mod stages;
 
 pub use manager::{pass_names, pipeline, run_pass, run_pipeline, Module, Pass};
 /// Model FLOPs per step (analysis, not a transformation): their home is in ir.

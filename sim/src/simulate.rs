@@ -71,7 +71,7 @@ pub struct SimReport {
     /// Model FLOPs (the plan's, Megatron's formula) over the peak of all GPUs.
     pub mfu: f64,
     /// Pipeline bubble: idle compute time over total time during the pipeline phase of the
-    /// step, over all ranks (the schedule pass's definition; 0 without pipeline parallelism).
+    /// step, over all ranks (the pipeline schedules' definition; 0 without pipeline parallelism).
     pub bubble_fraction: f64,
     /// Pipelined plans: how the schedule was executed (`static` action lists, or `dynamic`
     /// for dpp: the highest-priority ready task, as the runtime does); None without a

@@ -7,7 +7,7 @@ pub fn run() -> Result<(), String> {
     for (i, p) in passes.iter().enumerate() {
         println!("{:>2}. {:width$}  {}", i + 1, p.name, p.description);
     }
-    println!("then codegen (megac compile) lowers the graph to a plan:");
+    println!("then codegen (megac compile) lowers the graph to a plan (not graph passes; stages and schedule are megac_ir::pipeline):");
     for (name, what) in [
         ("stages", "pp > 1: layers per pipeline chunk (parallel.stage_layers, \"balanced\" by cost, or even)"),
         ("schedule", "per-stage action lists (gpipe, 1f1b, interleaved, zb-h1, dpp) over F/B/W segments"),

@@ -9,9 +9,10 @@
 
 use std::path::Path;
 
+use megac_ir::pipeline::{self, Action, Costs, ScheduleKind};
 use megac_ir::spec::{Arch, ModelSpec, Recompute};
-use megac_passes::schedule::{self, Action, Costs, ScheduleKind};
 
+use crate::render::schedule as render;
 use crate::ModelArgs;
 
 /// Per-chunk durations of `F`, `B` and `W` for one microbatch.
@@ -64,7 +65,7 @@ pub fn model_costs(spec: &ModelSpec, pp: u32, vpp: u32) -> ChunkCosts {
     let head = 2.0 * h * spec.padded_vocab() as f64;
     let (per, extra) = (m.layers / nc.max(1), m.layers % nc.max(1));
     // The stage pass's split (stage_layers, balanced or even).
-    let split = megac_passes::stages::chunk_layers(spec);
+    let split = megac_ir::pipeline::stages::chunk_layers(spec);
     let mut start = 0;
     let mut raw: Vec<(f64, f64, f64)> = (0..nc)
         .map(|c| {
@@ -165,19 +166,19 @@ pub fn run(args: &ModelArgs, opts: &Options) -> Result<(), String> {
     let kind = ScheduleKind::of(p);
     let (pp, vpp) = (p.pp as u32, p.vpp as u32);
     let m = spec.train.microbatches(p.dp) as u32;
-    let lists = schedule::schedule(kind, pp, vpp, m).map_err(|e| format!("error: {e}"))?;
-    schedule::validate(&lists, pp, vpp, m)
+    let lists = pipeline::schedule(kind, pp, vpp, m).map_err(|e| format!("error: {e}"))?;
+    pipeline::validate(&lists, pp, vpp, m)
         .map_err(|e| format!("error: the schedule does not validate: {e}"))?;
     let (timeline, costs_line, costs_short) = match opts.costs {
         "unit" => (
-            schedule::simulate(&lists, Costs::unit()),
+            pipeline::simulate(&lists, Costs::unit()),
             "unit costs (F = B = W = 1)".to_string(),
             "unit costs".to_string(),
         ),
         "model" => {
             let costs = model_costs(&spec, pp, vpp);
             (
-                schedule::simulate_by(&lists, 0.0, |a| costs.of(a)),
+                pipeline::simulate_by(&lists, 0.0, |a| costs.of(a)),
                 describe(&costs),
                 "model costs (per-layer FLOPs)".to_string(),
             )
@@ -246,10 +247,10 @@ fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
                 .map(|a| {
                     use megac_ir::plan::PipeKind;
                     let kind = match a.kind {
-                        PipeKind::F => schedule::ActionKind::F,
-                        PipeKind::B => schedule::ActionKind::B,
-                        PipeKind::W => schedule::ActionKind::W,
-                        PipeKind::BW => schedule::ActionKind::BW,
+                        PipeKind::F => pipeline::ActionKind::F,
+                        PipeKind::B => pipeline::ActionKind::B,
+                        PipeKind::W => pipeline::ActionKind::W,
+                        PipeKind::BW => pipeline::ActionKind::BW,
                     };
                     Action::compute(kind, a.chunk, a.microbatch)
                 })
@@ -262,12 +263,12 @@ fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
     } else {
         (compute, None)
     };
-    let lists = schedule::with_transfers(compute, pp, vpp);
-    schedule::validate(&lists, pp, vpp, m)
+    let lists = pipeline::with_transfers(compute, pp, vpp);
+    pipeline::validate(&lists, pp, vpp, m)
         .map_err(|e| format!("error: the plan's schedule does not validate: {e}"))?;
     let (timeline, costs_line, costs_short) = match model {
         None => (
-            schedule::simulate(&lists, Costs::unit()).map_err(|e| format!("error: {e}"))?,
+            pipeline::simulate(&lists, Costs::unit()).map_err(|e| format!("error: {e}"))?,
             "unit costs (F = B = W = 1)".to_string(),
             "unit costs".to_string(),
         ),
@@ -336,7 +337,7 @@ fn simulated(
 
 /// `F3.0` -> the forward of chunk 3, micro-batch 0.
 fn parse_token(t: &str) -> Option<Action> {
-    use schedule::ActionKind;
+    use pipeline::ActionKind;
     let (kind, rest) = if let Some(r) = t.strip_prefix("BW") {
         (ActionKind::BW, r)
     } else if let Some(r) = t.strip_prefix('F') {
@@ -354,7 +355,7 @@ fn parse_token(t: &str) -> Option<Action> {
 
 /// A timeline from simulated compute times: transfers take no time, placed at their
 /// neighbours' ends.
-fn timeline_of(lists: &[Vec<Action>], times: &SimTimes) -> schedule::Timeline {
+fn timeline_of(lists: &[Vec<Action>], times: &SimTimes) -> pipeline::Timeline {
     let mut ranks = Vec::new();
     let makespan = times.iter().flatten().map(|t| t.1).fold(0.0f64, f64::max);
     for (list, t) in lists.iter().zip(times) {
@@ -369,11 +370,11 @@ fn timeline_of(lists: &[Vec<Action>], times: &SimTimes) -> schedule::Timeline {
                 busy += e - s;
                 now = e;
                 match a.kind {
-                    schedule::ActionKind::F => {
+                    pipeline::ActionKind::F => {
                         inflight += 1;
                         peak = peak.max(inflight);
                     }
-                    schedule::ActionKind::B | schedule::ActionKind::BW => {
+                    pipeline::ActionKind::B | pipeline::ActionKind::BW => {
                         inflight = inflight.saturating_sub(1)
                     }
                     _ => {}
@@ -383,7 +384,7 @@ fn timeline_of(lists: &[Vec<Action>], times: &SimTimes) -> schedule::Timeline {
             }
         }
         let idle = (makespan - busy).max(0.0);
-        ranks.push(schedule::RankTimeline {
+        ranks.push(pipeline::RankTimeline {
             spans,
             busy,
             idle,
@@ -397,7 +398,7 @@ fn timeline_of(lists: &[Vec<Action>], times: &SimTimes) -> schedule::Timeline {
     } else {
         0.0
     };
-    schedule::Timeline {
+    pipeline::Timeline {
         ranks,
         makespan,
         bubble_fraction: bubble,
@@ -405,7 +406,7 @@ fn timeline_of(lists: &[Vec<Action>], times: &SimTimes) -> schedule::Timeline {
 }
 
 /// Render and write.
-fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<(), String> {
+fn emit(shown: &Shown, timeline: &pipeline::Timeline, opts: &Options) -> Result<(), String> {
     let Shown {
         lists,
         pp,
@@ -418,7 +419,7 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
     } = *shown;
     let format = opts.format;
     let out = match format {
-        "json" => format!("{}\n", schedule::render_json(lists, vpp, timeline)),
+        "json" => format!("{}\n", render::render_json(lists, vpp, timeline)),
         "svg" => {
             let vpp_part = if vpp > 1 {
                 format!(" vpp={vpp}")
@@ -427,13 +428,13 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
             };
             let title =
                 format!("{name} schedule: pp={pp}{vpp_part}, {m} micro-batches, {costs_short}");
-            schedule::render_svg(lists, vpp, timeline, &title)
+            render::render_svg(lists, vpp, timeline, &title)
         }
         _ => {
             let mut s = format!(
                 "{name} schedule: pp={pp} vpp={vpp}, {m} micro-batches per step, {costs_line}\n{note}"
             );
-            s.push_str(&schedule::render_text(lists, vpp, opts.with_comm));
+            s.push_str(&render::render_text(lists, vpp, opts.with_comm));
             s.push_str(&format!(
                 "bubble fraction {:.4} (idle over total time, all ranks)\n",
                 timeline.bubble_fraction
@@ -451,7 +452,7 @@ fn emit(shown: &Shown, timeline: &schedule::Timeline, opts: &Options) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use megac_passes::schedule::ActionKind;
+    use megac_ir::pipeline::ActionKind;
 
     #[test]
     fn unused_kinds_cost_nothing() {
@@ -460,7 +461,7 @@ mod tests {
         };
         let send = Action {
             kind: ActionKind::Send {
-                payload: schedule::Payload::Activation,
+                payload: pipeline::Payload::Activation,
                 peer: 1,
             },
             chunk: 0,

@@ -18,7 +18,7 @@
 //! backward start with the last backward of the chunk whose gradients they reduce.
 //!
 //! Under unit costs ([`CostMode::Unit`]) an `F`, `B` or `W` action takes 1 and `BW` 2,
-//! communication and the optimizer nothing: the schedule pass's bubble formulas.
+//! communication and the optimizer nothing: the pipeline schedules' bubble formulas.
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -5,9 +5,9 @@
 //! estimate (Megatron's model FLOPs of the layer, forward and backward, plus the output layer
 //! and loss on the last chunk; the embedding is a gather and costs nothing); without the key
 //! every chunk gets `layers / (pp·vpp)` (Megatron's default). Chunk `c` runs on pipeline rank
-//! `c % pp` (`megac_ir::mesh::chunk_owner`).
+//! `c % pp` ([`crate::mesh::chunk_owner`]).
 
-use megac_ir::spec::{Arch, ModelSpec};
+use crate::spec::{Arch, ModelSpec};
 
 /// Per-token training FLOPs (forward + both backward passes) of layer `l`.
 pub fn layer_cost(spec: &ModelSpec, l: u64) -> f64 {
