@@ -181,7 +181,7 @@ fn arrived(
 
 /// MegaDPP: run the highest-priority ready task until all are done.
 ///
-/// Priority (as the schedule pass's reference order): a ready backward before any forward;
+/// Priority (as the reference order of `megac_ir::pipeline::schedule`): a ready backward before any forward;
 /// among backwards, later chunks first; `bfs` orders by chunk then micro-batch (all
 /// micro-batches of a chunk first), `dfs` by micro-batch then chunk (one micro-batch through
 /// all chunks first), `adaptive` is breadth-first while fewer than `cap` micro-batches are in
