@@ -103,17 +103,23 @@ enum Command {
         #[arg(short = 'o', long = "out", value_name = "PLAN_DIR")]
         out: PathBuf,
     },
-    /// Print a plan's memory by class (parameters, gradients, optimizer state, activations) and FLOPs.
+    /// Print a plan's memory by class (parameters, gradients, optimizer state, activations) and
+    /// FLOPs, or the whole plan as text (`--program`).
     #[command(
-        after_help = "Example:\n  megac compile examples/llama-tiny.toml -o /tmp/llama-plan\n  megac inspect /tmp/llama-plan --json"
+        after_help = "Example:\n  megac compile examples/llama-tiny.toml -o /tmp/llama-plan\n  megac inspect /tmp/llama-plan --json\n  megac inspect /tmp/llama-plan --program"
     )]
     Inspect {
         /// Plan directory written by `megac compile`.
         #[arg(value_name = "PLAN_DIR")]
         plan: PathBuf,
         /// Machine-readable output.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "program")]
         json: bool,
+        /// Print the whole plan as text instead (header, buffer table, parameters, and per
+        /// role its programs, one instruction per line, and pipeline actions): for reading
+        /// and diffing plans.
+        #[arg(long)]
+        program: bool,
         /// Warn (on stderr) when a rank's memory exceeds one device of this cluster: a
         /// cluster.toml or a preset (a100-80g, h100-sxm, h200; default h100-sxm).
         #[arg(long, value_name = "CLUSTER.toml|PRESET")]
@@ -237,8 +243,9 @@ fn main() -> ExitCode {
         Command::Inspect {
             plan,
             json,
+            program,
             cluster,
-        } => commands::inspect::run(&plan, json, cluster.as_deref()),
+        } => commands::inspect::run(&plan, json, program, cluster.as_deref()),
         Command::Run { plan, run } => commands::run::run(&plan, &run),
         Command::Launch(args) => commands::launch::run(&args),
         Command::Train { model, run } => commands::run::train_model(&model, &run),

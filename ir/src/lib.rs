@@ -11,7 +11,8 @@
 //! - [`rules`]: layout validity, model.toml's cross-key rules as typed violations.
 //! - [`pipeline`]: pipeline scheduling: the stage split and per-rank schedules.
 //! - [`plan`]: level 5, the Plan: the only contract between compiler and runtime;
-//!   [`gate`]: the check every plan passes before the runtime accepts it ([`gate::CheckedPlan`]).
+//!   [`gate`]: the check every plan passes before the runtime accepts it ([`gate::CheckedPlan`]);
+//!   [`plan_text`]: the plan's text form for people ([`print_plan`], `megac inspect --program`).
 //!
 //! The sharded and staged levels will build on these types.
 
@@ -28,6 +29,7 @@ pub mod op;
 pub mod parse;
 pub mod pipeline;
 pub mod plan;
+pub mod plan_text;
 pub mod print;
 pub mod rules;
 pub mod spec;
@@ -38,6 +40,7 @@ pub use graph::{Graph, Op, OpId, Value, ValueDef, ValueId};
 pub use mesh::Mesh;
 pub use op::{OpKind, WeightLayout};
 pub use parse::parse_graph;
+pub use plan_text::print_plan;
 pub use print::print_graph;
 pub use spec::ModelSpec;
 pub use types::{Axis, DType, Dim, Layout, TensorType};

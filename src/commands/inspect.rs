@@ -1,4 +1,5 @@
-//! `megac inspect`: memory by class and FLOPs of a compiled plan.
+//! `megac inspect`: memory by class and FLOPs of a compiled plan, or (`--program`) the whole
+//! plan in its text form (`megac_ir::plan_text`).
 
 use std::path::Path;
 
@@ -122,9 +123,16 @@ fn mib(bytes: u64) -> String {
     format!("{:>10.2} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// Print the plan's memory and FLOPs, as text or JSON.
-pub fn run(dir: &Path, json: bool, cluster: Option<&str>) -> Result<(), String> {
+/// Print the plan's memory and FLOPs, as text or JSON, or with `program` the whole plan's
+/// text form.
+pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Result<(), String> {
     let plan = read_plan(dir)?;
+    if program {
+        let text = megac_ir::print_plan(&plan);
+        // A closed pipe (`megac inspect P --program | head`) is not an error worth a message.
+        let _ = std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes());
+        return Ok(());
+    }
     let world = plan.mesh.world_size() as u64;
     let cluster = super::simulate::cluster_arg(cluster)?
         .fit(world)
