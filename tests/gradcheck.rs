@@ -47,7 +47,7 @@ fn check_sets(file: &str, recompute: &str, weight_scale: f32, eps: f32, extra: &
     let mut s = Session::new(&plan, "synthetic", None).unwrap();
     // Larger weights than the default init make every path matter.
     for p in &plan.params {
-        for (i, x) in s.mem.f32_mut(p.buffer).iter_mut().enumerate() {
+        for (i, x) in s.mem.buffer_mut(p.buffer).iter_mut().enumerate() {
             if p.shape.len() == 2 {
                 *x *= weight_scale;
             } else {
@@ -70,11 +70,11 @@ fn check_sets(file: &str, recompute: &str, weight_scale: f32, eps: f32, extra: &
             .unwrap();
         for i in [0, n / 3, n - 1, argmax] {
             let orig = s.mem.f32(p.buffer)[i];
-            s.mem.f32_mut(p.buffer)[i] = orig + eps;
+            s.mem.buffer_mut(p.buffer)[i] = orig + eps;
             let up = loss(&mut s);
-            s.mem.f32_mut(p.buffer)[i] = orig - eps;
+            s.mem.buffer_mut(p.buffer)[i] = orig - eps;
             let down = loss(&mut s);
-            s.mem.f32_mut(p.buffer)[i] = orig;
+            s.mem.buffer_mut(p.buffer)[i] = orig;
             let numeric = (up - down) / (2.0 * f64::from(eps));
             let analytic = f64::from(g[i]);
             let err = (numeric - analytic).abs() / (numeric.abs().max(analytic.abs()) + 2e-3);

@@ -1474,7 +1474,10 @@ fn int_input(plan: &Plan, op: &OpKind, ins: &[BufId]) -> IntUse {
 /// Kernels that may write an output over an input: `adamw` updates the parameter it reads
 /// (input 0 is output 0), `all_reduce` reduces in place, `all_gather` and `reduce_scatter`
 /// copy their input before writing.
-fn in_place_ok(op: &OpKind, input: usize, output: usize, same: bool) -> bool {
+///
+/// `input` and `output` index the kernel's operands; `same` says whether they are one buffer.
+/// The runtime's memory re-checks this rule in debug builds.
+pub fn in_place_ok(op: &OpKind, input: usize, output: usize, same: bool) -> bool {
     match op {
         OpKind::AdamW { .. } => input == 0 && output == 0 && same,
         OpKind::AllReduce { .. } => same,

@@ -44,7 +44,7 @@ pub use plan_text::print_plan;
 pub use print::print_graph;
 pub use spec::ModelSpec;
 pub use types::{Axis, DType, Dim, Layout, TensorType};
-pub use verify::verify;
+pub use verify::{verify, VerifyError, VerifyErrors};
 
 /// Errors raised while building or reading IR.
 #[derive(Debug, thiserror::Error)]

@@ -1,8 +1,8 @@
 //! Graph IR: building, printing, parsing back, and the verifier's rejections.
 
 use megac_ir::{
-    parse_graph, print_graph, verify, DType, Dim, Graph, IrError, Mesh, OpKind, TensorType,
-    ValueDef, ValueId, WeightLayout,
+    parse_graph, print_graph, verify, DType, Dim, Graph, IrError, Mesh, OpId, OpKind, TensorType,
+    ValueDef, ValueId, VerifyError, WeightLayout,
 };
 
 fn ty(dtype: DType, dims: &[(&str, u64)]) -> TensorType {
@@ -82,7 +82,11 @@ fn verifier_rejects_use_before_definition() {
     let last = *g.ops.last().unwrap().outputs.first().unwrap();
     g.ops[0].inputs[0] = last;
     let err = verify(&g).unwrap_err();
-    assert!(err.contains("not defined before use"), "{err}");
+    assert!(
+        matches!(err.errors()[0], VerifyError::UndefinedValue { value, .. } if value == last),
+        "{err}"
+    );
+    assert!(err.to_string().contains("not defined before use"), "{err}");
 }
 
 #[test]
@@ -91,7 +95,11 @@ fn verifier_rejects_wrong_recorded_type() {
     let out = g.ops[1].outputs[0];
     g.values[out.0 as usize].ty = ty(DType::F32, &[("b", 2), ("s", 8), ("heads*head_dim", 15)]);
     let err = verify(&g).unwrap_err();
-    assert!(err.contains("but its operands give"), "{err}");
+    assert!(
+        matches!(&err.errors()[0], VerifyError::TypeMismatch { value, .. } if *value == out),
+        "{err}"
+    );
+    assert!(err.to_string().contains("but its operands give"), "{err}");
 }
 
 #[test]
@@ -100,11 +108,54 @@ fn verifier_rejects_duplicate_parameter_names_and_dangling_outputs() {
     if let ValueDef::Param(name) = &mut g.values[2].def {
         *name = "wq".into();
     }
-    assert!(verify(&g).unwrap_err().contains("declared twice"));
+    let err = verify(&g).unwrap_err();
+    assert!(
+        matches!(err.errors(), [VerifyError::DuplicateParam { name, .. }] if name == "wq"),
+        "{err}"
+    );
 
     let mut g = sample();
     g.outputs.push(("ghost".into(), ValueId(999)));
-    assert!(verify(&g).unwrap_err().contains("ghost"));
+    let err = verify(&g).unwrap_err();
+    assert!(
+        matches!(err.errors(), [VerifyError::UndefinedOutput { name, .. }] if name == "ghost"),
+        "{err}"
+    );
+}
+
+#[test]
+fn verifier_reports_every_violation_not_just_the_first() {
+    let mut g = sample();
+    // Three distinct violations: a duplicate parameter name, an op without provenance,
+    // and a dangling graph output.
+    if let ValueDef::Param(name) = &mut g.values[2].def {
+        *name = "wq".into();
+    }
+    g.ops[1].path.clear();
+    g.outputs.push(("ghost".into(), ValueId(999)));
+    let err = verify(&g).unwrap_err();
+    let errs = err.errors();
+    assert_eq!(errs.len(), 3, "{err}");
+    assert!(
+        matches!(&errs[0], VerifyError::DuplicateParam { value, name } if *value == ValueId(4) && name == "wq"),
+        "{err}"
+    );
+    assert!(
+        matches!(&errs[1], VerifyError::MissingProvenance { op } if op.id == OpId(1)),
+        "{err}"
+    );
+    assert!(
+        matches!(&errs[2], VerifyError::UndefinedOutput { name, value } if name == "ghost" && *value == ValueId(999)),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(text.starts_with("3 errors: "), "{text}");
+    assert!(
+        text.contains("declared twice")
+            && text.contains("no provenance path")
+            && text.contains("ghost"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -27,12 +27,12 @@ pub enum PassError {
     #[error(transparent)]
     Ir(#[from] megac_ir::IrError),
     /// The verifier rejected a pass's output.
-    #[error("verifier failed after pass `{pass}`: {message}")]
+    #[error("verifier failed after pass `{pass}`: {errors}")]
     Verify {
         /// The pass just run.
         pass: &'static str,
-        /// The broken invariant.
-        message: String,
+        /// Every broken invariant, typed.
+        errors: megac_ir::VerifyErrors,
     },
     /// Differentiation or the optimizer could not be generated.
     #[error("autodiff: {0}")]

@@ -111,9 +111,9 @@ pub fn run_pass(module: &mut Module, name: &str) -> Result<(), PassError> {
         })?;
     pass.run(module)?;
     if let Some(g) = &module.graph {
-        verify(g).map_err(|message| PassError::Verify {
+        verify(g).map_err(|errors| PassError::Verify {
             pass: pass.name,
-            message,
+            errors,
         })?;
     }
     Ok(())
@@ -145,9 +145,9 @@ pub fn run_pipeline(
         (pass.run)(&mut module)?;
         if verify_each {
             if let Some(g) = &module.graph {
-                verify(g).map_err(|message| PassError::Verify {
+                verify(g).map_err(|errors| PassError::Verify {
                     pass: pass.name,
-                    message,
+                    errors,
                 })?;
             }
         }

@@ -106,6 +106,7 @@ pub fn run_program(
                 outputs,
                 ..
             } => {
+                mem.debug_assert_disjoint(op, inputs, outputs);
                 run_kernel(op, inputs, outputs, &env, comm)?;
                 op.name()
             }

@@ -1,11 +1,13 @@
 //! Rank memory: one arena per buffer class, sized by the plan's static memory plan.
-//! Kernels get slices of buffers; the planner guarantees that a kernel's outputs never
-//! overlap its inputs, so handing out a mutable slice next to shared ones is sound.
+//! Kernels get slices of buffers; the plan gate proves that a kernel's outputs never
+//! overlap its inputs (except the in-place kernels), so the executor may hold a mutable
+//! slice next to shared ones. All raw-pointer access is in one audited function,
+//! `Memory::slice_of`; `debug_assert_disjoint` re-checks the gate's proof in debug builds.
 
 use std::collections::BTreeMap;
 
 use megac_ir::plan::{BufId, Buffer, BufferClass, Plan};
-use megac_ir::DType;
+use megac_ir::{DType, OpKind};
 
 use crate::error::RuntimeError;
 
@@ -206,46 +208,112 @@ impl Memory {
         v.as_ptr() as *mut f32
     }
 
+    /// The one place a buffer's slice is made from an arena's raw pointer (f32 arenas; an
+    /// i32 buffer of the activation arena is reinterpreted). Every other accessor goes
+    /// through here; callers downgrade to `&[T]` when they only read.
+    ///
+    /// Soundness rests on two facts, one proved per plan and one per call site:
+    /// - In bounds: `new` placed every buffer this rank holds inside its arena (checked,
+    ///   overflow-free), and `set_slot` moves chunk buffers only between the slots `new`
+    ///   sized. The arenas are never resized after `new`.
+    /// - No aliasing: the only callers that take a mutable slice through `&self` are the
+    ///   executor's (`f32_mut`, `i32_act_mut` are `pub(crate)`), and it takes one only of
+    ///   the buffer a `zero`/`recv` instruction writes or of an output of the kernel it
+    ///   runs (and `adamw`'s gradient input, which it clips, disjoint from its outputs).
+    ///   The plan reached the executor as a [`megac_ir::gate::CheckedPlan`], whose check
+    ///   proves a kernel's outputs overlap neither each other nor its inputs, except the
+    ///   in-place kernels of [`megac_ir::gate::in_place_ok`]; for those the executor holds
+    ///   only the mutable slice. `debug_assert_disjoint` re-checks that proof on this
+    ///   rank's actual offsets in debug builds before every kernel.
+    #[allow(clippy::mut_from_ref)]
+    fn slice_of<T: Word>(&self, b: BufId) -> &mut [T] {
+        let (class, off, len) = self.range(b);
+        let ptr = if class == BufferClass::Input {
+            assert!(T::IS_I32, "f32 access to the i32 input buffer {b}");
+            self.input.as_ptr() as *mut i32 as *mut T
+        } else {
+            self.arena_ptr(class) as *mut T
+        };
+        let arena = match class {
+            BufferClass::Param => self.param.len(),
+            BufferClass::Grad => self.grad.len(),
+            BufferClass::OptState => self.opt.len(),
+            BufferClass::Activation => self.act.len(),
+            BufferClass::Input => self.input.len(),
+        };
+        debug_assert!(off.checked_add(len).is_some_and(|end| end <= arena));
+        // SAFETY: see above: in bounds of a live arena of 4-byte elements (f32 and i32 share
+        // size and alignment, and every bit pattern is valid for both), and not aliased
+        // while the returned slice is used.
+        unsafe { std::slice::from_raw_parts_mut(ptr.add(off), len) }
+    }
+
     /// An f32 buffer, read-only.
     pub fn f32(&self, b: BufId) -> &[f32] {
-        let (class, off, len) = self.range(b);
-        // SAFETY: bounds were checked in `new`; no mutable slice of this range is alive
-        // while a kernel reads it (the planner never overlaps a kernel's inputs and outputs).
-        unsafe { std::slice::from_raw_parts(self.arena_ptr(class).add(off), len) }
+        self.slice_of(b)
     }
 
-    /// An f32 buffer, writable.
+    /// An f32 buffer, writable through a shared `Memory`: the executor's access to the
+    /// buffer an instruction writes (see `slice_of` for why this is sound).
     #[allow(clippy::mut_from_ref)]
-    pub fn f32_mut(&self, b: BufId) -> &mut [f32] {
-        let (class, off, len) = self.range(b);
-        // SAFETY: as in `f32`; outputs of one kernel are distinct, non-overlapping buffers.
-        unsafe { std::slice::from_raw_parts_mut(self.arena_ptr(class).add(off), len) }
+    pub(crate) fn f32_mut(&self, b: BufId) -> &mut [f32] {
+        self.slice_of(b)
     }
 
-    /// An i32 (input) buffer.
+    /// An f32 buffer, writable: the safe access for code that owns the memory (tests,
+    /// tools); the exclusive borrow of `self` rules out any other slice.
+    pub fn buffer_mut(&mut self, b: BufId) -> &mut [f32] {
+        self.slice_of(b)
+    }
+
+    /// An i32 buffer (token ids in the input arena, MoE expert indices in the activation
+    /// arena).
     pub fn i32(&self, b: BufId) -> &[i32] {
-        let (class, off, len) = self.range(b);
-        if class == BufferClass::Activation {
-            // SAFETY: in bounds (checked in `new`); f32 and i32 have the same size and
-            // alignment and every bit pattern is a valid i32.
-            return unsafe {
-                std::slice::from_raw_parts(self.arena_ptr(class).add(off) as *const i32, len)
-            };
-        }
-        &self.input[off..off + len]
+        self.slice_of(b)
     }
 
-    /// An i32 activation buffer (MoE expert indices), writable.
+    /// An i32 activation buffer (MoE expert indices), writable by the kernel that outputs it.
     #[allow(clippy::mut_from_ref)]
-    pub fn i32_act_mut(&self, b: BufId) -> &mut [i32] {
-        let (class, off, len) = self.range(b);
+    pub(crate) fn i32_act_mut(&self, b: BufId) -> &mut [i32] {
+        let class = self.buffers[b as usize].class;
         assert_eq!(
             class,
             BufferClass::Activation,
             "i32_act_mut on a {class:?} buffer"
         );
-        // SAFETY: as in `i32`; the planner never overlaps a kernel's outputs with its inputs.
-        unsafe { std::slice::from_raw_parts_mut(self.arena_ptr(class).add(off) as *mut i32, len) }
+        self.slice_of(b)
+    }
+
+    /// Debug builds: assert, on this rank's offsets, what the gate proved for the kernel
+    /// `op` and makes the executor's mutable slices sound: its outputs overlap neither each
+    /// other nor its inputs, except where [`megac_ir::gate::in_place_ok`] allows.
+    pub(crate) fn debug_assert_disjoint(&self, op: &OpKind, inputs: &[BufId], outputs: &[BufId]) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        for (k, &o) in outputs.iter().enumerate() {
+            for (j, &x) in inputs.iter().enumerate() {
+                assert!(
+                    megac_ir::gate::in_place_ok(op, j, k, x == o) || !self.overlaps(o, x),
+                    "`{}`: output {k} (buffer {o}) overlaps input {j} (buffer {x})",
+                    op.name()
+                );
+            }
+            for (j, &p) in outputs[..k].iter().enumerate() {
+                assert!(
+                    !self.overlaps(o, p),
+                    "`{}`: output {k} (buffer {o}) overlaps output {j} (buffer {p})",
+                    op.name()
+                );
+            }
+        }
+    }
+
+    /// Whether buffers `a` and `b` share an element on this rank (same arena, intersecting
+    /// ranges; empty buffers overlap nothing).
+    fn overlaps(&self, a: BufId, b: BufId) -> bool {
+        let ((ca, sa, la), (cb, sb, lb)) = (self.range(a), self.range(b));
+        ca == cb && la > 0 && lb > 0 && sa < sb + lb && sb < sa + la
     }
 
     /// An i32 (input) buffer, writable (the data loader fills it).
@@ -284,6 +352,18 @@ fn zeroed<T: Clone + Default>(n: u64, what: &str) -> Result<Vec<T>, RuntimeError
     v.try_reserve_exact(n).map_err(|_| fail())?;
     v.resize(n, T::default());
     Ok(v)
+}
+
+/// The element types an arena holds: 4 bytes, 4-aligned, every bit pattern valid.
+trait Word: Copy {
+    /// Whether this is `i32` (the input arena's type).
+    const IS_I32: bool;
+}
+impl Word for f32 {
+    const IS_I32: bool = false;
+}
+impl Word for i32 {
+    const IS_I32: bool = true;
 }
 
 fn class_index(c: BufferClass) -> usize {
