@@ -12,7 +12,7 @@ use std::path::Path;
 use megac_ir::rules::check;
 use megac_ir::spec::{ModelSpec, Recompute, Schedule};
 use megac_sim::cluster::Cluster;
-use megac_sim::model::Layout;
+use megac_sim::model::ParallelLayout;
 use megac_sim::search::{emit_model_toml, enumerate};
 
 fn spec(file: &str, sets: &[&str]) -> ModelSpec {
@@ -23,7 +23,7 @@ fn spec(file: &str, sets: &[&str]) -> ModelSpec {
 
 /// `spec` in `layout`, as `megac plan --emit` writes it (even split, no FBD, no
 /// `[cluster]` of model.toml's: the search sizes its own).
-fn in_layout(spec: &ModelSpec, layout: &Layout) -> ModelSpec {
+fn in_layout(spec: &ModelSpec, layout: &ParallelLayout) -> ModelSpec {
     let mut s = layout.apply(spec);
     s.parallel.stage_layers.clear();
     s.parallel.balance_stages = false;
@@ -101,7 +101,7 @@ fn brute_force(spec: &ModelSpec, gpus: u64) -> BTreeSet<String> {
                                             if distributed_optimizer && dp == 1 {
                                                 continue;
                                             }
-                                            let l = Layout {
+                                            let l = ParallelLayout {
                                                 tp,
                                                 pp,
                                                 vpp,
@@ -169,7 +169,10 @@ fn the_search_finds_every_layout_check_accepts() {
             }
             let s = spec(file, sets);
             proposes_only_valid_layouts(&s, gpus);
-            let found: BTreeSet<String> = enumerate(&s, gpus).iter().map(Layout::label).collect();
+            let found: BTreeSet<String> = enumerate(&s, gpus)
+                .iter()
+                .map(ParallelLayout::label)
+                .collect();
             let all = brute_force(&s, gpus);
             assert_eq!(
                 found.len(),

@@ -2,7 +2,7 @@
 
 use megac_ir::plan::Plan;
 use megac_ir::ModelSpec;
-use megac_sim::{estimate, simulate, Cluster, CostModel, Layout};
+use megac_sim::{estimate, simulate, Cluster, CostModel, ParallelLayout};
 
 mod common;
 use common::{megac, stderr, stdout};
@@ -88,7 +88,7 @@ fn analytic_model_agrees_with_the_simulator() {
             }
             let cost = CostModel::new(cl.fit(plan.mesh.world_size() as u64).unwrap());
             let sim = simulate(&plan, &cost, false).unwrap().report;
-            let est = estimate(&s, &Layout::of_spec(&s), &cost);
+            let est = estimate(&s, &ParallelLayout::of_spec(&s), &cost);
             let rel = (est.step_seconds - sim.step_seconds).abs() / sim.step_seconds;
             assert!(
                 rel < 0.03,
@@ -625,7 +625,7 @@ fn analytic_model_agrees_with_the_pipeline_simulation() {
             }
             let cost = CostModel::new(cl.fit(plan.mesh.world_size() as u64).unwrap());
             let sim = simulate(&plan, &cost, false).unwrap().report;
-            let est = estimate(&s, &Layout::of_spec(&s), &cost);
+            let est = estimate(&s, &ParallelLayout::of_spec(&s), &cost);
             let rel = est.step_seconds / sim.step_seconds - 1.0;
             println!(
                 "{sets:?} serial={serial}: model {:.4} s (bubble/ideal {:.3}), simulated {:.4} s (bubble {:.3}, idle/total), {:+.1}%",

@@ -152,12 +152,6 @@ impl Graph {
             })
     }
 
-    /// Total number of parameter elements.
-    pub fn param_count(&self) -> u64 {
-        self.params()
-            .fold(0u64, |n, (_, _, ty)| n.saturating_add(ty.numel()))
-    }
-
     fn push_value(&mut self, ty: TensorType, def: ValueDef) -> ValueId {
         let id = ValueId(self.values.len() as u32);
         self.values.push(Value { ty, def });

@@ -37,7 +37,9 @@ mod simd;
 mod util;
 
 pub use activation::{gelu_tanh_bwd, gelu_tanh_fwd, swiglu_bwd, swiglu_fwd};
-pub use attention::{attention_bwd, attention_fwd};
+pub use attention::{
+    attention_bwd, attention_fwd, masked_attention_bwd, masked_attention_fwd, Mask,
+};
 pub use context::{
     attention_block_bwd, attention_block_fwd, attention_merge, attention_merge_into,
     cp_local_positions, rope_bwd_positions, rope_fwd_positions,

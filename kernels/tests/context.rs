@@ -1,7 +1,8 @@
 //! Context-parallel kernels (src/context.rs): position-aware RoPE, block attention masked
 //! by global position, the log-sum-exp merge of partial results, and the block backward
-//! driven by the final (merged) `out`/`lse`. Checked against the single-device kernels,
-//! against a float64 reference, by finite differences, and in a simulated CP run.
+//! driven by the final (merged) `out`/`lse`; also the full mask of the shared masked block
+//! kernel. Checked against the single-device kernels, against a float64 reference, by
+//! finite differences, and in a simulated CP run.
 
 mod common;
 
@@ -944,5 +945,88 @@ fn rows_without_keys() {
                 }
             }
         }
+    }
+}
+
+/// The full mask of the shared masked block kernel: every query sees every key, so it
+/// equals the float64 reference with every key visible, and its backward equals the
+/// positional backward with every key visible.
+#[test]
+fn full_mask_matches_reference() {
+    let mut rng = Rng::new(107);
+    // (b, sq, sk, nh, nkv, d)
+    for &(b, sq, sk, nh, nkv, d) in &[(2, 5, 7, 4, 2, 4), (1, 70, 9, 4, 2, 8), (2, 6, 80, 2, 1, 8)]
+    {
+        let q = rng.normal(b * sq * nh * d, 1.0);
+        let k = rng.normal(b * sk * nkv * d, 1.0);
+        let v = rng.normal(b * sk * nkv * d, 1.0);
+        let dout = rng.vec(q.len(), -1.0, 1.0);
+        let (q_pos, k_pos) = (vec![sk as u32; sq], iota(sk));
+        let tag = format!("full b{b} sq{sq} sk{sk} nh{nh} nkv{nkv} d{d}");
+
+        let (mut out, mut lse) = (nan(q.len()), nan(b * nh * sq));
+        masked_attention_fwd(
+            &q,
+            &k,
+            &v,
+            Mask::Full,
+            b,
+            sq,
+            sk,
+            nh,
+            nkv,
+            d,
+            &mut out,
+            &mut lse,
+        );
+        let (ro, rl) = block_ref(
+            &to64(&q),
+            &to64(&k),
+            &to64(&v),
+            &q_pos,
+            &k_pos,
+            b,
+            sq,
+            sk,
+            nh,
+            nkv,
+            d,
+        );
+        assert_close(&format!("{tag} out"), &out, &ro, RTOL, 1e-2);
+        for (i, (&g, &w)) in lse.iter().zip(&rl).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{tag} lse[{i}]: {g} vs {w}"
+            );
+        }
+
+        let zeros = |n| vec![0.0f32; n];
+        let (mut dq, mut dk, mut dv) = (zeros(q.len()), zeros(k.len()), zeros(v.len()));
+        masked_attention_bwd(
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            Mask::Full,
+            b,
+            sq,
+            sk,
+            nh,
+            nkv,
+            d,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        );
+        let (mut pq, mut pk, mut pv) = (zeros(q.len()), zeros(k.len()), zeros(v.len()));
+        attention_block_bwd(
+            &q, &k, &v, &out, &lse, &dout, &q_pos, &k_pos, b, sq, sk, nh, nkv, d, &mut pq, &mut pk,
+            &mut pv,
+        );
+        assert_near(&format!("{tag} dq"), &dq, &pq, 1e-5);
+        assert_near(&format!("{tag} dk"), &dk, &pk, 1e-5);
+        assert_near(&format!("{tag} dv"), &dv, &pv, 1e-5);
     }
 }

@@ -37,6 +37,9 @@ pub enum PassError {
     /// Differentiation or the optimizer could not be generated.
     #[error("autodiff: {0}")]
     Autodiff(String),
+    /// A graph pass ran on a module without a graph (the build pass has not run).
+    #[error("no graph: run the build pass first")]
+    NoGraph,
     /// `--after` named no pass.
     #[error("no pass named `{name}`; passes: {known}")]
     UnknownPass {

@@ -87,9 +87,7 @@ pub fn pipeline() -> Vec<Pass> {
 }
 
 fn graph_mut(m: &mut Module) -> Result<&mut Graph, PassError> {
-    m.graph
-        .as_mut()
-        .ok_or_else(|| PassError::Autodiff("no graph: run the build pass first".into()))
+    m.graph.as_mut().ok_or(PassError::NoGraph)
 }
 
 impl Pass {

@@ -10,7 +10,7 @@ use crate::memory::Memory;
 pub use crate::profile::{Profile, TraceEvent};
 use crate::sharded::{
     cp_positions, gather_member_major, gather_seq, real_columns, ring_pass, scatter_member_major,
-    vocab_parallel_stats, vocab_shard,
+    tp_split, vocab_parallel_stats,
 };
 
 /// What the optimizer program needs to know about the current step.
@@ -254,7 +254,7 @@ fn run_kernel(
     match op {
         OpKind::Embedding => {
             arity(op, ins, outs, 2, 1)?;
-            match vocab_shard(mem, ins[1], 0, mesh, comm.rank()) {
+            match tp_split(mem, ins[1], 0, mesh, comm.rank()) {
                 None => k::embedding_fwd(
                     mem.i32(ins[0]),
                     mem.f32(ins[1]),
@@ -558,7 +558,7 @@ fn run_kernel(
             arity(op, ins, outs, 2, 1)?;
             let v = last(ins[0]);
             let rank_dims = mem.buffer(ins[0]).shape.len();
-            let sum = match vocab_shard(mem, ins[0], rank_dims - 1, mesh, comm.rank()) {
+            let sum = match tp_split(mem, ins[0], rank_dims - 1, mesh, comm.rank()) {
                 None => {
                     k::cross_entropy_fwd(mem.f32(ins[0]), mem.i32(ins[1]), numel(ins[0]) / v, v)
                 }
@@ -580,7 +580,7 @@ fn run_kernel(
         }
         OpKind::EmbeddingGrad => {
             arity(op, ins, outs, 3, 1)?;
-            match vocab_shard(mem, ins[1], 0, mesh, comm.rank()) {
+            match tp_split(mem, ins[1], 0, mesh, comm.rank()) {
                 None => k::embedding_bwd(
                     mem.i32(ins[0]),
                     mem.f32(ins[2]),
@@ -800,7 +800,7 @@ fn run_kernel(
             arity(op, ins, outs, 2, 1)?;
             let v = last(ins[0]);
             let rank_dims = mem.buffer(ins[0]).shape.len();
-            if let Some((start, _)) = vocab_shard(mem, ins[0], rank_dims - 1, mesh, comm.rank()) {
+            if let Some((start, _)) = tp_split(mem, ins[0], rank_dims - 1, mesh, comm.rank()) {
                 let members = mesh.group(comm.rank(), &[megac_ir::Axis::Tp]);
                 let (logits, labels) = (mem.f32(ins[0]), mem.i32(ins[1]));
                 let stats =

@@ -92,8 +92,10 @@ pub(crate) fn gather_seq(
     Ok(out)
 }
 
-/// If dim `dim` of buffer `b` is split over tp, this rank's slice: (first index, length).
-pub(crate) fn vocab_shard(
+/// If dim `dim` of buffer `b` is split over tp (any dim of any buffer; today the vocabulary
+/// rows of an embedding table and the vocabulary columns of the logits), this rank's part
+/// of it in global indices: (first index, length).
+pub(crate) fn tp_split(
     mem: &Memory,
     b: BufId,
     dim: usize,

@@ -401,15 +401,6 @@ impl<'p> Session<'p> {
         }
     }
 
-    /// The buffer of parameter `name` (or its gradient with `grad = true`).
-    pub fn param_buffer(&self, name: &str, grad: bool) -> Option<megac_ir::plan::BufId> {
-        self.plan
-            .params
-            .iter()
-            .find(|p| p.name == name)
-            .map(|p| if grad { p.grad } else { p.buffer })
-    }
-
     /// The global parameters, assembled from every rank's shard (a collective: every rank
     /// calls it; each gets the full tensors).
     pub fn global_params(&mut self) -> Result<Vec<Vec<f32>>, RuntimeError> {

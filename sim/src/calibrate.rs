@@ -29,7 +29,7 @@ use megac_ir::spec::{
 
 use crate::cluster::Cluster;
 use crate::cost::CostModel;
-use crate::model::{estimate, Estimate, Layout};
+use crate::model::{estimate, Estimate, ParallelLayout};
 use megac_ir::rules::divisors;
 
 /// One row of the published table.
@@ -183,7 +183,7 @@ pub struct Calibrated {
     /// The table row.
     pub row: TableRow,
     /// The layout the model found fastest (among those that fit).
-    pub layout: Layout,
+    pub layout: ParallelLayout,
     /// Its prediction.
     pub estimate: Estimate,
     /// `predicted / measured − 1` of the step time.
@@ -203,8 +203,8 @@ pub fn calibrate(cluster: &Cluster) -> Vec<Calibrated> {
         .map(|r| {
             let spec = r.spec();
             let cost = CostModel::new(cluster.fit(r.gpus()).expect("unsized cluster"));
-            let mut best: Option<(Layout, Estimate)> = None;
-            let base = Layout::of_spec(&spec);
+            let mut best: Option<(ParallelLayout, Estimate)> = None;
+            let base = ParallelLayout::of_spec(&spec);
             // Pipelined rows: micro-batch 1 (Megatron's pipelined examples); without a
             // pipeline, any micro-batch.
             let mbs: Vec<u64> = if r.pp > 1 {
@@ -229,7 +229,7 @@ pub fn calibrate(cluster: &Cluster) -> Vec<Calibrated> {
                         continue;
                     }
                     for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                        let layout = Layout {
+                        let layout = ParallelLayout {
                             micro_batch: mb,
                             vpp,
                             schedule,

@@ -24,6 +24,6 @@ pub mod simulate;
 pub use cluster::Cluster;
 pub use cost::{CostMode, CostModel, CostParams};
 pub use error::SimError;
-pub use model::{estimate, Estimate, Layout};
+pub use model::{estimate, Estimate, ParallelLayout};
 pub use search::{search, SearchResult};
 pub use simulate::{simulate, SimReport};

@@ -29,9 +29,11 @@ use megac_ir::types::DType;
 
 use crate::cost::{Coll, CostMode, CostModel, Group};
 
-/// One parallel layout of a model (the `[parallel]` keys plus micro-batch and recompute).
+/// One parallel layout of a model (the `[parallel]` keys plus micro-batch and recompute), as
+/// the simulator and the layout search see it; not [`megac_ir::Layout`], the placement of one
+/// value over the mesh.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Layout {
+pub struct ParallelLayout {
     /// Tensor-parallel size.
     pub tp: u64,
     /// Pipeline stages.
@@ -56,11 +58,11 @@ pub struct Layout {
     pub distributed_optimizer: bool,
 }
 
-impl Layout {
+impl ParallelLayout {
     /// The layout a validated spec describes.
-    pub fn of_spec(spec: &ModelSpec) -> Layout {
+    pub fn of_spec(spec: &ModelSpec) -> ParallelLayout {
         let p = &spec.parallel;
-        Layout {
+        ParallelLayout {
             tp: p.tp,
             pp: p.pp,
             vpp: p.vpp,
@@ -475,7 +477,13 @@ fn attention_block(g: &Geo, arch: Arch, ph: &mut Phases) -> (f64, f64) {
     (f + comm_f, attn)
 }
 
-fn mlp_block(g: &Geo, spec: &ModelSpec, layout: &Layout, moe: bool, ph: &mut Phases) -> f64 {
+fn mlp_block(
+    g: &Geo,
+    spec: &ModelSpec,
+    layout: &ParallelLayout,
+    moe: bool,
+    ph: &mut Phases,
+) -> f64 {
     let m = &spec.model;
     let (t, h, a, f_l) = (g.t, g.h, g.a, g.f_l);
     let mut f = 0.0;
@@ -549,7 +557,7 @@ fn mlp_block(g: &Geo, spec: &ModelSpec, layout: &Layout, moe: bool, ph: &mut Pha
     f + comm_f
 }
 
-fn layer_cost(g: &Geo, spec: &ModelSpec, layout: &Layout, moe: bool) -> LayerCost {
+fn layer_cost(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout, moe: bool) -> LayerCost {
     let m = &spec.model;
     let mut ph = Phases::default();
     let (attn_fwd, attention) = attention_block(g, m.arch, &mut ph);
@@ -589,7 +597,7 @@ fn layer_cost(g: &Geo, spec: &ModelSpec, layout: &Layout, moe: bool) -> LayerCos
 /// Parameter counts on one rank of a stage: (dense, expert).
 fn stage_params(
     spec: &ModelSpec,
-    layout: &Layout,
+    layout: &ParallelLayout,
     layers: &[u64],
     first: bool,
     last: bool,
@@ -659,7 +667,7 @@ fn stage_tensors(spec: &ModelSpec, layers: usize, first: bool, last: bool) -> f6
 
 /// Predict step time, throughput, MFU, bubble and memory of `layout` for `spec` on the
 /// cluster of `cost` (which must hold at least `layout.world()` GPUs).
-pub fn estimate(spec: &ModelSpec, layout: &Layout, cost: &CostModel) -> Estimate {
+pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> Estimate {
     let m = &spec.model;
     let cl = &cost.cluster;
     let gpn = cl.gpus_per_node;
@@ -1061,7 +1069,7 @@ pub fn overlapped_param_gather(total: f64, forward: f64, chunks: u64, group: u64
 
 /// Micro-batches whose activations stage `i` holds at once (in units of one micro-batch's
 /// activations of the whole stage).
-pub fn inflight(layout: &Layout, microbatches: u64, i: u64) -> f64 {
+pub fn inflight(layout: &ParallelLayout, microbatches: u64, i: u64) -> f64 {
     let p = layout.pp.max(1);
     let m = microbatches.max(1);
     let v = layout.vpp.max(1);

@@ -13,13 +13,13 @@ use megac_ir::spec::{ModelSpec, Recompute, Schedule};
 use crate::cluster::{Cluster, GIB};
 use crate::cost::CostModel;
 use crate::error::SimError;
-use crate::model::{estimate, Estimate, Layout};
+use crate::model::{estimate, Estimate, ParallelLayout};
 
 /// One ranked layout.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
     /// The layout.
-    pub layout: Layout,
+    pub layout: ParallelLayout,
     /// Its prediction.
     pub estimate: Estimate,
 }
@@ -47,7 +47,7 @@ pub struct SearchResult {
 /// instead of model.toml's `[cluster]`). Only choices that cannot change a run are left out:
 /// sequence parallelism without tp, other schedules without a pipeline, the distributed
 /// optimizer without dp.
-pub fn enumerate(spec: &ModelSpec, gpus: u64) -> Vec<Layout> {
+pub fn enumerate(spec: &ModelSpec, gpus: u64) -> Vec<ParallelLayout> {
     let m = &spec.model;
     let gb = spec.train.global_batch;
     let mut out = Vec::new();
@@ -91,7 +91,7 @@ pub fn enumerate(spec: &ModelSpec, gpus: u64) -> Vec<Layout> {
                                         [Recompute::None, Recompute::Selective, Recompute::Full]
                                     {
                                         for &distributed_optimizer in dists {
-                                            let layout = Layout {
+                                            let layout = ParallelLayout {
                                                 tp,
                                                 pp,
                                                 vpp,
@@ -212,7 +212,7 @@ fn float(x: f64) -> String {
 /// `megac plan --emit` writes it; `header` lines become comments at the top.
 pub fn emit_model_toml(
     spec: &ModelSpec,
-    layout: &Layout,
+    layout: &ParallelLayout,
     cluster: &Cluster,
     header: &[String],
 ) -> String {

@@ -3,12 +3,12 @@
 use megac_ir::flops::step_flops_at_tp;
 use megac_ir::spec::{Recompute, Schedule};
 use megac_sim::calibrate::MEGATRON_H100;
-use megac_sim::model::{estimate, inflight, Layout};
+use megac_sim::model::{estimate, inflight, ParallelLayout};
 use megac_sim::search::{enumerate, search};
 use megac_sim::{Cluster, CostModel};
 
-fn layout(pp: u64, vpp: u64, dp: u64, schedule: Schedule) -> Layout {
-    Layout {
+fn layout(pp: u64, vpp: u64, dp: u64, schedule: Schedule) -> ParallelLayout {
+    ParallelLayout {
         tp: 8,
         pp,
         vpp,
@@ -101,7 +101,7 @@ fn memory_responds_to_the_layout() {
     let e = estimate(&spec, &base, &cost);
     let no_dist = estimate(
         &spec,
-        &Layout {
+        &ParallelLayout {
             distributed_optimizer: false,
             ..base.clone()
         },
@@ -110,7 +110,7 @@ fn memory_responds_to_the_layout() {
     assert!(no_dist.memory.optimizer > 40.0 * e.memory.optimizer);
     let full = estimate(
         &spec,
-        &Layout {
+        &ParallelLayout {
             recompute: Recompute::Full,
             ..base.clone()
         },
@@ -120,7 +120,7 @@ fn memory_responds_to_the_layout() {
     assert!(full.step_seconds > e.step_seconds);
     let no_sp = estimate(
         &spec,
-        &Layout {
+        &ParallelLayout {
             sequence_parallel: false,
             ..base.clone()
         },
