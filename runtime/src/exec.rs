@@ -1006,13 +1006,11 @@ fn run_kernel(
             // the token statistics are summed over it (as Megatron does over tp·cp); each
             // rank reports its tokens' share of the loss, and the gradient of the whole
             // micro-batch's loss reaches every rank's tokens.
-            let cp_split = mem
-                .buffer(ins[0])
-                .layout
-                .get(1)
-                .is_some_and(|a| a.contains(&megac_ir::Axis::Cp));
-            if cp_split {
-                let members = group(&[megac_ir::Axis::Cp], comm.rank());
+            let split = op
+                .implicit_collective()
+                .filter(|c| c.applies(&mem.buffer(ins[c.operand]).layout));
+            if let Some(c) = split {
+                let members = group(&[c.axis], comm.rank());
                 let (logits, idx) = (mem.f32(ins[0]), mem.i32(ins[1]));
                 let mut stats = k::moe::moe_aux_stats(logits, t, e, top_k, idx);
                 comm.all_reduce_sum_f64(&members, stats.as_mut_slice())?;
