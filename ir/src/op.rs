@@ -329,6 +329,39 @@ pub const OP_NAMES: &[&str] = &[
     "all_to_all",
 ];
 
+/// How many buffers a kernel instruction of an op reads and writes in a plan (`adamw` also
+/// writes its two moments there, so its outputs differ from the graph op's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arity {
+    /// The fewest inputs.
+    pub min_inputs: usize,
+    /// The most inputs (`usize::MAX`: any number).
+    pub max_inputs: usize,
+    /// The outputs, for the number of inputs the arity was asked for.
+    pub outputs: usize,
+}
+
+impl Arity {
+    /// Exactly `inputs` inputs and `outputs` outputs.
+    const fn exactly(inputs: usize, outputs: usize) -> Arity {
+        Arity {
+            min_inputs: inputs,
+            max_inputs: inputs,
+            outputs,
+        }
+    }
+
+    /// Whether an instruction with these operand counts fits.
+    pub fn accepts(&self, inputs: usize, outputs: usize) -> bool {
+        (self.min_inputs..=self.max_inputs).contains(&inputs) && outputs == self.outputs
+    }
+
+    /// The input count the op takes nearest to `inputs` (what an error message names).
+    pub fn inputs_near(&self, inputs: usize) -> usize {
+        inputs.clamp(self.min_inputs, self.max_inputs)
+    }
+}
+
 /// Which dim of an operand a kernel's implicit collective follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SplitDim {
@@ -492,6 +525,84 @@ impl OpKind {
     /// contributions.
     pub fn accumulates(&self) -> bool {
         self.is_backward()
+    }
+
+    /// The operand counts of this op's kernel instruction when it has `inputs` inputs (the
+    /// variadic ops: `concat` and `grad_norm` take any number, `grad_sum` one or two,
+    /// `linear` an optional bias, `combine` one expert output per expert, `combine_grad` one
+    /// expert gradient out per expert output in).
+    pub fn kernel_arity(&self, inputs: usize) -> Arity {
+        match self {
+            OpKind::Concat | OpKind::GradNorm { .. } => Arity {
+                min_inputs: 0,
+                max_inputs: usize::MAX,
+                outputs: 1,
+            },
+            OpKind::GradSum => Arity {
+                min_inputs: 1,
+                max_inputs: 2,
+                outputs: 1,
+            },
+            OpKind::Linear { .. } => Arity {
+                min_inputs: 2,
+                max_inputs: 3,
+                outputs: 1,
+            },
+            OpKind::Combine => Arity {
+                min_inputs: 3,
+                max_inputs: usize::MAX,
+                outputs: 1,
+            },
+            // (weights, indices, y_0, .., y_{E-1}, dout) -> (dweights, dy_0, .., dy_{E-1})
+            OpKind::CombineGrad => Arity {
+                min_inputs: 4,
+                max_inputs: usize::MAX,
+                outputs: inputs.max(4) - 2,
+            },
+            OpKind::Split { n } => Arity::exactly(1, *n as usize),
+            OpKind::AttentionGrad => Arity::exactly(6, 3),
+            OpKind::CombineExpertsGrad => Arity::exactly(4, 2),
+            OpKind::LayerNormGrad { .. } | OpKind::AdamW { .. } => Arity::exactly(3, 3),
+            OpKind::CausalAttention => Arity::exactly(3, 2),
+            OpKind::RmsNormGrad { .. } | OpKind::SwiGluGrad => Arity::exactly(3, 2),
+            OpKind::LayerNorm { .. } | OpKind::EmbeddingGrad | OpKind::CombineExperts => {
+                Arity::exactly(3, 1)
+            }
+            OpKind::DispatchExperts { .. } => Arity::exactly(2, 2),
+            OpKind::Router { .. } => Arity::exactly(1, 2),
+            OpKind::Embedding
+            | OpKind::PosEmbedding
+            | OpKind::RmsNorm { .. }
+            | OpKind::Add
+            | OpKind::BiasAdd
+            | OpKind::SwiGlu
+            | OpKind::CrossEntropy
+            | OpKind::PosEmbeddingGrad
+            | OpKind::LinearGradInput { .. }
+            | OpKind::LinearGradWeight { .. }
+            | OpKind::GeluTanhGrad
+            | OpKind::CrossEntropyGrad
+            | OpKind::RouterGrad { .. }
+            | OpKind::MoeAuxLoss { .. }
+            | OpKind::MoeAuxLossGrad { .. }
+            | OpKind::Dispatch { .. }
+            | OpKind::DispatchGrad { .. }
+            | OpKind::DispatchExpertsGrad
+            | OpKind::AllToAll { .. } => Arity::exactly(2, 1),
+            OpKind::SplitHeads { .. }
+            | OpKind::MergeHeads
+            | OpKind::Rope { .. }
+            | OpKind::RopeGrad { .. }
+            | OpKind::Cast { .. }
+            | OpKind::RepeatKv { .. }
+            | OpKind::RepeatKvGrad { .. }
+            | OpKind::GeluTanh
+            | OpKind::BiasGrad
+            | OpKind::AllReduce { .. }
+            | OpKind::AllGather { .. }
+            | OpKind::Slice { .. }
+            | OpKind::ReduceScatter { .. } => Arity::exactly(1, 1),
+        }
     }
 
     /// Whether the op is a view of its operand's storage (no copy, never an instruction):
@@ -849,6 +960,102 @@ mod tests {
             assert_eq!(op.is_backward(), backward, "{}", op.name());
             assert_eq!(op.accumulates(), backward, "{}", op.name());
         }
+    }
+
+    /// The kernel arity of each op in a plan with a fixed count: (name, inputs, outputs);
+    /// `split` has `n = 1` output as `every_op` parses it.
+    const FIXED_ARITY: &[(&str, usize, usize)] = &[
+        ("embedding", 2, 1),
+        ("pos_embedding", 2, 1),
+        ("rms_norm", 2, 1),
+        ("layer_norm", 3, 1),
+        ("split_heads", 1, 1),
+        ("merge_heads", 1, 1),
+        ("split", 1, 1),
+        ("rope", 1, 1),
+        ("causal_attention", 3, 2),
+        ("cast", 1, 1),
+        ("add", 2, 1),
+        ("swiglu", 2, 1),
+        ("gelu_tanh", 1, 1),
+        ("cross_entropy", 2, 1),
+        ("router", 1, 2),
+        ("moe_aux_loss", 2, 1),
+        ("dispatch", 2, 1),
+        ("dispatch_experts", 2, 2),
+        ("combine_experts", 3, 1),
+        ("embedding_grad", 3, 1),
+        ("pos_embedding_grad", 2, 1),
+        ("linear_grad_input", 2, 1),
+        ("linear_grad_weight", 2, 1),
+        ("bias_grad", 1, 1),
+        ("rms_norm_grad", 3, 2),
+        ("layer_norm_grad", 3, 3),
+        ("rope_grad", 1, 1),
+        ("attention_grad", 6, 3),
+        ("swiglu_grad", 3, 2),
+        ("gelu_tanh_grad", 2, 1),
+        ("cross_entropy_grad", 2, 1),
+        ("router_grad", 2, 1),
+        ("moe_aux_loss_grad", 2, 1),
+        ("dispatch_grad", 2, 1),
+        ("dispatch_experts_grad", 2, 1),
+        ("combine_experts_grad", 4, 2),
+        ("adamw", 3, 3),
+        ("repeat_kv", 1, 1),
+        ("repeat_kv_grad", 1, 1),
+        ("bias_add", 2, 1),
+        ("all_reduce", 1, 1),
+        ("all_gather", 1, 1),
+        ("slice", 1, 1),
+        ("reduce_scatter", 1, 1),
+        ("all_to_all", 2, 1),
+    ];
+
+    /// The ops whose input count varies.
+    const VARIADIC: &[&str] = &[
+        "linear",
+        "concat",
+        "grad_sum",
+        "combine",
+        "combine_grad",
+        "grad_norm",
+    ];
+
+    #[test]
+    fn kernel_arity_matches_the_table() {
+        for op in every_op() {
+            let a = op.kernel_arity(0);
+            let fixed = FIXED_ARITY.iter().find(|(n, ..)| *n == op.name());
+            assert_ne!(
+                fixed.is_some(),
+                VARIADIC.contains(&op.name()),
+                "{}",
+                op.name()
+            );
+            match fixed {
+                Some(&(_, i, o)) => {
+                    assert_eq!(a, Arity::exactly(i, o), "{}", op.name());
+                    assert!(a.accepts(i, o) && !a.accepts(i + 1, o) && !a.accepts(i, o + 1));
+                }
+                None => assert!(a.max_inputs > a.min_inputs, "{}", op.name()),
+            }
+        }
+        let linear = OpKind::Linear {
+            weight: WeightLayout::OutIn,
+        };
+        assert!(linear.kernel_arity(3).accepts(3, 1));
+        assert!(!linear.kernel_arity(4).accepts(4, 1));
+        assert_eq!(linear.kernel_arity(7).inputs_near(7), 3);
+        assert!(OpKind::GradSum.kernel_arity(1).accepts(1, 1));
+        assert!(!OpKind::GradSum.kernel_arity(3).accepts(3, 1));
+        assert!(OpKind::Concat.kernel_arity(5).accepts(5, 1));
+        // Two experts: (weights, indices, y0, y1, dout) -> (dweights, dy0, dy1).
+        assert!(OpKind::CombineGrad.kernel_arity(5).accepts(5, 3));
+        assert!(!OpKind::CombineGrad.kernel_arity(5).accepts(5, 2));
+        assert!(!OpKind::CombineGrad.kernel_arity(3).accepts(3, 1));
+        assert!(OpKind::Combine.kernel_arity(4).accepts(4, 1));
+        assert!(!OpKind::Combine.kernel_arity(2).accepts(2, 1));
     }
 
     #[test]
