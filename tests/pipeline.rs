@@ -170,11 +170,7 @@ fn recompute_rewires_backward_uses_to_clones() {
             let module = run_pipeline(load(file, &[&set]), Some("recompute"), true).unwrap();
             let g = module.graph.unwrap();
             assert_eq!(parse_graph(&print_graph(&g)).unwrap(), g);
-            let start = g
-                .ops
-                .iter()
-                .position(|op| op.kind.name().ends_with("_grad"))
-                .unwrap();
+            let start = g.ops.iter().position(|op| op.kind.is_backward()).unwrap();
             let clones = g.ops[..start]
                 .iter()
                 .filter(|op| op.path.ends_with("(recompute)"))
@@ -266,11 +262,7 @@ fn tensor_parallel_collectives_per_layer() {
     for file in ["llama-tiny.toml", "gpt-tiny.toml"] {
         let module = run_pipeline(load(file, &["parallel.tp=2"]), Some("shard"), true).unwrap();
         let g = module.graph.as_ref().unwrap();
-        let backward_start = g
-            .ops
-            .iter()
-            .position(|op| op.kind.name().contains("_grad"))
-            .unwrap();
+        let backward_start = g.ops.iter().position(|op| op.kind.is_backward()).unwrap();
         let tp_reduce = |op: &megac_ir::Op| matches!(&op.kind, OpKind::AllReduce { axes } if axes == &[megac_ir::Axis::Tp]);
         let gathers = g
             .ops
@@ -311,11 +303,7 @@ fn sequence_parallel_collectives_per_layer() {
     let sets = ["parallel.tp=2", "parallel.sequence_parallel=true"];
     let module = run_pipeline(load("llama-tiny.toml", &sets), Some("shard"), true).unwrap();
     let g = module.graph.as_ref().unwrap();
-    let backward_start = g
-        .ops
-        .iter()
-        .position(|op| op.kind.name().contains("_grad"))
-        .unwrap();
+    let backward_start = g.ops.iter().position(|op| op.kind.is_backward()).unwrap();
     let tally = |ops: &[megac_ir::Op], layer: &str| {
         let mut counts = (0, 0, 0);
         for op in ops.iter().filter(|op| layer_of(&op.path) == Some(layer)) {
@@ -370,11 +358,7 @@ fn expert_parallel_collectives_per_layer() {
     let g = module.graph.as_ref().unwrap();
     let text = module.dump();
     assert_eq!(parse_graph(&text).unwrap(), *g);
-    let backward_start = g
-        .ops
-        .iter()
-        .position(|op| op.kind.name().contains("_grad"))
-        .unwrap();
+    let backward_start = g.ops.iter().position(|op| op.kind.is_backward()).unwrap();
     for layer in ["model.layers.0", "model.layers.1"] {
         let a2a = |ops: &[megac_ir::Op]| -> Vec<(u64, u64)> {
             ops.iter()
@@ -461,11 +445,7 @@ fn expert_tensor_parallel_collectives_per_layer() {
         let module = run_pipeline(spec, Some("shard"), true).unwrap();
         let g = module.graph.as_ref().unwrap();
         assert_eq!(parse_graph(&module.dump()).unwrap(), *g);
-        let backward_start = g
-            .ops
-            .iter()
-            .position(|op| op.kind.name().contains("_grad"))
-            .unwrap();
+        let backward_start = g.ops.iter().position(|op| op.kind.is_backward()).unwrap();
         for layer in ["model.layers.0", "model.layers.1"] {
             let f = tally(&g.ops[..backward_start], layer);
             let b = tally(&g.ops[backward_start..], layer);

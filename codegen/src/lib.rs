@@ -40,11 +40,6 @@ pub enum CodegenError {
     },
 }
 
-/// Whether the kernel for `op` accumulates into its outputs (gradient kernels do).
-pub fn accumulates(op: &OpKind) -> bool {
-    op.name().contains("_grad") || matches!(op, OpKind::GradSum)
-}
-
 /// Emit the plan of `graph` (the pipeline's output) for `spec`.
 pub fn emit_plan(
     spec: &ModelSpec,
@@ -427,7 +422,7 @@ impl<'a> Emitter<'a> {
                 _ => false,
             };
             // Views share their operand's storage and need no instruction.
-            if matches!(op.kind, OpKind::SplitHeads { .. } | OpKind::MergeHeads) {
+            if op.kind.is_view() {
                 let src = ins[0];
                 let out = op.outputs[0];
                 let shape = self.local_shape(out);
@@ -474,7 +469,7 @@ impl<'a> Emitter<'a> {
             } else {
                 &mut self.microbatch
             };
-            if accumulates(&op.kind) {
+            if op.kind.accumulates() {
                 for &o in &outs {
                     if self.buffers[o as usize].class == BufferClass::Activation {
                         program.push(Instr::Zero { buffer: o });

@@ -219,7 +219,7 @@ fn place_instructions(e: &Emitter, program: &[Instr], geo: &Geometry) -> Vec<(u3
     let nc = geo.nc;
     let first_backward = program
         .iter()
-        .position(|i| matches!(i, Instr::Kernel { op, .. } if crate::accumulates(op)))
+        .position(|i| matches!(i, Instr::Kernel { op, .. } if op.accumulates()))
         .unwrap_or(program.len());
     let mut place: Vec<(u32, Phase)> = vec![(0, Phase::F); program.len()];
     for i in (0..program.len()).rev() {

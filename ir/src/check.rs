@@ -955,11 +955,13 @@ fn communication(
             .get(b as usize)
             .ok_or_else(|| format!("`{}` reads buffer {b}, which does not exist", op.name()))
     };
-    let split_over = |b: u32, dim: usize, axis: Axis| -> Result<bool, String> {
-        Ok(buffer(b)?
-            .layout
-            .get(dim)
-            .is_some_and(|a| a.contains(&axis)))
+    // The axis of the kernel's implicit collective, when its operand is split so that it
+    // makes one.
+    let implicit = || -> Result<Option<Axis>, String> {
+        match op.implicit_collective() {
+            Some(c) if c.applies(&buffer(input(c.operand)?)?.layout) => Ok(Some(c.axis)),
+            _ => Ok(None),
+        }
     };
     Ok(match op {
         OpKind::AllReduce { axes }
@@ -984,11 +986,11 @@ fn communication(
         ],
         // MoE under context parallelism sums the load-balancing statistics over cp.
         OpKind::MoeAuxLoss { .. } | OpKind::MoeAuxLossGrad { .. } => {
-            if split_over(input(0)?, 1, Axis::Cp)? {
+            if let Some(axis) = implicit()? {
                 let logits = buffer(input(0)?)?;
                 let experts = logits.shape.last().copied().unwrap_or(0);
                 vec![(
-                    vec![Axis::Cp],
+                    vec![axis],
                     format!("{} (context-parallel statistics)", op.name()),
                     2 * experts + 1,
                 )]
@@ -998,26 +1000,17 @@ fn communication(
         }
         OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
             let logits = buffer(input(0)?)?;
-            let last = logits.shape.len().saturating_sub(1);
-            if split_over(input(0)?, last, Axis::Tp)? {
+            if let Some(axis) = implicit()? {
                 let rows = logits.len() / logits.shape.last().copied().unwrap_or(1).max(1);
-                vec![(
-                    vec![Axis::Tp],
-                    format!("{} (vocab-parallel)", op.name()),
-                    rows,
-                )]
+                vec![(vec![axis], format!("{} (vocab-parallel)", op.name()), rows)]
             } else {
                 Vec::new()
             }
         }
         OpKind::CausalAttention | OpKind::AttentionGrad => {
-            if split_over(input(0)?, 1, Axis::Cp)? {
+            if let Some(axis) = implicit()? {
                 let kv = buffer(input(1)?)?.len();
-                vec![(
-                    vec![Axis::Cp],
-                    format!("{} (context-parallel)", op.name()),
-                    kv,
-                )]
+                vec![(vec![axis], format!("{} (context-parallel)", op.name()), kv)]
             } else {
                 Vec::new()
             }

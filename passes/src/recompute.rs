@@ -32,17 +32,12 @@ pub fn layer_of(path: &str) -> Option<&str> {
     None
 }
 
-/// Whether `kind` only appears in backward graphs.
-fn is_gradient_op(kind: &OpKind) -> bool {
-    kind.name().contains("_grad") || matches!(kind, OpKind::GradSum)
-}
-
 /// Rewrite `g` for `policy`.
 pub fn recompute(g: &mut Graph, policy: Recompute) -> Result<(), PassError> {
     if policy == Recompute::None {
         return Ok(());
     }
-    let Some(backward_start) = g.ops.iter().position(|op| is_gradient_op(&op.kind)) else {
+    let Some(backward_start) = g.ops.iter().position(|op| op.kind.is_backward()) else {
         return Err(PassError::Autodiff(
             "recompute needs a differentiated graph: run autodiff first".into(),
         ));

@@ -180,16 +180,12 @@ enum Phase {
     WeightGrad,
 }
 
-fn is_gradient_op(op: &OpKind) -> bool {
-    op.name().contains("_grad") || matches!(op, OpKind::GradSum)
-}
-
 /// Index of the first backward instruction of a micro-batch program (a gradient kernel or
 /// the `zero` right before one).
 fn backward_start(program: &[Instr]) -> usize {
     let first_grad = program
         .iter()
-        .position(|i| matches!(i, Instr::Kernel { op, .. } if is_gradient_op(op)))
+        .position(|i| matches!(i, Instr::Kernel { op, .. } if op.is_backward()))
         .unwrap_or(program.len());
     let mut s = first_grad;
     while s > 0 && matches!(program[s - 1], Instr::Zero { .. }) {
@@ -320,7 +316,7 @@ impl<'a> Ctx<'a> {
             }
         };
         let t = match op {
-            OpKind::SplitHeads { .. } | OpKind::MergeHeads => return Ok(Work::Nothing),
+            _ if op.is_view() => return Ok(Work::Nothing),
             OpKind::Linear { .. } => {
                 need(2, 1)?;
                 let (x, y) = (ins[0], outs[0]);
@@ -362,9 +358,9 @@ impl<'a> Ctx<'a> {
                     _ => (1.0, rows(q), 1.0, last_dim(q)),
                 };
                 // A sequence sharded over cp attends to the keys of every cp rank.
-                let cp = q.layout.get(1).is_some_and(|a| a.contains(&Axis::Cp));
-                let group = if cp {
-                    self.group(&[Axis::Cp])
+                let split = op.implicit_collective().filter(|c| c.applies(&q.layout));
+                let group = if let Some(c) = split {
+                    self.group(&[c.axis])
                 } else {
                     Group {
                         size: 1,

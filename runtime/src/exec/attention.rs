@@ -1,0 +1,261 @@
+//! Attention kernels: RoPE, causal attention (ring or all-gather of K/V under context
+//! parallelism), `repeat_kv`, and their backward ops.
+
+use super::*;
+
+/// Run one of this family's kernels (`run_kernel` routes only these ops here and has checked
+/// their arity).
+pub(super) fn run(
+    op: &OpKind,
+    ins: &[BufId],
+    outs: &[BufId],
+    env: &Env,
+    comm: &mut dyn Communicator,
+) -> Result<(), RuntimeError> {
+    let (mem, mesh) = (env.mem, env.mesh);
+    match op {
+        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+            let [b, s, nh, d] = dims4(op, mem, ins[0])?;
+            let fwd = matches!(op, OpKind::Rope { .. });
+            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None if fwd => k::rope_fwd(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    mem.f32_mut(outs[0]),
+                ),
+                None => k::rope_bwd(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    mem.f32_mut(outs[0]),
+                ),
+                // Context parallelism: the local tokens sit at their chunks' global positions.
+                Some(pos) if fwd => k::context::rope_fwd_positions(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    &pos.local,
+                    mem.f32_mut(outs[0]),
+                ),
+                Some(pos) => k::context::rope_bwd_positions(
+                    mem.f32(ins[0]),
+                    b,
+                    s,
+                    nh,
+                    d,
+                    *theta as f32,
+                    &pos.local,
+                    mem.f32_mut(outs[0]),
+                ),
+            }
+        }
+        OpKind::CausalAttention => {
+            let [b, s, nh, d] = dims4(op, mem, ins[0])?;
+            let nkv = dims4(op, mem, ins[1])?[2];
+            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None => k::attention_fwd(
+                    mem.f32(ins[0]),
+                    mem.f32(ins[1]),
+                    mem.f32(ins[2]),
+                    b,
+                    s,
+                    nh,
+                    nkv,
+                    d,
+                    mem.f32_mut(outs[0]),
+                    mem.f32_mut(outs[1]),
+                ),
+                Some(pos) if env.cp_comm == megac_ir::spec::CpComm::AllGather => {
+                    // Context parallelism, all-gather variant: every rank gathers the
+                    // sequence's keys and values and attends its local queries by global
+                    // position.
+                    let block = s * nkv * d;
+                    let kk = gather_seq(comm, &pos.group, mem.f32(ins[1]), b, block)?;
+                    let vv = gather_seq(comm, &pos.group, mem.f32(ins[2]), b, block)?;
+                    k::context::attention_block_fwd(
+                        mem.f32(ins[0]),
+                        &kk,
+                        &vv,
+                        &pos.local,
+                        &pos.all,
+                        b,
+                        s,
+                        s * pos.group.len(),
+                        nh,
+                        nkv,
+                        d,
+                        mem.f32_mut(outs[0]),
+                        mem.f32_mut(outs[1]),
+                    );
+                }
+                Some(pos) => {
+                    // Ring variant: each rank's K/V block travels around the cp ring; every
+                    // rank attends its queries to each block as it passes and merges the
+                    // partial results by log-sum-exp.
+                    let n = pos.group.len();
+                    let me = pos.me;
+                    let mut kb = mem.f32(ins[1]).to_vec();
+                    let mut vb = mem.f32(ins[2]).to_vec();
+                    let (out, lse) = (mem.f32_mut(outs[0]), mem.f32_mut(outs[1]));
+                    let q = mem.f32(ins[0]);
+                    let mut part_out = vec![0f32; out.len()];
+                    let mut part_lse = vec![0f32; lse.len()];
+                    for step in 0..n {
+                        let owner = (me + n - step) % n;
+                        let k_pos = &pos.all[owner * s..(owner + 1) * s];
+                        if step == 0 {
+                            k::context::attention_block_fwd(
+                                q, &kb, &vb, &pos.local, k_pos, b, s, s, nh, nkv, d, out, lse,
+                            );
+                        } else {
+                            k::context::attention_block_fwd(
+                                q,
+                                &kb,
+                                &vb,
+                                &pos.local,
+                                k_pos,
+                                b,
+                                s,
+                                s,
+                                nh,
+                                nkv,
+                                d,
+                                &mut part_out,
+                                &mut part_lse,
+                            );
+                            k::context::attention_merge_into(
+                                out, lse, &part_out, &part_lse, b, s, nh, d,
+                            );
+                        }
+                        if step + 1 < n {
+                            ring_pass(comm, &pos.group, me, &mut [&mut kb, &mut vb])?;
+                        }
+                    }
+                }
+            }
+        }
+        OpKind::RepeatKv { n } | OpKind::RepeatKvGrad { n } => {
+            let n = *n as usize;
+            let d = last(mem, ins[0]);
+            let (x, y) = (mem.f32(ins[0]), mem.f32_mut(outs[0]));
+            if matches!(op, OpKind::RepeatKv { .. }) {
+                // Each kv head's row of d values is written n times in a row.
+                for (src, dst) in x.chunks_exact(d).zip(y.chunks_exact_mut(d * n)) {
+                    for rep in dst.chunks_exact_mut(d) {
+                        rep.copy_from_slice(src);
+                    }
+                }
+            } else {
+                for (src, dst) in x.chunks_exact(d * n).zip(y.chunks_exact_mut(d)) {
+                    for rep in src.chunks_exact(d) {
+                        k::accumulate(dst, rep);
+                    }
+                }
+            }
+        }
+        OpKind::AttentionGrad => {
+            let [b, s, nh, d] = dims4(op, mem, ins[0])?;
+            let nkv = dims4(op, mem, ins[1])?[2];
+            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None => k::attention_bwd(
+                    mem.f32(ins[0]),
+                    mem.f32(ins[1]),
+                    mem.f32(ins[2]),
+                    mem.f32(ins[3]),
+                    mem.f32(ins[4]),
+                    mem.f32(ins[5]),
+                    b,
+                    s,
+                    nh,
+                    nkv,
+                    d,
+                    mem.f32_mut(outs[0]),
+                    mem.f32_mut(outs[1]),
+                    mem.f32_mut(outs[2]),
+                ),
+                Some(pos) if env.cp_comm == megac_ir::spec::CpComm::AllGather => {
+                    // Gather K and V again, accumulate their gradients for the whole
+                    // sequence, and send each rank the sum for its own chunks.
+                    let n = pos.group.len();
+                    let block = s * nkv * d;
+                    let kk = gather_seq(comm, &pos.group, mem.f32(ins[1]), b, block)?;
+                    let vv = gather_seq(comm, &pos.group, mem.f32(ins[2]), b, block)?;
+                    let mut dk_all = vec![0f32; kk.len()];
+                    let mut dv_all = vec![0f32; vv.len()];
+                    k::context::attention_block_bwd(
+                        mem.f32(ins[0]),
+                        &kk,
+                        &vv,
+                        mem.f32(ins[3]),
+                        mem.f32(ins[4]),
+                        mem.f32(ins[5]),
+                        &pos.local,
+                        &pos.all,
+                        b,
+                        s,
+                        s * n,
+                        nh,
+                        nkv,
+                        d,
+                        mem.f32_mut(outs[0]),
+                        &mut dk_all,
+                        &mut dv_all,
+                    );
+                    for (all, out) in [(dk_all, outs[1]), (dv_all, outs[2])] {
+                        let mut member_major = vec![0f32; all.len()];
+                        gather_member_major(&all, &mut member_major, n, b, block);
+                        let mut mine = vec![0f32; b * block];
+                        comm.reduce_scatter_sum(&pos.group, &member_major, &mut mine)?;
+                        k::accumulate(mem.f32_mut(out), &mine);
+                    }
+                }
+                Some(pos) => {
+                    // Ring variant: K, V and their gradient accumulators travel together; each
+                    // rank adds its queries' share for every block (with the final lse), and
+                    // after a full turn every accumulator is back with its block's owner.
+                    let n = pos.group.len();
+                    let me = pos.me;
+                    let mut kb = mem.f32(ins[1]).to_vec();
+                    let mut vb = mem.f32(ins[2]).to_vec();
+                    let mut dkb = vec![0f32; kb.len()];
+                    let mut dvb = vec![0f32; vb.len()];
+                    let (q, out, lse, dout) = (
+                        mem.f32(ins[0]),
+                        mem.f32(ins[3]),
+                        mem.f32(ins[4]),
+                        mem.f32(ins[5]),
+                    );
+                    let dq = mem.f32_mut(outs[0]);
+                    for step in 0..n {
+                        let owner = (me + n - step) % n;
+                        let k_pos = &pos.all[owner * s..(owner + 1) * s];
+                        k::context::attention_block_bwd(
+                            q, &kb, &vb, out, lse, dout, &pos.local, k_pos, b, s, s, nh, nkv, d,
+                            dq, &mut dkb, &mut dvb,
+                        );
+                        ring_pass(
+                            comm,
+                            &pos.group,
+                            me,
+                            &mut [&mut kb, &mut vb, &mut dkb, &mut dvb],
+                        )?;
+                    }
+                    k::accumulate(mem.f32_mut(outs[1]), &dkb);
+                    k::accumulate(mem.f32_mut(outs[2]), &dvb);
+                }
+            }
+        }
+        _ => unreachable!("run_kernel routes `{}` elsewhere", op.name()),
+    }
+    Ok(())
+}
