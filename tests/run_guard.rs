@@ -76,6 +76,28 @@ fn unwritable_output_paths_fail_before_compiling_or_training() {
             10,
         );
     }
+    // Folders still to be made are resolved as `mkdir -p` would make them: `missing/x/../..`
+    // is the folder they stand in, so this names a file inside `file.txt`.
+    let dotted = dir.path().join("missing/x/../../file.txt/x.safetensors");
+    let dotted_dir = dir.path().join("missing/x/../../file.txt");
+    fails_fast(
+        &[
+            "train",
+            "examples/llama-tiny.toml",
+            "--save-params",
+            s(&dotted),
+        ],
+        &format!(
+            "error: --save-params {}: cannot create the folder {}: {file_s} is a file",
+            s(&dotted),
+            s(&dotted_dir)
+        ),
+        10,
+    );
+    assert!(
+        !dir.path().join("missing").exists(),
+        "the check made a folder"
+    );
     fails_fast(
         &[
             "train",

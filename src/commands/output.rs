@@ -8,7 +8,7 @@
 //! behind; the writers create the missing folders (`mkdir -p`) when they write.
 
 use std::fs::OpenOptions;
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Check that the file `path` (given with `flag`, e.g. `--save-params`) can be written:
@@ -46,12 +46,10 @@ pub fn check_dir(flag: &str, dir: &Path) -> Result<(), String> {
 /// ancestor with a file that is removed again.
 fn writable_dir(flag: &str, arg: &Path, dir: &Path) -> Result<(), String> {
     let fail = |what: String| format!("error: {flag} {}: {what}", arg.display());
-    // The nearest part of `dir` that exists (`.` for a relative path none of which exists).
-    let existing = dir
-        .ancestors()
-        .find(|a| a.as_os_str().is_empty() || a.exists())
-        .filter(|a| !a.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    // The nearest part of `dir` that exists, once the folders still to be made are resolved
+    // (`nodir/x/../../f` is `./f`: the `..`s cancel folders that `mkdir -p` would make).
+    let resolved = resolve_missing(dir);
+    let existing = nearest_existing(&resolved);
     if !existing.is_dir() {
         return Err(fail(format!(
             "cannot create the folder {}: {} is a file",
@@ -82,4 +80,38 @@ fn writable_dir(flag: &str, arg: &Path, dir: &Path) -> Result<(), String> {
 /// made, a temporary file is renamed into place), with the CLI's error line.
 pub fn write_file(path: &Path, text: &str) -> Result<(), String> {
     megac_ir::file::write_atomic(path, text).map_err(|e| format!("error: {}: {e}", path.display()))
+}
+
+/// The nearest part of `dir` that exists (`.` for a relative path none of which exists).
+fn nearest_existing(dir: &Path) -> PathBuf {
+    dir.ancestors()
+        .find(|a| a.as_os_str().is_empty() || a.exists())
+        .filter(|a| !a.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_path_buf()
+}
+
+/// `dir` with its part below the nearest existing folder applied lexically: a folder that does
+/// not exist yet has no symbolic links, so `missing/..` is the folder it stands in, as it will
+/// be once `mkdir -p` has made it.
+fn resolve_missing(dir: &Path) -> PathBuf {
+    let base = nearest_existing(dir);
+    let rest = dir.strip_prefix(&base).unwrap_or(dir);
+    let mut out = base;
+    let mut made = 0usize; // components pushed onto `out` that do not exist yet
+    for c in rest.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir if made > 0 => {
+                out.pop();
+                made -= 1;
+            }
+            Component::ParentDir => out.push(".."),
+            other => {
+                out.push(other);
+                made += 1;
+            }
+        }
+    }
+    out
 }
