@@ -406,11 +406,7 @@ fn cases() -> Vec<(String, Vec<u8>)> {
         let layouts = megac_sim::search::enumerate(&spec, gpus);
         let mut text = String::new();
         for l in &layouts {
-            // The fingerprints predate the rename of `sim::Layout` to `ParallelLayout`; the
-            // type's name is not part of what the search enumerates.
-            let debug = format!("{l:?}");
-            let fields = debug.strip_prefix("ParallelLayout").unwrap_or(&debug);
-            writeln!(text, "Layout{fields}").unwrap();
+            writeln!(text, "{l:?}").unwrap();
         }
         out.push((format!("enumerate {file} gpus={gpus}"), text.into_bytes()));
         let mut text = String::new();
