@@ -321,11 +321,7 @@ impl<'p> Gate<'p> {
         {
             return Err(invalid(
                 format!("{at}.dtype"),
-                format!(
-                    "a {} buffer cannot be {}",
-                    class_name(b.class),
-                    b.dtype.as_str()
-                ),
+                format!("a {} buffer cannot be {}", b.class.name(), b.dtype.as_str()),
             ));
         }
         if let Some(s) = b.stage {
@@ -354,7 +350,7 @@ impl<'p> Gate<'p> {
                     format!("{at}.chunk"),
                     format!(
                         "only activations live in chunk slots, not {}",
-                        class_name(b.class)
+                        b.class.name()
                     ),
                 ));
             }
@@ -404,9 +400,9 @@ impl<'p> Gate<'p> {
                 format!(
                     "buffer {id} ({}) is {} {}, expected {} {}",
                     b.name,
-                    class_name(b.class),
+                    b.class.name(),
                     b.dtype.as_str(),
-                    class_name(class),
+                    class.name(),
                     dtype.as_str()
                 ),
             ));
@@ -836,7 +832,7 @@ impl<'p> Gate<'p> {
         }
         owned.sort_by_key(|&(b, _)| {
             let buf = &plan.buffers[b as usize];
-            (class_index(buf.class), bytes(buf).0, b)
+            (buf.class.index(), bytes(buf).0, b)
         });
         owned.dedup_by_key(|(b, _)| *b);
         for w in owned.windows(2) {
@@ -853,7 +849,7 @@ impl<'p> Gate<'p> {
                         x.name,
                         x.offset,
                         x.offset.saturating_add(x.len()),
-                        class_name(y.class),
+                        y.class.name(),
                         plan.roles[r].name
                     ),
                 ));
@@ -1052,7 +1048,7 @@ impl<'p> Gate<'p> {
                         arena,
                         format!(
                             "the {} arena of {arena} elements ({} bytes) of role {}",
-                            class_name(b.class),
+                            b.class.name(),
                             arena * b.dtype.size_bytes(),
                             plan.roles[r].name
                         ),
@@ -1101,7 +1097,7 @@ impl<'p> Gate<'p> {
                         format!(
                             "zero clears float buffers; buffer {buffer} ({}) is {} {}",
                             b.name,
-                            class_name(b.class),
+                            b.class.name(),
                             b.dtype.as_str()
                         ),
                     ));
@@ -1130,7 +1126,7 @@ impl<'p> Gate<'p> {
                         format!(
                             "transfers move float buffers; buffer {buffer} ({}) is {} {}",
                             b.name,
-                            class_name(b.class),
+                            b.class.name(),
                             b.dtype.as_str()
                         ),
                     ));
@@ -1183,7 +1179,7 @@ impl<'p> Gate<'p> {
                                     "`{}` reads token ids or labels from the data inputs; buffer {b} ({}) is {}",
                                     op.name(),
                                     buf.name,
-                                    class_name(buf.class)
+                                    buf.class.name()
                                 ),
                             ))
                         }
@@ -1229,7 +1225,7 @@ impl<'p> Gate<'p> {
                                     "buffer {o} ({}) overlaps input {j}, buffer {x} ({}), in the {} arena; `{}` does not work in place",
                                     buffers[o as usize].name,
                                     buffers[x as usize].name,
-                                    class_name(buffers[o as usize].class),
+                                    buffers[o as usize].class.name(),
                                     op.name()
                                 ),
                             ));
@@ -1524,24 +1520,4 @@ fn bytes(b: &Buffer) -> (u64, u64) {
         b.offset.saturating_mul(size),
         b.offset.saturating_add(b.len()).saturating_mul(size),
     )
-}
-
-fn class_index(c: BufferClass) -> usize {
-    match c {
-        BufferClass::Param => 0,
-        BufferClass::Grad => 1,
-        BufferClass::OptState => 2,
-        BufferClass::Activation => 3,
-        BufferClass::Input => 4,
-    }
-}
-
-pub(crate) fn class_name(c: BufferClass) -> &'static str {
-    match c {
-        BufferClass::Param => "param",
-        BufferClass::Grad => "grad",
-        BufferClass::OptState => "opt_state",
-        BufferClass::Activation => "activation",
-        BufferClass::Input => "input",
-    }
 }

@@ -141,6 +141,24 @@ pub enum BufferClass {
     Input,
 }
 
+impl BufferClass {
+    /// The class's arena index, `0..5` (per-class tables: sizes, needs).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The class's name as plan.json writes it (`param`, `opt_state`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferClass::Param => "param",
+            BufferClass::Grad => "grad",
+            BufferClass::OptState => "opt_state",
+            BufferClass::Activation => "activation",
+            BufferClass::Input => "input",
+        }
+    }
+}
+
 /// One buffer: where it lives and what shape it has.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Buffer {

@@ -28,7 +28,7 @@
 
 use std::fmt::Write;
 
-use crate::plan::{Buffer, BufferClass, ChunkProgram, Instr, MemoryPlan, PipeKind, Plan, Role};
+use crate::plan::{Buffer, ChunkProgram, Instr, MemoryPlan, PipeKind, Plan, Role};
 use crate::types::Axis;
 
 /// Columns beyond which the `# path` column is not aligned further (as in `print_graph`).
@@ -56,16 +56,6 @@ fn buf(id: u32) -> String {
 
 fn bufs(ids: &[u32]) -> String {
     ids.iter().map(|&b| buf(b)).collect::<Vec<_>>().join(", ")
-}
-
-fn class_name(class: BufferClass) -> &'static str {
-    match class {
-        BufferClass::Param => "param",
-        BufferClass::Grad => "grad",
-        BufferClass::OptState => "opt_state",
-        BufferClass::Activation => "activation",
-        BufferClass::Input => "input",
-    }
 }
 
 fn axes(axes: &[Axis]) -> String {
@@ -212,7 +202,7 @@ fn buffers(out: &mut String, buffers: &[Buffer]) {
         rows.push(vec![
             buf(i as u32),
             b.name.clone(),
-            class_name(b.class).to_string(),
+            b.class.name().to_string(),
             format!("{}[{}]", b.dtype.as_str(), shape(&b.shape)),
             offset,
             place.join(" "),

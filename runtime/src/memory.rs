@@ -121,7 +121,7 @@ impl Memory {
                     .push(id as BufId);
             }
             offsets.push(offset);
-            let slot = &mut need[class_index(b.class)];
+            let slot = &mut need[b.class.index()];
             *slot = (*slot).max(end);
             let int = b.dtype == DType::I32;
             // i32 lives in the input arena (token ids) or, as MoE expert indices, in the
@@ -149,10 +149,10 @@ impl Memory {
             }
         }
         let planned = plan.memory_of(rank).activation_bytes;
-        if need[class_index(BufferClass::Activation)] * 4 > planned {
+        if need[BufferClass::Activation.index()] * 4 > planned {
             return Err(RuntimeError::Plan(format!(
                 "activation buffers need {} bytes but the memory plan has {planned}",
-                need[class_index(BufferClass::Activation)] * 4,
+                need[BufferClass::Activation.index()] * 4,
             )));
         }
         Ok(Memory {
@@ -364,16 +364,6 @@ impl Word for f32 {
 }
 impl Word for i32 {
     const IS_I32: bool = true;
-}
-
-fn class_index(c: BufferClass) -> usize {
-    match c {
-        BufferClass::Param => 0,
-        BufferClass::Grad => 1,
-        BufferClass::OptState => 2,
-        BufferClass::Activation => 3,
-        BufferClass::Input => 4,
-    }
 }
 
 fn bad(b: &Buffer, what: &str) -> RuntimeError {

@@ -3,7 +3,6 @@
 //! (global shapes, named dims) are `infer`'s; these are the local ones a rank's kernels
 //! index by, including the collectives' group sizes.
 
-use super::class_name;
 use crate::op::{OpKind, WeightLayout};
 use crate::plan::{BufId, Buffer, BufferClass, Plan};
 use crate::types::{Axis, DType};
@@ -118,7 +117,7 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             return Err(format!(
                 "input {k} (buffer {x}, {}) is {} {}, expected {}",
                 b(x).name,
-                class_name(b(x).class),
+                b(x).class.name(),
                 b(x).dtype.as_str(),
                 want.as_str()
             ));
@@ -135,7 +134,7 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             return Err(format!(
                 "output {k} (buffer {x}, {}) is {} {}, expected {}",
                 b(x).name,
-                class_name(b(x).class),
+                b(x).class.name(),
                 b(x).dtype.as_str(),
                 if int { "activation i32" } else { "f32" }
             ));
@@ -500,8 +499,8 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
                     return Err(format!(
                         "{what} (buffer {x}, {}) is in the {} arena, expected {}",
                         b(x).name,
-                        class_name(b(x).class),
-                        class_name(class)
+                        b(x).class.name(),
+                        class.name()
                     ));
                 }
             }
