@@ -151,11 +151,15 @@ fn overrides_reach_the_graph() {
     .unwrap();
     let text = print_graph(&g);
     assert!(text.contains("mesh tp=2 "), "{}", &text[..200]);
+    // Mixed precision: bf16 working weights, so the embedding already yields bf16
+    // activations; weight gradients stay f32 (Megatron's main_grad); AdamW keeps a master.
     assert!(
-        text.contains("= cast("),
-        "bf16 activations need a cast after the embedding"
+        !text.contains("= cast("),
+        "no cast is needed after a bf16 embedding"
     );
     assert!(text.contains("bf16[b=8, s=64, h=64]"));
+    assert!(text.contains("bf16[vocab=256, h=64]"), "{}", &text[..600]);
+    assert!(text.contains("master=1"));
 }
 
 /// Under activation recomputation, backward ops read recomputed clones, never the forward

@@ -284,24 +284,28 @@ impl<'a> Emitter<'a> {
         id
     }
 
+    /// A persistent buffer of `dtype`, placed after the class's others (offsets count
+    /// elements of the buffer's own dtype; a class holds one dtype, so they pack).
     fn persistent(
         &mut self,
         name: String,
         class: BufferClass,
+        dtype: megac_ir::DType,
         shape: &[u64],
         layout: &[Vec<megac_ir::Axis>],
     ) -> BufId {
         let id = self.buffers.len() as BufId;
-        let offset = self
+        let bytes: u64 = self
             .buffers
             .iter()
             .filter(|b| b.class == class)
-            .map(Buffer::len)
+            .map(|b| b.len() * b.dtype.size_bytes())
             .sum();
+        let offset = bytes.div_ceil(dtype.size_bytes());
         self.buffers.push(Buffer {
             name,
             class,
-            dtype: megac_ir::DType::F32,
+            dtype,
             shape: shape.to_vec(),
             offset,
             layout: layout.to_vec(),
@@ -332,25 +336,40 @@ impl<'a> Emitter<'a> {
             let global = ty.sizes();
             let shape = self.local_shape(v);
             let layout = self.layout_of(v);
-            let buffer = self.persistent(name.to_string(), BufferClass::Param, &shape, &layout);
-            let grad = self.persistent(format!("grad:{name}"), BufferClass::Grad, &shape, &layout);
+            // The working weight in its dtype (16-bit under mixed precision); gradients,
+            // moments and the master copy in f32 (Megatron's main_grad and main params).
+            let f32 = megac_ir::DType::F32;
+            let buffer = self.persistent(
+                name.to_string(),
+                BufferClass::Param,
+                ty.dtype,
+                &shape,
+                &layout,
+            );
+            let grad = self.persistent(
+                format!("grad:{name}"),
+                BufferClass::Grad,
+                f32,
+                &shape,
+                &layout,
+            );
             let zero1 = self.spec.parallel.distributed_optimizer && self.spec.parallel.dp > 1;
-            let (exp_avg, exp_avg_sq) = if zero1 {
-                (None, None)
+            let state = |e: &mut Self, what: &str| {
+                e.persistent(
+                    format!("{what}:{name}"),
+                    BufferClass::OptState,
+                    f32,
+                    &shape,
+                    &layout,
+                )
+            };
+            let (exp_avg, exp_avg_sq, master) = if zero1 {
+                (None, None, None)
             } else {
                 (
-                    Some(self.persistent(
-                        format!("exp_avg:{name}"),
-                        BufferClass::OptState,
-                        &shape,
-                        &layout,
-                    )),
-                    Some(self.persistent(
-                        format!("exp_avg_sq:{name}"),
-                        BufferClass::OptState,
-                        &shape,
-                        &layout,
-                    )),
+                    Some(state(self, "exp_avg")),
+                    Some(state(self, "exp_avg_sq")),
+                    ty.dtype.is_half().then(|| state(self, "master")),
                 )
             };
             self.buf_of.insert(v, buffer);
@@ -391,6 +410,7 @@ impl<'a> Emitter<'a> {
                 grad,
                 exp_avg,
                 exp_avg_sq,
+                master,
                 tied_copies: Vec::new(),
             });
         }
@@ -439,6 +459,7 @@ impl<'a> Emitter<'a> {
                 outs = vec![entry.buffer];
                 outs.extend(entry.exp_avg);
                 outs.extend(entry.exp_avg_sq);
+                outs.extend(entry.master);
                 self.buf_of.insert(op.outputs[0], entry.buffer);
             } else if matches!(op.kind, OpKind::AllReduce { .. })
                 && self.buffers[ins[0] as usize].class == BufferClass::Grad
@@ -539,12 +560,25 @@ impl<'a> Emitter<'a> {
         }
     }
 
+    /// A flat f32 buffer of `len` elements at `offset` of `class`'s arena.
     fn flat(&mut self, name: &str, class: BufferClass, offset: u64, len: u64) -> BufId {
+        self.flat_of(name, class, megac_ir::DType::F32, offset, len)
+    }
+
+    /// A flat buffer of `dtype`.
+    fn flat_of(
+        &mut self,
+        name: &str,
+        class: BufferClass,
+        dtype: megac_ir::DType,
+        offset: u64,
+        len: u64,
+    ) -> BufId {
         let id = self.buffers.len() as BufId;
         self.buffers.push(Buffer {
             name: name.to_string(),
             class,
-            dtype: megac_ir::DType::F32,
+            dtype,
             shape: vec![len],
             offset,
             layout: Vec::new(),
@@ -747,6 +781,11 @@ impl<'a> Emitter<'a> {
             }
         }
         let total = offset;
+        // The working weights' dtype (16-bit under mixed precision, with an f32 master
+        // shard beside the moments).
+        let pdt = params.first().map_or(megac_ir::DType::F32, |&i| {
+            self.buffers[self.params[i].buffer as usize].dtype
+        });
         let mut grad_offset = total;
         let mut opt_offset = 0u64;
         let mut norm_inputs = Vec::new();
@@ -772,9 +811,10 @@ impl<'a> Emitter<'a> {
                 seg.start,
                 seg.padded,
             );
-            let params = self.flat(
+            let params = self.flat_of(
                 &format!("param:segment{k}"),
                 BufferClass::Param,
+                pdt,
                 seg.start,
                 seg.padded,
             );
@@ -787,9 +827,10 @@ impl<'a> Emitter<'a> {
                     shard,
                 );
                 grad_offset += shard;
-                let param_shard = self.flat(
+                let param_shard = self.flat_of(
                     &format!("param:shard{k}"),
                     BufferClass::Param,
+                    pdt,
                     seg.start,
                     shard,
                 );
@@ -824,8 +865,18 @@ impl<'a> Emitter<'a> {
                 shard,
             );
             opt_offset += 2 * shard;
+            let master = pdt.is_half().then(|| {
+                let b = self.flat(
+                    &format!("master:shard{k}"),
+                    BufferClass::OptState,
+                    opt_offset,
+                    shard,
+                );
+                opt_offset += shard;
+                b
+            });
             norm_inputs.push(grad_shard);
-            updates.push((k, n, axis, grad_shard, params, param_shard, m, v));
+            updates.push((k, n, axis, grad_shard, params, param_shard, m, v, master));
         }
         let mut norm_axes = vec![Axis::Dp];
         if cp > 1 && segments.iter().any(|s| s.expert) {
@@ -842,11 +893,13 @@ impl<'a> Emitter<'a> {
             outputs: vec![norm],
             path: "optimizer.grad_norm".into(),
         });
-        for (k, n, axis, grad_shard, params, param_shard, m, v) in updates {
+        for (k, n, axis, grad_shard, params, param_shard, m, v, master) in updates {
+            let mut outputs = vec![param_shard, m, v];
+            outputs.extend(master);
             program.push(Instr::Kernel {
                 op: adamw.clone(),
                 inputs: vec![param_shard, grad_shard, norm],
-                outputs: vec![param_shard, m, v],
+                outputs,
                 path: format!("optimizer.adamw.segment{k}"),
             });
             if n > 1 {

@@ -655,6 +655,7 @@ fn assign_stages(e: &mut Emitter, usage: &Usage, tied: &Tied, pp: u32) {
             .into_iter()
             .chain(entry.exp_avg)
             .chain(entry.exp_avg_sq)
+            .chain(entry.master)
         {
             e.buffers[b as usize].stage = s;
         }

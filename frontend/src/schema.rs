@@ -573,7 +573,11 @@ fn read_train(
     let precision = s
         .choice(
             "precision",
-            &[("fp32", Precision::Fp32), ("bf16", Precision::Bf16)],
+            &[
+                ("fp32", Precision::Fp32),
+                ("bf16", Precision::Bf16),
+                ("fp16", Precision::Fp16),
+            ],
         )?
         .unwrap_or(Precision::Fp32);
     let lr = s.number("lr", 3e-4, 0.0, true, None)?;

@@ -470,9 +470,20 @@ impl<'p> Gate<'p> {
                 ));
             }
         }
+        // Working weights in the precision's storage dtype; the rest f32.
+        let working = match self.plan.train.precision.as_str() {
+            "bf16" => DType::Bf16,
+            "fp16" => DType::F16,
+            _ => DType::F32,
+        };
         let check = |id: BufId, field: &str, class: BufferClass| -> Result<(), PlanError> {
             let at = format!("{at}.{field}");
-            let b = self.want(id, &at, class, DType::F32)?;
+            let dtype = if class == BufferClass::Param {
+                working
+            } else {
+                DType::F32
+            };
+            let b = self.want(id, &at, class, dtype)?;
             if b.len() != local {
                 return Err(invalid(
                     at,
@@ -493,6 +504,15 @@ impl<'p> Gate<'p> {
         }
         if let Some(v) = p.exp_avg_sq {
             check(v, "exp_avg_sq", BufferClass::OptState)?;
+        }
+        if let Some(m) = p.master {
+            if !working.is_half() {
+                return Err(invalid(
+                    format!("{at}.master"),
+                    "an f32 parameter has no master copy",
+                ));
+            }
+            check(m, "master", BufferClass::OptState)?;
         }
         for (k, &c) in p.tied_copies.iter().enumerate() {
             check(c, &format!("tied_copies[{k}]"), BufferClass::Param)?;

@@ -257,7 +257,9 @@ pub enum OpKind {
     },
     /// `(p, g, norm) -> p'`: clip by `max_norm / (norm + 1e-6)` when below 1 (torch's
     /// clip_grad_norm_; `max_norm = 0` disables clipping), then one torch.optim.AdamW step.
-    /// The moments `exp_avg`, `exp_avg_sq` are the op's state, one pair per parameter.
+    /// The moments `exp_avg`, `exp_avg_sq` are the op's state, one pair per parameter; with
+    /// `master` (a 16-bit working weight under mixed precision) so is an f32 master copy,
+    /// which the step updates and then rounds into the working weight.
     AdamW {
         /// Base learning rate (the plan's schedule scales it per step).
         lr: f64,
@@ -271,6 +273,9 @@ pub enum OpKind {
         weight_decay: f64,
         /// Gradient clipping threshold on the global norm.
         max_norm: f64,
+        /// The step updates an f32 master copy (the plan instruction's fourth output) and
+        /// rounds it into the 16-bit working weight.
+        master: bool,
     },
 }
 
@@ -562,6 +567,7 @@ impl OpKind {
             OpKind::Split { n } => Arity::exactly(1, *n as usize),
             OpKind::AttentionGrad => Arity::exactly(6, 3),
             OpKind::CombineExpertsGrad => Arity::exactly(4, 2),
+            OpKind::AdamW { master: true, .. } => Arity::exactly(3, 4),
             OpKind::LayerNormGrad { .. } | OpKind::AdamW { .. } => Arity::exactly(3, 3),
             OpKind::CausalAttention => Arity::exactly(3, 2),
             OpKind::RmsNormGrad { .. } | OpKind::SwiGluGrad => Arity::exactly(3, 2),
@@ -691,14 +697,21 @@ impl OpKind {
                 eps,
                 weight_decay,
                 max_norm,
-            } => vec![
-                ("lr", fmt_f64(*lr)),
-                ("beta1", fmt_f64(*beta1)),
-                ("beta2", fmt_f64(*beta2)),
-                ("eps", fmt_f64(*eps)),
-                ("weight_decay", fmt_f64(*weight_decay)),
-                ("max_norm", fmt_f64(*max_norm)),
-            ],
+                master,
+            } => {
+                let mut a = vec![
+                    ("lr", fmt_f64(*lr)),
+                    ("beta1", fmt_f64(*beta1)),
+                    ("beta2", fmt_f64(*beta2)),
+                    ("eps", fmt_f64(*eps)),
+                    ("weight_decay", fmt_f64(*weight_decay)),
+                    ("max_norm", fmt_f64(*max_norm)),
+                ];
+                if *master {
+                    a.push(("master", "1".to_string()));
+                }
+                a
+            }
             _ => Vec::new(),
         }
     }
@@ -826,6 +839,11 @@ impl OpKind {
                 eps: float("eps")?,
                 weight_decay: float("weight_decay")?,
                 max_norm: float("max_norm")?,
+                master: match attr("master").as_deref() {
+                    None | Some("0") => false,
+                    Some("1") => true,
+                    Some(v) => return Err(format!("adamw: master must be 0 or 1, got `{v}`")),
+                },
             },
             _ => return Err(format!("unknown op `{name}`")),
         })
@@ -1001,7 +1019,8 @@ mod tests {
         ("dispatch_grad", 2, 1),
         ("dispatch_experts_grad", 2, 1),
         ("combine_experts_grad", 4, 2),
-        ("adamw", 3, 3),
+        // `any_attr` sets `master`: the working weight, moments and the f32 master copy.
+        ("adamw", 3, 4),
         ("repeat_kv", 1, 1),
         ("repeat_kv_grad", 1, 1),
         ("bias_add", 2, 1),
@@ -1021,6 +1040,34 @@ mod tests {
         "combine_grad",
         "grad_norm",
     ];
+
+    #[test]
+    fn adamw_without_a_master_has_three_outputs() {
+        let OpKind::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            max_norm,
+            ..
+        } = OpKind::from_text("adamw", &any_attr).unwrap()
+        else {
+            panic!("not adamw");
+        };
+        let plain = OpKind::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            max_norm,
+            master: false,
+        };
+        assert_eq!(plain.kernel_arity(3), Arity::exactly(3, 3));
+        // The text form omits `master` when false and round-trips it when true.
+        assert!(!plain.attrs().iter().any(|(k, _)| *k == "master"));
+    }
 
     #[test]
     fn kernel_arity_matches_the_table() {

@@ -296,6 +296,10 @@ pub struct ParamEntry {
     pub exp_avg: Option<BufId>,
     /// AdamW second moment (None with the distributed optimizer).
     pub exp_avg_sq: Option<BufId>,
+    /// The f32 master copy of a 16-bit working weight under mixed precision (None in fp32
+    /// plans and with the distributed optimizer, whose master copy is one flat shard).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master: Option<BufId>,
     /// Initialisation.
     pub init: Init,
     /// Copies of a tied parameter on other pipeline stages (GPT-2's word embeddings, read by

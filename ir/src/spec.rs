@@ -88,8 +88,11 @@ impl ModelSection {
 pub enum Precision {
     /// Everything in float32.
     Fp32,
-    /// bfloat16 activations and compute copies, float32 master weights, loss and optimizer.
+    /// Megatron's bf16 mixed precision: bf16 working weights and activations, f32 matmul
+    /// accumulation, norms, softmax and loss, f32 gradients, master weights and AdamW state.
     Bf16,
+    /// The same with fp16 storage and a dynamic loss scaler (Megatron's fp16 mode).
+    Fp16,
 }
 
 impl Precision {
@@ -98,6 +101,16 @@ impl Precision {
         match self {
             Precision::Fp32 => "fp32",
             Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    /// The dtype of working weights and activations.
+    pub fn storage(self) -> crate::DType {
+        match self {
+            Precision::Fp32 => crate::DType::F32,
+            Precision::Bf16 => crate::DType::Bf16,
+            Precision::Fp16 => crate::DType::F16,
         }
     }
 }

@@ -7,8 +7,10 @@ use std::fmt;
 pub enum DType {
     /// 32-bit float.
     F32,
-    /// bfloat16.
+    /// bfloat16 (8 exponent bits, 8 significant bits).
     Bf16,
+    /// IEEE half precision (5 exponent bits, 11 significant bits).
+    F16,
     /// 32-bit signed integer (token ids, expert indices).
     I32,
 }
@@ -19,6 +21,7 @@ impl DType {
         match self {
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
+            DType::F16 => "f16",
             DType::I32 => "i32",
         }
     }
@@ -28,6 +31,7 @@ impl DType {
         match s {
             "f32" => Some(DType::F32),
             "bf16" => Some(DType::Bf16),
+            "f16" => Some(DType::F16),
             "i32" => Some(DType::I32),
             _ => None,
         }
@@ -37,8 +41,14 @@ impl DType {
     pub fn size_bytes(self) -> u64 {
         match self {
             DType::F32 | DType::I32 => 4,
-            DType::Bf16 => 2,
+            DType::Bf16 | DType::F16 => 2,
         }
+    }
+
+    /// Whether this is a 16-bit float (a mixed-precision storage type: values are
+    /// computed in f32 and rounded once when stored).
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::Bf16 | DType::F16)
     }
 }
 

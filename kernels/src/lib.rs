@@ -18,7 +18,8 @@
 //!   the kernel panics rather than reading out of bounds.
 //!
 //! One module per concept: [`linear`], [`embedding`], [`norm`], [`rope`], [`attention`],
-//! [`activation`], [`elementwise`], [`loss`], [`optim`].
+//! [`activation`], [`elementwise`], [`loss`], [`optim`], and [`precision`] (rounding
+//! to the 16-bit storage types of mixed precision).
 
 #![warn(missing_docs)]
 
@@ -32,6 +33,7 @@ pub mod loss;
 pub mod moe;
 pub mod norm;
 pub mod optim;
+pub mod precision;
 pub mod rope;
 mod simd;
 mod util;
@@ -55,4 +57,5 @@ pub use moe::{
 };
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 pub use optim::{adamw_step, AdamW};
+pub use precision::Half;
 pub use rope::{rope_bwd, rope_fwd};

@@ -5,7 +5,7 @@
 //! `arch = "gpt"` (whose Conv1D weights are stored `[in, out]`). The batch dim is the global
 //! batch; micro-batching is the scheduler's business.
 
-use megac_ir::spec::{Arch, ModelSpec, Precision};
+use megac_ir::spec::{Arch, ModelSpec};
 use megac_ir::{DType, Dim, Graph, IrError, Mesh, OpKind, TensorType, ValueId, WeightLayout};
 
 /// Build the forward graph of `spec`.
@@ -35,10 +35,7 @@ impl<'a> Builder<'a> {
             // MegaFBD's forward roles: a second copy of the grid, outermost.
             mesh.axes.push((megac_ir::Axis::Fbd, 2));
         }
-        let act = match spec.train.precision {
-            Precision::Fp32 => DType::F32,
-            Precision::Bf16 => DType::Bf16,
-        };
+        let act = spec.train.precision.storage();
         Builder {
             spec,
             g: Graph::new(spec.name.clone(), mesh),
@@ -46,9 +43,10 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// A float32 parameter (master weights are always f32).
+    /// A parameter: its working weight in the storage dtype (f32, or bf16/f16 under mixed
+    /// precision, whose f32 master copy codegen adds beside the optimizer state).
     fn param(&mut self, name: &str, dims: &[(&str, u64)]) -> ValueId {
-        self.g.add_param(name, t(DType::F32, dims))
+        self.g.add_param(name, t(self.act, dims))
     }
 
     fn op(&mut self, kind: OpKind, ins: &[ValueId], path: &str) -> Result<ValueId, IrError> {
@@ -86,9 +84,6 @@ impl<'a> Builder<'a> {
         if m.arch == Arch::Gpt {
             let wpe = self.param("transformer.wpe.weight", &[("pos", s), ("h", h)]);
             x = self.op(OpKind::PosEmbedding, &[x, wpe], "transformer.wpe")?;
-        }
-        if self.act != DType::F32 {
-            x = self.op(OpKind::Cast { to: self.act }, &[x], embed_name)?;
         }
         let mut aux_losses = Vec::new();
         for i in 0..m.layers {

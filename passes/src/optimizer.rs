@@ -73,6 +73,7 @@ pub fn add_optimizer(g: &mut Graph, train: &TrainSection) -> Result<(), PassErro
         eps: train.eps,
         weight_decay: train.weight_decay,
         max_norm: train.grad_clip,
+        master: false,
     };
     for (name, grad) in grads {
         let param = g
@@ -80,11 +81,12 @@ pub fn add_optimizer(g: &mut Graph, train: &TrainSection) -> Result<(), PassErro
             .find(|(_, n, _)| *n == name)
             .map(|(v, _, _)| v)
             .ok_or_else(|| PassError::Autodiff(format!("gradient of unknown parameter {name}")))?;
-        let updated = g.add_op1(
-            kind.clone(),
-            &[param, grad, norm],
-            format!("optimizer.{name}"),
-        )?;
+        // A 16-bit working weight (mixed precision) is stepped through an f32 master copy.
+        let mut kind = kind.clone();
+        if let OpKind::AdamW { master, .. } = &mut kind {
+            *master = g.ty(param).dtype.is_half();
+        }
+        let updated = g.add_op1(kind, &[param, grad, norm], format!("optimizer.{name}"))?;
         g.add_output(format!("param:{name}"), updated);
     }
     Ok(())

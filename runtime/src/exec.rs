@@ -38,22 +38,6 @@ fn layout(w: WeightLayout) -> k::WeightLayout {
     }
 }
 
-/// Fail early, before any allocation, if the plan uses a kernel this backend lacks.
-pub fn check_supported(plan: &Plan) -> Result<(), RuntimeError> {
-    for role in &plan.roles {
-        for instr in role.microbatch.iter().chain(&role.optimizer) {
-            if let Instr::Kernel { op, .. } = instr {
-                if matches!(op, OpKind::Cast { to } if *to != megac_ir::DType::F32) {
-                    return Err(RuntimeError::Unsupported(
-                        "precision = \"bf16\" plans need bf16 kernels, which the cpu backend does not have yet; compile with train.precision = \"fp32\"".into(),
-                    ));
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The routing of a layer's tokens to experts, rebuilt from the router's indices; expert
 /// buffers with fewer rows than tokens hold at most that many (the capacity).
 fn routing(mem: &Memory, indices: BufId, experts: usize, rows: usize) -> k::moe::Routing {
@@ -86,7 +70,7 @@ pub fn run_program(
         let t0 = profile.as_ref().map(|_| std::time::Instant::now());
         let name = match instr {
             Instr::Zero { buffer } => {
-                mem.f32_mut(*buffer).fill(0.0);
+                mem.zero(*buffer);
                 "zero"
             }
             Instr::Kernel {
@@ -96,7 +80,14 @@ pub fn run_program(
                 ..
             } => {
                 mem.debug_assert_disjoint(op, inputs, outputs);
-                run_kernel(op, inputs, outputs, &env, comm)?;
+                // Mixed precision: 16-bit operands are widened for the f32 kernel and its
+                // 16-bit outputs rounded once afterwards.
+                let staged = stage(mem, inputs, outputs);
+                let result = run_kernel(op, inputs, outputs, &env, comm);
+                if staged {
+                    mem.unstage(outputs);
+                }
+                result?;
                 op.name()
             }
             Instr::Send {
@@ -112,11 +103,24 @@ pub fn run_program(
                 twin,
             } => {
                 let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
+                // A 16-bit activation travels widened to f32 (exact both ways).
+                let staged = mem.stage(std::slice::from_ref(buffer));
+                let result = if matches!(instr, Instr::Send { .. }) {
+                    comm.send_tagged(peer, tag, mem.f32(*buffer))
+                } else {
+                    comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))
+                };
+                if staged {
+                    mem.unstage(if matches!(instr, Instr::Recv { .. }) {
+                        std::slice::from_ref(buffer)
+                    } else {
+                        &[]
+                    });
+                }
+                result?;
                 if matches!(instr, Instr::Send { .. }) {
-                    comm.send_tagged(peer, tag, mem.f32(*buffer))?;
                     "send"
                 } else {
-                    comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))?;
                     "recv"
                 }
             }
@@ -151,6 +155,21 @@ pub fn run_program(
         }
     }
     Ok(())
+}
+
+/// Stage the 16-bit operands of a kernel (see [`Memory::stage`]); whether any was.
+fn stage(mem: &Memory, inputs: &[BufId], outputs: &[BufId]) -> bool {
+    let mut ids = [0 as BufId; 16];
+    let n = inputs.len() + outputs.len();
+    if n <= ids.len() {
+        for (slot, &b) in ids.iter_mut().zip(inputs.iter().chain(outputs)) {
+            *slot = b;
+        }
+        mem.stage(&ids[..n])
+    } else {
+        let all: Vec<BufId> = inputs.iter().chain(outputs).copied().collect();
+        mem.stage(&all)
+    }
 }
 
 /// The peer rank and message tag of a pipeline transfer: the rank with this rank's

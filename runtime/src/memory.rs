@@ -3,27 +3,54 @@
 //! overlap its inputs (except the in-place kernels), so the executor may hold a mutable
 //! slice next to shared ones. All raw-pointer access is in one audited function,
 //! `Memory::slice_of`; `debug_assert_disjoint` re-checks the gate's proof in debug builds.
+//!
+//! Offsets are in elements of the buffer's own dtype (byte address = offset × size), so an
+//! arena holds f32, i32 and 16-bit buffers side by side. Kernels compute in f32: before a
+//! kernel with bf16/fp16 operands the executor *stages* them (`stage`: each is widened
+//! exactly into a scratch area sized once here), the kernel sees f32 slices of the scratch,
+//! and `unstage` rounds its outputs once into their 16-bit storage.
 
+use std::cell::UnsafeCell;
 use std::collections::BTreeMap;
 
 use megac_ir::plan::{BufId, Buffer, BufferClass, Plan};
 use megac_ir::{DType, OpKind};
+use megac_kernels::precision::{self, Half};
 
 use crate::error::RuntimeError;
 
 /// The arenas of one rank.
 pub struct Memory {
     buffers: Vec<Buffer>,
-    /// Each buffer's offset for this rank (the plan's offset plus any rank-dependent part,
-    /// plus the chunk slot's start for pipeline activations).
+    /// Each buffer's byte offset in its arena for this rank (the plan's offset plus any
+    /// rank-dependent part, plus the chunk slot's start for pipeline activations).
     offsets: Vec<u64>,
-    /// Pipeline chunks: chunk -> (first slot's offset, elements per slot, its buffers).
+    /// Pipeline chunks: chunk -> (first slot's byte offset, bytes per slot, its buffers).
     slots: BTreeMap<u32, (u64, u64, Vec<BufId>)>,
     param: Vec<f32>,
     grad: Vec<f32>,
     opt: Vec<f32>,
     act: Vec<f32>,
     input: Vec<i32>,
+    /// The widened copies of the 16-bit operands of the kernel being run.
+    staging: UnsafeCell<Staging>,
+}
+
+/// f32 copies of 16-bit buffers, made for one kernel call.
+struct Staging {
+    /// Sized once by `Memory::new` to the largest instruction's 16-bit operands.
+    scratch: Vec<f32>,
+    /// (buffer, start in `scratch`) of each staged buffer.
+    entries: Vec<(BufId, usize)>,
+}
+
+/// The 16-bit format of a dtype, if it is one.
+fn half_of(d: DType) -> Option<Half> {
+    match d {
+        DType::Bf16 => Some(Half::Bf16),
+        DType::F16 => Some(Half::F16),
+        _ => None,
+    }
 }
 
 impl Memory {
@@ -73,6 +100,7 @@ impl Memory {
                 *u = true;
             }
         }
+        // Arena sizes in bytes; every offset below is a byte offset.
         let mut need = [0u64; 5];
         let mut offsets = Vec::with_capacity(plan.buffers.len());
         let mut slots: BTreeMap<u32, (u64, u64, Vec<BufId>)> = BTreeMap::new();
@@ -83,7 +111,8 @@ impl Memory {
                 offsets.push(u64::MAX);
                 continue;
             }
-            let mut offset = match &b.rank_offset {
+            let size = b.dtype.size_bytes();
+            let elems = match &b.rank_offset {
                 None => b.offset,
                 Some(r) => {
                     let coord = plan.mesh.coord(rank, r.axis) as u64;
@@ -93,8 +122,10 @@ impl Memory {
                         .ok_or_else(|| bad(b, "overflows"))?
                 }
             };
-            let mut end = offset
+            let mut offset = elems.checked_mul(size).ok_or_else(|| bad(b, "overflows"))?;
+            let mut end = elems
                 .checked_add(b.len())
+                .and_then(|x| x.checked_mul(size))
                 .ok_or_else(|| bad(b, "overflows"))?;
             if let Some(c) = b.chunk {
                 let &(base, elems, n) = chunk_info.get(&c).ok_or_else(|| {
@@ -103,22 +134,27 @@ impl Memory {
                         &format!("belongs to chunk {c}, which rank {rank} does not run"),
                     )
                 })?;
-                if end > elems {
+                // A chunk's slots are counted in 4-byte words.
+                let (base, slot) = (base * 4, elems * 4);
+                if end > slot {
                     return Err(bad(
                         b,
-                        &format!("does not fit the {elems} elements of a chunk-{c} slot"),
+                        &format!("does not fit the {elems} words of a chunk-{c} slot"),
                     ));
                 }
                 offset += base;
-                end = elems
+                end = slot
                     .checked_mul(u64::from(n))
                     .and_then(|x| x.checked_add(base))
                     .ok_or_else(|| bad(b, "overflows"))?;
                 slots
                     .entry(c)
-                    .or_insert((base, elems, Vec::new()))
+                    .or_insert((base, slot, Vec::new()))
                     .2
                     .push(id as BufId);
+            }
+            if offset % size != 0 {
+                return Err(bad(b, "is not aligned to its element size"));
             }
             offsets.push(offset);
             let slot = &mut need[b.class.index()];
@@ -131,14 +167,9 @@ impl Memory {
             {
                 return Err(bad(b, "has a dtype this runtime cannot hold in its class"));
             }
-            if b.dtype == DType::Bf16 {
-                return Err(RuntimeError::Unsupported(
-                    "precision = \"bf16\" plans need bf16 kernels, which the cpu backend does not have yet; compile with train.precision = \"fp32\"".into(),
-                ));
-            }
         }
         // Every buffer this rank's programs touch must be one it holds.
-        for instr in programs.into_iter().flatten() {
+        for instr in programs.iter().copied().flatten() {
             for b in instr.buffers() {
                 let held = offsets.get(b as usize).is_some_and(|&o| o != u64::MAX);
                 if !held {
@@ -149,21 +180,40 @@ impl Memory {
             }
         }
         let planned = plan.memory_of(rank).activation_bytes;
-        if need[BufferClass::Activation.index()] * 4 > planned {
+        if need[BufferClass::Activation.index()] > planned {
             return Err(RuntimeError::Plan(format!(
                 "activation buffers need {} bytes but the memory plan has {planned}",
-                need[BufferClass::Activation.index()] * 4,
+                need[BufferClass::Activation.index()],
             )));
         }
+        // Scratch for the widest instruction's 16-bit operands (each distinct buffer once).
+        let mut scratch = 0u64;
+        for instr in programs.iter().copied().flatten() {
+            let mut ids: Vec<BufId> = instr.buffers();
+            ids.sort_unstable();
+            ids.dedup();
+            let n: u64 = ids
+                .iter()
+                .filter_map(|&b| plan.buffers.get(b as usize))
+                .filter(|b| b.dtype.is_half())
+                .map(Buffer::len)
+                .sum();
+            scratch = scratch.max(n);
+        }
+        let words = |bytes: u64| bytes.div_ceil(4);
         Ok(Memory {
             buffers: plan.buffers.clone(),
             offsets,
             slots,
-            param: zeroed(need[0], "parameter")?,
-            grad: zeroed(need[1], "gradient")?,
-            opt: zeroed(need[2], "optimizer state")?,
-            act: zeroed(need[3], "activation")?,
-            input: zeroed(need[4], "input")?,
+            param: zeroed(words(need[0]), "parameter")?,
+            grad: zeroed(words(need[1]), "gradient")?,
+            opt: zeroed(words(need[2]), "optimizer state")?,
+            act: zeroed(words(need[3]), "activation")?,
+            input: zeroed(words(need[4]), "input")?,
+            staging: UnsafeCell::new(Staging {
+                scratch: zeroed(scratch, "mixed-precision scratch")?,
+                entries: Vec::with_capacity(16),
+            }),
         })
     }
 
@@ -175,10 +225,11 @@ impl Memory {
     /// Point the activations of pipeline chunk `chunk` at its slot `slot` (the micro-batch
     /// that runs next keeps its activations there until its backward is done).
     pub fn set_slot(&mut self, chunk: u32, slot: u32) {
-        if let Some((base, elems, ids)) = self.slots.get(&chunk) {
+        if let Some((base, bytes, ids)) = self.slots.get(&chunk) {
             for &b in ids {
+                let buf = &self.buffers[b as usize];
                 self.offsets[b as usize] =
-                    base + u64::from(slot) * elems + self.buffers[b as usize].offset;
+                    base + u64::from(slot) * bytes + buf.offset * buf.dtype.size_bytes();
             }
         }
     }
@@ -188,36 +239,28 @@ impl Memory {
         &self.buffers[b as usize]
     }
 
+    /// (class, byte offset, bytes) of buffer `b` on this rank.
     fn range(&self, b: BufId) -> (BufferClass, usize, usize) {
         let buf = &self.buffers[b as usize];
         (
             buf.class,
             self.offsets[b as usize] as usize,
-            buf.len() as usize,
+            (buf.len() * buf.dtype.size_bytes()) as usize,
         )
     }
 
-    fn arena_ptr(&self, class: BufferClass) -> *mut f32 {
-        let v = match class {
-            BufferClass::Param => &self.param,
-            BufferClass::Grad => &self.grad,
-            BufferClass::OptState => &self.opt,
-            BufferClass::Activation => &self.act,
-            BufferClass::Input => unreachable!("input buffers are i32"),
-        };
-        v.as_ptr() as *mut f32
-    }
-
-    /// The one place a buffer's slice is made from an arena's raw pointer (f32 arenas; an
-    /// i32 buffer of the activation arena is reinterpreted). Every other accessor goes
-    /// through here; callers downgrade to `&[T]` when they only read.
+    /// The one place a buffer's slice is made from an arena's raw pointer: its storage, as
+    /// elements of `T` (f32, i32 or the raw bits of a 16-bit float; `T`'s size is the
+    /// buffer's element size). Every other accessor goes through here; callers downgrade to
+    /// `&[T]` when they only read.
     ///
     /// Soundness rests on two facts, one proved per plan and one per call site:
-    /// - In bounds: `new` placed every buffer this rank holds inside its arena (checked,
-    ///   overflow-free), and `set_slot` moves chunk buffers only between the slots `new`
-    ///   sized. The arenas are never resized after `new`.
+    /// - In bounds and aligned: `new` placed every buffer this rank holds inside its arena
+    ///   (checked, overflow-free) at a byte offset that is a multiple of its element size
+    ///   (the arenas are 4-aligned), and `set_slot` moves chunk buffers only between the
+    ///   slots `new` sized. The arenas are never resized after `new`.
     /// - No aliasing: the only callers that take a mutable slice through `&self` are the
-    ///   executor's (`f32_mut`, `i32_act_mut` are `pub(crate)`), and it takes one only of
+    ///   executor's (`f32_mut`, `i32_act_mut`, staging are `pub(crate)`), and it takes one only of
     ///   the buffer a `zero`/`recv` instruction writes or of an output of the kernel it
     ///   runs (and `adamw`'s gradient input, which it clips, disjoint from its outputs).
     ///   The plan reached the executor as a [`megac_ir::gate::CheckedPlan`], whose check
@@ -227,41 +270,142 @@ impl Memory {
     ///   rank's actual offsets in debug builds before every kernel.
     #[allow(clippy::mut_from_ref)]
     fn slice_of<T: Word>(&self, b: BufId) -> &mut [T] {
-        let (class, off, len) = self.range(b);
-        let ptr = if class == BufferClass::Input {
-            assert!(T::IS_I32, "f32 access to the i32 input buffer {b}");
-            self.input.as_ptr() as *mut i32 as *mut T
-        } else {
-            self.arena_ptr(class) as *mut T
+        let (class, off, bytes) = self.range(b);
+        let size = self.buffers[b as usize].dtype.size_bytes() as usize;
+        assert_eq!(
+            size,
+            std::mem::size_of::<T>(),
+            "buffer {b} ({}) accessed as {}-byte elements",
+            self.buffers[b as usize].dtype.as_str(),
+            std::mem::size_of::<T>()
+        );
+        let (ptr, arena) = match class {
+            BufferClass::Param => (self.param.as_ptr() as *mut u8, self.param.len()),
+            BufferClass::Grad => (self.grad.as_ptr() as *mut u8, self.grad.len()),
+            BufferClass::OptState => (self.opt.as_ptr() as *mut u8, self.opt.len()),
+            BufferClass::Activation => (self.act.as_ptr() as *mut u8, self.act.len()),
+            BufferClass::Input => {
+                assert!(T::IS_I32, "non-i32 access to the i32 input buffer {b}");
+                (self.input.as_ptr() as *mut u8, self.input.len())
+            }
         };
-        let arena = match class {
-            BufferClass::Param => self.param.len(),
-            BufferClass::Grad => self.grad.len(),
-            BufferClass::OptState => self.opt.len(),
-            BufferClass::Activation => self.act.len(),
-            BufferClass::Input => self.input.len(),
-        };
-        debug_assert!(off.checked_add(len).is_some_and(|end| end <= arena));
-        // SAFETY: see above: in bounds of a live arena of 4-byte elements (f32 and i32 share
-        // size and alignment, and every bit pattern is valid for both), and not aliased
-        // while the returned slice is used.
-        unsafe { std::slice::from_raw_parts_mut(ptr.add(off), len) }
+        assert!(
+            off.checked_add(bytes).is_some_and(|end| end <= arena * 4) && off % size == 0,
+            "buffer {b} lies outside its arena"
+        );
+        // SAFETY: see above: in bounds of a live arena of 4-byte words, aligned for `T`
+        // (every bit pattern is valid for f32, i32 and u16), and not aliased while the
+        // returned slice is used.
+        unsafe { std::slice::from_raw_parts_mut(ptr.add(off) as *mut T, bytes / size) }
     }
 
-    /// An f32 buffer, read-only.
+    /// The f32 view of buffer `b`: its storage, or for a 16-bit buffer the widened copy
+    /// the executor staged for the kernel it runs.
+    #[allow(clippy::mut_from_ref)]
+    fn f32_view(&self, b: BufId) -> &mut [f32] {
+        if !self.buffers[b as usize].dtype.is_half() {
+            return self.slice_of(b);
+        }
+        // SAFETY: `staging` is only mutated by `stage`/`unstage`, which the executor calls
+        // between kernels, never while a slice handed out here is alive; the scratch
+        // is never resized after `new`. Distinct staged buffers get disjoint scratch
+        // ranges, so the aliasing argument of `slice_of` carries over.
+        let st = unsafe { &mut *self.staging.get() };
+        let &(_, start) = st
+            .entries
+            .iter()
+            .find(|(id, _)| *id == b)
+            .unwrap_or_else(|| panic!("16-bit buffer {b} used by a kernel without staging"));
+        let len = self.buffers[b as usize].len() as usize;
+        let ptr = st.scratch.as_mut_ptr();
+        // SAFETY: `stage` reserved `start..start + len` of the scratch for `b`.
+        unsafe { std::slice::from_raw_parts_mut(ptr.add(start), len) }
+    }
+
+    /// Widen every distinct 16-bit buffer among `ids` into the scratch, so that kernels see
+    /// them as f32 (see [`Memory::unstage`]). Returns whether any was staged.
+    pub(crate) fn stage(&self, ids: &[BufId]) -> bool {
+        // SAFETY: called between kernels: no slice of the scratch is alive.
+        let st = unsafe { &mut *self.staging.get() };
+        st.entries.clear();
+        let mut next = 0usize;
+        for &b in ids {
+            let buf = &self.buffers[b as usize];
+            let Some(kind) = half_of(buf.dtype) else {
+                continue;
+            };
+            if st.entries.iter().any(|(id, _)| *id == b) {
+                continue;
+            }
+            let len = buf.len() as usize;
+            let bits: &[u16] = self.slice_of(b);
+            precision::widen(kind, bits, &mut st.scratch[next..next + len]);
+            st.entries.push((b, next));
+            next += len;
+        }
+        !st.entries.is_empty()
+    }
+
+    /// Round the staged copies of the 16-bit buffers among `outputs` once into their
+    /// storage, and forget every staged copy.
+    pub(crate) fn unstage(&self, outputs: &[BufId]) {
+        // SAFETY: called after the kernel returned: no slice of the scratch is alive.
+        let st = unsafe { &mut *self.staging.get() };
+        for &(b, start) in &st.entries {
+            if !outputs.contains(&b) {
+                continue;
+            }
+            let buf = &self.buffers[b as usize];
+            let kind = half_of(buf.dtype).expect("only 16-bit buffers are staged");
+            let len = buf.len() as usize;
+            let bits: &mut [u16] = self.slice_of(b);
+            precision::narrow(kind, &st.scratch[start..start + len], bits);
+        }
+        st.entries.clear();
+    }
+
+    /// Set buffer `b` to zero (any dtype).
+    pub(crate) fn zero(&self, b: BufId) {
+        match self.buffers[b as usize].dtype.size_bytes() {
+            2 => self.slice_of::<u16>(b).fill(0),
+            _ => self.slice_of::<f32>(b).fill(0.0),
+        }
+    }
+
+    /// Buffer `b`'s values as f32 (16-bit values widened exactly).
+    pub fn read_f32(&self, b: BufId) -> Vec<f32> {
+        match half_of(self.buffers[b as usize].dtype) {
+            Some(kind) => {
+                let bits: &[u16] = self.slice_of(b);
+                bits.iter().map(|&x| kind.to_f32(x)).collect()
+            }
+            None => self.slice_of::<f32>(b).to_vec(),
+        }
+    }
+
+    /// Store `values` into buffer `b` (rounded once for a 16-bit buffer).
+    pub fn write_f32(&mut self, b: BufId, values: &[f32]) {
+        match half_of(self.buffers[b as usize].dtype) {
+            Some(kind) => precision::narrow(kind, values, self.slice_of(b)),
+            None => self.slice_of::<f32>(b).copy_from_slice(values),
+        }
+    }
+
+    /// An f32 buffer, read-only (a 16-bit buffer only while staged for a kernel).
     pub fn f32(&self, b: BufId) -> &[f32] {
-        self.slice_of(b)
+        self.f32_view(b)
     }
 
     /// An f32 buffer, writable through a shared `Memory`: the executor's access to the
     /// buffer an instruction writes (see `slice_of` for why this is sound).
     #[allow(clippy::mut_from_ref)]
     pub(crate) fn f32_mut(&self, b: BufId) -> &mut [f32] {
-        self.slice_of(b)
+        self.f32_view(b)
     }
 
     /// An f32 buffer, writable: the safe access for code that owns the memory (tests,
-    /// tools); the exclusive borrow of `self` rules out any other slice.
+    /// tools); the exclusive borrow of `self` rules out any other slice. 16-bit buffers
+    /// are written with [`Memory::write_f32`].
     pub fn buffer_mut(&mut self, b: BufId) -> &mut [f32] {
         self.slice_of(b)
     }
@@ -318,8 +462,7 @@ impl Memory {
 
     /// An i32 (input) buffer, writable (the data loader fills it).
     pub fn i32_mut(&mut self, b: BufId) -> &mut [i32] {
-        let (_, off, len) = self.range(b);
-        &mut self.input[off..off + len]
+        self.slice_of(b)
     }
 
     /// Zero every gradient.
@@ -354,7 +497,8 @@ fn zeroed<T: Clone + Default>(n: u64, what: &str) -> Result<Vec<T>, RuntimeError
     Ok(v)
 }
 
-/// The element types an arena holds: 4 bytes, 4-aligned, every bit pattern valid.
+/// The element types a buffer is viewed as: at most 4 bytes and 4-aligned (the arenas'
+/// alignment), every bit pattern valid.
 trait Word: Copy {
     /// Whether this is `i32` (the input arena's type).
     const IS_I32: bool;
@@ -364,6 +508,10 @@ impl Word for f32 {
 }
 impl Word for i32 {
     const IS_I32: bool = true;
+}
+/// The bits of a bf16/fp16 element.
+impl Word for u16 {
+    const IS_I32: bool = false;
 }
 
 fn bad(b: &Buffer, what: &str) -> RuntimeError {

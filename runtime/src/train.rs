@@ -168,7 +168,6 @@ impl<'p> Session<'p> {
                 comm.size()
             )));
         }
-        crate::exec::check_supported(plan)?;
         let mem = Memory::new(plan, comm.rank())?;
         let checked = plan;
         let plan: &'p Plan = plan;
@@ -208,11 +207,43 @@ impl<'p> Session<'p> {
             comm,
             executed: Vec::new(),
         };
+        let mut session = session;
         session.init_params(init)?;
+        session.init_masters();
         Ok(session)
     }
 
-    fn init_params(&self, init: Option<&std::path::Path>) -> Result<(), RuntimeError> {
+    /// Mixed precision: every master weight starts as its working weight (already rounded
+    /// to 16 bits), as Megatron's main params are copies of its bf16 params. The plan names
+    /// the pairs in its AdamW instructions: working weight first output, master fourth.
+    fn init_masters(&mut self) {
+        let role = self.role();
+        let mut programs: Vec<&[megac_ir::plan::Instr]> = vec![&role.optimizer];
+        if let Some(p) = &role.pipeline {
+            for c in &p.chunks {
+                programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
+            }
+        }
+        let mut pairs = Vec::new();
+        for instr in programs.into_iter().flatten() {
+            if let megac_ir::plan::Instr::Kernel {
+                op: megac_ir::OpKind::AdamW { .. },
+                outputs,
+                ..
+            } = instr
+            {
+                if let [working, _, _, master] = outputs[..] {
+                    pairs.push((working, master));
+                }
+            }
+        }
+        for (working, master) in pairs {
+            let values = self.mem.read_f32(working);
+            self.mem.write_f32(master, &values);
+        }
+    }
+
+    fn init_params(&mut self, init: Option<&std::path::Path>) -> Result<(), RuntimeError> {
         let plan = self.plan;
         match init {
             Some(path) => {
@@ -252,9 +283,9 @@ impl<'p> Session<'p> {
     }
 
     /// Fill buffer `b` (parameter `p` or a tied copy) with this rank's shard of `v`.
-    fn load_shard(&self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, v: &[f32]) {
+    fn load_shard(&mut self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, v: &[f32]) {
         let (plan, rank) = (self.plan, self.comm.rank());
-        let out = self.mem.f32_mut(b);
+        let mut out = vec![0f32; self.mem.buffer(b).len() as usize];
         if p.shards.is_empty() && p.hf_rows.is_none() {
             out.copy_from_slice(v);
         } else {
@@ -264,12 +295,20 @@ impl<'p> Session<'p> {
                 *x = v.get(i).copied().unwrap_or(0.0);
             }
         }
+        // Rounded once to a 16-bit working weight under mixed precision.
+        self.mem.write_f32(b, &out);
     }
 
     /// Initialise buffer `b` (parameter `p` or a tied copy) per element from the seed.
-    fn init_shard(&self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, rank: usize) {
+    fn init_shard(
+        &mut self,
+        p: &megac_ir::plan::ParamEntry,
+        b: megac_ir::plan::BufId,
+        rank: usize,
+    ) {
         let plan = self.plan;
-        let out = self.mem.f32_mut(b);
+        let mut buf = vec![0f32; self.mem.buffer(b).len() as usize];
+        let out = &mut buf[..];
         if p.per_expert.is_some() {
             // Each element as the Hugging Face tensor of its expert.
             let idx = p.global_indices(&plan.mesh, rank);
@@ -290,6 +329,8 @@ impl<'p> Session<'p> {
                 }
             }
         }
+        // Rounded once to a 16-bit working weight under mixed precision.
+        self.mem.write_f32(b, &buf);
     }
 
     /// Forward and backward of micro-batch `mb` of 1-based `step`, accumulating gradients;
@@ -413,9 +454,9 @@ impl<'p> Session<'p> {
                 // Another pipeline stage's parameter: it arrives in the sum over pp below.
                 vec![0f32; total]
             } else if p.shards.is_empty() {
-                self.mem.f32(p.buffer).to_vec()
+                self.mem.read_f32(p.buffer)
             } else {
-                let local = self.mem.f32(p.buffer);
+                let local = &self.mem.read_f32(p.buffer)[..];
                 let axes: Vec<megac_ir::Axis> = p.shards.iter().flatten().copied().collect();
                 let members = plan.mesh.group(self.comm.rank(), &axes);
                 let mut all = vec![0f32; local.len() * members.len()];
@@ -495,7 +536,6 @@ fn local_tokens(
 /// communicator. Rank 0 prints progress, saves parameters and writes the trace; its report
 /// is returned (every rank computes the same losses and norms).
 pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
-    crate::exec::check_supported(plan)?;
     let world = plan.mesh.world_size();
     if world == 1 {
         return train_rank(plan, opts, Box::new(crate::comm::SingleRank));
@@ -517,7 +557,6 @@ pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Runtime
 /// this one in a collective (finalising would wait for them).
 #[cfg(feature = "mpi")]
 pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
-    crate::exec::check_supported(plan)?;
     let world = plan.mesh.world_size();
     if world > 1 && !crate::mpi_comm::started_by_launcher() {
         return Err(RuntimeError::Unsupported(format!(

@@ -9,8 +9,8 @@
 //!
 //! The runtime is Megatron's: overlapped data-parallel, tensor-parallel and pipeline
 //! communication (the table's flags; the [`crate::cost::CostParams`] defaults), and a
-//! mixed precision with bf16 parameter copies, whose distributed optimizer gathers them
-//! (`bf16_params`, set here), and sequence parallelism that keeps the norm outputs sharded
+//! mixed precision (bf16 working weights, which the distributed optimizer gathers: what
+//! megac's bf16 plans do), and sequence parallelism that keeps the norm outputs sharded
 //! and gathers them again in backward (`sp_regather`, set here).
 //!
 //! The table does not give the micro-batch size, the virtual pipeline size or the
@@ -193,9 +193,6 @@ pub struct Calibrated {
 /// Predict every row of [`MEGATRON_H100`] on `cluster` (an H100 preset or file).
 pub fn calibrate(cluster: &Cluster) -> Vec<Calibrated> {
     let mut cluster = cluster.clone();
-    // Megatron's mixed precision: bf16 parameter copies, fp32 gradients, master weights and
-    // moments in the (distributed) optimizer, which gathers the bf16 copies.
-    cluster.cost.bf16_params = true;
     // Megatron's sequence parallelism keeps the norm outputs sharded and gathers them again.
     cluster.cost.sp_regather = true;
     MEGATRON_H100

@@ -51,13 +51,6 @@ pub struct CostParams {
     pub pp_comm_overlap: bool,
     /// Device memory not available to the plan (CUDA context, NCCL and library workspaces), GiB.
     pub reserved_memory_gib: f64,
-    /// Megatron's mixed precision under `precision = "bf16"`: the model holds bf16 copies of
-    /// the parameters (2 bytes each) and fp32 gradients (4), the optimizer fp32 master weights
-    /// and AdamW moments (12, sharded by the distributed optimizer, which gathers the bf16
-    /// copies). Off: megac's plans today, which keep f32 parameters (4), f32 gradients (4, plus
-    /// the reduce-scattered shard) and moments (8) and gather f32. Only the analytic model
-    /// reads it; the simulator takes every byte from the plan.
-    pub bf16_params: bool,
     /// With sequence parallelism, keep the norm outputs sharded and all-gather them again in
     /// backward for the weight gradients (Megatron), instead of keeping the gathered copy
     /// (megac's plans today). Only the analytic model reads it.
@@ -80,7 +73,6 @@ impl Default for CostParams {
             dp_comm_overlap: true,
             pp_comm_overlap: true,
             reserved_memory_gib: 2.0,
-            bf16_params: false,
             sp_regather: false,
         }
     }
@@ -174,7 +166,8 @@ pub struct CostModel {
 /// Number format name of a dtype for [`crate::cluster::Device::peak`].
 pub fn dtype_name(d: DType) -> &'static str {
     match d {
-        DType::Bf16 => "bf16",
+        // fp16 and bf16 share the tensor cores' peak on every preset device.
+        DType::Bf16 | DType::F16 => "bf16",
         DType::F32 | DType::I32 => "fp32",
     }
 }

@@ -674,10 +674,7 @@ pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> 
     let (tp, pp, cp, dp) = (layout.tp, layout.pp.max(1), layout.cp, layout.dp);
     let v = layout.vpp.max(1);
     let sp = layout.sequence_parallel && tp > 1;
-    let act = match spec.train.precision {
-        megac_ir::spec::Precision::Bf16 => DType::Bf16,
-        megac_ir::spec::Precision::Fp32 => DType::F32,
-    };
+    let act = spec.train.precision.storage();
     let a = act.size_bytes() as f64;
     let mb = layout.micro_batch as f64;
     let s = m.seq_len as f64;
@@ -924,11 +921,8 @@ pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> 
         let ph = &phases[i];
         let (pd, pe) = (st.params_dense, st.params_expert);
         if !unit {
-            let gw = if params.bf16_params && act == DType::Bf16 {
-                2.0
-            } else {
-                W
-            };
+            // The distributed optimizer gathers the working weights (16-bit when mixed).
+            let gw = act.size_bytes() as f64;
             let cp_t = if cp > 1 {
                 cost.collective(Coll::AllReduce, (pd + pe) * W, cp_grad_group)
                     + (st.tensors - 1.0).max(0.0) * params.kernel_overhead_us * 1e-6
@@ -974,11 +968,15 @@ pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> 
         // Memory of this stage.
         let p_all = pd + pe;
         let shard = pd / dense_shards + pe / expert_shards;
-        let mixed = params.bf16_params && act == DType::Bf16;
-        let (param_bytes, grads, opt_state) = match (mixed, dist) {
-            (true, _) => (p_all * 2.0, p_all * W, shard * 12.0),
-            (false, true) => (p_all * W, p_all * W + shard * W, shard * 8.0),
-            (false, false) => (p_all * W, p_all * W, p_all * 8.0),
+        // As codegen lays them out: working weights in the storage dtype, f32 gradients
+        // (plus the reduce-scattered shard with the distributed optimizer), f32 moments and,
+        // under mixed precision, an f32 master copy, sharded by the distributed optimizer.
+        let state_per_param = if act.is_half() { 12.0 } else { 8.0 };
+        let param_bytes = p_all * act.size_bytes() as f64;
+        let (grads, opt_state) = if dist {
+            (p_all * W + shard * W, shard * state_per_param)
+        } else {
+            (p_all * W, p_all * state_per_param)
         };
         let stage_index = if i == stages.len() - 1 {
             pp - 1

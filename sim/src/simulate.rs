@@ -593,10 +593,10 @@ pub fn simulate(plan: &Plan, cost: &CostModel, trace: bool) -> Result<Simulation
         }
     }
     let step = roles.iter().map(|r| r.step_seconds).fold(0.0, f64::max);
-    let dtype = if plan.train.precision == "bf16" {
-        DType::Bf16
-    } else {
-        DType::F32
+    let dtype = match plan.train.precision.as_str() {
+        "bf16" => DType::Bf16,
+        "fp16" => DType::F16,
+        _ => DType::F32,
     };
     let peak = cost.peak(dtype);
     let peak_memory_bytes = plan

@@ -472,9 +472,10 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eps,
             weight_decay,
             max_norm,
+            master,
             ..
         } => {
-            arity(3, 3)?;
+            arity(3, if *master { 4 } else { 3 })?;
             for (v, what) in [(*beta1, "beta1"), (*beta2, "beta2")] {
                 if !(0.0..1.0).contains(&v) {
                     return Err(format!("{what} = {v} is not in [0, 1)"));
@@ -489,12 +490,34 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             if ins[0] != outs[0] {
                 return Err("updates its parameter in place: input 0 is output 0".into());
             }
+            // Gradients, moments and the master copy are f32 whatever the working weight.
+            for &(x, what) in [
+                (ins[1], "the gradient"),
+                (outs[1], "the first moment"),
+                (outs[2], "the second moment"),
+            ]
+            .iter()
+            .chain(outs.get(3).map(|&m| (m, "the master copy")).as_ref())
+            {
+                if b(x).dtype != DType::F32 {
+                    return Err(format!(
+                        "{what} (buffer {x}, {}) is {}, expected f32",
+                        b(x).name,
+                        b(x).dtype.as_str()
+                    ));
+                }
+            }
             for (x, class, what) in [
                 (outs[0], BufferClass::Param, "the parameter"),
                 (ins[1], BufferClass::Grad, "the gradient"),
                 (outs[1], BufferClass::OptState, "the first moment"),
                 (outs[2], BufferClass::OptState, "the second moment"),
-            ] {
+            ]
+            .into_iter()
+            .chain(
+                outs.get(3)
+                    .map(|&m| (m, BufferClass::OptState, "the master copy")),
+            ) {
                 if b(x).class != class {
                     return Err(format!(
                         "{what} (buffer {x}, {}) is in the {} arena, expected {}",

@@ -69,14 +69,23 @@ pub(super) fn run(
                 eps: *eps as f32,
                 weight_decay: *weight_decay as f32,
             };
+            // Mixed precision steps the f32 master copy (fourth output), then rounds it into
+            // the 16-bit working weight (staged: the executor rounds it once on store).
+            let weights = match outs.get(3) {
+                Some(&master) => mem.f32_mut(master),
+                None => mem.f32_mut(outs[0]),
+            };
             k::adamw_step(
-                mem.f32_mut(outs[0]),
+                weights,
                 g,
                 mem.f32_mut(outs[1]),
                 mem.f32_mut(outs[2]),
                 &hp,
                 ctx.step,
             );
+            if let Some(&master) = outs.get(3) {
+                mem.f32_mut(outs[0]).copy_from_slice(mem.f32(master));
+            }
         }
         _ => unreachable!("run_kernel routes `{}` elsewhere", op.name()),
     }
