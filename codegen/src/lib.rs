@@ -70,7 +70,9 @@ pub fn emit_plan(
                 (mesh.coord(r, megac_ir::Axis::Pp) + pp * mesh.coord(r, megac_ir::Axis::Fbd)) as u32
             })
             .collect();
-        return Ok(e.into_plan(split.roles, rank_to_role, split.memory, flops_per_step));
+        let mut plan = e.into_plan(split.roles, rank_to_role, split.memory, flops_per_step);
+        memory::add_staging(&mut plan);
+        return Ok(plan);
     }
     if p.distributed_optimizer && p.dp > 1 {
         e.zero1()?;
@@ -101,6 +103,7 @@ pub fn emit_plan(
         activation_bytes_unplanned,
         activation_bytes_live: live_bytes,
         input_bytes: bytes(BufferClass::Input),
+        staging_bytes: 0,
     };
     let roles = vec![Role {
         name: "rank".into(),
@@ -113,7 +116,9 @@ pub fn emit_plan(
         memory: None,
     }];
     let rank_to_role = vec![0; graph.mesh.world_size()];
-    Ok(e.into_plan(roles, rank_to_role, memory, flops_per_step))
+    let mut plan = e.into_plan(roles, rank_to_role, memory, flops_per_step);
+    memory::add_staging(&mut plan);
+    Ok(plan)
 }
 
 /// The plan's learning-rate schedule for `spec`.
@@ -550,6 +555,7 @@ impl<'a> Emitter<'a> {
                 lr: t.lr,
                 lr_schedule: lr_schedule(spec),
                 precision: t.precision.as_str().to_string(),
+                loss_scaler: t.loss_scaler,
             },
             buffers: self.buffers,
             params: self.params,

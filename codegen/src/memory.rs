@@ -6,6 +6,20 @@
 //! program; a view shares its root buffer's storage and extends its lifetime. Placement is
 //! greedy best-known practice (largest first, lowest free offset), deterministic.
 
+/// Record in `plan`'s memory plans the cpu backend's staging area of each role
+/// ([`Plan::staging_elements`]; zero in fp32 plans).
+pub fn add_staging(plan: &mut megac_ir::plan::Plan) {
+    let mut most = 0;
+    for r in 0..plan.roles.len() {
+        let bytes = plan.staging_elements(&plan.roles[r]) * 4;
+        most = most.max(bytes);
+        if let Some(m) = plan.roles[r].memory.as_mut() {
+            m.staging_bytes = bytes;
+        }
+    }
+    plan.memory.staging_bytes = most;
+}
+
 use std::collections::BTreeMap;
 
 use megac_ir::plan::{BufId, Buffer, BufferClass, Instr};

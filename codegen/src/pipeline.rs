@@ -208,6 +208,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         activation_bytes_unplanned: max(|m| m.activation_bytes_unplanned),
         activation_bytes_live: max(|m| m.activation_bytes_live),
         input_bytes: max(|m| m.input_bytes),
+        staging_bytes: 0,
     };
     Ok(Split { roles, memory })
 }
@@ -966,6 +967,7 @@ fn stage_role(
             })
             .max()
             .unwrap_or(0),
+        staging_bytes: 0,
     };
     let inputs = e
         .inputs

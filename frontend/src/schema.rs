@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use megac_ir::spec::{
-    Arch, ClusterSection, CosineSchedule, CpComm, DppPolicy, ModelSection, ModelSpec, MoeSpec,
-    ParallelSection, Precision, Recompute, Schedule, TrainSection,
+    Arch, ClusterSection, CosineSchedule, CpComm, DppPolicy, LossScaler, ModelSection, ModelSpec,
+    MoeSpec, ParallelSection, Precision, Recompute, Schedule, TrainSection,
 };
 
 use megac_ir::Axis;
@@ -53,6 +53,11 @@ const TRAIN_KEYS: &[&str] = &[
     "warmup_steps",
     "decay_steps",
     "min_lr",
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
 ];
 const PARALLEL_KEYS: &[&str] = &[
     "tp",
@@ -677,8 +682,69 @@ fn read_train(
         }
         None
     };
+    // fp16's loss scaler (Megatron's flags and defaults); the keys exist only for fp16.
+    const SCALER_KEYS: [&str; 5] = [
+        "loss_scale",
+        "initial_loss_scale",
+        "min_loss_scale",
+        "loss_scale_window",
+        "hysteresis",
+    ];
+    let loss_scaler = if precision == Precision::Fp16 {
+        let fixed = s.take("loss_scale").map(|e| (e.clone(), e.value.clone()));
+        let static_scale = match fixed {
+            None => None,
+            Some((e, Raw::Float(v))) if v.is_finite() && v > 0.0 => Some((v, e)),
+            Some((e, Raw::Int(n))) if n > 0 => Some((n as f64, e)),
+            Some((e, _)) => return Err(s.type_error("loss_scale", &e, "a positive number")),
+        };
+        let initial = s.number("initial_loss_scale", 2f64.powi(32), 0.0, true, None)?;
+        let min_scale = s.number("min_loss_scale", 1.0, 0.0, true, None)?;
+        let window = s.positive(
+            "loss_scale_window",
+            Some(1000),
+            "clean steps before the scale doubles",
+        )?;
+        let hysteresis = s.positive(
+            "hysteresis",
+            Some(2),
+            "overflowing steps before the scale halves",
+        )?;
+        Some(match static_scale {
+            Some((v, _)) => LossScaler {
+                initial_scale: v,
+                min_scale: v,
+                window,
+                hysteresis,
+                fixed: true,
+            },
+            None => LossScaler {
+                initial_scale: initial,
+                min_scale: min_scale.min(initial),
+                window,
+                hysteresis,
+                fixed: false,
+            },
+        })
+    } else {
+        for key in SCALER_KEYS {
+            if let Some(e) = s.take(key) {
+                return Err(SpecError::new(
+                    file,
+                    e.key_origin.clone(),
+                    format!(
+                        "train.{key} is only used with train.precision = \"fp16\" (now \"{}\")",
+                        precision.as_str()
+                    ),
+                )
+                .with_help("bf16 and fp32 need no loss scaling; remove the key or set precision = \"fp16\""));
+            }
+        }
+        None
+    };
     s.finish()?;
     Ok(TrainSection {
+        loss_scaler,
         lr_schedule,
         micro_batch,
         global_batch,

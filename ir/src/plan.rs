@@ -121,8 +121,11 @@ pub struct TrainInfo {
     pub lr: f64,
     /// Learning-rate schedule.
     pub lr_schedule: LrSchedule,
-    /// `fp32` or `bf16`.
+    /// `fp32`, `bf16` or `fp16`.
     pub precision: String,
+    /// fp16's loss scaler (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<crate::spec::LossScaler>,
 }
 
 /// What a buffer holds, which decides its arena and lifetime.
@@ -473,6 +476,14 @@ pub struct MemoryPlan {
     pub activation_bytes_live: u64,
     /// Data inputs.
     pub input_bytes: u64,
+    /// Mixed precision on the cpu backend: the f32 working copies of one instruction's
+    /// 16-bit operands ([`Plan::staging_elements`] × 4 bytes; 0 in fp32 plans).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub staging_bytes: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 impl MemoryPlan {
@@ -483,6 +494,7 @@ impl MemoryPlan {
             + self.opt_state_bytes
             + self.activation_bytes
             + self.input_bytes
+            + self.staging_bytes
     }
 }
 
@@ -733,6 +745,37 @@ impl Plan {
             .and_then(|&r| self.roles.get(r as usize))
             .and_then(|r| r.memory.as_ref())
             .unwrap_or(&self.memory)
+    }
+
+    /// Every program of `role`: micro-batch, optimizer and each pipeline chunk's segments.
+    pub fn programs_of(role: &Role) -> Vec<&[Instr]> {
+        let mut programs: Vec<&[Instr]> = vec![&role.microbatch, &role.optimizer];
+        if let Some(p) = &role.pipeline {
+            for c in &p.chunks {
+                programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
+            }
+        }
+        programs
+    }
+
+    /// Mixed precision: the elements of the largest set of distinct 16-bit (bf16/fp16)
+    /// buffers one instruction of `role` touches. The cpu backend computes every kernel in
+    /// f32, on copies of its 16-bit operands widened into a scratch area of this size.
+    pub fn staging_elements(&self, role: &Role) -> u64 {
+        let mut most = 0;
+        for instr in Self::programs_of(role).into_iter().flatten() {
+            let mut ids = instr.buffers();
+            ids.sort_unstable();
+            ids.dedup();
+            let n: u64 = ids
+                .iter()
+                .filter_map(|&b| self.buffers.get(b as usize))
+                .filter(|b| b.dtype.is_half())
+                .map(Buffer::len)
+                .sum();
+            most = most.max(n);
+        }
+        most
     }
 
     /// Every tensor Hugging Face stores for the plan's parameters, in parameter order

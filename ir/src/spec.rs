@@ -164,6 +164,27 @@ pub struct TrainSection {
     pub recompute: Recompute,
     /// Warmup + cosine decay of the learning rate; constant when None.
     pub lr_schedule: Option<CosineSchedule>,
+    /// The fp16 loss scaler (None unless `precision = "fp16"`).
+    pub loss_scaler: Option<LossScaler>,
+}
+
+/// Megatron's fp16 loss scaling: the loss gradient is multiplied by the scale, the
+/// gradients divided by it before clipping; a step whose gradients overflow is skipped.
+/// Dynamic (Megatron's `DynamicGradScaler`): the scale halves after `hysteresis` overflowing
+/// steps (and at every one after, until a growth), never below `min_scale`, and doubles
+/// after `window` clean steps in a row. Static (`train.loss_scale`): a fixed scale.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScaler {
+    /// The scale of the first step (Megatron's `--initial-loss-scale`, default 2^32).
+    pub initial_scale: f64,
+    /// The smallest scale (`--min-loss-scale`, default 1).
+    pub min_scale: f64,
+    /// Clean steps in a row before the scale doubles (`--loss-scale-window`, default 1000).
+    pub window: u64,
+    /// Overflowing steps before the scale first halves (`--hysteresis`, default 2).
+    pub hysteresis: u64,
+    /// A static scale: never changes (`--loss-scale`).
+    pub fixed: bool,
 }
 
 /// `train.lr_schedule = "cosine"`: linear warmup from 0, then cosine decay to `min_lr`.

@@ -29,6 +29,9 @@ pub struct StepContext {
     pub lr: f64,
     /// The micro-batch a pipeline segment runs (tags its transfers).
     pub microbatch: u64,
+    /// fp16's loss scale (1 otherwise): the loss gradient is multiplied by it, the gradient
+    /// norm and the gradients divided by it.
+    pub loss_scale: f64,
 }
 
 fn layout(w: WeightLayout) -> k::WeightLayout {

@@ -28,5 +28,6 @@ pub mod memory;
 pub mod mpi_comm;
 mod pipeline;
 pub mod profile;
+pub mod scaler;
 mod sharded;
 pub mod train;

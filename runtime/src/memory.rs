@@ -72,12 +72,7 @@ impl Memory {
             }
         }
         // What the role's programs touch, and the parameters (initialised, saved).
-        let mut programs: Vec<&[megac_ir::plan::Instr]> = vec![&role.microbatch, &role.optimizer];
-        if let Some(p) = &role.pipeline {
-            for c in &p.chunks {
-                programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
-            }
-        }
+        let programs = Plan::programs_of(role);
         let mut used = vec![false; plan.buffers.len()];
         for instr in programs.iter().copied().flatten() {
             for b in instr.buffers() {
@@ -187,19 +182,7 @@ impl Memory {
             )));
         }
         // Scratch for the widest instruction's 16-bit operands (each distinct buffer once).
-        let mut scratch = 0u64;
-        for instr in programs.iter().copied().flatten() {
-            let mut ids: Vec<BufId> = instr.buffers();
-            ids.sort_unstable();
-            ids.dedup();
-            let n: u64 = ids
-                .iter()
-                .filter_map(|&b| plan.buffers.get(b as usize))
-                .filter(|b| b.dtype.is_half())
-                .map(Buffer::len)
-                .sum();
-            scratch = scratch.max(n);
-        }
+        let scratch = plan.staging_elements(role);
         let words = |bytes: u64| bytes.div_ceil(4);
         Ok(Memory {
             buffers: plan.buffers.clone(),

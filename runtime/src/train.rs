@@ -43,6 +43,10 @@ pub struct StepRecord {
     pub grad_norm: f64,
     /// Wall time of the step.
     pub seconds: f64,
+    /// fp16: the loss scale the step ran with (None in other precisions).
+    pub loss_scale: Option<f64>,
+    /// fp16: the gradients overflowed and the update was skipped.
+    pub skipped: bool,
 }
 
 /// What a run produced.
@@ -72,9 +76,14 @@ impl RunReport {
             .steps
             .iter()
             .map(|s| {
-                serde_json::json!({
+                let mut j = serde_json::json!({
                     "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "seconds": s.seconds
-                })
+                });
+                if let Some(scale) = s.loss_scale {
+                    j["loss_scale"] = serde_json::json!(scale);
+                    j["skipped"] = serde_json::json!(s.skipped);
+                }
+                j
             })
             .collect();
         let mut v = serde_json::json!({
@@ -135,6 +144,8 @@ pub struct Session<'p> {
     pub(crate) comm: Box<dyn crate::comm::Communicator>,
     /// The pipeline actions this rank ran in its last step, in order.
     pub executed: Vec<megac_ir::plan::PipeAction>,
+    /// fp16's loss scaler (None in other precisions).
+    pub scaler: Option<crate::scaler::Scaler>,
 }
 
 impl<'p> Session<'p> {
@@ -206,6 +217,7 @@ impl<'p> Session<'p> {
             profile: None,
             comm,
             executed: Vec::new(),
+            scaler: plan.train.loss_scaler.map(crate::scaler::Scaler::new),
         };
         let mut session = session;
         session.init_params(init)?;
@@ -217,15 +229,8 @@ impl<'p> Session<'p> {
     /// to 16 bits), as Megatron's main params are copies of its bf16 params. The plan names
     /// the pairs in its AdamW instructions: working weight first output, master fourth.
     fn init_masters(&mut self) {
-        let role = self.role();
-        let mut programs: Vec<&[megac_ir::plan::Instr]> = vec![&role.optimizer];
-        if let Some(p) = &role.pipeline {
-            for c in &p.chunks {
-                programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
-            }
-        }
         let mut pairs = Vec::new();
-        for instr in programs.into_iter().flatten() {
+        for instr in Plan::programs_of(self.role()).into_iter().flatten() {
             if let megac_ir::plan::Instr::Kernel {
                 op: megac_ir::OpKind::AdamW { .. },
                 outputs,
@@ -425,7 +430,12 @@ impl<'p> Session<'p> {
             self.comm.all_reduce_sum_f64(&group, &mut total)?;
             loss = total[0];
         }
-        Ok((loss, self.optimizer_step(step)?))
+        let norm = self.optimizer_step(step)?;
+        // fp16: every rank sees the same global norm, so every scaler moves alike.
+        if let Some(s) = &mut self.scaler {
+            s.update(!norm.is_finite());
+        }
+        Ok((loss, norm))
     }
 
     /// This rank's role.
@@ -439,6 +449,7 @@ impl<'p> Session<'p> {
             step,
             lr: self.plan.train.lr_schedule.lr_at(self.plan.train.lr, step),
             microbatch: 0,
+            loss_scale: self.scaler.as_ref().map_or(1.0, |s| s.scale()),
         }
     }
 
@@ -663,8 +674,26 @@ fn train_rank(
             session.profile = Some(Default::default());
         }
         let t0 = Instant::now();
+        let loss_scale = session.scaler.as_ref().map(|s| s.scale());
         let (loss, grad_norm) = session.step(step)?;
-        check_finite(plan, step, loss, grad_norm)?;
+        // fp16: a non-finite gradient norm is an overflow: the update was skipped and the
+        // scale halves, unless it cannot go lower.
+        let skipped = loss_scale.is_some() && !grad_norm.is_finite();
+        let stuck = session
+            .scaler
+            .as_ref()
+            .zip(loss_scale)
+            .is_some_and(|(s, before)| {
+                skipped
+                    && s.scale() == before
+                    && plan
+                        .train
+                        .loss_scaler
+                        .is_some_and(|c| c.fixed || before <= c.min_scale)
+            });
+        if !skipped || stuck {
+            check_finite(plan, step, loss, grad_norm)?;
+        }
         let seconds = t0.elapsed().as_secs_f64();
         if let Some(p) = &session.profile {
             step_times.push((step, t0.duration_since(p.origin).as_secs_f64(), seconds));
@@ -674,15 +703,22 @@ fn train_rank(
             loss,
             grad_norm,
             seconds,
+            loss_scale,
+            skipped,
         });
         if progress {
             let elapsed = start.elapsed().as_secs_f64();
             let tok_s = (step * b.tokens_per_step) as f64 / elapsed.max(1e-9);
             let eta = elapsed / step as f64 * (steps - step) as f64;
             let mut err = std::io::stderr().lock();
+            let scale = match loss_scale {
+                Some(s) if skipped => format!("  loss scale {s:e}: overflow, step skipped"),
+                Some(s) => format!("  loss scale {s:e}"),
+                None => String::new(),
+            };
             let _ = writeln!(
                 err,
-                "step {step:>5}/{steps}  loss {loss:.4}  grad norm {grad_norm:.3}  lr {:.3e}  {tok_s:>9.0} tok/s  ETA {}",
+                "step {step:>5}/{steps}  loss {loss:.4}  grad norm {grad_norm:.3}  lr {:.3e}  {tok_s:>9.0} tok/s  ETA {}{scale}",
                 plan.train.lr_schedule.lr_at(plan.train.lr, step),
                 fmt_duration(eta)
             );

@@ -154,6 +154,7 @@ impl TableRow {
                 grad_clip: 1.0,
                 recompute: Recompute::None,
                 lr_schedule: None,
+                loss_scaler: None,
             },
             parallel: ParallelSection {
                 tp: self.tp,

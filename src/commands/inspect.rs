@@ -163,9 +163,7 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
                         })).collect::<Vec<_>>(),
                     })
                 });
-                serde_json::json!({
-                    "role": r.name,
-                    "memory_bytes": {
+                let mut memory = serde_json::json!({
                         "parameters": m.param_bytes,
                         "gradients": m.grad_bytes,
                         "optimizer_state": m.opt_state_bytes,
@@ -174,7 +172,14 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
                         "activations_live": m.activation_bytes_live,
                         "inputs": m.input_bytes,
                         "total": m.total(),
-                    },
+                });
+                if m.staging_bytes > 0 {
+                    memory["staging"] = serde_json::json!(m.staging_bytes);
+                }
+                serde_json::json!({
+                    "role": r.name,
+                    "memory_bytes": memory,
+                    "param_count": role_param_count(&plan, r),
                     "collective_bytes_per_step": role_collective_bytes(&plan, r),
                     "instructions": { "microbatch": r.microbatch.len(), "optimizer": r.optimizer.len() },
                     "pipeline": pipeline,
@@ -285,6 +290,12 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         mib(m.activation_bytes_unplanned).trim_start()
     );
     println!("  inputs            {}", mib(m.input_bytes));
+    if m.staging_bytes > 0 {
+        println!(
+            "  staging           {}   (cpu backend: f32 copies of one kernel's 16-bit operands)",
+            mib(m.staging_bytes)
+        );
+    }
     println!("  total             {}", mib(m.total()));
     let coll = collective_bytes(&plan);
     if coll.is_empty() {
@@ -303,4 +314,22 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         plan.flops_per_step / b.tokens_per_step as f64
     );
     Ok(())
+}
+
+/// The parameter elements a rank of role `r` holds (its shards, its pipeline stage's).
+fn role_param_count(plan: &megac_ir::plan::Plan, r: &megac_ir::plan::Role) -> u64 {
+    let Some(rank) = plan
+        .rank_to_role
+        .iter()
+        .position(|&x| std::ptr::eq(&plan.roles[x as usize], r))
+    else {
+        return 0;
+    };
+    let stage = plan.mesh.coord(rank, megac_ir::Axis::Pp) as u32;
+    plan.params
+        .iter()
+        .map(|p| &plan.buffers[p.buffer as usize])
+        .filter(|b| b.stage.is_none_or(|s| s == stage))
+        .map(|b| b.len())
+        .sum()
 }

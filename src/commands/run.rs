@@ -117,6 +117,13 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
             report.tokens_per_s,
             report.peak_rss_bytes as f64 / (1u64 << 20) as f64
         );
+        if let Some(scale) = z.loss_scale {
+            let skipped = report.steps.iter().filter(|s| s.skipped).count();
+            println!(
+                "fp16 loss scale {scale:e}; {skipped} of {} steps skipped on overflow",
+                report.steps.len()
+            );
+        }
     }
     if let (true, Some(profile)) = (args.profile, &report.profile) {
         print!("{}", profile.render());

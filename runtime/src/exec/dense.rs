@@ -297,7 +297,7 @@ pub(super) fn run(
                 let stats =
                     vocab_parallel_stats(logits, labels, v, start, env.vocab, &members, comm)?;
                 let real = real_columns(v, start, env.vocab);
-                let scale = (1.0 / tokens) as f32;
+                let scale = (env.ctx.loss_scale / tokens) as f32;
                 let dl = mem.f32_mut(outs[0]);
                 for (row, ((x, d), st)) in logits
                     .chunks_exact(v)
@@ -319,7 +319,7 @@ pub(super) fn run(
                 mem.i32(ins[1]),
                 numel(mem, ins[0]) / v,
                 v,
-                (1.0 / tokens) as f32,
+                (env.ctx.loss_scale / tokens) as f32,
                 mem.f32_mut(outs[0]),
             );
         }

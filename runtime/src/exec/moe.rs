@@ -66,7 +66,7 @@ pub(super) fn run(
                     let l = k::moe::moe_aux_loss_from_stats(&stats, top_k, *coeff);
                     mem.f32_mut(outs[0])[0] = (l * share) as f32;
                 } else {
-                    let scale = share * members.len() as f64;
+                    let scale = share * members.len() as f64 * env.ctx.loss_scale;
                     k::moe::moe_aux_loss_bwd_from_stats(
                         logits,
                         t,
@@ -91,7 +91,7 @@ pub(super) fn run(
                     mem.i32(ins[1]),
                     top_k,
                     *coeff,
-                    share as f32,
+                    (share * env.ctx.loss_scale) as f32,
                     mem.f32_mut(outs[0]),
                 );
             }

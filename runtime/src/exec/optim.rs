@@ -43,7 +43,8 @@ pub(super) fn run(
                 })
                 .sum::<f64>()];
             comm.all_reduce_sum_f64(&members, &mut total)?;
-            mem.f32_mut(outs[0])[0] = total[0].sqrt() as f32;
+            // The norm of the unscaled gradients (fp16's loss scale divided out).
+            mem.f32_mut(outs[0])[0] = (total[0].sqrt() / ctx.loss_scale) as f32;
         }
         OpKind::AdamW {
             beta1,
@@ -54,7 +55,15 @@ pub(super) fn run(
             ..
         } => {
             let norm = mem.f32(ins[2])[0];
+            if !norm.is_finite() {
+                // fp16: the gradients overflowed; the step is skipped (Megatron), and the
+                // loss scaler halves its scale. (Any other precision stops the run.)
+                return Ok(());
+            }
             let g = mem.f32_mut(ins[1]);
+            if ctx.loss_scale != 1.0 {
+                k::scale_in_place(g, (1.0 / ctx.loss_scale) as f32);
+            }
             if *max_norm > 0.0 {
                 // torch.nn.utils.clip_grad_norm_: multiply by min(1, max_norm / (norm + 1e-6)).
                 let coef = (*max_norm as f32) / (norm + 1e-6);
