@@ -55,8 +55,25 @@ impl Scaler {
     }
 }
 
+/// A scale for people: `2^32` for a power of two, else the number.
+pub fn fmt_scale(scale: f64) -> String {
+    let k = scale.log2();
+    if scale > 0.0 && k.fract() == 0.0 && k.abs() < 1100.0 {
+        format!("2^{k}")
+    } else {
+        format!("{scale}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn scales_print_as_powers_of_two() {
+        assert_eq!(super::fmt_scale(4294967296.0), "2^32");
+        assert_eq!(super::fmt_scale(1.0), "2^0");
+        assert_eq!(super::fmt_scale(1000.0), "1000");
+    }
+
     use super::*;
 
     fn megatron() -> LossScaler {

@@ -712,8 +712,11 @@ fn train_rank(
             let eta = elapsed / step as f64 * (steps - step) as f64;
             let mut err = std::io::stderr().lock();
             let scale = match loss_scale {
-                Some(s) if skipped => format!("  loss scale {s:e}: overflow, step skipped"),
-                Some(s) => format!("  loss scale {s:e}"),
+                Some(s) if skipped => format!(
+                    "  loss scale {}: overflow, step skipped",
+                    crate::scaler::fmt_scale(s)
+                ),
+                Some(s) => format!("  loss scale {}", crate::scaler::fmt_scale(s)),
                 None => String::new(),
             };
             let _ = writeln!(

@@ -120,7 +120,8 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
         if let Some(scale) = z.loss_scale {
             let skipped = report.steps.iter().filter(|s| s.skipped).count();
             println!(
-                "fp16 loss scale {scale:e}; {skipped} of {} steps skipped on overflow",
+                "fp16 loss scale {}; {skipped} of {} steps skipped on overflow",
+                megac_runtime::scaler::fmt_scale(scale),
                 report.steps.len()
             );
         }
