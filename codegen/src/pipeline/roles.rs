@@ -54,13 +54,75 @@ pub(super) fn stage_role(
     norm: BufId,
 ) -> Role {
     let spec = e.spec;
-    let (pp, nc) = (geo.pp, geo.nc);
     let loss_keys: Vec<String> = ["loss", "total_loss"]
         .iter()
         .filter(|k| e.results.contains_key(**k))
         .map(|k| k.to_string())
         .collect();
     let live_to_end: Vec<BufId> = loss_keys.iter().map(|k| e.results[k]).collect();
+    let placed = chunk_programs(e, s, geo, segs, slots, usage, &live_to_end);
+    let opt_elems = place_optimizer_activations(e, &optimizer, placed.base);
+    let stage_inputs: BTreeSet<BufId> = placed
+        .chunks
+        .iter()
+        .flat_map(|c| c.inputs.clone())
+        .collect();
+    let mem = stage_memory(e, s, &placed, opt_elems, &stage_inputs);
+    let inputs = e
+        .inputs
+        .iter()
+        .filter(|(_, b)| stage_inputs.contains(b))
+        .map(|(k, &b)| (k.clone(), b))
+        .collect();
+    let (results, result_axes) = stage_results(e, s, &loss_keys, norm);
+    Role {
+        name: format!("stage{s}"),
+        microbatch: Vec::new(),
+        optimizer,
+        inputs,
+        results,
+        result_axes,
+        pipeline: Some(Pipeline {
+            schedule: spec.parallel.schedule.as_str().to_string(),
+            chunks_total: geo.nc,
+            chunks: placed.chunks,
+            actions: stage_actions(geo, s),
+            dpp: match geo.kind {
+                ScheduleKind::Dpp(policy) => Some(DppExec {
+                    policy: spec.parallel.dpp_policy,
+                    cap: policy.cap_or(geo.pp),
+                }),
+                _ => None,
+            },
+        }),
+        memory: Some(mem),
+    }
+}
+
+/// A stage's chunk programs with the activation memory their slots take.
+struct PlacedChunks {
+    chunks: Vec<ChunkProgram>,
+    /// Activation elements taken by every chunk's slots (where the optimizer's begin).
+    base: u64,
+    /// Bytes of the chunks' activations without liveness reuse, times their slots.
+    unplanned: u64,
+    /// Peak live activation bytes of the chunks, times their slots.
+    live: u64,
+}
+
+/// The chunks of stage `s`: each chunk's segments (the backward and weight segments merged
+/// unless the schedule splits them), its activations placed by liveness into one slot and
+/// its slots placed one after another, the data inputs it reads and its layers.
+fn chunk_programs(
+    e: &mut Emitter,
+    s: u32,
+    geo: &Geometry,
+    segs: &mut BTreeMap<(u32, Phase), Vec<Instr>>,
+    slots: &[u32],
+    usage: &Usage,
+    live_to_end: &[BufId],
+) -> PlacedChunks {
+    let (pp, nc) = (geo.pp, geo.nc);
     let mut chunks = Vec::new();
     let mut base = 0u64;
     let (mut unplanned, mut live) = (0u64, 0u64);
@@ -73,8 +135,8 @@ pub(super) fn stage_role(
             view_of: e.view_of.clone(),
         };
         // Slots are counted in the runtime's 4-byte arena units.
-        let elems = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end) / 4;
-        live += memory::live_peak(&e.buffers, &liveness, &live_to_end) * u64::from(n_slots);
+        let elems = memory::assign_offsets(&mut e.buffers, &liveness, live_to_end) / 4;
+        live += memory::live_peak(&e.buffers, &liveness, live_to_end) * u64::from(n_slots);
         unplanned += e
             .buffers
             .iter()
@@ -118,9 +180,19 @@ pub(super) fn stage_role(
         });
         base += elems * u64::from(n_slots);
     }
-    // The optimizer's activations (the norm) after the chunks' slots.
+    PlacedChunks {
+        chunks,
+        base,
+        unplanned,
+        live,
+    }
+}
+
+/// The optimizer's activations (the norm), placed by liveness after the chunks' slots
+/// (`base` elements); returns the elements they take.
+fn place_optimizer_activations(e: &mut Emitter, optimizer: &[Instr], base: u64) -> u64 {
     let liveness = memory::Liveness {
-        programs: vec![optimizer.clone()],
+        programs: vec![optimizer.to_vec()],
         view_of: e.view_of.clone(),
     };
     let touched: BTreeSet<BufId> = optimizer
@@ -133,6 +205,18 @@ pub(super) fn stage_role(
         let size = e.buffers[b as usize].dtype.size_bytes().max(1);
         e.buffers[b as usize].offset += base * 4 / size;
     }
+    elems
+}
+
+/// Stage `s`'s memory: its own persistent arenas, its chunks' slots and the optimizer's
+/// `opt_elems` activation elements, and the data inputs it reads.
+fn stage_memory(
+    e: &Emitter,
+    s: u32,
+    placed: &PlacedChunks,
+    opt_elems: u64,
+    stage_inputs: &BTreeSet<BufId>,
+) -> MemoryPlan {
     let stage_bytes = |class: BufferClass, buffers: &[Buffer]| -> u64 {
         buffers
             .iter()
@@ -141,14 +225,13 @@ pub(super) fn stage_role(
             .max()
             .unwrap_or(0)
     };
-    let stage_inputs: BTreeSet<BufId> = chunks.iter().flat_map(|c| c.inputs.clone()).collect();
-    let mem = MemoryPlan {
+    MemoryPlan {
         param_bytes: stage_bytes(BufferClass::Param, &e.buffers),
         grad_bytes: stage_bytes(BufferClass::Grad, &e.buffers),
         opt_state_bytes: stage_bytes(BufferClass::OptState, &e.buffers),
-        activation_bytes: (base + elems) * 4,
-        activation_bytes_unplanned: unplanned + elems * 4,
-        activation_bytes_live: live + elems * 4,
+        activation_bytes: (placed.base + opt_elems) * 4,
+        activation_bytes_unplanned: placed.unplanned + opt_elems * 4,
+        activation_bytes_live: placed.live + opt_elems * 4,
         input_bytes: stage_inputs
             .iter()
             .map(|&b| {
@@ -157,16 +240,21 @@ pub(super) fn stage_role(
             })
             .max()
             .unwrap_or(0),
-    };
-    let inputs = e
-        .inputs
-        .iter()
-        .filter(|(_, b)| stage_inputs.contains(b))
-        .map(|(k, &b)| (k.clone(), b))
-        .collect();
+    }
+}
+
+/// Stage `s`'s results and the axes each is summed over to report it: the loss where the
+/// stage holds it (every stage sums it over pp) and the stage's gradient norm `norm`.
+#[allow(clippy::type_complexity)]
+fn stage_results(
+    e: &Emitter,
+    s: u32,
+    loss_keys: &[String],
+    norm: BufId,
+) -> (BTreeMap<String, BufId>, BTreeMap<String, Vec<Axis>>) {
     let mut results = BTreeMap::new();
     let mut result_axes = BTreeMap::new();
-    for k in &loss_keys {
+    for k in loss_keys {
         let b = e.results[k];
         if e.buffers[b as usize].stage == Some(s) {
             results.insert(k.clone(), b);
@@ -177,7 +265,13 @@ pub(super) fn stage_role(
         result_axes.insert(k.clone(), axes);
     }
     results.insert("grad_norm".to_string(), norm);
-    let actions = geo.lists[s as usize]
+    (results, result_axes)
+}
+
+/// Stage `s`'s action list from the schedule (its compute actions; transfers are
+/// instructions in the chunk programs).
+fn stage_actions(geo: &Geometry, s: u32) -> Vec<PipeAction> {
+    geo.lists[s as usize]
         .iter()
         .filter_map(|a| {
             let kind = match a.kind {
@@ -193,28 +287,5 @@ pub(super) fn stage_role(
                 microbatch: a.microbatch,
             })
         })
-        .collect();
-    let dpp = match geo.kind {
-        ScheduleKind::Dpp(policy) => Some(DppExec {
-            policy: spec.parallel.dpp_policy,
-            cap: policy.cap_or(pp),
-        }),
-        _ => None,
-    };
-    Role {
-        name: format!("stage{s}"),
-        microbatch: Vec::new(),
-        optimizer,
-        inputs,
-        results,
-        result_axes,
-        pipeline: Some(Pipeline {
-            schedule: spec.parallel.schedule.as_str().to_string(),
-            chunks_total: nc,
-            chunks,
-            actions,
-            dpp,
-        }),
-        memory: Some(mem),
-    }
+        .collect()
 }
