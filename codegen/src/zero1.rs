@@ -3,7 +3,7 @@
 //! rank's shard with its own slice of the AdamW state and all-gathers the parameters back.
 
 use megac_ir::plan::{BufId, BufferClass, Instr, ParamEntry};
-use megac_ir::OpKind;
+use megac_ir::{Axis, OpKind};
 
 use crate::{CodegenError, Emitter};
 
@@ -40,9 +40,8 @@ impl Emitter<'_> {
         program_in: &[Instr],
         params: &[usize],
         norm: BufId,
-        norm_axes_extra: &[megac_ir::Axis],
+        norm_axes_extra: &[Axis],
     ) -> Result<Vec<Instr>, CodegenError> {
-        use megac_ir::Axis;
         let hp = program_in.iter().find_map(|i| match i {
             Instr::Kernel {
                 op: op @ OpKind::AdamW { .. },
@@ -55,22 +54,69 @@ impl Emitter<'_> {
                 "no AdamW step to distribute".into(),
             ));
         };
-        let mesh = &self.g.mesh;
-        let (dp, edp, cp) = (
-            mesh.size(Axis::Dp),
-            mesh.size(Axis::Edp),
-            mesh.size(Axis::Cp),
-        );
-        let is_expert = |e: &ParamEntry| e.shards.iter().any(|a| a.contains(&Axis::Ep));
-        let tp_split = |e: &ParamEntry| e.shards.iter().any(|a| a.contains(&Axis::Tp));
+        let mut program = self.pending_reductions(program_in, params);
+        let (segments, total) = self.lay_out_segments(params);
+        let mut grad_offset = total;
+        let mut opt_offset = 0u64;
+        let mut shards = Vec::new();
+        for (k, seg) in segments.iter().enumerate() {
+            shards.push(self.shard_segment(
+                k,
+                seg,
+                &mut grad_offset,
+                &mut opt_offset,
+                &mut program,
+            ));
+        }
+        let cp = self.g.mesh.size(Axis::Cp);
+        let mut norm_axes = vec![Axis::Dp];
+        if cp > 1 && segments.iter().any(|s| s.expert) {
+            // Expert shards differ across the cp ranks too (ep × edp = dp·cp).
+            norm_axes.push(Axis::Cp);
+        }
+        if segments.iter().any(|s| s.split) {
+            norm_axes.push(Axis::Tp);
+        }
+        norm_axes.extend_from_slice(norm_axes_extra);
+        program.push(Instr::Kernel {
+            op: OpKind::GradNorm { axes: norm_axes },
+            inputs: shards.iter().map(|s| s.grad_shard).collect(),
+            outputs: vec![norm],
+            path: "optimizer.grad_norm".into(),
+        });
+        for sh in shards {
+            let k = sh.k;
+            program.push(Instr::Kernel {
+                op: adamw.clone(),
+                inputs: vec![sh.param_shard, sh.grad_shard, norm],
+                outputs: vec![sh.param_shard, sh.exp_avg, sh.exp_avg_sq],
+                path: format!("optimizer.adamw.segment{k}"),
+            });
+            if sh.n > 1 {
+                program.push(Instr::Kernel {
+                    op: OpKind::AllGather {
+                        axes: vec![sh.axis],
+                        dim: 0,
+                    },
+                    inputs: vec![sh.param_shard],
+                    outputs: vec![sh.params],
+                    path: format!("optimizer.all_gather.segment{k}"),
+                });
+            }
+        }
+        Ok(program)
+    }
+
+    /// Gradients of `params` that are also pending sums over other axes (cp, or tp for norm
+    /// weights under sequence parallelism) are reduced over those first, in place; the sum
+    /// over the segment's own axis (dp, or edp for experts) is the reduce-scatter that
+    /// follows. Returns those in-place all-reduces of `program_in`.
+    fn pending_reductions(&self, program_in: &[Instr], params: &[usize]) -> Vec<Instr> {
         let expert_grads: Vec<BufId> = params
             .iter()
             .filter(|&&i| is_expert(&self.params[i]))
             .map(|&i| self.params[i].grad)
             .collect();
-        // Gradients that are also pending sums over other axes (cp, or tp for norm weights
-        // under sequence parallelism) are reduced over those first, in place; the sum over
-        // the segment's own axis (dp, or edp for experts) is the reduce-scatter below.
         let mut program = Vec::new();
         for instr in program_in {
             if let Instr::Kernel {
@@ -95,14 +141,17 @@ impl Emitter<'_> {
                 }
             }
         }
+        program
+    }
+
+    /// Lay the parameters and gradients of `params` out in the flat arenas, segment after
+    /// segment, each padded to a multiple of its group's size. Returns the non-empty segments
+    /// and the arenas' total length.
+    fn lay_out_segments(&mut self, params: &[usize]) -> (Vec<Segment>, u64) {
+        let mesh = &self.g.mesh;
+        let (dp, edp) = (mesh.size(Axis::Dp), mesh.size(Axis::Edp));
         // Segment kinds in arena order: (expert, tp split).
         let kinds = [(false, false), (false, true), (true, false), (true, true)];
-        struct Segment {
-            start: u64,
-            padded: u64,
-            split: bool,
-            expert: bool,
-        }
         let mut segments: Vec<Segment> = Vec::new();
         let mut offset = 0u64;
         for (expert, split) in kinds {
@@ -130,121 +179,135 @@ impl Emitter<'_> {
                 offset = start + padded;
             }
         }
-        let total = offset;
-        let mut grad_offset = total;
-        let mut opt_offset = 0u64;
-        let mut norm_inputs = Vec::new();
-        let mut updates = Vec::new();
-        for (k, seg) in segments.iter().enumerate() {
-            let (axis, n) = if seg.expert {
-                (Axis::Edp, edp)
-            } else {
-                (Axis::Dp, dp)
-            };
-            let shard = seg.padded / n;
-            let mut layout = if seg.expert {
-                vec![Axis::Edp, Axis::Ep]
-            } else {
-                vec![Axis::Dp]
-            };
-            if seg.split {
-                layout.push(Axis::Tp);
-            }
-            let grads = self.flat(
-                &format!("grad:segment{k}"),
+        (segments, offset)
+    }
+
+    /// Segment `k`'s flat buffers, this rank's shard of them (its gradients reduce-scattered
+    /// into the shard, pushed onto `program`) and the shard's AdamW state; the gradient
+    /// shards go from `grad_offset` (past the gradient arena), the state from `opt_offset`.
+    fn shard_segment(
+        &mut self,
+        k: usize,
+        seg: &Segment,
+        grad_offset: &mut u64,
+        opt_offset: &mut u64,
+        program: &mut Vec<Instr>,
+    ) -> Shard {
+        let mesh = &self.g.mesh;
+        let (axis, n) = if seg.expert {
+            (Axis::Edp, mesh.size(Axis::Edp))
+        } else {
+            (Axis::Dp, mesh.size(Axis::Dp))
+        };
+        let shard = seg.padded / n;
+        let mut layout = if seg.expert {
+            vec![Axis::Edp, Axis::Ep]
+        } else {
+            vec![Axis::Dp]
+        };
+        if seg.split {
+            layout.push(Axis::Tp);
+        }
+        let grads = self.flat(
+            &format!("grad:segment{k}"),
+            BufferClass::Grad,
+            seg.start,
+            seg.padded,
+        );
+        let params = self.flat(
+            &format!("param:segment{k}"),
+            BufferClass::Param,
+            seg.start,
+            seg.padded,
+        );
+        // With a group of one (edp = 1: ep = dp·cp) the rank's shard is the segment.
+        let (grad_shard, param_shard) = if n > 1 {
+            let grad_shard = self.flat(
+                &format!("grad:shard{k}"),
                 BufferClass::Grad,
-                seg.start,
-                seg.padded,
+                *grad_offset,
+                shard,
             );
-            let params = self.flat(
-                &format!("param:segment{k}"),
+            *grad_offset += shard;
+            let param_shard = self.flat(
+                &format!("param:shard{k}"),
                 BufferClass::Param,
                 seg.start,
-                seg.padded,
-            );
-            // With a group of one (edp = 1: ep = dp·cp) the rank's shard is the segment.
-            let (grad_shard, param_shard) = if n > 1 {
-                let grad_shard = self.flat(
-                    &format!("grad:shard{k}"),
-                    BufferClass::Grad,
-                    grad_offset,
-                    shard,
-                );
-                grad_offset += shard;
-                let param_shard = self.flat(
-                    &format!("param:shard{k}"),
-                    BufferClass::Param,
-                    seg.start,
-                    shard,
-                );
-                self.buffers[param_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
-                    axis,
-                    stride: shard,
-                });
-                program.push(Instr::Kernel {
-                    op: OpKind::ReduceScatter {
-                        axes: vec![axis],
-                        dim: 0,
-                    },
-                    inputs: vec![grads],
-                    outputs: vec![grad_shard],
-                    path: format!("optimizer.reduce_scatter.segment{k}"),
-                });
-                (grad_shard, param_shard)
-            } else {
-                (grads, params)
-            };
-            self.buffers[grad_shard as usize].layout = vec![layout];
-            let m = self.flat(
-                &format!("exp_avg:shard{k}"),
-                BufferClass::OptState,
-                opt_offset,
                 shard,
             );
-            let v = self.flat(
-                &format!("exp_avg_sq:shard{k}"),
-                BufferClass::OptState,
-                opt_offset + shard,
-                shard,
-            );
-            opt_offset += 2 * shard;
-            norm_inputs.push(grad_shard);
-            updates.push((k, n, axis, grad_shard, params, param_shard, m, v));
-        }
-        let mut norm_axes = vec![Axis::Dp];
-        if cp > 1 && segments.iter().any(|s| s.expert) {
-            // Expert shards differ across the cp ranks too (ep × edp = dp·cp).
-            norm_axes.push(Axis::Cp);
-        }
-        if segments.iter().any(|s| s.split) {
-            norm_axes.push(Axis::Tp);
-        }
-        norm_axes.extend_from_slice(norm_axes_extra);
-        program.push(Instr::Kernel {
-            op: OpKind::GradNorm { axes: norm_axes },
-            inputs: norm_inputs,
-            outputs: vec![norm],
-            path: "optimizer.grad_norm".into(),
-        });
-        for (k, n, axis, grad_shard, params, param_shard, m, v) in updates {
-            program.push(Instr::Kernel {
-                op: adamw.clone(),
-                inputs: vec![param_shard, grad_shard, norm],
-                outputs: vec![param_shard, m, v],
-                path: format!("optimizer.adamw.segment{k}"),
+            self.buffers[param_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
+                axis,
+                stride: shard,
             });
-            if n > 1 {
-                program.push(Instr::Kernel {
-                    op: OpKind::AllGather {
-                        axes: vec![axis],
-                        dim: 0,
-                    },
-                    inputs: vec![param_shard],
-                    outputs: vec![params],
-                    path: format!("optimizer.all_gather.segment{k}"),
-                });
-            }
+            program.push(Instr::Kernel {
+                op: OpKind::ReduceScatter {
+                    axes: vec![axis],
+                    dim: 0,
+                },
+                inputs: vec![grads],
+                outputs: vec![grad_shard],
+                path: format!("optimizer.reduce_scatter.segment{k}"),
+            });
+            (grad_shard, param_shard)
+        } else {
+            (grads, params)
+        };
+        self.buffers[grad_shard as usize].layout = vec![layout];
+        let exp_avg = self.flat(
+            &format!("exp_avg:shard{k}"),
+            BufferClass::OptState,
+            *opt_offset,
+            shard,
+        );
+        let exp_avg_sq = self.flat(
+            &format!("exp_avg_sq:shard{k}"),
+            BufferClass::OptState,
+            *opt_offset + shard,
+            shard,
+        );
+        *opt_offset += 2 * shard;
+        Shard {
+            k,
+            n,
+            axis,
+            grad_shard,
+            params,
+            param_shard,
+            exp_avg,
+            exp_avg_sq,
         }
-        Ok(program)
     }
+}
+
+/// Whether a parameter is an expert's (split over ep): it goes in the expert segments.
+fn is_expert(e: &ParamEntry) -> bool {
+    e.shards.iter().any(|a| a.contains(&Axis::Ep))
+}
+
+/// Whether a parameter is split over tp: it goes in a tp-split segment.
+fn tp_split(e: &ParamEntry) -> bool {
+    e.shards.iter().any(|a| a.contains(&Axis::Tp))
+}
+
+/// One segment of the flat arenas.
+struct Segment {
+    start: u64,
+    padded: u64,
+    split: bool,
+    expert: bool,
+}
+
+/// A rank's shard of segment `k` and the buffers its update reads and writes.
+struct Shard {
+    k: usize,
+    /// The size of the group the segment is sharded over.
+    n: u64,
+    /// The axis of that group (dp, or edp for experts).
+    axis: Axis,
+    grad_shard: BufId,
+    /// The whole segment's parameters (the all-gather's output).
+    params: BufId,
+    param_shard: BufId,
+    exp_avg: BufId,
+    exp_avg_sq: BufId,
 }
