@@ -5,6 +5,11 @@
 //! Plans cover every layout of the mesh (dp, tp, sp, cp, ep, the distributed optimizer):
 //! ranks that run the same program share a role. With pp > 1, [`pipeline`] splits the
 //! lowering into one role per pipeline stage (and FBD's forward roles).
+//!
+//! This file holds the public API and the emission itself (graph -> buffers and
+//! instructions); the optimizer program's gradient reduction is in `bucket` (all-reduce
+//! buckets) or `zero1` (the distributed optimizer), both `impl Emitter` blocks, and the
+//! liveness placement of activations in `memory`.
 
 #![warn(missing_docs)]
 
@@ -157,6 +162,8 @@ pub fn init_for(spec: &ModelSpec, name: &str, shape: &[u64]) -> Init {
     }
 }
 
+/// The lowering state: the buffer table, parameters and instruction streams built from the
+/// graph, extended by `bucket`, `zero1` and `pipeline`.
 struct Emitter<'a> {
     spec: &'a ModelSpec,
     g: &'a Graph,
@@ -541,6 +548,8 @@ impl<'a> Emitter<'a> {
         }
     }
 
+    /// A flat f32 buffer of `len` elements at `offset` of its `class` arena (a bucket or a
+    /// ZeRO-1 segment or shard, overlapping the buffers it covers).
     fn flat(&mut self, name: &str, class: BufferClass, offset: u64, len: u64) -> BufId {
         let id = self.buffers.len() as BufId;
         self.buffers.push(Buffer {

@@ -19,7 +19,7 @@
 //!
 //! Chunk `c` lives on pipeline rank `c % pp` (Megatron's interleaved placement).
 //!
-//! The steps live in one module each, in the order [`split`] runs them:
+//! The steps live in one module each, in the order `split` runs them:
 //! - `placement`: the chunk and phase of every instruction, who touches which buffer, and the
 //!   stage of every buffer (steps 1 and 3);
 //! - `tied`: parameters shared by stages (tied embeddings): their copies, the per-step
@@ -54,10 +54,13 @@ enum Phase {
 
 /// What the split produces: one role per pipeline rank and the plan-wide memory summary.
 pub(crate) struct Split {
+    /// Backward (or only) roles `0..pp`, then FBD's forward roles `pp..2pp`.
     pub roles: Vec<Role>,
+    /// The plan-wide memory: each field the largest over the roles.
     pub memory: MemoryPlan,
 }
 
+/// A layout the pipeline split cannot lower.
 fn unsupported(msg: String) -> CodegenError {
     CodegenError::Unsupported(msg)
 }

@@ -15,11 +15,17 @@ use crate::{CodegenError, Emitter};
 /// An activation one chunk produces and another reads: `src` in the producer's segment,
 /// received into the copy `dst` of the consumer.
 pub(super) struct Transfer {
+    /// The producer's activation.
     pub(super) src: BufId,
+    /// The producing chunk.
     pub(super) from: u32,
+    /// The producer's segment that sends it.
     pub(super) from_phase: Phase,
+    /// The consumer's copy.
     pub(super) dst: BufId,
+    /// The consuming chunk.
     pub(super) to: u32,
+    /// The consumer's first segment that reads it (where the `recv` goes).
     pub(super) to_phase: Phase,
 }
 
