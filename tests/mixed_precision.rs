@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{megac, stderr};
+use common::{megac, stderr, stdout};
 
 fn plan(file: &str, sets: &[&str]) -> megac_ir::plan::Plan {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
@@ -73,14 +73,10 @@ fn fp16_dynamic_loss_scaler_skips_overflowing_steps_and_backs_off() {
     let last = steps.last().unwrap();
     assert!(!last["skipped"].as_bool().unwrap());
     assert!(
-        stdout_of(&o).contains(&format!("{skipped} of 16 steps skipped on overflow")),
+        stdout(&o).contains(&format!("{skipped} of 16 steps skipped on overflow")),
         "{}",
-        stdout_of(&o)
+        stdout(&o)
     );
-}
-
-fn stdout_of(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 /// Loss-scaler keys only make sense with fp16: one clear error otherwise.

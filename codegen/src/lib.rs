@@ -5,11 +5,18 @@
 //! Plans cover every layout of the mesh (dp, tp, sp, cp, ep, the distributed optimizer):
 //! ranks that run the same program share a role. With pp > 1, [`pipeline`] splits the
 //! lowering into one role per pipeline stage (and FBD's forward roles).
+//!
+//! This file holds the public API and the emission itself (graph -> buffers and
+//! instructions); the optimizer program's gradient reduction is in `bucket` (all-reduce
+//! buckets) or `zero1` (the distributed optimizer), both `impl Emitter` blocks, and the
+//! liveness placement of activations in `memory`.
 
 #![warn(missing_docs)]
 
+mod bucket;
 mod memory;
 pub mod pipeline;
+mod zero1;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -160,6 +167,8 @@ pub fn init_for(spec: &ModelSpec, name: &str, shape: &[u64]) -> Init {
     }
 }
 
+/// The lowering state: the buffer table, parameters and instruction streams built from the
+/// graph, extended by `bucket`, `zero1` and `pipeline`.
 struct Emitter<'a> {
     spec: &'a ModelSpec,
     g: &'a Graph,
@@ -566,6 +575,8 @@ impl<'a> Emitter<'a> {
         }
     }
 
+    /// A flat f32 buffer of `len` elements at `offset` of its `class` arena (a bucket or a
+    /// ZeRO-1 segment or shard, overlapping the buffers it covers).
     /// A flat f32 buffer of `len` elements at `offset` of `class`'s arena.
     fn flat(&mut self, name: &str, class: BufferClass, offset: u64, len: u64) -> BufId {
         self.flat_of(name, class, megac_ir::DType::F32, offset, len)
@@ -593,334 +604,6 @@ impl<'a> Emitter<'a> {
             chunk: None,
         });
         id
-    }
-
-    /// Merge the in-place gradient all-reduces into buckets: runs of adjacent gradient
-    /// buffers over the same axes, up to `BUCKET_ELEMS` each (as Megatron's DDP buckets).
-    fn bucket_reductions(&mut self) {
-        let program = std::mem::take(&mut self.optimizer);
-        self.optimizer = self.bucketed(program);
-    }
-
-    /// `program` with its in-place gradient all-reduces merged into buckets.
-    fn bucketed(&mut self, program: Vec<Instr>) -> Vec<Instr> {
-        const BUCKET_ELEMS: u64 = 40_000_000;
-        let mut out = Vec::new();
-        let mut run: Option<(Vec<megac_ir::Axis>, u64, u64)> = None; // axes, start, end
-        let flush = |run: &mut Option<(Vec<megac_ir::Axis>, u64, u64)>,
-                     out: &mut Vec<Instr>,
-                     e: &mut Self| {
-            if let Some((axes, start, end)) = run.take() {
-                let n = e
-                    .buffers
-                    .iter()
-                    .filter(|b| b.name.starts_with("bucket:"))
-                    .count();
-                let b = e.flat(
-                    &format!("bucket:{n}"),
-                    BufferClass::Grad,
-                    start,
-                    end - start,
-                );
-                out.push(Instr::Kernel {
-                    op: OpKind::AllReduce { axes },
-                    inputs: vec![b],
-                    outputs: vec![b],
-                    path: format!("optimizer.bucket.{n}"),
-                });
-            }
-        };
-        for instr in program {
-            let grad_reduce = match &instr {
-                Instr::Kernel {
-                    op: OpKind::AllReduce { axes },
-                    inputs,
-                    ..
-                } if self.buffers[inputs[0] as usize].class == BufferClass::Grad => {
-                    let b = &self.buffers[inputs[0] as usize];
-                    Some((axes.clone(), b.offset, b.offset + b.len()))
-                }
-                _ => None,
-            };
-            match grad_reduce {
-                Some((axes, start, end)) => {
-                    let extend = matches!(&run, Some((a, s, e)) if *a == axes && *e == start && end - s <= BUCKET_ELEMS);
-                    if extend {
-                        if let Some(r) = run.as_mut() {
-                            r.2 = end;
-                        }
-                    } else {
-                        flush(&mut run, &mut out, self);
-                        run = Some((axes, start, end));
-                    }
-                }
-                None => {
-                    flush(&mut run, &mut out, self);
-                    out.push(instr);
-                }
-            }
-        }
-        flush(&mut run, &mut out, self);
-        out
-    }
-
-    /// The distributed optimizer (ZeRO-1, as Megatron's): gradients are reduce-scattered over
-    /// dp (expert gradients over the expert-data-parallel group edp) so each rank holds the
-    /// summed gradient of a slice of the flat parameter arena; each rank updates that slice
-    /// of the fp32 parameters with its own slice of the AdamW state; the parameters are
-    /// all-gathered back. The gradient norm sums the squares of every rank's slices.
-    fn zero1(&mut self) -> Result<(), CodegenError> {
-        let norm = match self.results.get("grad_norm") {
-            Some(&b) => b,
-            None => return Err(CodegenError::Incomplete("no grad_norm result".into())),
-        };
-        let program = std::mem::take(&mut self.optimizer);
-        let all: Vec<usize> = (0..self.params.len()).collect();
-        self.optimizer = self.zero1_program(&program, &all, norm, &[])?;
-        Ok(())
-    }
-
-    /// The ZeRO-1 optimizer program replacing `program` for the parameters `params` (indices
-    /// into `self.params`, laid out from offset 0 of their arenas), writing the norm to
-    /// `norm`, whose squares are also summed over `norm_axes` (pipeline stages).
-    ///
-    /// The flat arenas hold up to four segments, each padded to a multiple of the size of the
-    /// group it is sharded over: non-expert parameters replicated over tp, then those split
-    /// over tp (both sharded over dp), then expert parameters (stacked experts split over ep)
-    /// replicated over tp, then those split over tp (both sharded over edp, Megatron's
-    /// expert-data-parallel group). A shard's layout says over which ranks its elements are
-    /// unique, so the gradient norm counts every element once: non-expert shards are unique
-    /// over dp (replicated over cp), expert shards over ep × edp = dp·cp; tp as the segment.
-    fn zero1_program(
-        &mut self,
-        program_in: &[Instr],
-        params: &[usize],
-        norm: BufId,
-        norm_axes_extra: &[megac_ir::Axis],
-    ) -> Result<Vec<Instr>, CodegenError> {
-        use megac_ir::Axis;
-        let hp = program_in.iter().find_map(|i| match i {
-            Instr::Kernel {
-                op: op @ OpKind::AdamW { .. },
-                ..
-            } => Some(op.clone()),
-            _ => None,
-        });
-        let Some(adamw) = hp else {
-            return Err(CodegenError::Incomplete(
-                "no AdamW step to distribute".into(),
-            ));
-        };
-        let mesh = &self.g.mesh;
-        let (dp, edp, cp) = (
-            mesh.size(Axis::Dp),
-            mesh.size(Axis::Edp),
-            mesh.size(Axis::Cp),
-        );
-        let is_expert = |e: &ParamEntry| e.shards.iter().any(|a| a.contains(&Axis::Ep));
-        let tp_split = |e: &ParamEntry| e.shards.iter().any(|a| a.contains(&Axis::Tp));
-        let expert_grads: Vec<BufId> = params
-            .iter()
-            .filter(|&&i| is_expert(&self.params[i]))
-            .map(|&i| self.params[i].grad)
-            .collect();
-        // Gradients that are also pending sums over other axes (cp, or tp for norm weights
-        // under sequence parallelism) are reduced over those first, in place; the sum over
-        // the segment's own axis (dp, or edp for experts) is the reduce-scatter below.
-        let mut program = Vec::new();
-        for instr in program_in {
-            if let Instr::Kernel {
-                op: OpKind::AllReduce { axes },
-                inputs,
-                ..
-            } = instr
-            {
-                let own = if expert_grads.contains(&inputs[0]) {
-                    Axis::Edp
-                } else {
-                    Axis::Dp
-                };
-                let rest: Vec<Axis> = axes.iter().copied().filter(|&a| a != own).collect();
-                if !rest.is_empty() && self.buffers[inputs[0] as usize].class == BufferClass::Grad {
-                    program.push(Instr::Kernel {
-                        op: OpKind::AllReduce { axes: rest },
-                        inputs: inputs.clone(),
-                        outputs: inputs.clone(),
-                        path: format!("optimizer.reduce.{}", self.buffers[inputs[0] as usize].name),
-                    });
-                }
-            }
-        }
-        // Segment kinds in arena order: (expert, tp split).
-        let kinds = [(false, false), (false, true), (true, false), (true, true)];
-        struct Segment {
-            start: u64,
-            padded: u64,
-            split: bool,
-            expert: bool,
-        }
-        let mut segments: Vec<Segment> = Vec::new();
-        let mut offset = 0u64;
-        for (expert, split) in kinds {
-            let n = if expert { edp } else { dp };
-            let start = offset;
-            for &i in params {
-                let entry = &self.params[i];
-                if is_expert(entry) != expert || tp_split(entry) != split {
-                    continue;
-                }
-                let (pb, gb) = (entry.buffer, entry.grad);
-                self.buffers[pb as usize].offset = offset;
-                self.buffers[gb as usize].offset = offset;
-                offset += self.buffers[pb as usize].len();
-            }
-            let len = offset - start;
-            if len > 0 {
-                let padded = len.div_ceil(n) * n;
-                segments.push(Segment {
-                    start,
-                    padded,
-                    split,
-                    expert,
-                });
-                offset = start + padded;
-            }
-        }
-        let total = offset;
-        // The working weights' dtype (16-bit under mixed precision, with an f32 master
-        // shard beside the moments).
-        let pdt = params.first().map_or(megac_ir::DType::F32, |&i| {
-            self.buffers[self.params[i].buffer as usize].dtype
-        });
-        let mut grad_offset = total;
-        let mut opt_offset = 0u64;
-        let mut norm_inputs = Vec::new();
-        let mut updates = Vec::new();
-        for (k, seg) in segments.iter().enumerate() {
-            let (axis, n) = if seg.expert {
-                (Axis::Edp, edp)
-            } else {
-                (Axis::Dp, dp)
-            };
-            let shard = seg.padded / n;
-            let mut layout = if seg.expert {
-                vec![Axis::Edp, Axis::Ep]
-            } else {
-                vec![Axis::Dp]
-            };
-            if seg.split {
-                layout.push(Axis::Tp);
-            }
-            let grads = self.flat(
-                &format!("grad:segment{k}"),
-                BufferClass::Grad,
-                seg.start,
-                seg.padded,
-            );
-            let params = self.flat_of(
-                &format!("param:segment{k}"),
-                BufferClass::Param,
-                pdt,
-                seg.start,
-                seg.padded,
-            );
-            // With a group of one (edp = 1: ep = dp·cp) the rank's shard is the segment.
-            let (grad_shard, param_shard) = if n > 1 {
-                let grad_shard = self.flat(
-                    &format!("grad:shard{k}"),
-                    BufferClass::Grad,
-                    grad_offset,
-                    shard,
-                );
-                grad_offset += shard;
-                let param_shard = self.flat_of(
-                    &format!("param:shard{k}"),
-                    BufferClass::Param,
-                    pdt,
-                    seg.start,
-                    shard,
-                );
-                self.buffers[param_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
-                    axis,
-                    stride: shard,
-                });
-                program.push(Instr::Kernel {
-                    op: OpKind::ReduceScatter {
-                        axes: vec![axis],
-                        dim: 0,
-                    },
-                    inputs: vec![grads],
-                    outputs: vec![grad_shard],
-                    path: format!("optimizer.reduce_scatter.segment{k}"),
-                });
-                (grad_shard, param_shard)
-            } else {
-                (grads, params)
-            };
-            self.buffers[grad_shard as usize].layout = vec![layout];
-            let m = self.flat(
-                &format!("exp_avg:shard{k}"),
-                BufferClass::OptState,
-                opt_offset,
-                shard,
-            );
-            let v = self.flat(
-                &format!("exp_avg_sq:shard{k}"),
-                BufferClass::OptState,
-                opt_offset + shard,
-                shard,
-            );
-            opt_offset += 2 * shard;
-            let master = pdt.is_half().then(|| {
-                let b = self.flat(
-                    &format!("master:shard{k}"),
-                    BufferClass::OptState,
-                    opt_offset,
-                    shard,
-                );
-                opt_offset += shard;
-                b
-            });
-            norm_inputs.push(grad_shard);
-            updates.push((k, n, axis, grad_shard, params, param_shard, m, v, master));
-        }
-        let mut norm_axes = vec![Axis::Dp];
-        if cp > 1 && segments.iter().any(|s| s.expert) {
-            // Expert shards differ across the cp ranks too (ep × edp = dp·cp).
-            norm_axes.push(Axis::Cp);
-        }
-        if segments.iter().any(|s| s.split) {
-            norm_axes.push(Axis::Tp);
-        }
-        norm_axes.extend_from_slice(norm_axes_extra);
-        program.push(Instr::Kernel {
-            op: OpKind::GradNorm { axes: norm_axes },
-            inputs: norm_inputs,
-            outputs: vec![norm],
-            path: "optimizer.grad_norm".into(),
-        });
-        for (k, n, axis, grad_shard, params, param_shard, m, v, master) in updates {
-            let mut outputs = vec![param_shard, m, v];
-            outputs.extend(master);
-            program.push(Instr::Kernel {
-                op: adamw.clone(),
-                inputs: vec![param_shard, grad_shard, norm],
-                outputs,
-                path: format!("optimizer.adamw.segment{k}"),
-            });
-            if n > 1 {
-                program.push(Instr::Kernel {
-                    op: OpKind::AllGather {
-                        axes: vec![axis],
-                        dim: 0,
-                    },
-                    inputs: vec![param_shard],
-                    outputs: vec![params],
-                    path: format!("optimizer.all_gather.segment{k}"),
-                });
-            }
-        }
-        Ok(program)
     }
 
     fn unplanned_activation_bytes(&self) -> u64 {

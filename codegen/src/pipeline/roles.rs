@@ -1,0 +1,292 @@
+//! Stage roles (step 4 of the split): the activation slots of every chunk under the
+//! schedule, and the role of each pipeline stage: its chunk programs with their activation
+//! memory, the optimizer program, inputs, results, action list and memory summary.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use megac_ir::pipeline::{ActionKind, ScheduleKind};
+use megac_ir::plan::{
+    BufId, Buffer, BufferClass, ChunkProgram, DppExec, Instr, MemoryPlan, PipeAction, PipeKind,
+    Pipeline, Role,
+};
+use megac_ir::Axis;
+
+use super::placement::Usage;
+use super::{Geometry, Phase};
+use crate::{memory, Emitter};
+
+/// Activation slots per chunk: the most micro-batches of the chunk in flight under the
+/// schedule (all of them for dpp, whose order is decided at run time).
+pub(super) fn slot_counts(geo: &Geometry) -> Vec<u32> {
+    let nc = geo.nc as usize;
+    if matches!(geo.kind, ScheduleKind::Dpp(_)) {
+        return vec![geo.m; nc];
+    }
+    let mut slots = vec![0u32; nc];
+    for list in &geo.lists {
+        let mut inflight = vec![0u32; nc];
+        for a in list {
+            let c = a.chunk as usize;
+            match a.kind {
+                ActionKind::F => {
+                    inflight[c] += 1;
+                    slots[c] = slots[c].max(inflight[c]);
+                }
+                ActionKind::BW | ActionKind::W => inflight[c] = inflight[c].saturating_sub(1),
+                _ => {}
+            }
+        }
+    }
+    slots
+}
+
+/// The role of pipeline stage `s`: its chunks (segments, activation slots placed one after
+/// another, then the optimizer's activations), inputs, results, action list and memory.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn stage_role(
+    e: &mut Emitter,
+    s: u32,
+    geo: &Geometry,
+    segs: &mut BTreeMap<(u32, Phase), Vec<Instr>>,
+    slots: &[u32],
+    usage: &Usage,
+    optimizer: Vec<Instr>,
+    norm: BufId,
+) -> Role {
+    let spec = e.spec;
+    let loss_keys: Vec<String> = ["loss", "total_loss"]
+        .iter()
+        .filter(|k| e.results.contains_key(**k))
+        .map(|k| k.to_string())
+        .collect();
+    let live_to_end: Vec<BufId> = loss_keys.iter().map(|k| e.results[k]).collect();
+    let placed = chunk_programs(e, s, geo, segs, slots, usage, &live_to_end);
+    let opt_elems = place_optimizer_activations(e, &optimizer, placed.base);
+    let stage_inputs: BTreeSet<BufId> = placed
+        .chunks
+        .iter()
+        .flat_map(|c| c.inputs.clone())
+        .collect();
+    let mem = stage_memory(e, s, &placed, opt_elems, &stage_inputs);
+    let inputs = e
+        .inputs
+        .iter()
+        .filter(|(_, b)| stage_inputs.contains(b))
+        .map(|(k, &b)| (k.clone(), b))
+        .collect();
+    let (results, result_axes) = stage_results(e, s, &loss_keys, norm);
+    Role {
+        name: format!("stage{s}"),
+        microbatch: Vec::new(),
+        optimizer,
+        inputs,
+        results,
+        result_axes,
+        pipeline: Some(Pipeline {
+            schedule: spec.parallel.schedule.as_str().to_string(),
+            chunks_total: geo.nc,
+            chunks: placed.chunks,
+            actions: stage_actions(geo, s),
+            dpp: match geo.kind {
+                ScheduleKind::Dpp(policy) => Some(DppExec {
+                    policy: spec.parallel.dpp_policy,
+                    cap: policy.cap_or(geo.pp),
+                }),
+                _ => None,
+            },
+        }),
+        memory: Some(mem),
+    }
+}
+
+/// A stage's chunk programs with the activation memory their slots take.
+struct PlacedChunks {
+    chunks: Vec<ChunkProgram>,
+    /// Activation elements taken by every chunk's slots (where the optimizer's begin).
+    base: u64,
+    /// Bytes of the chunks' activations without liveness reuse, times their slots.
+    unplanned: u64,
+    /// Peak live activation bytes of the chunks, times their slots.
+    live: u64,
+}
+
+/// The chunks of stage `s`: each chunk's segments (the backward and weight segments merged
+/// unless the schedule splits them), its activations placed by liveness into one slot and
+/// its slots placed one after another, the data inputs it reads and its layers.
+fn chunk_programs(
+    e: &mut Emitter,
+    s: u32,
+    geo: &Geometry,
+    segs: &mut BTreeMap<(u32, Phase), Vec<Instr>>,
+    slots: &[u32],
+    usage: &Usage,
+    live_to_end: &[BufId],
+) -> PlacedChunks {
+    let (pp, nc) = (geo.pp, geo.nc);
+    let mut chunks = Vec::new();
+    let mut base = 0u64;
+    let (mut unplanned, mut live) = (0u64, 0u64);
+    for c in (s..nc).step_by(pp as usize) {
+        let n_slots = slots[c as usize];
+        let [forward, mut backward, weight] =
+            [Phase::F, Phase::B, Phase::W].map(|ph| segs.remove(&(c, ph)).unwrap_or_default());
+        let liveness = memory::Liveness {
+            programs: vec![forward.clone(), backward.clone(), weight.clone()],
+            view_of: e.view_of.clone(),
+        };
+        // Slots are counted in the runtime's 4-byte arena units.
+        let elems = memory::assign_offsets(&mut e.buffers, &liveness, live_to_end) / 4;
+        live += memory::live_peak(&e.buffers, &liveness, live_to_end) * u64::from(n_slots);
+        unplanned += e
+            .buffers
+            .iter()
+            .enumerate()
+            .filter(|(i, b)| {
+                b.chunk == Some(c)
+                    && b.class == BufferClass::Activation
+                    && !e.view_of.contains_key(&(*i as BufId))
+            })
+            .map(|(_, b)| b.len() * b.dtype.size_bytes())
+            .sum::<u64>()
+            * u64::from(n_slots);
+        let inputs: Vec<BufId> = usage
+            .chunk_inputs
+            .get(&c)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default();
+        let weight = if geo.split_bw {
+            weight
+        } else {
+            backward.extend(weight);
+            Vec::new()
+        };
+        let mine = || {
+            (0..geo.chunk_of_layer.len() as u64).filter(|&l| geo.chunk_of_layer[l as usize] == c)
+        };
+        let layers = mine()
+            .next()
+            .zip(mine().next_back())
+            .map(|(a, b)| [a, b + 1]);
+        chunks.push(ChunkProgram {
+            chunk: c,
+            forward,
+            backward,
+            weight,
+            activation_base: base,
+            activation_elems: elems,
+            slots: n_slots,
+            inputs,
+            layers,
+        });
+        base += elems * u64::from(n_slots);
+    }
+    PlacedChunks {
+        chunks,
+        base,
+        unplanned,
+        live,
+    }
+}
+
+/// The optimizer's activations (the norm), placed by liveness after the chunks' slots
+/// (`base` elements); returns the elements they take.
+fn place_optimizer_activations(e: &mut Emitter, optimizer: &[Instr], base: u64) -> u64 {
+    let liveness = memory::Liveness {
+        programs: vec![optimizer.to_vec()],
+        view_of: e.view_of.clone(),
+    };
+    let touched: BTreeSet<BufId> = optimizer
+        .iter()
+        .flat_map(Instr::buffers)
+        .filter(|&b| e.buffers[b as usize].class == BufferClass::Activation)
+        .collect();
+    let elems = memory::assign_offsets(&mut e.buffers, &liveness, &[]) / 4;
+    for &b in &touched {
+        let size = e.buffers[b as usize].dtype.size_bytes().max(1);
+        e.buffers[b as usize].offset += base * 4 / size;
+    }
+    elems
+}
+
+/// Stage `s`'s memory: its own persistent arenas, its chunks' slots and the optimizer's
+/// `opt_elems` activation elements, and the data inputs it reads.
+fn stage_memory(
+    e: &Emitter,
+    s: u32,
+    placed: &PlacedChunks,
+    opt_elems: u64,
+    stage_inputs: &BTreeSet<BufId>,
+) -> MemoryPlan {
+    let stage_bytes = |class: BufferClass, buffers: &[Buffer]| -> u64 {
+        buffers
+            .iter()
+            .filter(|b| b.class == class && b.stage == Some(s))
+            .map(|b| b.far_end(&e.g.mesh) * b.dtype.size_bytes())
+            .max()
+            .unwrap_or(0)
+    };
+    MemoryPlan {
+        param_bytes: stage_bytes(BufferClass::Param, &e.buffers),
+        grad_bytes: stage_bytes(BufferClass::Grad, &e.buffers),
+        opt_state_bytes: stage_bytes(BufferClass::OptState, &e.buffers),
+        activation_bytes: (placed.base + opt_elems) * 4,
+        activation_bytes_unplanned: placed.unplanned + opt_elems * 4,
+        activation_bytes_live: placed.live + opt_elems * 4,
+        input_bytes: stage_inputs
+            .iter()
+            .map(|&b| {
+                let buf = &e.buffers[b as usize];
+                (buf.offset + buf.len()) * buf.dtype.size_bytes()
+            })
+            .max()
+            .unwrap_or(0),
+        staging_bytes: 0,
+    }
+}
+
+/// Stage `s`'s results and the axes each is summed over to report it: the loss where the
+/// stage holds it (every stage sums it over pp) and the stage's gradient norm `norm`.
+#[allow(clippy::type_complexity)]
+fn stage_results(
+    e: &Emitter,
+    s: u32,
+    loss_keys: &[String],
+    norm: BufId,
+) -> (BTreeMap<String, BufId>, BTreeMap<String, Vec<Axis>>) {
+    let mut results = BTreeMap::new();
+    let mut result_axes = BTreeMap::new();
+    for k in loss_keys {
+        let b = e.results[k];
+        if e.buffers[b as usize].stage == Some(s) {
+            results.insert(k.clone(), b);
+        }
+        // Only the last stage has the loss: every stage adds it up over pp to report it.
+        let mut axes = e.result_axes.get(k).cloned().unwrap_or_default();
+        axes.push(Axis::Pp);
+        result_axes.insert(k.clone(), axes);
+    }
+    results.insert("grad_norm".to_string(), norm);
+    (results, result_axes)
+}
+
+/// Stage `s`'s action list from the schedule (its compute actions; transfers are
+/// instructions in the chunk programs).
+fn stage_actions(geo: &Geometry, s: u32) -> Vec<PipeAction> {
+    geo.lists[s as usize]
+        .iter()
+        .filter_map(|a| {
+            let kind = match a.kind {
+                ActionKind::F => PipeKind::F,
+                ActionKind::B => PipeKind::B,
+                ActionKind::W => PipeKind::W,
+                ActionKind::BW => PipeKind::BW,
+                _ => return None,
+            };
+            Some(PipeAction {
+                kind,
+                chunk: a.chunk,
+                microbatch: a.microbatch,
+            })
+        })
+        .collect()
+}
