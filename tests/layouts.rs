@@ -277,6 +277,14 @@ fn context_parallel() {
             &["parallel.cp=2"],
             &["parallel.cp=2", "parallel.tp=2"],
             &["parallel.cp=2", "parallel.dp=2"],
+            // The distributed optimizer shards over dp·cp (Megatron), with dp = 1 too.
+            &["parallel.cp=2", "parallel.distributed_optimizer=true"],
+            &[
+                "parallel.cp=2",
+                "parallel.dp=2",
+                "parallel.tp=2",
+                "parallel.distributed_optimizer=true",
+            ],
         ],
     );
     assert_equivalent(

@@ -108,7 +108,7 @@ fn local_params(p: &megac_ir::plan::Plan) -> u64 {
 
 /// The arenas of a bf16 plan, class by class, against Megatron's per-parameter bytes: the
 /// working weight 2, the fp32 main gradient 4, fp32 master weight and Adam moments 12 —
-/// divided by the distributed optimizer's group (plus its reduce-scattered gradient shard);
+/// divided by the distributed optimizer's group, dp·cp (plus its reduce-scattered gradient shard);
 /// tp and ep divide what a rank holds.
 #[test]
 fn bf16_arenas_are_megatrons_bytes_per_parameter() {

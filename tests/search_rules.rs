@@ -61,7 +61,7 @@ fn proposes_only_valid_layouts(spec: &ModelSpec, gpus: u64) -> usize {
 
 /// Every layout on `gpus` ranks (no pruning) that `check` accepts and that the search
 /// counts as distinct (sp only with tp > 1, a schedule only with a pipeline, the
-/// distributed optimizer only with dp > 1).
+/// distributed optimizer only with dp·cp > 1, the group it shards over).
 fn brute_force(spec: &ModelSpec, gpus: u64) -> BTreeSet<String> {
     let m = &spec.model;
     let mut out = BTreeSet::new();
@@ -98,7 +98,7 @@ fn brute_force(spec: &ModelSpec, gpus: u64) -> BTreeSet<String> {
                                         [Recompute::None, Recompute::Selective, Recompute::Full]
                                     {
                                         for distributed_optimizer in [false, true] {
-                                            if distributed_optimizer && dp == 1 {
+                                            if distributed_optimizer && dp * cp == 1 {
                                                 continue;
                                             }
                                             let l = ParallelLayout {

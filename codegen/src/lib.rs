@@ -81,7 +81,7 @@ pub fn emit_plan(
         memory::add_staging(&mut plan);
         return Ok(plan);
     }
-    if p.distributed_optimizer && p.dp > 1 {
+    if p.distributed_optimizer && p.dp * p.cp > 1 {
         e.zero1()?;
     } else {
         e.bucket_reductions();
@@ -367,7 +367,8 @@ impl<'a> Emitter<'a> {
                 &shape,
                 &layout,
             );
-            let zero1 = self.spec.parallel.distributed_optimizer && self.spec.parallel.dp > 1;
+            let zero1 = self.spec.parallel.distributed_optimizer
+                && self.spec.parallel.dp * self.spec.parallel.cp > 1;
             let state = |e: &mut Self, what: &str| {
                 e.persistent(
                     format!("{what}:{name}"),

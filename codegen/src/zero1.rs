@@ -9,10 +9,10 @@ use crate::{CodegenError, Emitter};
 
 impl Emitter<'_> {
     /// The distributed optimizer (ZeRO-1, as Megatron's): gradients are reduce-scattered over
-    /// dp (expert gradients over the expert-data-parallel group edp) so each rank holds the
+    /// dp·cp (expert gradients over the expert-data-parallel group edp) so each rank holds the
     /// summed gradient of a slice of the flat parameter arena; each rank updates that slice
-    /// of the fp32 parameters with its own slice of the AdamW state; the parameters are
-    /// all-gathered back. The gradient norm sums the squares of every rank's slices.
+    /// with its own slice of the AdamW state (and, under mixed precision, of the fp32 master
+    /// weights); the working weights are all-gathered back. The gradient norm sums the squares of every rank's slices.
     pub(crate) fn zero1(&mut self) -> Result<(), CodegenError> {
         let norm = match self.results.get("grad_norm") {
             Some(&b) => b,
@@ -68,12 +68,9 @@ impl Emitter<'_> {
                 &mut program,
             ));
         }
-        let cp = self.g.mesh.size(Axis::Cp);
-        let mut norm_axes = vec![Axis::Dp];
-        if cp > 1 && segments.iter().any(|s| s.expert) {
-            // Expert shards differ across the cp ranks too (ep × edp = dp·cp).
-            norm_axes.push(Axis::Cp);
-        }
+        // Every shard is unique over dp·cp (dense shards over the dp·cp group, expert
+        // shards over ep × edp = dp·cp).
+        let mut norm_axes = self.dense_axes();
         if segments.iter().any(|s| s.split) {
             norm_axes.push(Axis::Tp);
         }
@@ -98,7 +95,7 @@ impl Emitter<'_> {
             if sh.n > 1 {
                 program.push(Instr::Kernel {
                     op: OpKind::AllGather {
-                        axes: vec![sh.axis],
+                        axes: sh.axes.clone(),
                         dim: 0,
                     },
                     inputs: vec![sh.param_shard],
@@ -108,6 +105,16 @@ impl Emitter<'_> {
             }
         }
         Ok(program)
+    }
+
+    /// The group the non-expert segments are sharded over: dp·cp, as Megatron's distributed
+    /// optimizer (its data-parallel group with context parallelism).
+    fn dense_axes(&self) -> Vec<Axis> {
+        if self.g.mesh.size(Axis::Cp) > 1 {
+            vec![Axis::Dp, Axis::Cp]
+        } else {
+            vec![Axis::Dp]
+        }
     }
 
     /// Gradients of `params` that are also pending sums over other axes (cp, or tp for norm
@@ -129,11 +136,11 @@ impl Emitter<'_> {
             } = instr
             {
                 let own = if expert_grads.contains(&inputs[0]) {
-                    Axis::Edp
+                    vec![Axis::Edp]
                 } else {
-                    Axis::Dp
+                    self.dense_axes()
                 };
-                let rest: Vec<Axis> = axes.iter().copied().filter(|&a| a != own).collect();
+                let rest: Vec<Axis> = axes.iter().copied().filter(|a| !own.contains(a)).collect();
                 if !rest.is_empty() && self.buffers[inputs[0] as usize].class == BufferClass::Grad {
                     program.push(Instr::Kernel {
                         op: OpKind::AllReduce { axes: rest },
@@ -152,13 +159,16 @@ impl Emitter<'_> {
     /// and the arenas' total length.
     fn lay_out_segments(&mut self, params: &[usize]) -> (Vec<Segment>, u64) {
         let mesh = &self.g.mesh;
-        let (dp, edp) = (mesh.size(Axis::Dp), mesh.size(Axis::Edp));
+        let (dpcp, edp) = (
+            mesh.size(Axis::Dp) * mesh.size(Axis::Cp),
+            mesh.size(Axis::Edp),
+        );
         // Segment kinds in arena order: (expert, tp split).
         let kinds = [(false, false), (false, true), (true, false), (true, true)];
         let mut segments: Vec<Segment> = Vec::new();
         let mut offset = 0u64;
         for (expert, split) in kinds {
-            let n = if expert { edp } else { dp };
+            let n = if expert { edp } else { dpcp };
             let start = offset;
             for &i in params {
                 let entry = &self.params[i];
@@ -197,16 +207,16 @@ impl Emitter<'_> {
         program: &mut Vec<Instr>,
     ) -> Shard {
         let mesh = &self.g.mesh;
-        let (axis, n) = if seg.expert {
-            (Axis::Edp, mesh.size(Axis::Edp))
+        let (axes, n) = if seg.expert {
+            (vec![Axis::Edp], mesh.size(Axis::Edp))
         } else {
-            (Axis::Dp, mesh.size(Axis::Dp))
+            (self.dense_axes(), mesh.size(Axis::Dp) * mesh.size(Axis::Cp))
         };
         let shard = seg.padded / n;
         let mut layout = if seg.expert {
             vec![Axis::Edp, Axis::Ep]
         } else {
-            vec![Axis::Dp]
+            axes.clone()
         };
         if seg.split {
             layout.push(Axis::Tp);
@@ -245,12 +255,13 @@ impl Emitter<'_> {
                 shard,
             );
             self.buffers[param_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
-                axis,
+                axis: axes[0],
+                with: axes[1..].to_vec(),
                 stride: shard,
             });
             program.push(Instr::Kernel {
                 op: OpKind::ReduceScatter {
-                    axes: vec![axis],
+                    axes: axes.clone(),
                     dim: 0,
                 },
                 inputs: vec![grads],
@@ -288,7 +299,7 @@ impl Emitter<'_> {
         Shard {
             k,
             n,
-            axis,
+            axes,
             grad_shard,
             params,
             param_shard,
@@ -322,8 +333,8 @@ struct Shard {
     k: usize,
     /// The size of the group the segment is sharded over.
     n: u64,
-    /// The axis of that group (dp, or edp for experts).
-    axis: Axis,
+    /// The axes of that group (dp and cp, or edp for experts).
+    axes: Vec<Axis>,
     grad_shard: BufId,
     /// The whole segment's parameters (the all-gather's output).
     params: BufId,

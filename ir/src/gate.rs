@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use crate::op::OpKind;
-use crate::plan::{BufId, Buffer, BufferClass, Instr, MemoryPlan, Plan};
+use crate::plan::{BufId, Buffer, BufferClass, Instr, MemoryPlan, Plan, RankOffset};
 use crate::types::{Axis, DType};
 
 mod rules;
@@ -333,7 +333,16 @@ impl<'p> Gate<'p> {
             }
         }
         if let Some(r) = &b.rank_offset {
-            let far = (self.plan.mesh.size(r.axis) - 1)
+            if r.with
+                .iter()
+                .any(|&a| a == r.axis || matches!(a, Axis::Ep | Axis::Edp))
+            {
+                return Err(invalid(
+                    format!("{at}.rank_offset.with"),
+                    "repeats its axis or names ep/edp (only dense axes are combined)",
+                ));
+            }
+            let far = (r.count(&self.plan.mesh).max(1) - 1)
                 .checked_mul(r.stride)
                 .and_then(|x| x.checked_add(b.offset))
                 .and_then(|x| x.checked_add(b.len()));
@@ -1060,7 +1069,7 @@ impl<'p> Gate<'p> {
                 }
                 None => {
                     let far = b.rank_offset.as_ref().map_or(Some(0), |ro| {
-                        (plan.mesh.size(ro.axis) - 1).checked_mul(ro.stride)
+                        (ro.count(&plan.mesh).max(1) - 1).checked_mul(ro.stride)
                     });
                     (
                         far.and_then(|f| f.checked_add(b.offset))
@@ -1085,7 +1094,7 @@ impl<'p> Gate<'p> {
                         match &b.rank_offset {
                             Some(ro) => format!(
                                 " (+ {} × {} on the farthest rank)",
-                                plan.mesh.size(ro.axis) - 1,
+                                ro.count(&plan.mesh).max(1) - 1,
                                 ro.stride
                             ),
                             None => String::new(),
@@ -1318,7 +1327,7 @@ impl<'p> Gate<'p> {
             let far = buf
                 .rank_offset
                 .as_ref()
-                .map_or(0, |r| (self.plan.mesh.size(r.axis) - 1) * r.stride);
+                .map_or(0, |r| (r.count(&self.plan.mesh).max(1) - 1) * r.stride);
             let size = buf.dtype.size_bytes();
             (buf.offset * size, (buf.offset + far + buf.len()) * size)
         };
@@ -1349,14 +1358,15 @@ impl<'p> Gate<'p> {
                 + buf
                     .rank_offset
                     .as_ref()
-                    .map_or(0, |r| self.plan.mesh.coord(rank, r.axis) as u64 * r.stride);
+                    .map_or(0, |r| r.index(&self.plan.mesh, rank) * r.stride);
             let size = buf.dtype.size_bytes();
             (o * size, (o + buf.len()) * size)
         };
         // Ranks that differ along the buffers' axes: one representative per coordinate pair.
         let axes: Vec<Axis> = [&x.rank_offset, &y.rank_offset]
             .iter()
-            .filter_map(|r| r.as_ref().map(|r| r.axis))
+            .filter_map(|r| r.as_ref().map(RankOffset::axes))
+            .flatten()
             .collect();
         let group = self.plan.mesh.group(0, &axes);
         group.into_iter().any(|rank| {

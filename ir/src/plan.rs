@@ -195,13 +195,45 @@ pub struct Buffer {
     pub chunk: Option<u32>,
 }
 
-/// A rank-dependent offset: `coord(rank, axis) · stride` elements.
+/// A rank-dependent offset: `index · stride` elements, where `index` is the rank's position
+/// in its group over `axis` and `with` (its coordinate along `axis` when `with` is empty).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankOffset {
     /// The mesh axis whose coordinate selects the slice.
     pub axis: crate::types::Axis,
+    /// More axes of the group the slices are spread over (the distributed optimizer's dp·cp
+    /// group: `axis` dp, `with` [cp]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub with: Vec<crate::types::Axis>,
     /// Elements per coordinate step.
     pub stride: u64,
+}
+
+impl RankOffset {
+    /// Every axis of the group.
+    pub fn axes(&self) -> Vec<crate::types::Axis> {
+        std::iter::once(self.axis)
+            .chain(self.with.iter().copied())
+            .collect()
+    }
+
+    /// The number of slices: the group's size.
+    pub fn count(&self, mesh: &crate::mesh::Mesh) -> u64 {
+        if self.with.is_empty() {
+            mesh.size(self.axis)
+        } else {
+            mesh.group(0, &self.axes()).len() as u64
+        }
+    }
+
+    /// `rank`'s slice: its position in its group (rank order).
+    pub fn index(&self, mesh: &crate::mesh::Mesh, rank: usize) -> u64 {
+        if self.with.is_empty() {
+            return mesh.coord(rank, self.axis) as u64;
+        }
+        let group = mesh.group(rank, &self.axes());
+        group.iter().position(|&r| r == rank).unwrap_or(0) as u64
+    }
 }
 
 impl Buffer {
@@ -220,7 +252,7 @@ impl Buffer {
             .try_fold(1u64, |n, &d| n.checked_mul(d))
             .ok_or_else(|| format!("shape {:?} has more than 2^64 elements", self.shape))?;
         let far = match &self.rank_offset {
-            Some(r) => (mesh.size(r.axis).max(1) - 1).checked_mul(r.stride),
+            Some(r) => (r.count(mesh).max(1) - 1).checked_mul(r.stride),
             None => Some(0),
         };
         far.and_then(|f| f.checked_add(self.offset))
@@ -245,7 +277,7 @@ impl Buffer {
         let far = self
             .rank_offset
             .as_ref()
-            .map_or(0, |r| (mesh.size(r.axis) - 1) * r.stride);
+            .map_or(0, |r| (r.count(mesh).max(1) - 1) * r.stride);
         self.offset + far + self.len()
     }
 }

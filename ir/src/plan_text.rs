@@ -190,7 +190,8 @@ fn buffers(out: &mut String, buffers: &[Buffer]) {
     for (i, b) in buffers.iter().enumerate() {
         let mut offset = b.offset.to_string();
         if let Some(r) = &b.rank_offset {
-            write!(offset, "+{}*{}", r.axis.as_str(), r.stride).expect("write to String");
+            let axes: Vec<&str> = r.axes().iter().map(|a| a.as_str()).collect();
+            write!(offset, "+{}*{}", axes.join("+"), r.stride).expect("write to String");
         }
         let mut place = Vec::new();
         if let Some(s) = b.stage {

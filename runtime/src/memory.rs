@@ -110,7 +110,7 @@ impl Memory {
             let elems = match &b.rank_offset {
                 None => b.offset,
                 Some(r) => {
-                    let coord = plan.mesh.coord(rank, r.axis) as u64;
+                    let coord = r.index(&plan.mesh, rank);
                     coord
                         .checked_mul(r.stride)
                         .and_then(|x| x.checked_add(b.offset))

@@ -904,9 +904,11 @@ pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> 
     // Data-parallel gradient reduction and parameter gather (per stage; the worst one). As
     // megac's plans do it: with context parallelism every gradient is first all-reduced over
     // cp (one collective per parameter, after the backward), then reduced over dp; the
-    // distributed optimizer shards over dp.
+    // distributed optimizer instead reduce-scatters over the dp·cp group and shards over it
+    // (Megatron).
     let dpcp = dp * cp;
     let dense_group = Group::strided(dp, tp * cp, gpn);
+    let dense_dist_group = Group::strided(dpcp, tp, gpn);
     let cp_grad_group = Group::strided(cp, tp, gpn);
     let expert_dp = (dpcp / layout.ep.max(1)).max(1);
     let expert_group = Group::strided(expert_dp, tp * layout.ep.max(1), gpn);
@@ -915,7 +917,7 @@ pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> 
     let mut mem = MemoryEstimate::default();
     let mut peak: f64 = 0.0;
     let dist = layout.distributed_optimizer && dpcp > 1;
-    let dense_shards = if dist { dp as f64 } else { 1.0 };
+    let dense_shards = if dist { dpcp as f64 } else { 1.0 };
     let expert_shards = if dist { expert_dp as f64 } else { 1.0 };
     for (i, st) in stages.iter().enumerate() {
         let ph = &phases[i];
@@ -923,7 +925,7 @@ pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> 
         if !unit {
             // The distributed optimizer gathers the working weights (16-bit when mixed).
             let gw = act.size_bytes() as f64;
-            let cp_t = if cp > 1 {
+            let cp_t = if cp > 1 && !dist {
                 cost.collective(Coll::AllReduce, (pd + pe) * W, cp_grad_group)
                     + (st.tensors - 1.0).max(0.0) * params.kernel_overhead_us * 1e-6
             } else {
@@ -931,9 +933,9 @@ pub fn estimate(spec: &ModelSpec, layout: &ParallelLayout, cost: &CostModel) -> 
             };
             let (grad_t, gather_t) = if dist {
                 (
-                    cost.collective(Coll::ReduceScatter, pd * W, dense_group)
+                    cost.collective(Coll::ReduceScatter, pd * W, dense_dist_group)
                         + cost.collective(Coll::ReduceScatter, pe * W, expert_group),
-                    cost.collective(Coll::AllGather, pd * gw, dense_group)
+                    cost.collective(Coll::AllGather, pd * gw, dense_dist_group)
                         + cost.collective(Coll::AllGather, pe * gw, expert_group),
                 )
             } else {

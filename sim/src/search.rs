@@ -70,7 +70,11 @@ pub fn enumerate(spec: &ModelSpec, gpus: u64) -> Vec<ParallelLayout> {
                     Some(_) => divisors(dp * cp),
                 };
                 let sps: &[bool] = if tp == 1 { &[false] } else { &[false, true] };
-                let dists: &[bool] = if dp > 1 { &[false, true] } else { &[false] };
+                let dists: &[bool] = if dp * cp > 1 {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
                 for mb in divisors(gb / dp) {
                     for &vpp in &vpps {
                         let schedules: &[Schedule] = if pp == 1 {

@@ -122,7 +122,7 @@ pub(super) fn stage_optimizers(
         }
     }
     let p = &e.spec.parallel;
-    let zero1 = p.distributed_optimizer && p.dp > 1;
+    let zero1 = p.distributed_optimizer && p.dp * p.cp > 1;
     for (s, prog) in opt.iter_mut().enumerate() {
         let before = e.buffers.len();
         if zero1 {
