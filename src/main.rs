@@ -121,7 +121,8 @@ enum Command {
         #[arg(long)]
         program: bool,
         /// Warn (on stderr) when a rank's memory exceeds one device of this cluster: a
-        /// cluster.toml or a preset (a100-80g, h100-sxm, h200; default h100-sxm).
+        /// cluster.toml or a preset (a100-80g, h100-sxm, h200; default: the plan's
+        /// `[cluster]`, else h100-sxm).
         #[arg(long, value_name = "CLUSTER.toml|PRESET")]
         cluster: Option<String>,
     },
@@ -184,7 +185,7 @@ enum Command {
         #[arg(long, default_value = "unit", value_name = "unit|model")]
         costs: String,
         /// Cluster for `--costs model` on a plan directory (a cluster.toml or a preset
-        /// name; default h100-sxm).
+        /// name; default: the plan's `[cluster]`, else h100-sxm).
         #[arg(long, value_name = "CLUSTER.toml|PRESET")]
         cluster: Option<String>,
         /// Write the output to FILE instead of standard output (missing folders are created).

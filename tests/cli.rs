@@ -906,3 +906,64 @@ fn without_the_mpi_feature_comm_mpi_and_launch_say_how_to_get_it() {
     }
     assert!(!std::path::Path::new(report).exists(), "nothing ran");
 }
+
+/// A compiled plan records its model.toml's `[cluster]`; `simulate`, `inspect` and
+/// `schedule --costs model` cost it there unless `--cluster` overrides it, and say which.
+#[test]
+fn plans_remember_their_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p");
+    let o = megac(&[
+        "compile",
+        "examples/llama-tiny.toml",
+        "--set",
+        "cluster.device=\"a100-80g\"",
+        "--set",
+        "cluster.nodes=1",
+        "--set",
+        "cluster.gpus_per_node=4",
+        "--set",
+        "parallel.pp=2",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let p = out.to_str().unwrap();
+    let o = megac(&["simulate", p, "--format", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["cluster"]["name"], "a100-80g");
+    assert_eq!(v["cluster"]["gpus_per_node"], 4);
+    assert!(v["cluster"]["source"]
+        .as_str()
+        .unwrap()
+        .ends_with("plan.json [cluster]"));
+    let o = megac(&["simulate", p, "--format", "json", "--cluster", "h200"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["cluster"]["name"], "h200");
+    let o = megac(&["inspect", p]);
+    assert!(
+        stdout(&o).contains("cluster      a100-80g ("),
+        "{}",
+        stdout(&o)
+    );
+    let o = megac(&["schedule", p, "--costs", "model"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("a100-80g"), "{}", stdout(&o));
+    // A device that is no preset is refused when compiling, not later.
+    let o = megac(&[
+        "compile",
+        "examples/llama-tiny.toml",
+        "--set",
+        "cluster.device=\"tpu\"",
+        "--set",
+        "cluster.nodes=1",
+        "--set",
+        "cluster.gpus_per_node=4",
+        "-o",
+        dir.path().join("q").to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cluster.device = \"tpu\" is not a cluster preset"));
+    assert!(!dir.path().join("q").exists());
+}

@@ -573,6 +573,7 @@ impl<'a> Emitter<'a> {
             rank_to_role,
             memory,
             flops_per_step,
+            cluster: spec.cluster.clone(),
         }
     }
 

@@ -181,6 +181,7 @@ impl<'p> Gate<'p> {
     fn run(&self) -> Result<(), PlanError> {
         self.ranks()?;
         self.batch()?;
+        self.cluster()?;
         for (i, b) in self.plan.buffers.iter().enumerate() {
             self.buffer(i, b)?;
         }
@@ -191,6 +192,29 @@ impl<'p> Gate<'p> {
             self.role(r)?;
         }
         self.loss_reaches_rank_0()
+    }
+
+    /// The recorded `[cluster]`: at least one node of at least one device, a short name.
+    fn cluster(&self) -> Result<(), PlanError> {
+        let Some(c) = &self.plan.cluster else {
+            return Ok(());
+        };
+        if c.nodes == 0 || c.gpus_per_node == 0 {
+            return Err(invalid(
+                "cluster",
+                format!(
+                    "{} node(s) × {} device(s): both must be at least 1",
+                    c.nodes, c.gpus_per_node
+                ),
+            ));
+        }
+        if c.device.is_empty() || c.device.len() > 64 {
+            return Err(invalid(
+                "cluster.device",
+                "must name a cluster preset (1 to 64 characters)",
+            ));
+        }
+        Ok(())
     }
 
     fn ranks(&self) -> Result<(), PlanError> {

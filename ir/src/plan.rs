@@ -49,6 +49,10 @@ pub struct Plan {
     pub memory: MemoryPlan,
     /// Model FLOPs per optimizer step (Megatron's formula).
     pub flops_per_step: f64,
+    /// The `[cluster]` of the model.toml it was compiled from: what `inspect`, `simulate`
+    /// and `schedule --costs model` cost it on unless `--cluster` overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<crate::spec::ClusterSection>,
 }
 
 /// Batch geometry of one optimizer step.

@@ -428,8 +428,9 @@ impl ParallelSection {
     }
 }
 
-/// `[cluster]`: the machine a plan is meant for (used by inspect and simulate).
-#[derive(Clone, Debug, PartialEq)]
+/// `[cluster]`: the machine a plan is meant for (`megac plan` searches for it; a compiled
+/// plan records it, and `inspect`, `simulate` and `schedule --costs model` use it).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ClusterSection {
     /// Accelerator preset name.
     pub device: String,

@@ -9,6 +9,11 @@ use crate::ModelArgs;
 /// Compile the model into a Plan (in memory).
 pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
     let spec = super::load_spec(args)?;
+    // The plan records the `[cluster]`; a device that is no preset is refused now, not
+    // when the plan is simulated.
+    if let Some(c) = &spec.cluster {
+        super::simulate::cluster_or(None, Some((c, args.model.display().to_string())))?;
+    }
     let flops = megac_passes::flops::step_flops(&spec).total;
     let module = super::compile(spec, None)?;
     let graph = module

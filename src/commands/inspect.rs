@@ -134,7 +134,7 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         return Ok(());
     }
     let world = plan.mesh.world_size() as u64;
-    let cluster = super::simulate::cluster_arg(cluster)?
+    let cluster = super::simulate::cluster_for_plan(cluster, &plan, dir)?
         .fit(world)
         .map_err(|e| e.render())?;
     for r in &plan.roles {
@@ -275,6 +275,7 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
             }
         }
     }
+    println!("cluster      {}", cluster.describe());
     if plan.roles.iter().any(|r| r.memory.is_some()) {
         println!("memory per rank (the largest of each arena over the roles)");
     } else {

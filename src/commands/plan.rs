@@ -33,26 +33,11 @@ pub struct PlanArgs {
 /// The cluster: `--cluster`, else model.toml's `[cluster]` (a preset with its node count),
 /// else h100-sxm.
 fn cluster_for(args: &PlanArgs, spec: &megac_ir::ModelSpec) -> Result<Cluster, String> {
-    if let Some(a) = &args.cluster {
-        return Cluster::load(a).map_err(|e| e.render());
-    }
-    match &spec.cluster {
-        Some(c) => {
-            let mut cl = Cluster::preset(&c.device).map_err(|e| {
-                format!(
-                    "error: {}: cluster.device = \"{}\" is not a cluster preset\nhelp: {}; or pass --cluster CLUSTER.toml\n",
-                    args.model.model.display(),
-                    c.device,
-                    e.help.unwrap_or_default()
-                )
-            })?;
-            cl.nodes = Some(c.nodes);
-            cl.gpus_per_node = c.gpus_per_node;
-            cl.source = format!("{} [cluster]", args.model.model.display());
-            Ok(cl)
-        }
-        None => Cluster::preset("h100-sxm").map_err(|e| e.render()),
-    }
+    let from = args.model.model.display().to_string();
+    super::simulate::cluster_or(
+        args.cluster.as_deref(),
+        spec.cluster.as_ref().map(|c| (c, from)),
+    )
 }
 
 /// Run `megac plan`.

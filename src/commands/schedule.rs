@@ -258,7 +258,7 @@ fn run_plan(args: &ModelArgs, opts: &Options) -> Result<(), String> {
         })
         .collect();
     let (compute, model) = if opts.costs == "model" {
-        let (lists, timeline, cluster) = simulated(&plan, pp, opts.cluster)?;
+        let (lists, timeline, cluster) = simulated(&plan, &args.model, pp, opts.cluster)?;
         (lists, Some((timeline, cluster)))
     } else {
         (compute, None)
@@ -305,14 +305,15 @@ type SimTimes = Vec<Vec<(f64, f64)>>;
 
 fn simulated(
     plan: &megac_ir::plan::Plan,
+    dir: &std::path::Path,
     pp: u32,
     cluster: Option<&str>,
 ) -> Result<(Vec<Vec<Action>>, SimTimes, String), String> {
     let world = plan.mesh.world_size() as u64;
-    let cluster = super::simulate::cluster_arg(cluster)?
+    let cluster = super::simulate::cluster_for_plan(cluster, plan, dir)?
         .fit(world)
         .map_err(|e| e.render())?;
-    let name = cluster.name.clone();
+    let name = format!("{} ({})", cluster.name, cluster.source);
     let cost = megac_sim::CostModel::new(cluster);
     let sim = megac_sim::simulate(plan, &cost, true).map_err(|e| format!("error: {e}"))?;
     let mut per_stage: Vec<Vec<(f64, f64, Action)>> = vec![Vec::new(); pp as usize];

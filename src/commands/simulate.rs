@@ -12,8 +12,9 @@ pub struct SimulateArgs {
     /// Plan directory written by `megac compile`.
     #[arg(value_name = "PLAN_DIR")]
     pub plan: PathBuf,
-    /// A cluster.toml, or a preset: a100-80g, h100-sxm, h200 (default: h100-sxm, with as
-    /// many 8-GPU nodes as the plan needs).
+    /// A cluster.toml, or a preset: a100-80g, h100-sxm, h200 (default: the `[cluster]` the
+    /// plan recorded from its model.toml, else h100-sxm with as many 8-GPU nodes as the
+    /// plan needs).
     #[arg(long, value_name = "CLUSTER.toml|PRESET")]
     pub cluster: Option<String>,
     /// Output format.
@@ -30,12 +31,43 @@ pub struct SimulateArgs {
     pub costs: String,
 }
 
-/// The cluster named by `--cluster`, or the default preset.
-pub fn cluster_arg(arg: Option<&str>) -> Result<Cluster, String> {
-    match arg {
-        Some(a) => Cluster::load(a).map_err(|e| e.render()),
+/// The cluster a command costs on: `--cluster` (`arg`), else the `[cluster]` a model.toml
+/// names or a plan records (`named`: the section and where it came from, e.g.
+/// `PLAN_DIR/plan.json [cluster]`), else the h100-sxm preset. `Cluster::source` says which.
+pub fn cluster_or(
+    arg: Option<&str>,
+    named: Option<(&megac_ir::spec::ClusterSection, String)>,
+) -> Result<Cluster, String> {
+    if let Some(a) = arg {
+        return Cluster::load(a).map_err(|e| e.render());
+    }
+    match named {
+        Some((c, from)) => {
+            let mut cl = Cluster::preset(&c.device).map_err(|e| {
+                format!(
+                    "error: {from}: cluster.device = \"{}\" is not a cluster preset\nhelp: {}; or pass --cluster CLUSTER.toml\n",
+                    c.device,
+                    e.help.unwrap_or_default()
+                )
+            })?;
+            cl.nodes = Some(c.nodes);
+            cl.gpus_per_node = c.gpus_per_node;
+            cl.source = format!("{from} [cluster]");
+            Ok(cl)
+        }
         None => Cluster::preset("h100-sxm").map_err(|e| e.render()),
     }
+}
+
+/// The cluster for `plan` (read from `dir`): `--cluster`, else the plan's `[cluster]`, else
+/// h100-sxm.
+pub fn cluster_for_plan(
+    arg: Option<&str>,
+    plan: &megac_ir::plan::Plan,
+    dir: &std::path::Path,
+) -> Result<Cluster, String> {
+    let from = dir.join("plan.json").display().to_string();
+    cluster_or(arg, plan.cluster.as_ref().map(|c| (c, from)))
 }
 
 /// A warning for a role whose per-rank memory (`bytes`) exceeds one device of `cluster`,
@@ -80,7 +112,7 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
     }
     let plan = super::inspect::read_plan(&args.plan)?;
     let world = plan.mesh.world_size() as u64;
-    let cluster = cluster_arg(args.cluster.as_deref())?
+    let cluster = cluster_for_plan(args.cluster.as_deref(), &plan, &args.plan)?
         .fit(world)
         .map_err(|e| e.render())?;
     let cost = if args.costs == "unit" {
