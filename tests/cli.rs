@@ -967,3 +967,70 @@ fn plans_remember_their_cluster() {
     assert!(stderr(&o).contains("cluster.device = \"tpu\" is not a cluster preset"));
     assert!(!dir.path().join("q").exists());
 }
+
+/// `megac plan --format json`: best first, each layout as the `--set` arguments that turn the
+/// model.toml into it; every one of them compiles to a plan of that layout.
+#[test]
+fn plan_json_lists_layouts_as_set_arguments_that_compile() {
+    let o = megac(&[
+        "plan",
+        "examples/llama-tiny.toml",
+        "--gpus",
+        "4",
+        "--top",
+        "5",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["searched"].as_u64().unwrap() >= 5);
+    assert!(v["seconds"].as_f64().unwrap() >= 0.0);
+    let layouts = v["layouts"].as_array().unwrap();
+    assert_eq!(layouts.len(), 5);
+    let times: Vec<f64> = layouts
+        .iter()
+        .map(|l| l["step_seconds"].as_f64().unwrap())
+        .collect();
+    assert!(
+        times.windows(2).all(|w| w[0] <= w[1]),
+        "best first: {times:?}"
+    );
+    for l in layouts {
+        assert!(l["peak_memory_bytes"].as_u64().unwrap() > 0);
+        assert!(l["mfu"].as_f64().unwrap() > 0.0 && l["tokens_per_s"].as_f64().unwrap() > 0.0);
+        let sets: Vec<&str> = l["set"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
+        let mut args = vec!["check", "examples/llama-tiny.toml"];
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        let o = megac(&args);
+        assert!(o.status.success(), "{sets:?}: {}", stderr(&o));
+        // tp·pp·dp·cp is the 4 GPUs asked for.
+        let size = |k: &str| -> u64 {
+            sets.iter()
+                .find_map(|s| s.strip_prefix(&format!("parallel.{k}=")))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(
+            size("tp") * size("pp") * size("dp") * size("cp"),
+            4,
+            "{sets:?}"
+        );
+    }
+    // The text output keeps its last line.
+    let o = megac(&["plan", "examples/llama-tiny.toml", "--gpus", "4"]);
+    let text = stdout(&o);
+    let last = text.lines().last().unwrap();
+    assert!(
+        last.starts_with("searched ") && last.contains(" layouts in "),
+        "{last}"
+    );
+}

@@ -106,6 +106,28 @@ impl ParallelLayout {
         s.train.recompute = self.recompute;
     }
 
+    /// The `--set` arguments that turn a model.toml into this layout: every key
+    /// [`ParallelLayout::set_in`] sets.
+    pub fn set_args(&self) -> Vec<String> {
+        vec![
+            format!("parallel.tp={}", self.tp),
+            format!("parallel.pp={}", self.pp),
+            format!("parallel.vpp={}", self.vpp),
+            format!("parallel.dp={}", self.dp),
+            format!("parallel.cp={}", self.cp),
+            format!("parallel.ep={}", self.ep),
+            format!("parallel.schedule=\"{}\"", self.schedule.as_str()),
+            format!("parallel.sequence_parallel={}", self.sequence_parallel),
+            format!(
+                "parallel.distributed_optimizer={}",
+                self.distributed_optimizer
+            ),
+            "parallel.fbd=false".to_string(),
+            format!("train.micro_batch={}", self.micro_batch),
+            format!("train.recompute=\"{}\"", self.recompute.as_str()),
+        ]
+    }
+
     /// Micro-batches per step and data-parallel rank.
     pub fn microbatches(&self, global_batch: u64) -> u64 {
         global_batch / (self.micro_batch * self.dp).max(1)

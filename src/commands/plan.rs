@@ -28,6 +28,11 @@ pub struct PlanArgs {
     /// Write the best layout as a complete model.toml (missing folders are created).
     #[arg(long, value_name = "F.toml")]
     pub emit: Option<PathBuf>,
+    /// `text` (a table) or `json`: `{"searched", "seconds", "layouts": [{"set": [--set
+    /// arguments], "step_seconds", "peak_memory_bytes", "mfu", "tokens_per_s"}, ...]}`,
+    /// best first.
+    #[arg(long, default_value = "text", value_name = "text|json")]
+    pub format: String,
 }
 
 /// The cluster: `--cluster`, else model.toml's `[cluster]` (a preset with its node count),
@@ -45,6 +50,12 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
     if args.gpus == 0 {
         return Err("error: --gpus 0: the layout needs at least one GPU".into());
     }
+    if args.format != "text" && args.format != "json" {
+        return Err(format!(
+            "error: --format {}: expected `text` or `json`",
+            args.format
+        ));
+    }
     if args.top == 0 {
         return Err("error: --top 0: show at least one layout (--top 1 shows the fastest)".into());
     }
@@ -57,6 +68,38 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
         .map_err(|e| e.render())?;
     let cost = CostModel::new(cluster);
     let result = megac_sim::search(&spec, args.gpus, &cost, args.top).map_err(|e| e.render())?;
+    if args.format == "json" {
+        let layouts: Vec<serde_json::Value> = result
+            .best
+            .iter()
+            .map(|c| {
+                let e = &c.estimate;
+                serde_json::json!({
+                    "set": c.layout.set_args(),
+                    "step_seconds": e.step_seconds,
+                    "peak_memory_bytes": e.peak_memory_bytes.round() as u64,
+                    "mfu": e.mfu,
+                    "tokens_per_s": e.tokens_per_s,
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "searched": result.searched,
+            "fitting": result.fitting,
+            "seconds": result.seconds,
+            "cluster": cost.cluster.name,
+            "layouts": layouts,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
+        );
+        if let Some(path) = &args.emit {
+            emit_best(args, &spec, &result, &cost)?;
+            eprintln!("wrote {}", path.display());
+        }
+        return Ok(());
+    }
     let tokens = (spec.train.global_batch * spec.model.seq_len) as f64;
     println!(
         "model        {}: {} layers, hidden {}, global batch {} × {} tokens ({:.3e} tokens per step)",
@@ -86,6 +129,28 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
         );
     }
     if let Some(path) = &args.emit {
+        emit_best(args, &spec, &result, &cost)?;
+        println!("wrote {}", path.display());
+    }
+    println!(
+        "{} of {} layouts fit in memory",
+        result.fitting, result.searched
+    );
+    println!(
+        "searched {} layouts in {:.3} s",
+        result.searched, result.seconds
+    );
+    Ok(())
+}
+
+/// Write the best layout of `result` as a complete model.toml to `--emit`.
+fn emit_best(
+    args: &PlanArgs,
+    spec: &megac_ir::ModelSpec,
+    result: &megac_sim::search::SearchResult,
+    cost: &CostModel,
+) -> Result<(), String> {
+    if let Some(path) = &args.emit {
         let best = &result.best[0];
         let header = vec![
             format!(
@@ -104,17 +169,8 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
                 best.estimate.peak_memory_bytes / GIB
             ),
         ];
-        let text = emit_model_toml(&spec, &best.layout, &cost.cluster, &header);
+        let text = emit_model_toml(spec, &best.layout, &cost.cluster, &header);
         super::output::write_file(path, &text)?;
-        println!("wrote {}", path.display());
     }
-    println!(
-        "{} of {} layouts fit in memory",
-        result.fitting, result.searched
-    );
-    println!(
-        "searched {} layouts in {:.3} s",
-        result.searched, result.seconds
-    );
     Ok(())
 }
