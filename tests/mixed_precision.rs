@@ -172,3 +172,45 @@ fn bf16_arenas_are_megatrons_bytes_per_parameter() {
         assert!(m.staging_bytes > 0);
     }
 }
+
+/// Pipeline activation memory: what a micro-batch keeps between its segments takes a slot
+/// per micro-batch in flight, what one segment alone uses lives in one scratch region. So
+/// full recomputation keeps little more than each layer's input, and interleaving (vpp)
+/// adds only the extra micro-batches in flight, not a copy of every chunk's working memory.
+#[test]
+fn full_recompute_keeps_layer_inputs_and_vpp_does_not_inflate_it() {
+    let act = |vpp: u64, recompute: &str| -> u64 {
+        let schedule = if vpp == 1 { "1f1b" } else { "interleaved" };
+        let vpp = format!("parallel.vpp={vpp}");
+        let schedule = format!("parallel.schedule=\"{schedule}\"");
+        let recompute = format!("train.recompute=\"{recompute}\"");
+        let p = plan(
+            "examples/llama-tiny.toml",
+            &[
+                "model.layers=8",
+                "parallel.pp=2",
+                &vpp,
+                &schedule,
+                &recompute,
+                "train.global_batch=16",
+                "train.micro_batch=2",
+            ],
+        );
+        p.roles
+            .iter()
+            .map(|r| r.memory.as_ref().unwrap().activation_bytes)
+            .max()
+            .unwrap()
+    };
+    let (none1, full1, full2, full4) = (
+        act(1, "none"),
+        act(1, "full"),
+        act(2, "full"),
+        act(4, "full"),
+    );
+    assert!(full1 * 3 < none1, "full recompute {full1} vs none {none1}");
+    assert!(
+        full4 * 4 < full1 * 5 && full2 * 4 < full1 * 5,
+        "vpp 1/2/4: {full1} {full2} {full4}"
+    );
+}

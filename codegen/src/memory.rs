@@ -40,7 +40,17 @@ fn slot_bytes(b: &Buffer) -> u64 {
 
 /// Peak of the activation bytes live at the same time (a lower bound for any placement).
 pub fn live_peak(buffers: &[Buffer], live: &Liveness, live_to_end: &[BufId]) -> u64 {
-    let intervals = intervals(buffers, live, live_to_end);
+    live_peak_where(buffers, live, live_to_end, &|_| true)
+}
+
+/// [`live_peak`] of the allocation units (root buffers) `include` accepts.
+pub fn live_peak_where(
+    buffers: &[Buffer],
+    live: &Liveness,
+    live_to_end: &[BufId],
+    include: &dyn Fn(BufId) -> bool,
+) -> u64 {
+    let intervals = intervals(buffers, live, live_to_end, include);
     let end = intervals.values().map(|i| i.1).max().unwrap_or(0);
     let mut delta = vec![0i64; end + 2];
     for (&b, &(s, e)) in &intervals {
@@ -63,7 +73,18 @@ pub fn live_peak(buffers: &[Buffer], live: &Liveness, live_to_end: &[BufId]) -> 
 /// the room. `live_to_end` buffers stay live to the end of the first program (results read
 /// after it).
 pub fn assign_offsets(buffers: &mut [Buffer], live: &Liveness, live_to_end: &[BufId]) -> u64 {
-    let interval = intervals(buffers, live, live_to_end);
+    assign_offsets_where(buffers, live, live_to_end, &|_| true)
+}
+
+/// [`assign_offsets`] for the allocation units (root buffers) `include` accepts; the others
+/// keep their offsets (and every view takes its root's).
+pub fn assign_offsets_where(
+    buffers: &mut [Buffer],
+    live: &Liveness,
+    live_to_end: &[BufId],
+    include: &dyn Fn(BufId) -> bool,
+) -> u64 {
+    let interval = intervals(buffers, live, live_to_end, include);
     // Largest first; ties by id, so the plan is deterministic.
     let mut order: Vec<(BufId, u64)> = interval
         .keys()
@@ -115,6 +136,7 @@ fn intervals(
     buffers: &[Buffer],
     live: &Liveness,
     live_to_end: &[BufId],
+    include: &dyn Fn(BufId) -> bool,
 ) -> BTreeMap<BufId, (usize, usize)> {
     let root = |b: BufId| *live.view_of.get(&b).unwrap_or(&b);
     let mut interval: BTreeMap<BufId, (usize, usize)> = BTreeMap::new();
@@ -125,7 +147,7 @@ fn intervals(
             let touched: Vec<BufId> = instr.buffers();
             for b in touched {
                 let r = root(b);
-                if buffers[r as usize].class != BufferClass::Activation {
+                if buffers[r as usize].class != BufferClass::Activation || !include(r) {
                     continue;
                 }
                 let e = interval.entry(r).or_insert((t, t));

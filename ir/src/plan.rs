@@ -523,14 +523,19 @@ fn is_zero(x: &u64) -> bool {
 }
 
 impl MemoryPlan {
-    /// Total bytes of one rank.
+    /// Total bytes of one rank's arenas: what any backend allocates for the plan (the
+    /// figure `simulate` and `plan` compare with a device's memory).
     pub fn total(&self) -> u64 {
         self.param_bytes
             + self.grad_bytes
             + self.opt_state_bytes
             + self.activation_bytes
             + self.input_bytes
-            + self.staging_bytes
+    }
+
+    /// What the cpu backend allocates: the arenas and its mixed-precision staging area.
+    pub fn cpu_total(&self) -> u64 {
+        self.total() + self.staging_bytes
     }
 }
 

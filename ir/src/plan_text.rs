@@ -91,8 +91,13 @@ fn shape(dims: &[u64]) -> String {
 }
 
 fn memory(m: &MemoryPlan) -> String {
+    let staging = if m.staging_bytes > 0 {
+        format!(" staging={}", m.staging_bytes)
+    } else {
+        String::new()
+    };
     format!(
-        "params={} grads={} opt_state={} activations={} (unplanned={} live={}) inputs={} total={}",
+        "params={} grads={} opt_state={} activations={} (unplanned={} live={}) inputs={} total={}{staging}",
         m.param_bytes,
         m.grad_bytes,
         m.opt_state_bytes,

@@ -175,6 +175,7 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
                 });
                 if m.staging_bytes > 0 {
                     memory["staging"] = serde_json::json!(m.staging_bytes);
+                    memory["total_cpu"] = serde_json::json!(m.cpu_total());
                 }
                 serde_json::json!({
                     "role": r.name,
@@ -291,13 +292,14 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         mib(m.activation_bytes_unplanned).trim_start()
     );
     println!("  inputs            {}", mib(m.input_bytes));
+    println!("  total             {}", mib(m.total()));
     if m.staging_bytes > 0 {
         println!(
-            "  staging           {}   (cpu backend: f32 copies of one kernel's 16-bit operands)",
-            mib(m.staging_bytes)
+            "  + staging         {}   (cpu backend only: f32 copies of one instruction's 16-bit operands; {} in all on cpu)",
+            mib(m.staging_bytes),
+            mib(m.cpu_total()).trim_start()
         );
     }
-    println!("  total             {}", mib(m.total()));
     let coll = collective_bytes(&plan);
     if coll.is_empty() {
         println!("collectives   none");

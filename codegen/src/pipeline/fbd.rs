@@ -37,7 +37,8 @@ pub(super) fn fbd_forward_roles(
                 .is_none_or(|&ph| ph == Phase::F)
         };
         let mut fchunks = Vec::new();
-        let mut fbase = 0u64;
+        // The transient scratch (stage_role) comes first; the forward role's slots follow.
+        let mut fbase = pipe.chunks.first().map_or(0, |c| c.activation_base);
         for chunk in &mut pipe.chunks {
             let c = chunk.chunk;
             let mut fwd = Vec::new();

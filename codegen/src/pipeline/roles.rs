@@ -111,8 +111,18 @@ struct PlacedChunks {
 }
 
 /// The chunks of stage `s`: each chunk's segments (the backward and weight segments merged
-/// unless the schedule splits them), its activations placed by liveness into one slot and
-/// its slots placed one after another, the data inputs it reads and its layers.
+/// unless the schedule splits them), the data inputs it reads and its layers, and their
+/// activation memory.
+///
+/// An activation used by only one segment (a forward's temporaries, the recomputed forward
+/// and the activation gradients of a backward, ...) is *transient*: it lives in one scratch
+/// region at the start of the stage's activation arena, shared by every segment of every
+/// chunk (a rank runs one segment at a time), and has no chunk. Only what a micro-batch keeps
+/// from one segment to a later one (what the backward reads of the forward, what the weight
+/// segment reads of the backward) takes a slot per micro-batch in flight, each chunk's slots
+/// placed one after another after the scratch. So full recomputation keeps one layer input
+/// per micro-batch and layer, and more chunks (vpp) do not multiply what a chunk needs only
+/// while it runs.
 fn chunk_programs(
     e: &mut Emitter,
     s: u32,
@@ -123,20 +133,50 @@ fn chunk_programs(
     live_to_end: &[BufId],
 ) -> PlacedChunks {
     let (pp, nc) = (geo.pp, geo.nc);
+    let mine: Vec<(u32, [Vec<Instr>; 3])> = (s..nc)
+        .step_by(pp as usize)
+        .map(|c| {
+            (
+                c,
+                [Phase::F, Phase::B, Phase::W].map(|ph| segs.remove(&(c, ph)).unwrap_or_default()),
+            )
+        })
+        .collect();
+    let transient = transient_activations(e, &mine, live_to_end);
+    for b in 0..e.buffers.len() {
+        let r = *e.view_of.get(&(b as BufId)).unwrap_or(&(b as BufId));
+        if transient.contains(&r) {
+            e.buffers[b].chunk = None;
+        }
+    }
+    // The scratch: every segment's transient activations, placed by liveness over all the
+    // segments in a row (each dies within its segment, so different segments share room).
+    let all = memory::Liveness {
+        programs: mine.iter().flat_map(|(_, p)| p.iter().cloned()).collect(),
+        view_of: e.view_of.clone(),
+    };
+    let scratch =
+        memory::assign_offsets_where(&mut e.buffers, &all, &[], &|r| transient.contains(&r))
+            .div_ceil(4);
+    let mut live = memory::live_peak_where(&e.buffers, &all, &[], &|r| transient.contains(&r));
     let mut chunks = Vec::new();
-    let mut base = 0u64;
-    let (mut unplanned, mut live) = (0u64, 0u64);
-    for c in (s..nc).step_by(pp as usize) {
+    let mut base = scratch;
+    let mut unplanned = 0u64;
+    for (c, [forward, mut backward, weight]) in mine {
         let n_slots = slots[c as usize];
-        let [forward, mut backward, weight] =
-            [Phase::F, Phase::B, Phase::W].map(|ph| segs.remove(&(c, ph)).unwrap_or_default());
         let liveness = memory::Liveness {
             programs: vec![forward.clone(), backward.clone(), weight.clone()],
             view_of: e.view_of.clone(),
         };
+        let kept: BTreeSet<BufId> = (0..e.buffers.len() as BufId)
+            .filter(|&b| e.buffers[b as usize].chunk == Some(c))
+            .collect();
+        let in_slot = |r: BufId| kept.contains(&r);
         // Slots are counted in the runtime's 4-byte arena units.
-        let elems = memory::assign_offsets(&mut e.buffers, &liveness, live_to_end) / 4;
-        live += memory::live_peak(&e.buffers, &liveness, live_to_end) * u64::from(n_slots);
+        let elems =
+            memory::assign_offsets_where(&mut e.buffers, &liveness, live_to_end, &in_slot) / 4;
+        live += memory::live_peak_where(&e.buffers, &liveness, live_to_end, &in_slot)
+            * u64::from(n_slots);
         unplanned += e
             .buffers
             .iter()
@@ -160,12 +200,12 @@ fn chunk_programs(
             backward.extend(weight);
             Vec::new()
         };
-        let mine = || {
+        let layers_of = || {
             (0..geo.chunk_of_layer.len() as u64).filter(|&l| geo.chunk_of_layer[l as usize] == c)
         };
-        let layers = mine()
+        let layers = layers_of()
             .next()
-            .zip(mine().next_back())
+            .zip(layers_of().next_back())
             .map(|(a, b)| [a, b + 1]);
         chunks.push(ChunkProgram {
             chunk: c,
@@ -180,12 +220,54 @@ fn chunk_programs(
         });
         base += elems * u64::from(n_slots);
     }
+    // Without reuse, the transient activations would take their full size too.
+    unplanned += e
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| transient.contains(&(*i as BufId)))
+        .map(|(_, b)| b.len() * b.dtype.size_bytes())
+        .sum::<u64>();
     PlacedChunks {
         chunks,
         base,
         unplanned,
         live,
     }
+}
+
+/// The activations of `chunks` (a stage's chunks with their forward, backward and weight
+/// segments) that one segment alone uses, as allocation units (root buffers): the rest
+/// (used by two segments, or read after the step as `live_to_end` results) must survive
+/// between a micro-batch's segments.
+fn transient_activations(
+    e: &Emitter,
+    chunks: &[(u32, [Vec<Instr>; 3])],
+    live_to_end: &[BufId],
+) -> BTreeSet<BufId> {
+    let root = |b: BufId| *e.view_of.get(&b).unwrap_or(&b);
+    let results: BTreeSet<BufId> = live_to_end.iter().map(|&b| root(b)).collect();
+    let mut out = BTreeSet::new();
+    for (c, programs) in chunks {
+        let mut used: BTreeMap<BufId, u8> = BTreeMap::new();
+        for (k, program) in programs.iter().enumerate() {
+            for instr in program {
+                for b in instr.buffers() {
+                    let r = root(b);
+                    let buf = &e.buffers[r as usize];
+                    if buf.class == BufferClass::Activation && buf.chunk == Some(*c) {
+                        *used.entry(r).or_default() |= 1 << k;
+                    }
+                }
+            }
+        }
+        out.extend(
+            used.into_iter()
+                .filter(|(r, mask)| mask.count_ones() == 1 && !results.contains(r))
+                .map(|(r, _)| r),
+        );
+    }
+    out
 }
 
 /// The optimizer's activations (the norm), placed by liveness after the chunks' slots
