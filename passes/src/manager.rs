@@ -6,7 +6,7 @@ use megac_ir::{print_graph, verify, Graph, ModelSpec};
 use crate::autodiff::differentiate;
 use crate::build::build_graph;
 use crate::optimizer::add_optimizer;
-use crate::recompute::recompute;
+use crate::recompute::{recompute, regather};
 use crate::shard::shard;
 use crate::PassError;
 
@@ -74,6 +74,11 @@ pub fn pipeline() -> Vec<Pass> {
                 let spec = m.spec.clone();
                 shard(graph_mut(m)?, &spec)
             },
+        },
+        Pass {
+            name: "regather",
+            description: "sequence parallelism: issue tp all-gathers again before the backward ops that read them, so gathered activations are not kept (Megatron)",
+            run: |m| regather(graph_mut(m)?),
         },
         Pass {
             name: "optimizer",

@@ -9,6 +9,9 @@
 //!   selective recomputation.
 //! - `full`: every forward op of the layer except those producing the layer's output (the
 //!   next layer's input, which stays live as the checkpoint).
+//!
+//! The same rewrite, run after `shard`, is the `regather` pass: sequence parallelism's
+//! all-gathers are issued again in backward instead of keeping their gathered results.
 
 use std::collections::{HashMap, HashSet};
 
@@ -84,9 +87,52 @@ pub fn recompute(g: &mut Graph, policy: Recompute) -> Result<(), PassError> {
         }
     }
 
-    // Where each layer's clones go: before the first backward op reading one of its results.
+    let groups: Vec<Vec<usize>> = chosen.into_iter().map(|(_, ops)| ops).collect();
+    clone_before_backward(g, &groups, backward_start, "recompute")
+}
+
+/// The `regather` pass (sequence parallelism, as Megatron): every forward all-gather over tp
+/// whose gathered result a backward op reads (the weight gradient of a column-parallel
+/// linear needs the whole sequence) is issued again right before that backward op, so the
+/// gathered tensor is not kept from forward to backward: only its sharded input is.
+pub fn regather(g: &mut Graph) -> Result<(), PassError> {
+    let Some(backward_start) = g.ops.iter().position(|op| op.kind.is_backward()) else {
+        return Err(PassError::Autodiff(
+            "regather needs a differentiated graph: run autodiff first".into(),
+        ));
+    };
+    let read_in_backward: HashSet<ValueId> = g.ops[backward_start..]
+        .iter()
+        .flat_map(|op| op.inputs.iter().copied())
+        .collect();
+    let groups: Vec<Vec<usize>> = g.ops[..backward_start]
+        .iter()
+        .enumerate()
+        .filter(|(_, op)| {
+            matches!(&op.kind, OpKind::AllGather { axes, .. } if axes == &[megac_ir::Axis::Tp])
+                && op.outputs.iter().any(|v| read_in_backward.contains(v))
+        })
+        .map(|(i, _)| vec![i])
+        .collect();
+    if groups.is_empty() {
+        return Ok(());
+    }
+    clone_before_backward(g, &groups, backward_start, "regather")
+}
+
+/// Clone each group of forward ops (indices into `g.ops`, in forward order) right before the
+/// first backward op that reads one of the group's results, and make every backward use
+/// read the clone. Values keep their types, layouts included (the pass may run after
+/// `shard`); clones are named `PATH (why)`.
+fn clone_before_backward(
+    g: &mut Graph,
+    groups: &[Vec<usize>],
+    backward_start: usize,
+    why: &str,
+) -> Result<(), PassError> {
+    // Where each group's clones go: before the first backward op reading one of its results.
     let mut recomputed: HashMap<ValueId, usize> = HashMap::new();
-    for (k, (_, ops)) in chosen.iter().enumerate() {
+    for (k, ops) in groups.iter().enumerate() {
         for &i in ops {
             for &v in &g.ops[i].outputs {
                 recomputed.insert(v, k);
@@ -109,32 +155,35 @@ pub fn recompute(g: &mut Graph, policy: Recompute) -> Result<(), PassError> {
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     let mut clones: HashMap<ValueId, ValueId> = HashMap::new();
+    let keep_type = |g: &mut Graph, old_v: ValueId, new_v: ValueId| {
+        g.values[new_v.0 as usize].ty = old.values[old_v.0 as usize].ty.clone();
+    };
     for (vi, value) in old.values.iter().enumerate() {
         let id = ValueId(vi as u32);
         match &value.def {
             ValueDef::Input(name) => {
-                map.insert(id, g.add_input(name.clone(), value.ty.clone()));
+                let v = g.add_input(name.clone(), value.ty.clone());
+                map.insert(id, v);
             }
             ValueDef::Param(name) => {
-                map.insert(id, g.add_param(name.clone(), value.ty.clone()));
+                let v = g.add_param(name.clone(), value.ty.clone());
+                map.insert(id, v);
             }
             ValueDef::Op(op_id, 0) => {
                 let oi = op_id.0 as usize;
                 let op = &old.ops[oi];
                 for &k in insert_before.get(&oi).map_or(&[][..], |v| v.as_slice()) {
-                    for &ci in &chosen[k].1 {
+                    for &ci in &groups[k] {
                         let orig = &old.ops[ci];
                         let ins: Vec<ValueId> = orig
                             .inputs
                             .iter()
                             .map(|v| clones.get(v).copied().unwrap_or(map[v]))
                             .collect();
-                        let outs = g.add_op(
-                            orig.kind.clone(),
-                            &ins,
-                            format!("{} (recompute)", orig.path),
-                        )?;
+                        let outs =
+                            g.add_op(orig.kind.clone(), &ins, format!("{} ({why})", orig.path))?;
                         for (o, n) in orig.outputs.iter().zip(outs) {
+                            keep_type(g, *o, n);
                             clones.insert(*o, n);
                         }
                     }
@@ -150,6 +199,7 @@ pub fn recompute(g: &mut Graph, policy: Recompute) -> Result<(), PassError> {
                     .collect();
                 let outs = g.add_op(op.kind.clone(), &ins, op.path.clone())?;
                 for (o, n) in op.outputs.iter().zip(outs) {
+                    keep_type(g, *o, n);
                     map.insert(*o, n);
                 }
             }
