@@ -373,17 +373,7 @@ fn inspect_memory_matches_peak_rss() {
             assert!(m["staging"].as_u64().unwrap() > 0);
             assert!(m["total_cpu"].as_u64().unwrap() > m["total"].as_u64().unwrap());
         }
-        let o = megac(&[
-            "run",
-            out.to_str().unwrap(),
-            "--steps",
-            "2",
-            "--report",
-            report.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let r: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let r = run_report(&out, 2, &report);
         let rss = r["peak_rss_bytes"].as_u64().unwrap() as f64;
         let rel = (rss - planned).abs() / planned;
         assert!(
@@ -509,17 +499,7 @@ fn inspect_memory_matches_the_allocated_arenas() {
         let o = megac(&["inspect", out.to_str().unwrap(), "--json"]);
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let planned = &v["roles"][0]["memory_bytes"];
-        let o = megac(&[
-            "run",
-            out.to_str().unwrap(),
-            "--steps",
-            "1",
-            "--report",
-            report.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let r: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let r = run_report(&out, 1, &report);
         let measured = &r["memory_bytes"];
         for class in ["parameters", "gradients", "optimizer_state"] {
             assert_eq!(planned[class], measured[class], "{sets:?}: {class}");
@@ -1039,4 +1019,19 @@ fn plan_json_lists_layouts_as_set_arguments_that_compile() {
         last.starts_with("searched ") && last.contains(" layouts in "),
         "{last}"
     );
+}
+
+/// `megac run PLAN --steps N --report REPORT`, which must succeed; the report.
+fn run_report(plan: &std::path::Path, steps: u32, report: &std::path::Path) -> serde_json::Value {
+    let steps = steps.to_string();
+    let o = megac(&[
+        "run",
+        plan.to_str().unwrap(),
+        "--steps",
+        &steps,
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap()
 }

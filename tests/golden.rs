@@ -29,15 +29,20 @@ fn golden(name: &str) {
     golden_with_init(name, "init.safetensors");
 }
 
-fn golden_with_init(name: &str, init_file: &str) {
-    let dir = fixture(name);
-    let spec = megac_frontend::load(&dir.join("model.toml"), &[])
+/// The checked plan of fixture folder `dir`'s model.toml with `sets`.
+fn checked_plan(dir: &Path, sets: &[String]) -> megac_ir::gate::CheckedPlan {
+    let spec = megac_frontend::load(&dir.join("model.toml"), sets)
         .unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
     let module = megac_passes::run_pipeline(spec, None, true).unwrap();
     let plan =
         megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
-    let plan = megac_ir::gate::CheckedPlan::check(plan).unwrap();
+    megac_ir::gate::CheckedPlan::check(plan).unwrap()
+}
+
+fn golden_with_init(name: &str, init_file: &str) {
+    let dir = fixture(name);
+    let plan = checked_plan(&dir, &[]);
 
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
@@ -157,13 +162,7 @@ fn golden_mixed(name: &str, precision: &str) {
     if let Some(scale) = expected["loss_scale"].as_f64() {
         sets.push(format!("train.loss_scale={scale}"));
     }
-    let spec = megac_frontend::load(&dir.join("model.toml"), &sets)
-        .unwrap_or_else(|e| panic!("{}", e.render()));
-    let flops = megac_passes::flops::step_flops(&spec).total;
-    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
-    let plan =
-        megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
-    let plan = megac_ir::gate::CheckedPlan::check(plan).unwrap();
+    let plan = checked_plan(&dir, &sets);
     let u = if precision == "bf16" {
         2f64.powi(-8)
     } else {

@@ -1043,30 +1043,14 @@ mod tests {
 
     #[test]
     fn adamw_without_a_master_has_three_outputs() {
-        let OpKind::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            max_norm,
-            ..
-        } = OpKind::from_text("adamw", &any_attr).unwrap()
-        else {
+        let mut op = OpKind::from_text("adamw", &any_attr).unwrap();
+        let OpKind::AdamW { master, .. } = &mut op else {
             panic!("not adamw");
         };
-        let plain = OpKind::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            max_norm,
-            master: false,
-        };
-        assert_eq!(plain.kernel_arity(3), Arity::exactly(3, 3));
+        *master = false;
+        assert_eq!(op.kernel_arity(3), Arity::exactly(3, 3));
         // The text form omits `master` when false and round-trips it when true.
-        assert!(!plain.attrs().iter().any(|(k, _)| *k == "master"));
+        assert!(!op.attrs().iter().any(|(k, _)| *k == "master"));
     }
 
     #[test]
