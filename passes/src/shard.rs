@@ -513,11 +513,10 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let k = kind.clone();
         match kind {
             OpKind::Embedding => {
-                let out = if st(self, ins[1]) == Tp::S(0) {
+                let out = if self.tp_state(ins[1]) == Tp::S(0) {
                     Tp::P
                 } else {
                     Tp::R
@@ -532,7 +531,7 @@ impl Sharder<'_> {
             }
             OpKind::EmbeddingGrad => {
                 let dy = self.whole(ins[2], path)?;
-                let out = if st(self, ins[1]) == Tp::S(0) {
+                let out = if self.tp_state(ins[1]) == Tp::S(0) {
                     Tp::S(0)
                 } else {
                     Tp::R
@@ -542,7 +541,7 @@ impl Sharder<'_> {
             _ => {
                 // Cross-entropy and its gradient.
                 let logits = self.not_partial(ins[0], path)?;
-                let out = match (kind, st(self, logits)) {
+                let out = match (kind, self.tp_state(logits)) {
                     (OpKind::CrossEntropyGrad, Tp::S(d)) => Tp::S(d),
                     _ => Tp::R,
                 };
@@ -561,7 +560,6 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let last = |s: &Self, v: ValueId| s.rank(v) - 1;
         let k = kind.clone();
         let (in_dim, out_dim) = match weight {
@@ -569,7 +567,7 @@ impl Sharder<'_> {
             WeightLayout::InOut => (0, 1),
         };
         match kind {
-            OpKind::Linear { .. } => match st(self, ins[1]) {
+            OpKind::Linear { .. } => match self.tp_state(ins[1]) {
                 Tp::S(d) if d == out_dim => {
                     let x = self.whole(ins[0], path)?;
                     let mut args = vec![x, ins[1]];
@@ -579,7 +577,7 @@ impl Sharder<'_> {
                 }
                 Tp::S(d) if d == in_dim => {
                     let x = ins[0];
-                    if st(self, x) != Tp::S(last(self, x)) {
+                    if self.tp_state(x) != Tp::S(last(self, x)) {
                         return Err(PassError::Autodiff(format!(
                             "shard: {path}: a row-parallel linear needs its input split over tp"
                         )));
@@ -600,10 +598,10 @@ impl Sharder<'_> {
                 }
                 _ => self.emit_whole(kind, ins, path),
             },
-            OpKind::LinearGradInput { .. } => match st(self, ins[1]) {
+            OpKind::LinearGradInput { .. } => match self.tp_state(ins[1]) {
                 Tp::S(d) if d == out_dim => {
                     let dy = ins[0];
-                    if st(self, dy) != Tp::S(last(self, dy)) {
+                    if self.tp_state(dy) != Tp::S(last(self, dy)) {
                         return Err(PassError::Autodiff(format!(
                             "shard: {path}: the output gradient of a column-parallel linear must be split over tp"
                         )));
@@ -621,9 +619,9 @@ impl Sharder<'_> {
                 // The weight gradient. Column-parallel: dy split over the output features, x
                 // whole. Row-parallel: x split over the input features, dy whole.
                 let (x, dy) = (ins[0], ins[1]);
-                let (x, dy, out) = if st(self, dy) == Tp::S(last(self, dy)) {
+                let (x, dy, out) = if self.tp_state(dy) == Tp::S(last(self, dy)) {
                     (self.whole(x, path)?, dy, Tp::S(out_dim))
-                } else if st(self, x) == Tp::S(last(self, x)) {
+                } else if self.tp_state(x) == Tp::S(last(self, x)) {
                     (x, self.whole(dy, path)?, Tp::S(in_dim))
                 } else {
                     (self.whole(x, path)?, self.whole(dy, path)?, Tp::R)
@@ -642,17 +640,16 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let k = kind.clone();
         if matches!(kind, OpKind::BiasAdd) {
             if self.sp && self.seq_dim(ins[0]).is_some() {
                 let x = self.seq_shard(ins[0], path)?;
                 let b = self.whole(ins[1], path)?;
-                let out = st(self, x);
+                let out = self.tp_state(x);
                 return self.op(k, &[x, b], path, &[out]);
             }
             let x = self.not_partial(ins[0], path)?;
-            let out = st(self, x);
+            let out = self.tp_state(x);
             let b = if out == Tp::R {
                 self.whole(ins[1], path)?
             } else {
@@ -663,12 +660,12 @@ impl Sharder<'_> {
         if self.sp
             && self
                 .seq_dim(ins[0])
-                .is_some_and(|d| st(self, ins[0]) == Tp::S(d))
+                .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
         {
             return self.op(k, ins, path, &[Tp::P]);
         }
         let dy = self.not_partial(ins[0], path)?;
-        let out = match st(self, dy) {
+        let out = match self.tp_state(dy) {
             Tp::S(_) => Tp::S(0),
             _ => Tp::R,
         };
@@ -683,7 +680,6 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let k = kind.clone();
         let args: Vec<ValueId> = ins
             .iter()
@@ -697,8 +693,8 @@ impl Sharder<'_> {
         } else {
             r - 1
         };
-        let all_sharded = args.iter().all(|&x| st(self, x) == Tp::S(expected));
-        let all_whole = args.iter().all(|&x| st(self, x) == Tp::R);
+        let all_sharded = args.iter().all(|&x| self.tp_state(x) == Tp::S(expected));
+        let all_whole = args.iter().all(|&x| self.tp_state(x) == Tp::R);
         let n_out = match kind {
             OpKind::Split { n } => *n as usize,
             _ => 1,
@@ -740,7 +736,6 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let k = kind.clone();
         let fwd = matches!(kind, OpKind::CausalAttention);
         let outs: &[Tp] = if fwd {
@@ -748,7 +743,7 @@ impl Sharder<'_> {
         } else {
             &[Tp::S(2), Tp::S(2), Tp::S(2)]
         };
-        if st(self, ins[0]) == Tp::S(2) && st(self, ins[1]) == Tp::R {
+        if self.tp_state(ins[0]) == Tp::S(2) && self.tp_state(ins[1]) == Tp::R {
             let mut args = ins.to_vec();
             for a in [1, 2] {
                 args[a] = self.head_slice(ins[a], path)?;
@@ -758,9 +753,9 @@ impl Sharder<'_> {
         let split = if fwd {
             [ins[0], ins[1], ins[2]]
                 .iter()
-                .all(|&x| st(self, x) == Tp::S(2))
+                .all(|&x| self.tp_state(x) == Tp::S(2))
         } else {
-            ins.iter().all(|&x| matches!(st(self, x), Tp::S(_)))
+            ins.iter().all(|&x| matches!(self.tp_state(x), Tp::S(_)))
         };
         if split {
             return self.op(k, ins, path, outs);
@@ -778,7 +773,6 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let k = kind.clone();
         let sums = matches!(kind, OpKind::Add | OpKind::GradSum);
         if sums && self.sp && ins.iter().all(|&x| self.seq_dim(x).is_some()) {
@@ -787,22 +781,25 @@ impl Sharder<'_> {
             // replicated router's whole), which adds up on sequence shards: the partial sum
             // is reduce-scattered (the mirror of the forward all-gather), the whole value
             // sliced.
-            let on_shards = ins
-                .iter()
-                .any(|&x| self.seq_dim(x).is_some_and(|d| st(self, x) == Tp::S(d)));
-            let partial_and_whole = ins.iter().any(|&x| st(self, x) == Tp::P)
-                && ins.iter().any(|&x| st(self, x) == Tp::R)
-                && ins.iter().all(|&x| matches!(st(self, x), Tp::P | Tp::R));
+            let on_shards = ins.iter().any(|&x| {
+                self.seq_dim(x)
+                    .is_some_and(|d| self.tp_state(x) == Tp::S(d))
+            });
+            let partial_and_whole = ins.iter().any(|&x| self.tp_state(x) == Tp::P)
+                && ins.iter().any(|&x| self.tp_state(x) == Tp::R)
+                && ins
+                    .iter()
+                    .all(|&x| matches!(self.tp_state(x), Tp::P | Tp::R));
             if on_shards || partial_and_whole {
                 let args: Vec<ValueId> = ins
                     .iter()
                     .map(|&x| self.seq_shard(x, path))
                     .collect::<Result<_, _>>()?;
-                let out = st(self, args[0]);
+                let out = self.tp_state(args[0]);
                 return self.op(k, &args, path, &[out]);
             }
         }
-        let states: Vec<Tp> = ins.iter().map(|&x| st(self, x)).collect();
+        let states: Vec<Tp> = ins.iter().map(|&x| self.tp_state(x)).collect();
         let n_out = if matches!(kind, OpKind::SwiGluGrad) {
             2
         } else {
@@ -868,17 +865,18 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
         let k = kind.clone();
         match kind {
-            OpKind::Combine if ins[2..].iter().all(|&y| st(self, y) == Tp::P) => {
+            OpKind::Combine if ins[2..].iter().all(|&y| self.tp_state(y) == Tp::P) => {
                 let mut args = self.all_whole(&ins[..2], path)?;
                 args.extend_from_slice(&ins[2..]);
                 self.op(k, &args, path, &[Tp::P])
             }
             OpKind::CombineGrad
                 if ins.len() >= 4
-                    && ins[2..ins.len() - 1].iter().all(|&y| st(self, y) == Tp::P) =>
+                    && ins[2..ins.len() - 1]
+                        .iter()
+                        .all(|&y| self.tp_state(y) == Tp::P) =>
             {
                 let n = ins.len();
                 let mut args = self.all_whole(&ins[..2], path)?;
@@ -888,7 +886,7 @@ impl Sharder<'_> {
                 outs.extend(std::iter::repeat_n(Tp::R, n - 3));
                 self.op(k, &args, path, &outs)
             }
-            OpKind::DispatchGrad { .. } if st(self, ins[0]) == Tp::P => {
+            OpKind::DispatchGrad { .. } if self.tp_state(ins[0]) == Tp::P => {
                 let idx = self.whole(ins[1], path)?;
                 self.op(k, &[ins[0], idx], path, &[Tp::P])
             }

@@ -30,6 +30,14 @@ impl Phases {
         self.w += o.w * times;
         self.comm += o.comm * times;
     }
+    /// Add a block's forward, backward and weight-gradient times and its exposed forward
+    /// and backward communication (counted in `f` and `b` too).
+    fn add_block(&mut self, f: f64, b: f64, w: f64, comm_f: f64, comm_b: f64) {
+        self.f += f + comm_f;
+        self.b += b + comm_b;
+        self.w += w;
+        self.comm += comm_f + comm_b;
+    }
     pub(super) fn total(&self) -> f64 {
         self.f + self.b + self.w
     }
@@ -328,10 +336,7 @@ fn attention_block(g: &Geo, arch: Arch, ph: &mut Phases) -> (f64, f64) {
             b += g.norm_b(norm_params);
         }
     }
-    ph.f += f + comm_f;
-    ph.b += b + comm_b;
-    ph.w += w;
-    ph.comm += comm_f + comm_b;
+    ph.add_block(f, b, w, comm_f, comm_b);
     (f + comm_f, attn)
 }
 
@@ -411,10 +416,7 @@ fn mlp_block(
     b += g.grad_sum(g.tn, h);
     comm_b += g.enter_b();
     b += g.norm_b(norm_params);
-    ph.f += f + comm_f;
-    ph.b += b + comm_b;
-    ph.w += w;
-    ph.comm += comm_f + comm_b;
+    ph.add_block(f, b, w, comm_f, comm_b);
     f + comm_f
 }
 
