@@ -648,7 +648,6 @@ fn analytic_model_agrees_with_the_pipeline_simulation() {
 #[ignore]
 fn megatron_pipelined_rows_through_the_plan_path() {
     let mut cl = Cluster::preset("h100-sxm").unwrap();
-    cl.cost.sp_regather = true;
     let rows = megac_sim::calibrate::calibrate(&cl);
     let mut errs = Vec::new();
     for c in rows.iter().filter(|c| c.row.pp > 1) {

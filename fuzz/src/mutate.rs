@@ -7,11 +7,17 @@
 
 use serde_json::Value;
 
-/// splitmix64: a small, fast, seedable generator.
+/// splitmix64: a small, fast, seedable generator; the one the fuzzer and the plan-mutation
+/// tests (`tests/common/mutate.rs`, `bench/mutate.sh`) share.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator from `seed` (the mutation tests' seed `s` is `Rng::new(s)`).
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
     /// A generator for input `index` of the run seeded `seed`.
     pub fn for_input(seed: u64, index: u64) -> Rng {
         let mut r = Rng(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -28,7 +34,8 @@ impl Rng {
         z ^ (z >> 31)
     }
 
-    /// A number in `0..n` (`n > 0`).
+    /// A number in `0..n`; `below(0)` is 0 and still takes a draw (so no caller's later
+    /// draws shift).
     pub fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n.max(1) as u64) as usize
     }

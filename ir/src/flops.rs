@@ -7,6 +7,10 @@
 //! (forward, input gradient, weight gradient), plus core attention `6·B·s²·q` per layer
 //! (`q = heads · head_dim`, halved for the causal mask). Recomputation is not counted
 //! (model FLOPs, as MFU uses them); the router's small matmul is left out, as in Megatron.
+//!
+//! The same count per token and layer ([`layer_flops`], and [`head_flops`] for the output
+//! layer) weighs the layers of a pipeline: the stage balancer
+//! (`pipeline::stages::chunk_layers`) and `megac schedule --costs model`.
 
 use crate::spec::{Arch, ModelSpec};
 
@@ -45,9 +49,7 @@ pub fn step_flops_at_tp(spec: &ModelSpec, tp: u64) -> StepFlops {
     let m = &spec.model;
     let tokens = (spec.train.global_batch * m.seq_len) as f64;
     let (h, l) = (m.hidden as f64, m.layers as f64);
-    let q = (m.heads * m.head_dim()) as f64;
-    let kv = (m.kv_heads * m.head_dim()) as f64;
-    let gated = if m.arch == Arch::Llama { 3.0 } else { 2.0 };
+    let Widths { q, kv, gated } = widths(spec);
     let ffn = m.ffn_hidden as f64;
     let moe_layers = (0..m.layers).filter(|&i| m.is_moe_layer(i)).count() as f64;
     let top_k = m.moe.as_ref().map_or(1.0, |x| x.top_k as f64);
@@ -65,4 +67,62 @@ pub fn step_flops_at_tp(spec: &ModelSpec, tp: u64) -> StepFlops {
         formula: "6·T·[l·(h·(q+2·kv) + q·h) + l·h·ffn·g·k + h·V] + 6·T·s·q·l  \
                   (T = tokens/step, g = 3 SwiGLU | 2 GELU, k = top_k on MoE layers, V padded; Megatron)",
     }
+}
+
+/// The widths the counts share: query and key/value widths (`heads · head_dim`) and the MLP's
+/// matrices per hidden unit (`g` = 3 for the gated SwiGLU of llama, 2 for GPT's GELU).
+struct Widths {
+    q: f64,
+    kv: f64,
+    gated: f64,
+}
+
+fn widths(spec: &ModelSpec) -> Widths {
+    let m = &spec.model;
+    Widths {
+        q: (m.heads * m.head_dim()) as f64,
+        kv: (m.kv_heads * m.head_dim()) as f64,
+        gated: if m.arch == Arch::Llama { 3.0 } else { 2.0 },
+    }
+}
+
+/// Per-token FLOPs of one forward pass through one transformer layer, a multiply-add
+/// counted as 2 FLOPs: the terms of [`step_flops`] for a single layer and token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerFlops {
+    /// The linears: attention projections `2·(h·(q + 2·kv) + q·h)` and the MLP
+    /// `2·g·h·ffn`, times `top_k` on an MoE layer.
+    pub matmul: f64,
+    /// Core attention (QKᵀ and AV), causal: `2·s·q`.
+    pub core: f64,
+}
+
+impl LayerFlops {
+    /// Forward plus both backward passes (input and weight gradient): Megatron's 3-pass count.
+    pub fn training(&self) -> f64 {
+        3.0 * (self.matmul + self.core)
+    }
+}
+
+/// The per-token forward FLOPs of layer `l` of `spec` (MoE layers count `top_k` experts).
+pub fn layer_flops(spec: &ModelSpec, l: u64) -> LayerFlops {
+    let m = &spec.model;
+    let Widths { q, kv, gated } = widths(spec);
+    let h = m.hidden as f64;
+    let experts = if m.is_moe_layer(l) {
+        m.moe.as_ref().map_or(1.0, |x| x.top_k as f64)
+    } else {
+        1.0
+    };
+    let proj = 2.0 * (h * (q + 2.0 * kv) + q * h);
+    LayerFlops {
+        matmul: proj + 2.0 * gated * h * m.ffn_hidden as f64 * experts,
+        core: 2.0 * m.seq_len as f64 * q,
+    }
+}
+
+/// The per-token forward FLOPs of the output layer: `2·h·V`, logits over the vocabulary
+/// padded for the spec's tp (the same in each of the three passes).
+pub fn head_flops(spec: &ModelSpec) -> f64 {
+    2.0 * spec.model.hidden as f64 * spec.padded_vocab() as f64
 }

@@ -436,7 +436,9 @@ impl Sharder<'_> {
         }
     }
 
-    /// Emit `kind` on operands `ins` with the layout rules; returns the results.
+    /// Emit `kind` on operands `ins` with the layout rules; returns the results. Expert
+    /// parallelism's rules come first ([`Self::emit_expert`]), then tp's, one op family a
+    /// function; an op no family claims runs on whole operands ([`Self::emit_whole`]).
     fn emit(
         &mut self,
         kind: &OpKind,
@@ -452,17 +454,74 @@ impl Sharder<'_> {
             let n = self.op(kind.clone(), &ins, path, &[])?;
             return Ok(n);
         }
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
-        let last = |s: &Self, v: ValueId| s.rank(v) - 1;
+        match kind {
+            OpKind::Embedding
+            | OpKind::EmbeddingGrad
+            | OpKind::CrossEntropy
+            | OpKind::CrossEntropyGrad => self.emit_embedding_loss(kind, &ins, path),
+            OpKind::Linear { weight }
+            | OpKind::LinearGradInput { weight }
+            | OpKind::LinearGradWeight { weight } => self.emit_linear(kind, *weight, &ins, path),
+            OpKind::BiasAdd | OpKind::BiasGrad => self.emit_bias(kind, &ins, path),
+            OpKind::SplitHeads { .. }
+            | OpKind::MergeHeads
+            | OpKind::Split { .. }
+            | OpKind::Concat => self.emit_view(kind, &ins, path),
+            OpKind::Rope { .. }
+            | OpKind::RopeGrad { .. }
+            | OpKind::Cast { .. }
+            | OpKind::GeluTanh => self.emit_unary(kind, &ins, path),
+            OpKind::CausalAttention | OpKind::AttentionGrad => {
+                self.emit_attention(kind, &ins, path)
+            }
+            OpKind::Add
+            | OpKind::GradSum
+            | OpKind::SwiGlu
+            | OpKind::SwiGluGrad
+            | OpKind::GeluTanhGrad => self.emit_elementwise(kind, &ins, path),
+            OpKind::RmsNorm { .. }
+            | OpKind::LayerNorm { .. }
+            | OpKind::RmsNormGrad { .. }
+            | OpKind::LayerNormGrad { .. } => self.emit_norm(kind, &ins, path),
+            OpKind::Combine | OpKind::CombineGrad | OpKind::DispatchGrad { .. } => {
+                self.emit_moe(kind, &ins, path)
+            }
+            // Everything else (position embeddings, the router, dispatch, collectives,
+            // optimizer) runs on whole operands and gives whole results.
+            _ => self.emit_whole(kind, &ins, path),
+        }
+    }
+
+    /// The default rule: every operand made whole, whole results (correct for any op, but it
+    /// communicates).
+    fn emit_whole(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let args = self.all_whole(ins, path)?;
+        self.op(kind.clone(), &args, path, &[])
+    }
+
+    /// The vocab-parallel embedding and cross-entropy (and their gradients): a table split
+    /// over the vocabulary gives partial sums (reduce-scattered onto sequence shards with
+    /// sequence parallelism); logits split over it give a whole loss and split gradients.
+    fn emit_embedding_loss(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
         let k = kind.clone();
         match kind {
             OpKind::Embedding => {
-                let out = if st(self, ins[1]) == Tp::S(0) {
+                let out = if self.tp_state(ins[1]) == Tp::S(0) {
                     Tp::P
                 } else {
                     Tp::R
                 };
-                let y = self.op1(k, &ins, path, out)?;
+                let y = self.op1(k, ins, path, out)?;
                 if self.sp && out == Tp::P {
                     // Sequence parallelism: the residual stream starts on sequence shards
                     // (Megatron reduce-scatters the vocab-parallel embedding's output).
@@ -470,182 +529,314 @@ impl Sharder<'_> {
                 }
                 Ok(vec![y])
             }
-            OpKind::Linear { weight } => {
-                let (in_dim, out_dim) = match weight {
-                    WeightLayout::OutIn => (1, 0),
-                    WeightLayout::InOut => (0, 1),
+            OpKind::EmbeddingGrad => {
+                let dy = self.whole(ins[2], path)?;
+                let out = if self.tp_state(ins[1]) == Tp::S(0) {
+                    Tp::S(0)
+                } else {
+                    Tp::R
                 };
-                match st(self, ins[1]) {
-                    Tp::S(d) if d == out_dim => {
-                        let x = self.whole(ins[0], path)?;
-                        let mut args = vec![x, ins[1]];
-                        args.extend(ins.get(2));
-                        let out = Tp::S(self.rank(x) - 1);
-                        self.op(k, &args, path, &[out])
+                self.op(k, &[ins[0], ins[1], dy], path, &[out])
+            }
+            _ => {
+                // Cross-entropy and its gradient.
+                let logits = self.not_partial(ins[0], path)?;
+                let out = match (kind, self.tp_state(logits)) {
+                    (OpKind::CrossEntropyGrad, Tp::S(d)) => Tp::S(d),
+                    _ => Tp::R,
+                };
+                self.op(k, &[logits, ins[1]], path, &[out])
+            }
+        }
+    }
+
+    /// Linears and their gradients: column-parallel (the weight split over its output
+    /// features: the input gathered whole, the output split), row-parallel (split over its
+    /// input features: a split input gives a partial sum, reduced before a bias), else whole.
+    fn emit_linear(
+        &mut self,
+        kind: &OpKind,
+        weight: WeightLayout,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let last = |s: &Self, v: ValueId| s.rank(v) - 1;
+        let k = kind.clone();
+        let (in_dim, out_dim) = match weight {
+            WeightLayout::OutIn => (1, 0),
+            WeightLayout::InOut => (0, 1),
+        };
+        match kind {
+            OpKind::Linear { .. } => match self.tp_state(ins[1]) {
+                Tp::S(d) if d == out_dim => {
+                    let x = self.whole(ins[0], path)?;
+                    let mut args = vec![x, ins[1]];
+                    args.extend(ins.get(2));
+                    let out = Tp::S(self.rank(x) - 1);
+                    self.op(k, &args, path, &[out])
+                }
+                Tp::S(d) if d == in_dim => {
+                    let x = ins[0];
+                    if self.tp_state(x) != Tp::S(last(self, x)) {
+                        return Err(PassError::Autodiff(format!(
+                            "shard: {path}: a row-parallel linear needs its input split over tp"
+                        )));
                     }
-                    Tp::S(d) if d == in_dim => {
-                        let x = ins[0];
-                        if st(self, x) != Tp::S(last(self, x)) {
-                            return Err(PassError::Autodiff(format!(
-                                "shard: {path}: a row-parallel linear needs its input split over tp"
-                            )));
+                    let partial = self.op1(k.clone(), &[x, ins[1]], path, Tp::P)?;
+                    match ins.get(2) {
+                        None => Ok(vec![partial]),
+                        Some(&bias) => {
+                            let whole = self.whole(partial, path)?;
+                            Ok(vec![self.op1(
+                                OpKind::BiasAdd,
+                                &[whole, bias],
+                                path,
+                                Tp::R,
+                            )?])
                         }
-                        let partial = self.op1(k.clone(), &[x, ins[1]], path, Tp::P)?;
-                        match ins.get(2) {
-                            None => Ok(vec![partial]),
-                            Some(&bias) => {
-                                let whole = self.whole(partial, path)?;
-                                Ok(vec![self.op1(
-                                    OpKind::BiasAdd,
-                                    &[whole, bias],
-                                    path,
-                                    Tp::R,
-                                )?])
-                            }
-                        }
-                    }
-                    _ => {
-                        let args = self.all_whole(&ins, path)?;
-                        self.op(k, &args, path, &[Tp::R])
                     }
                 }
-            }
-            OpKind::SplitHeads { .. }
-            | OpKind::MergeHeads
-            | OpKind::Split { .. }
-            | OpKind::Concat => {
-                let args: Vec<ValueId> = ins
-                    .iter()
-                    .map(|&x| self.not_partial(x, path))
-                    .collect::<Result<_, _>>()?;
-                let r = self.rank(args[0]);
-                // The sharded dim must be the one the view splits or merges at its leading
-                // factor: `heads*head_dim` <-> `heads`, `3*rest` <-> `rest`.
-                let expected = if matches!(kind, OpKind::MergeHeads) {
-                    r - 2
-                } else {
-                    r - 1
-                };
-                let all_sharded = args.iter().all(|&x| st(self, x) == Tp::S(expected));
-                let all_whole = args.iter().all(|&x| st(self, x) == Tp::R);
-                let n_out = match kind {
-                    OpKind::Split { n } => *n as usize,
-                    _ => 1,
-                };
-                if all_sharded {
-                    let out = match kind {
-                        OpKind::SplitHeads { .. } => Tp::S(r - 1),
-                        OpKind::MergeHeads => Tp::S(r - 2),
-                        _ => Tp::S(r - 1),
-                    };
-                    self.op(k, &args, path, &vec![out; n_out])
-                } else if all_whole {
-                    self.op(k, &args, path, &[])
-                } else {
-                    let args = self.all_whole(&args, path)?;
-                    self.op(k, &args, path, &[])
+                _ => self.emit_whole(kind, ins, path),
+            },
+            OpKind::LinearGradInput { .. } => match self.tp_state(ins[1]) {
+                Tp::S(d) if d == out_dim => {
+                    let dy = ins[0];
+                    if self.tp_state(dy) != Tp::S(last(self, dy)) {
+                        return Err(PassError::Autodiff(format!(
+                            "shard: {path}: the output gradient of a column-parallel linear must be split over tp"
+                        )));
+                    }
+                    self.op(k, ins, path, &[Tp::P])
                 }
-            }
-            OpKind::Rope { .. }
-            | OpKind::RopeGrad { .. }
-            | OpKind::Cast { .. }
-            | OpKind::GeluTanh => {
-                let x = self.not_partial(ins[0], path)?;
-                let out = st(self, x);
-                self.op(k, &[x], path, &[out])
-            }
-            // More tp ranks than kv heads: k and v are whole (heads repeated); each rank takes
-            // the repeated heads of its query heads.
-            OpKind::CausalAttention | OpKind::AttentionGrad
-                if st(self, ins[0]) == Tp::S(2) && st(self, ins[1]) == Tp::R =>
-            {
-                let mut args = ins.clone();
-                for a in [1, 2] {
-                    args[a] = self.head_slice(ins[a], path)?;
+                Tp::S(d) if d == in_dim => {
+                    let dy = self.whole(ins[0], path)?;
+                    let out = Tp::S(self.rank(dy) - 1);
+                    self.op(k, &[dy, ins[1]], path, &[out])
                 }
-                let outs: &[Tp] = if matches!(kind, OpKind::CausalAttention) {
-                    &[Tp::S(2), Tp::S(1)]
+                _ => self.emit_whole(kind, ins, path),
+            },
+            _ => {
+                // The weight gradient. Column-parallel: dy split over the output features, x
+                // whole. Row-parallel: x split over the input features, dy whole.
+                let (x, dy) = (ins[0], ins[1]);
+                let (x, dy, out) = if self.tp_state(dy) == Tp::S(last(self, dy)) {
+                    (self.whole(x, path)?, dy, Tp::S(out_dim))
+                } else if self.tp_state(x) == Tp::S(last(self, x)) {
+                    (x, self.whole(dy, path)?, Tp::S(in_dim))
                 } else {
-                    &[Tp::S(2), Tp::S(2), Tp::S(2)]
+                    (self.whole(x, path)?, self.whole(dy, path)?, Tp::R)
                 };
-                self.op(k, &args, path, outs)
+                self.op(k, &[x, dy], path, &[out])
             }
-            // Attention splits over heads: q, k, v (and in backward every operand) split.
-            OpKind::CausalAttention
-                if [ins[0], ins[1], ins[2]]
+        }
+    }
+
+    /// Bias add and its gradient: on sequence shards with sequence parallelism (the bias
+    /// gradient then a partial sum), else on the input's layout (a split bias follows a
+    /// split input).
+    fn emit_bias(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let k = kind.clone();
+        if matches!(kind, OpKind::BiasAdd) {
+            if self.sp && self.seq_dim(ins[0]).is_some() {
+                let x = self.seq_shard(ins[0], path)?;
+                let b = self.whole(ins[1], path)?;
+                let out = self.tp_state(x);
+                return self.op(k, &[x, b], path, &[out]);
+            }
+            let x = self.not_partial(ins[0], path)?;
+            let out = self.tp_state(x);
+            let b = if out == Tp::R {
+                self.whole(ins[1], path)?
+            } else {
+                ins[1]
+            };
+            return self.op(k, &[x, b], path, &[out]);
+        }
+        if self.sp
+            && self
+                .seq_dim(ins[0])
+                .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
+        {
+            return self.op(k, ins, path, &[Tp::P]);
+        }
+        let dy = self.not_partial(ins[0], path)?;
+        let out = match self.tp_state(dy) {
+            Tp::S(_) => Tp::S(0),
+            _ => Tp::R,
+        };
+        self.op(k, &[dy], path, &[out])
+    }
+
+    /// Views, split and concat: on operands all sharded at the dim the view splits or merges
+    /// (its leading factor), or all whole; else gathered whole.
+    fn emit_view(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let k = kind.clone();
+        let args: Vec<ValueId> = ins
+            .iter()
+            .map(|&x| self.not_partial(x, path))
+            .collect::<Result<_, _>>()?;
+        let r = self.rank(args[0]);
+        // The sharded dim must be the one the view splits or merges at its leading
+        // factor: `heads*head_dim` <-> `heads`, `3*rest` <-> `rest`.
+        let expected = if matches!(kind, OpKind::MergeHeads) {
+            r - 2
+        } else {
+            r - 1
+        };
+        let all_sharded = args.iter().all(|&x| self.tp_state(x) == Tp::S(expected));
+        let all_whole = args.iter().all(|&x| self.tp_state(x) == Tp::R);
+        let n_out = match kind {
+            OpKind::Split { n } => *n as usize,
+            _ => 1,
+        };
+        if all_sharded {
+            let out = match kind {
+                OpKind::SplitHeads { .. } => Tp::S(r - 1),
+                OpKind::MergeHeads => Tp::S(r - 2),
+                _ => Tp::S(r - 1),
+            };
+            self.op(k, &args, path, &vec![out; n_out])
+        } else if all_whole {
+            self.op(k, &args, path, &[])
+        } else {
+            let args = self.all_whole(&args, path)?;
+            self.op(k, &args, path, &[])
+        }
+    }
+
+    /// One-operand elementwise ops (rope, cast, GELU): the result keeps the operand's layout
+    /// (a partial sum is reduced first).
+    fn emit_unary(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let x = self.not_partial(ins[0], path)?;
+        let out = self.tp_state(x);
+        self.op(kind.clone(), &[x], path, &[out])
+    }
+
+    /// Attention splits over heads: q, k, v (and in backward every operand) split. With more
+    /// tp ranks than kv heads, k and v are whole (heads repeated) and each rank takes the
+    /// repeated heads of its query heads.
+    fn emit_attention(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let k = kind.clone();
+        let fwd = matches!(kind, OpKind::CausalAttention);
+        let outs: &[Tp] = if fwd {
+            &[Tp::S(2), Tp::S(1)]
+        } else {
+            &[Tp::S(2), Tp::S(2), Tp::S(2)]
+        };
+        if self.tp_state(ins[0]) == Tp::S(2) && self.tp_state(ins[1]) == Tp::R {
+            let mut args = ins.to_vec();
+            for a in [1, 2] {
+                args[a] = self.head_slice(ins[a], path)?;
+            }
+            return self.op(k, &args, path, outs);
+        }
+        let split = if fwd {
+            [ins[0], ins[1], ins[2]]
+                .iter()
+                .all(|&x| self.tp_state(x) == Tp::S(2))
+        } else {
+            ins.iter().all(|&x| matches!(self.tp_state(x), Tp::S(_)))
+        };
+        if split {
+            return self.op(k, ins, path, outs);
+        }
+        self.emit_whole(kind, ins, path)
+    }
+
+    /// Residual adds, gradient sums and the MLP's elementwise ops (SwiGLU, the GELU
+    /// gradient): on equal layouts (partial sums add up as partial sums), else whole. With
+    /// sequence parallelism adds and sums run on sequence shards, as the collective rewrites
+    /// placed them.
+    fn emit_elementwise(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let k = kind.clone();
+        let sums = matches!(kind, OpKind::Add | OpKind::GradSum);
+        if sums && self.sp && ins.iter().all(|&x| self.seq_dim(x).is_some()) {
+            // One operand already on sequence shards; or a partial sum plus a whole value (an
+            // MoE block's input gradient: the experts' contributions are partial over tp, the
+            // replicated router's whole), which adds up on sequence shards: the partial sum
+            // is reduce-scattered (the mirror of the forward all-gather), the whole value
+            // sliced.
+            let on_shards = ins.iter().any(|&x| {
+                self.seq_dim(x)
+                    .is_some_and(|d| self.tp_state(x) == Tp::S(d))
+            });
+            let partial_and_whole = ins.iter().any(|&x| self.tp_state(x) == Tp::P)
+                && ins.iter().any(|&x| self.tp_state(x) == Tp::R)
+                && ins
                     .iter()
-                    .all(|&x| st(self, x) == Tp::S(2)) =>
-            {
-                self.op(k, &ins, path, &[Tp::S(2), Tp::S(1)])
-            }
-            OpKind::AttentionGrad if ins.iter().all(|&x| matches!(st(self, x), Tp::S(_))) => {
-                self.op(k, &ins, path, &[Tp::S(2), Tp::S(2), Tp::S(2)])
-            }
-            // Sequence parallelism: residual adds (and their gradient sums) run on sequence
-            // shards, as the collective rewrites placed them.
-            OpKind::Add | OpKind::GradSum
-                if self.sp
-                    && ins.iter().all(|&x| self.seq_dim(x).is_some())
-                    && ins
-                        .iter()
-                        .any(|&x| self.seq_dim(x).is_some_and(|d| st(self, x) == Tp::S(d))) =>
-            {
+                    .all(|&x| matches!(self.tp_state(x), Tp::P | Tp::R));
+            if on_shards || partial_and_whole {
                 let args: Vec<ValueId> = ins
                     .iter()
                     .map(|&x| self.seq_shard(x, path))
                     .collect::<Result<_, _>>()?;
-                let out = st(self, args[0]);
-                self.op(k, &args, path, &[out])
+                let out = self.tp_state(args[0]);
+                return self.op(k, &args, path, &[out]);
             }
-            // Sequence parallelism: a partial sum plus a whole value (an MoE block's input
-            // gradient: the experts' contributions are partial over tp, the replicated
-            // router's whole) adds up on sequence shards: the partial sum is reduce-scattered
-            // (the mirror of the forward all-gather), the whole value sliced.
-            OpKind::Add | OpKind::GradSum
-                if self.sp
-                    && ins.iter().all(|&x| self.seq_dim(x).is_some())
-                    && ins.iter().any(|&x| st(self, x) == Tp::P)
-                    && ins.iter().any(|&x| st(self, x) == Tp::R)
-                    && ins.iter().all(|&x| matches!(st(self, x), Tp::P | Tp::R)) =>
-            {
-                let args: Vec<ValueId> = ins
-                    .iter()
-                    .map(|&x| self.seq_shard(x, path))
-                    .collect::<Result<_, _>>()?;
-                let out = st(self, args[0]);
-                self.op(k, &args, path, &[out])
-            }
-            OpKind::Add
-            | OpKind::GradSum
-            | OpKind::SwiGlu
-            | OpKind::SwiGluGrad
-            | OpKind::GeluTanhGrad => {
-                let states: Vec<Tp> = ins.iter().map(|&x| st(self, x)).collect();
-                let n_out = if matches!(kind, OpKind::SwiGluGrad) {
-                    2
-                } else {
-                    1
-                };
-                let same = states.iter().all(|&t| t == states[0]);
-                let sums = matches!(kind, OpKind::Add | OpKind::GradSum);
-                if same && (states[0] != Tp::P || sums) {
-                    // Elementwise on equal layouts; partial sums add up as partial sums.
-                    self.op(k, &ins, path, &vec![states[0]; n_out])
-                } else {
-                    let args = self.all_whole(&ins, path)?;
-                    self.op(k, &args, path, &[])
-                }
-            }
-            OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } if self.sp => {
+        }
+        let states: Vec<Tp> = ins.iter().map(|&x| self.tp_state(x)).collect();
+        let n_out = if matches!(kind, OpKind::SwiGluGrad) {
+            2
+        } else {
+            1
+        };
+        let same = states.iter().all(|&t| t == states[0]);
+        if same && (states[0] != Tp::P || sums) {
+            // Elementwise on equal layouts; partial sums add up as partial sums.
+            self.op(k, ins, path, &vec![states[0]; n_out])
+        } else {
+            self.emit_whole(kind, ins, path)
+        }
+    }
+
+    /// Norms and their gradients: on sequence shards with sequence parallelism (the weight
+    /// gradients then partial sums), else whole.
+    fn emit_norm(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        if !self.sp {
+            return self.emit_whole(kind, ins, path);
+        }
+        let k = kind.clone();
+        match kind {
+            OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } => {
                 let x = self.seq_shard(ins[0], path)?;
                 let mut args = vec![x];
                 for &p in &ins[1..] {
                     args.push(self.whole(p, path)?);
                 }
-                let out = st(self, x);
+                let out = self.tp_state(x);
                 self.op(k, &args, path, &[out])
             }
-            OpKind::RmsNormGrad { .. } | OpKind::LayerNormGrad { .. } if self.sp => {
+            _ => {
                 // On sequence shards: dx stays split, the weight gradients are partial sums.
                 let x = self.seq_shard(ins[0], path)?;
                 let w = self.whole(ins[1], path)?;
@@ -655,119 +846,37 @@ impl Sharder<'_> {
                 } else {
                     2
                 };
-                let mut outs = vec![st(self, x)];
+                let mut outs = vec![self.tp_state(x)];
                 outs.extend(std::iter::repeat_n(Tp::P, n - 1));
                 self.op(k, &[x, w, dy], path, &outs)
             }
-            OpKind::BiasAdd if self.sp && self.seq_dim(ins[0]).is_some() => {
-                let x = self.seq_shard(ins[0], path)?;
-                let b = self.whole(ins[1], path)?;
-                let out = st(self, x);
-                self.op(k, &[x, b], path, &[out])
-            }
-            OpKind::BiasGrad
-                if self.sp
-                    && self
-                        .seq_dim(ins[0])
-                        .is_some_and(|d| st(self, ins[0]) == Tp::S(d)) =>
-            {
-                self.op(k, &ins, path, &[Tp::P])
-            }
-            OpKind::BiasAdd => {
-                let x = self.not_partial(ins[0], path)?;
-                let out = st(self, x);
-                let b = if out == Tp::R {
-                    self.whole(ins[1], path)?
-                } else {
-                    ins[1]
-                };
-                self.op(k, &[x, b], path, &[out])
-            }
-            OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
-                let logits = self.not_partial(ins[0], path)?;
-                let out = match (kind, st(self, logits)) {
-                    (OpKind::CrossEntropyGrad, Tp::S(d)) => Tp::S(d),
-                    _ => Tp::R,
-                };
-                self.op(k, &[logits, ins[1]], path, &[out])
-            }
-            OpKind::EmbeddingGrad => {
-                let dy = self.whole(ins[2], path)?;
-                let out = if st(self, ins[1]) == Tp::S(0) {
-                    Tp::S(0)
-                } else {
-                    Tp::R
-                };
-                self.op(k, &[ins[0], ins[1], dy], path, &[out])
-            }
-            OpKind::LinearGradInput { weight } => {
-                let (in_dim, out_dim) = match weight {
-                    WeightLayout::OutIn => (1, 0),
-                    WeightLayout::InOut => (0, 1),
-                };
-                match st(self, ins[1]) {
-                    Tp::S(d) if d == out_dim => {
-                        let dy = ins[0];
-                        if st(self, dy) != Tp::S(last(self, dy)) {
-                            return Err(PassError::Autodiff(format!(
-                                "shard: {path}: the output gradient of a column-parallel linear must be split over tp"
-                            )));
-                        }
-                        self.op(k, &ins, path, &[Tp::P])
-                    }
-                    Tp::S(d) if d == in_dim => {
-                        let dy = self.whole(ins[0], path)?;
-                        let out = Tp::S(self.rank(dy) - 1);
-                        self.op(k, &[dy, ins[1]], path, &[out])
-                    }
-                    _ => {
-                        let args = self.all_whole(&ins, path)?;
-                        self.op(k, &args, path, &[])
-                    }
-                }
-            }
-            OpKind::LinearGradWeight { weight } => {
-                let (in_dim, out_dim) = match weight {
-                    WeightLayout::OutIn => (1, 0),
-                    WeightLayout::InOut => (0, 1),
-                };
-                // Column-parallel: dy split over the output features, x whole.
-                // Row-parallel: x split over the input features, dy whole.
-                let (x, dy) = (ins[0], ins[1]);
-                let (x, dy, out) = if st(self, dy) == Tp::S(last(self, dy)) {
-                    (self.whole(x, path)?, dy, Tp::S(out_dim))
-                } else if st(self, x) == Tp::S(last(self, x)) {
-                    (x, self.whole(dy, path)?, Tp::S(in_dim))
-                } else {
-                    (self.whole(x, path)?, self.whole(dy, path)?, Tp::R)
-                };
-                self.op(k, &[x, dy], path, &[out])
-            }
-            OpKind::BiasGrad => {
-                let dy = self.not_partial(ins[0], path)?;
-                let out = match st(self, dy) {
-                    Tp::S(_) => Tp::S(0),
-                    _ => Tp::R,
-                };
-                self.op(k, &[dy], path, &[out])
-            }
-            OpKind::RmsNormGrad { .. } | OpKind::LayerNormGrad { .. } => {
-                let args = self.all_whole(&ins, path)?;
-                self.op(k, &args, path, &[])
-            }
-            // Expert tensor parallelism: every expert's output is a partial sum over tp (its
-            // w2 is row-parallel); the combine is linear in them, so it gives a partial sum,
-            // reduced once after it. Backward: the router-weight gradient (a dot product with
-            // the expert outputs) is partial too, the experts' output gradients whole, and the
-            // token gradients of the experts (their w1/w3 are column-parallel) partial.
-            OpKind::Combine if ins[2..].iter().all(|&y| st(self, y) == Tp::P) => {
+        }
+    }
+
+    /// The per-expert MoE ops under expert tensor parallelism: every expert's output is a
+    /// partial sum over tp (its w2 is row-parallel); the combine is linear in them, so it
+    /// gives a partial sum, reduced once after it. Backward: the router-weight gradient (a
+    /// dot product with the expert outputs) is partial too, the experts' output gradients
+    /// whole, and the token gradients of the experts (their w1/w3 are column-parallel)
+    /// partial. Otherwise whole.
+    fn emit_moe(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let k = kind.clone();
+        match kind {
+            OpKind::Combine if ins[2..].iter().all(|&y| self.tp_state(y) == Tp::P) => {
                 let mut args = self.all_whole(&ins[..2], path)?;
                 args.extend_from_slice(&ins[2..]);
                 self.op(k, &args, path, &[Tp::P])
             }
             OpKind::CombineGrad
                 if ins.len() >= 4
-                    && ins[2..ins.len() - 1].iter().all(|&y| st(self, y) == Tp::P) =>
+                    && ins[2..ins.len() - 1]
+                        .iter()
+                        .all(|&y| self.tp_state(y) == Tp::P) =>
             {
                 let n = ins.len();
                 let mut args = self.all_whole(&ins[..2], path)?;
@@ -777,16 +886,11 @@ impl Sharder<'_> {
                 outs.extend(std::iter::repeat_n(Tp::R, n - 3));
                 self.op(k, &args, path, &outs)
             }
-            OpKind::DispatchGrad { .. } if st(self, ins[0]) == Tp::P => {
+            OpKind::DispatchGrad { .. } if self.tp_state(ins[0]) == Tp::P => {
                 let idx = self.whole(ins[1], path)?;
                 self.op(k, &[ins[0], idx], path, &[Tp::P])
             }
-            // Everything else (norms, position embeddings, the router, dispatch, collectives,
-            // optimizer) runs on whole operands and gives whole results.
-            _ => {
-                let args = self.all_whole(&ins, path)?;
-                self.op(k, &args, path, &[])
-            }
+            _ => self.emit_whole(kind, ins, path),
         }
     }
 

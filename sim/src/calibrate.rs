@@ -11,7 +11,7 @@
 //! communication (the table's flags; the [`crate::cost::CostParams`] defaults), and a
 //! mixed precision (bf16 working weights, which the distributed optimizer gathers: what
 //! megac's bf16 plans do), and sequence parallelism that keeps the norm outputs sharded
-//! and gathers them again in backward (`sp_regather`, set here).
+//! and gathers them again in backward (as megac's `regather` pass does).
 //!
 //! The table does not give the micro-batch size, the virtual pipeline size or the
 //! recomputation either. With a pipeline the micro-batch is 1, as in Megatron's pipelined
@@ -193,9 +193,7 @@ pub struct Calibrated {
 
 /// Predict every row of [`MEGATRON_H100`] on `cluster` (an H100 preset or file).
 pub fn calibrate(cluster: &Cluster) -> Vec<Calibrated> {
-    let mut cluster = cluster.clone();
-    // Megatron's sequence parallelism keeps the norm outputs sharded and gathers them again.
-    cluster.cost.sp_regather = true;
+    let cluster = cluster.clone();
     MEGATRON_H100
         .iter()
         .map(|r| {

@@ -244,7 +244,6 @@ struct RawCost {
     dp_comm_overlap: Option<bool>,
     pp_comm_overlap: Option<bool>,
     reserved_memory_gib: Option<Spanned<f64>>,
-    sp_regather: Option<bool>,
 }
 
 fn pick<T>(over: Option<T>, base: Option<T>) -> Option<T> {
@@ -540,9 +539,6 @@ fn build_cost(raw: RawCost, file: &str, text: &str) -> Result<CostParams, SimErr
     }
     if let Some(b) = raw.pp_comm_overlap {
         c.pp_comm_overlap = b;
-    }
-    if let Some(b) = raw.sp_regather {
-        c.sp_regather = b;
     }
     Ok(c)
 }

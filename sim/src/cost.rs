@@ -51,10 +51,6 @@ pub struct CostParams {
     pub pp_comm_overlap: bool,
     /// Device memory not available to the plan (CUDA context, NCCL and library workspaces), GiB.
     pub reserved_memory_gib: f64,
-    /// With sequence parallelism, keep the norm outputs sharded and all-gather them again in
-    /// backward for the weight gradients (Megatron), instead of keeping the gathered copy
-    /// (megac's plans today). Only the analytic model reads it.
-    pub sp_regather: bool,
 }
 
 impl Default for CostParams {
@@ -73,7 +69,6 @@ impl Default for CostParams {
             dp_comm_overlap: true,
             pp_comm_overlap: true,
             reserved_memory_gib: 2.0,
-            sp_regather: false,
         }
     }
 }

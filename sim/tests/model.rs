@@ -126,13 +126,9 @@ fn memory_responds_to_the_layout() {
         },
         &cost,
     );
-    // megac keeps the gathered norm outputs; Megatron (`sp_regather`) shards them too.
-    assert!(no_sp.memory.activations > 1.3 * e.memory.activations);
-    let mut megatron = cost.clone();
-    megatron.cluster.cost.sp_regather = true;
-    let regather = estimate(&spec, &base, &megatron);
-    assert!(no_sp.memory.activations > 2.0 * regather.memory.activations);
-    assert!(regather.step_seconds > e.step_seconds);
+    // Sequence parallelism shards the saved norm outputs too (they are gathered again in
+    // backward, as Megatron): at tp = 8 well under half of the unsharded activations.
+    assert!(no_sp.memory.activations > 2.0 * e.memory.activations);
     // Parameters on the widest stage: about 177e9 / (8 · 6) bf16 working weights, within 10%.
     let p = e.memory.params / 2.0;
     assert!((p / (177e9 / 48.0) - 1.0).abs() < 0.1, "{p}");

@@ -9,8 +9,9 @@
 
 use std::path::Path;
 
+use megac_ir::flops::{head_flops, layer_flops, LayerFlops};
 use megac_ir::pipeline::{self, Action, Costs, ScheduleKind};
-use megac_ir::spec::{Arch, ModelSpec, Recompute};
+use megac_ir::spec::{ModelSpec, Recompute};
 
 use crate::render::schedule as render;
 use crate::ModelArgs;
@@ -35,25 +36,17 @@ impl ChunkCosts {
 /// in units of the mean chunk forward, so that the time axis is comparable with unit costs.
 ///
 /// Chunk `c` holds the contiguous layers `c·L/(pp·vpp) ..` (the even split the stage pass
-/// will make). Per token and layer: matmul FLOPs `M = 2(h(q + 2kv) + qh) + 2·g·h·ffn` (`g` = 3
-/// for gated llama MLPs, 2 for GPT; times `top_k` for MoE layers) and causal core attention
-/// `C = 2·s·q`; `F = M + C`, input gradient `B = M + 2C`, weight gradient `W = M` (so
+/// will make). Per token and layer ([`megac_ir::flops::layer_flops`]): matmul FLOPs
+/// `M = 2(h(q + 2kv) + qh) + 2·g·h·ffn` (`g` = 3 for gated llama MLPs, 2 for GPT; times `top_k`
+/// for MoE layers) and causal core attention `C = 2·s·q`; `F = M + C`, input gradient `B = M + 2C`, weight gradient `W = M` (so
 /// `B + W = 2F` for the matmuls, Megatron's 3-pass count). Full recomputation adds `F` to `B`,
 /// selective adds `C`. The first chunk also holds the embedding (a gather: no FLOPs); the last
 /// holds the head, `2·h·vocab` per token in each of F, B and W. Transfers are free.
 pub fn model_costs(spec: &ModelSpec, pp: u32, vpp: u32) -> ChunkCosts {
     let m = &spec.model;
     let nc = u64::from(pp) * u64::from(vpp.max(1));
-    let (h, s) = (m.hidden as f64, m.seq_len as f64);
-    let q = (m.heads * m.head_dim()) as f64;
-    let kv = (m.kv_heads * m.head_dim()) as f64;
-    let gated = if m.arch == Arch::Llama { 3.0 } else { 2.0 };
-    let top_k = m.moe.as_ref().map_or(1.0, |x| x.top_k as f64);
-    let proj = 2.0 * (h * (q + 2.0 * kv) + q * h);
-    let core = 2.0 * s * q;
     let layer = |l: u64| {
-        let experts = if m.is_moe_layer(l) { top_k } else { 1.0 };
-        let mm = proj + 2.0 * gated * h * m.ffn_hidden as f64 * experts;
+        let LayerFlops { matmul: mm, core } = layer_flops(spec, l);
         let f = mm + core;
         let recompute = match spec.train.recompute {
             Recompute::None => 0.0,
@@ -62,7 +55,7 @@ pub fn model_costs(spec: &ModelSpec, pp: u32, vpp: u32) -> ChunkCosts {
         };
         (f, mm + 2.0 * core + recompute, mm)
     };
-    let head = 2.0 * h * spec.padded_vocab() as f64;
+    let head = head_flops(spec);
     let (per, extra) = (m.layers / nc.max(1), m.layers % nc.max(1));
     // The stage pass's split (stage_layers, balanced or even).
     let split = megac_ir::pipeline::stages::chunk_layers(spec);

@@ -22,33 +22,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-/// SplitMix64: a small, seeded generator (no dependency).
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator from `seed`.
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (0 when n is 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-}
+/// The fuzzer's SplitMix64 generator (`megac_fuzz::mutate::Rng`): one generator for both.
+/// Every `below(n)` here has `n > 0` (`programs` lists non-empty programs only; a plan has
+/// buffers and roles), so mutation `s` is the same sequence as with the copy this replaced.
+pub use megac_fuzz::mutate::Rng;
 
 /// JSON pointers of every leaf number under `v`.
 fn numbers(v: &Value, at: String, out: &mut Vec<String>) {

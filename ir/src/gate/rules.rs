@@ -1,7 +1,8 @@
-//! The plan-level shape rules of the gate ([`op_rule`]): per kernel, the arity, operand
-//! dtypes and local shapes the runtime's kernel reads and writes. The graph-level rules
-//! (global shapes, named dims) are `infer`'s; these are the local ones a rank's kernels
-//! index by, including the collectives' group sizes.
+//! The plan-level shape rules of the gate ([`op_rule`]): per kernel, the arity (from
+//! [`OpKind::kernel_arity`], the table the runtime checks too), operand dtypes and local
+//! shapes the runtime's kernel reads and writes. The graph-level rules (global shapes, named
+//! dims) are `infer`'s; these are the local ones a rank's kernels index by, including the
+//! collectives' group sizes.
 
 use crate::op::{OpKind, WeightLayout};
 use crate::plan::{BufId, Buffer, BufferClass, Plan};
@@ -15,17 +16,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
     let b = |id: BufId| &bufs[id as usize];
     let sh = |id: BufId| -> &[u64] { &bufs[id as usize].shape };
     let n = |id: BufId| bufs[id as usize].len();
-    let arity = |i: usize, o: usize| -> Result<(), String> {
-        if ins.len() == i && outs.len() == o {
-            Ok(())
-        } else {
-            Err(format!(
-                "takes {i} inputs and {o} outputs, the plan gives {} and {}",
-                ins.len(),
-                outs.len()
-            ))
-        }
-    };
     let eq = |x: BufId, want: &[u64], what: &str| -> Result<(), String> {
         if sh(x) == want {
             Ok(())
@@ -140,11 +130,22 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             ));
         }
     }
+    // The operand counts: `OpKind::kernel_arity`, the one table the runtime checks too.
+    // Views are never instructions (their arm says so).
+    let want = op.kernel_arity(ins.len());
+    if !op.is_view() && !want.accepts(ins.len(), outs.len()) {
+        return Err(format!(
+            "takes {} inputs and {} outputs, the plan gives {} and {}",
+            want.inputs_near(ins.len()),
+            want.outputs,
+            ins.len(),
+            outs.len()
+        ));
+    }
     let vocab = plan.batch.vocab;
     match op {
         OpKind::Embedding | OpKind::EmbeddingGrad => {
             let grad = matches!(op, OpKind::EmbeddingGrad);
-            arity(if grad { 3 } else { 2 }, 1)?;
             rank(ins[1], 2, "embedding table")?;
             let (rows, h) = (sh(ins[1])[0], sh(ins[1])[1]);
             let vparts = parts(ins[1], 0, Axis::Tp);
@@ -166,7 +167,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
         OpKind::PosEmbedding | OpKind::PosEmbeddingGrad => {
             let grad = matches!(op, OpKind::PosEmbeddingGrad);
-            arity(2, 1)?;
             let (x, wpe) = if grad {
                 (ins[1], ins[0])
             } else {
@@ -190,11 +190,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
         OpKind::Linear { weight } | OpKind::LinearGradInput { weight } => {
             let fwd = matches!(op, OpKind::Linear { .. });
-            if fwd && ins.len() == 3 {
-                arity(3, 1)?;
-            } else {
-                arity(2, 1)?;
-            }
             let x = ins[0];
             let kk = nonscalar(x, "the input")?;
             let w = sh(ins[1]);
@@ -225,7 +220,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eq(outs[0], &with_last(x, to), "the output")
         }
         OpKind::LinearGradWeight { weight } => {
-            arity(2, 1)?;
             let (x, dy) = (ins[0], ins[1]);
             let kk = nonscalar(x, "the input")?;
             let nn = nonscalar(dy, "the output gradient")?;
@@ -256,12 +250,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
         }
         OpKind::RmsNorm { eps } | OpKind::LayerNorm { eps } => {
-            let k = if matches!(op, OpKind::RmsNorm { .. }) {
-                2
-            } else {
-                3
-            };
-            arity(k, 1)?;
             positive(*eps, "eps")?;
             let h = nonscalar(ins[0], "the input")?;
             for &p in &ins[1..] {
@@ -270,12 +258,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eq(outs[0], sh(ins[0]), "the output")
         }
         OpKind::RmsNormGrad { eps } | OpKind::LayerNormGrad { eps } => {
-            let k = if matches!(op, OpKind::RmsNormGrad { .. }) {
-                2
-            } else {
-                3
-            };
-            arity(3, k)?;
             positive(*eps, "eps")?;
             let h = nonscalar(ins[0], "the input")?;
             eq(ins[1], &[h], "the norm weight")?;
@@ -287,7 +269,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             Ok(())
         }
         OpKind::Split { n: parts_n } => {
-            arity(1, *parts_n as usize)?;
             let w = nonscalar(ins[0], "the input")?;
             if *parts_n == 0 || w % parts_n != 0 {
                 return Err(format!(
@@ -303,7 +284,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             if ins.is_empty() {
                 return Err("takes at least one input".into());
             }
-            arity(ins.len(), 1)?;
             let w = nonscalar(ins[0], "the first input")?;
             for &x in &ins[1..] {
                 eq(x, sh(ins[0]), "an input")?;
@@ -315,7 +295,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             )
         }
         OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
-            arity(1, 1)?;
             positive(*theta, "theta")?;
             rank(ins[0], 4, "the input [b, s, heads, head_dim]")?;
             if sh(ins[0])[3] % 2 != 0 {
@@ -325,11 +304,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
         OpKind::CausalAttention | OpKind::AttentionGrad => {
             let fwd = matches!(op, OpKind::CausalAttention);
-            if fwd {
-                arity(3, 2)?;
-            } else {
-                arity(6, 3)?;
-            }
             let (q, k, v) = (ins[0], ins[1], ins[2]);
             rank(q, 4, "q")?;
             rank(k, 4, "k")?;
@@ -360,7 +334,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
         }
         OpKind::Cast { to } => {
-            arity(1, 1)?;
             if *to == DType::I32 || b(outs[0]).dtype != *to {
                 return Err(format!(
                     "casts to {} into a {} buffer",
@@ -371,15 +344,10 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eq(outs[0], sh(ins[0]), "the output")
         }
         OpKind::Add | OpKind::SwiGlu => {
-            arity(2, 1)?;
             eq(ins[1], sh(ins[0]), "the second operand")?;
             eq(outs[0], sh(ins[0]), "the output")
         }
         OpKind::GradSum => {
-            if ins.is_empty() || ins.len() > 2 {
-                return Err(format!("takes 1 or 2 inputs, the plan gives {}", ins.len()));
-            }
-            arity(ins.len(), 1)?;
             for &x in ins {
                 if n(x) != n(outs[0]) {
                     return Err(format!(
@@ -392,7 +360,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             Ok(())
         }
         OpKind::RepeatKv { n: r } | OpKind::RepeatKvGrad { n: r } => {
-            arity(1, 1)?;
             rank(ins[0], 4, "the heads tensor")?;
             let mut y = sh(ins[0]).to_vec();
             if *r == 0 || y[3] == 0 {
@@ -409,34 +376,26 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eq(outs[0], &y, "the output")
         }
         OpKind::BiasAdd => {
-            arity(2, 1)?;
             let h = nonscalar(ins[0], "the input")?;
             eq(ins[1], &[h], "the bias")?;
             eq(outs[0], sh(ins[0]), "the output")
         }
         OpKind::BiasGrad => {
-            arity(1, 1)?;
             let h = nonscalar(ins[0], "the gradient")?;
             eq(outs[0], &[h], "the bias gradient")
         }
-        OpKind::GeluTanh => {
-            arity(1, 1)?;
-            eq(outs[0], sh(ins[0]), "the output")
-        }
+        OpKind::GeluTanh => eq(outs[0], sh(ins[0]), "the output"),
         OpKind::GeluTanhGrad => {
-            arity(2, 1)?;
             eq(ins[1], sh(ins[0]), "the output gradient")?;
             eq(outs[0], sh(ins[0]), "the input gradient")
         }
         OpKind::SwiGluGrad => {
-            arity(3, 2)?;
             eq(ins[1], sh(ins[0]), "up")?;
             eq(ins[2], sh(ins[0]), "the output gradient")?;
             eq(outs[0], sh(ins[0]), "the gate gradient")?;
             eq(outs[1], sh(ins[0]), "the up gradient")
         }
         OpKind::CrossEntropy | OpKind::CrossEntropyGrad => {
-            arity(2, 1)?;
             let (logits, labels) = (ins[0], ins[1]);
             let v = nonscalar(logits, "the logits")?;
             let ls = sh(logits);
@@ -463,7 +422,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             if ins.is_empty() {
                 return Err("takes at least one gradient".into());
             }
-            arity(ins.len(), 1)?;
             scalar(outs[0], b(outs[0]), "the norm")
         }
         OpKind::AdamW {
@@ -472,10 +430,9 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eps,
             weight_decay,
             max_norm,
-            master,
+            master: _,
             ..
         } => {
-            arity(3, if *master { 4 } else { 3 })?;
             for (v, what) in [(*beta1, "beta1"), (*beta2, "beta2")] {
                 if !(0.0..1.0).contains(&v) {
                     return Err(format!("{what} = {v} is not in [0, 1)"));
@@ -538,14 +495,10 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
             scalar(ins[2], b(ins[2]), "the norm")
         }
-        OpKind::AllReduce { .. } => {
-            arity(1, 1)?;
-            eq(outs[0], sh(ins[0]), "the output")
-        }
+        OpKind::AllReduce { .. } => eq(outs[0], sh(ins[0]), "the output"),
         OpKind::Slice { axes, dim }
         | OpKind::AllGather { axes, dim }
         | OpKind::ReduceScatter { axes, dim } => {
-            arity(1, 1)?;
             let members = group(axes);
             // The sharded side and the whole side.
             let (local, whole) = match op {
@@ -565,11 +518,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
         OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
             let fwd = matches!(op, OpKind::Router { .. });
-            if fwd {
-                arity(1, 2)?;
-            } else {
-                arity(2, 1)?;
-            }
             rank(ins[0], 3, "the router logits")?;
             let e = sh(ins[0])[2];
             if *top_k == 0 || *top_k > e {
@@ -587,7 +535,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
         }
         OpKind::MoeAuxLoss { coeff } | OpKind::MoeAuxLossGrad { coeff } => {
-            arity(2, 1)?;
             if !coeff.is_finite() {
                 return Err(format!("coeff {coeff} is not finite"));
             }
@@ -606,7 +553,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
         }
         OpKind::Dispatch { .. } => {
-            arity(2, 1)?;
             let (x, _) = tokens_and_indices(plan, ins[0], ins[1])?;
             rank(outs[0], 2, "the expert tokens")?;
             if sh(outs[0])[1] != x[2] {
@@ -619,14 +565,12 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             Ok(())
         }
         OpKind::DispatchGrad { .. } => {
-            arity(2, 1)?;
             rank(ins[0], 2, "the expert gradient")?;
             rank(ins[1], 3, "the indices")?;
             let i = sh(ins[1]);
             eq(outs[0], &[i[0], i[1], sh(ins[0])[1]], "the token gradient")
         }
         OpKind::DispatchExperts { experts, .. } => {
-            arity(2, 2)?;
             let (x, _) = tokens_and_indices(plan, ins[0], ins[1])?;
             rank(outs[0], 3, "the expert tokens")?;
             let o = sh(outs[0]);
@@ -639,7 +583,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eq(outs[1], &[*experts], "the token counts")
         }
         OpKind::DispatchExpertsGrad => {
-            arity(2, 1)?;
             rank(ins[0], 3, "the expert gradients")?;
             rank(ins[1], 3, "the indices")?;
             let (d, i) = (sh(ins[0]), sh(ins[1]));
@@ -650,11 +593,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         }
         OpKind::CombineExperts | OpKind::CombineExpertsGrad => {
             let fwd = matches!(op, OpKind::CombineExperts);
-            if fwd {
-                arity(3, 1)?;
-            } else {
-                arity(4, 2)?;
-            }
             rank(ins[0], 3, "the router weights")?;
             eq(ins[1], sh(ins[0]), "the indices")?;
             rank(ins[2], 3, "the expert outputs")?;
@@ -678,14 +616,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             } else {
                 ins.len().saturating_sub(3)
             };
-            if experts == 0 {
-                return Err(format!("no expert outputs among {} inputs", ins.len()));
-            }
-            if fwd {
-                arity(ins.len(), 1)?;
-            } else {
-                arity(ins.len(), experts + 1)?;
-            }
             rank(ins[0], 3, "the router weights")?;
             eq(ins[1], sh(ins[0]), "the indices")?;
             rank(ins[2], 2, "an expert output")?;
@@ -714,7 +644,6 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             split,
             concat,
         } => {
-            arity(2, 1)?;
             rank(ins[0], 3, "the expert tokens")?;
             rank(outs[0], 3, "the output")?;
             let (x, y) = (sh(ins[0]), sh(outs[0]));

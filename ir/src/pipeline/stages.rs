@@ -3,33 +3,13 @@
 //! `parallel.stage_layers = [..]` lists them; `parallel.stage_layers = "balanced"` asks for
 //! the contiguous split that minimises the most expensive chunk under a per-layer cost
 //! estimate (Megatron's model FLOPs of the layer, forward and backward, plus the output layer
-//! and loss on the last chunk; the embedding is a gather and costs nothing); without the key
+//! and loss on the last chunk, from [`crate::flops::layer_flops`] and
+//! [`crate::flops::head_flops`]; the embedding is a gather and costs nothing); without the key
 //! every chunk gets `layers / (pp·vpp)` (Megatron's default). Chunk `c` runs on pipeline rank
 //! `c % pp` ([`crate::mesh::chunk_owner`]).
 
-use crate::spec::{Arch, ModelSpec};
-
-/// Per-token training FLOPs (forward + both backward passes) of layer `l`.
-pub fn layer_cost(spec: &ModelSpec, l: u64) -> f64 {
-    let m = &spec.model;
-    let h = m.hidden as f64;
-    let q = (m.heads * m.head_dim()) as f64;
-    let kv = (m.kv_heads * m.head_dim()) as f64;
-    let gated = if m.arch == Arch::Llama { 3.0 } else { 2.0 };
-    let experts = if m.is_moe_layer(l) {
-        m.moe.as_ref().map_or(1.0, |x| x.top_k as f64)
-    } else {
-        1.0
-    };
-    let proj = h * (q + 2.0 * kv) + q * h;
-    let mlp = h * m.ffn_hidden as f64 * gated * experts;
-    6.0 * (proj + mlp) + 6.0 * m.seq_len as f64 * q
-}
-
-/// Per-token training FLOPs of the output layer (logits over the padded vocabulary).
-pub fn head_cost(spec: &ModelSpec) -> f64 {
-    6.0 * spec.model.hidden as f64 * spec.padded_vocab() as f64
-}
+use crate::flops::{head_flops, layer_flops};
+use crate::spec::ModelSpec;
 
 /// Layers per chunk, in chunk order (`pp·vpp` entries adding up to `model.layers`), or why
 /// the model does not split.
@@ -53,8 +33,10 @@ pub fn chunk_layers(spec: &ModelSpec) -> Result<Vec<u64>, String> {
         ));
     }
     if p.balance_stages {
-        let costs: Vec<f64> = (0..layers).map(|l| layer_cost(spec, l)).collect();
-        return Ok(balanced(&costs, nc as usize, head_cost(spec)));
+        let costs: Vec<f64> = (0..layers)
+            .map(|l| layer_flops(spec, l).training())
+            .collect();
+        return Ok(balanced(&costs, nc as usize, 3.0 * head_flops(spec)));
     }
     if !layers.is_multiple_of(nc) {
         return Err(format!(

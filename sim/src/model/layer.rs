@@ -1,0 +1,456 @@
+//! Per-layer costs: the kernels of one transformer layer as megac's passes emit them (the
+//! same linears, norms, attention, elementwise ops, `zero`s and collectives, with the
+//! rank-local shapes of tensor, sequence, context and expert parallelism), each costed with
+//! the [`CostModel`] functions the plan simulator uses, and the bytes a layer keeps for its
+//! backward (the tensors megac's autodiff saves; Korthikanti et al. for flash attention).
+
+use megac_ir::spec::{Arch, ModelSpec};
+use megac_ir::types::DType;
+
+use super::ParallelLayout;
+use crate::cost::{Coll, CostModel, Group};
+
+/// Times of one stage for one micro-batch (all its chunks).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct Phases {
+    /// Forward (with exposed forward communication).
+    pub(super) f: f64,
+    /// Input-gradient backward (with recomputation and exposed backward communication).
+    pub(super) b: f64,
+    /// Weight-gradient backward.
+    pub(super) w: f64,
+    /// Exposed in-layer communication (already inside f and b), for the breakdown.
+    pub(super) comm: f64,
+}
+
+impl Phases {
+    pub(super) fn add(&mut self, o: Phases, times: f64) {
+        self.f += o.f * times;
+        self.b += o.b * times;
+        self.w += o.w * times;
+        self.comm += o.comm * times;
+    }
+    /// Add a block's forward, backward and weight-gradient times and its exposed forward
+    /// and backward communication (counted in `f` and `b` too).
+    fn add_block(&mut self, f: f64, b: f64, w: f64, comm_f: f64, comm_b: f64) {
+        self.f += f + comm_f;
+        self.b += b + comm_b;
+        self.w += w;
+        self.comm += comm_f + comm_b;
+    }
+    pub(super) fn total(&self) -> f64 {
+        self.f + self.b + self.w
+    }
+}
+
+/// Rank-local geometry of one layout.
+pub(super) struct Geo<'a> {
+    pub(super) cost: &'a CostModel,
+    pub(super) act: DType,
+    /// Activation bytes per element.
+    pub(super) a: f64,
+    /// Tokens per rank and micro-batch (the cp shard of the sequence).
+    pub(super) t: f64,
+    /// Tokens of sequence-sharded tensors (t / tp with sequence parallelism).
+    pub(super) tn: f64,
+    pub(super) h: f64,
+    /// Query width per rank.
+    pub(super) q_l: f64,
+    /// Key/value width per rank.
+    pub(super) kv_l: f64,
+    /// Query heads per rank.
+    pub(super) heads_l: f64,
+    /// MLP width per rank.
+    pub(super) f_l: f64,
+    /// Full sequence length.
+    pub(super) s: f64,
+    pub(super) sp: bool,
+    pub(super) tp_group: Group,
+    pub(super) cp_group: Group,
+    pub(super) ep_group: Group,
+    /// Context parallelism passes keys and values around a ring (else all-gathers them).
+    pub(super) cp_ring: bool,
+    /// Sequence parallelism keeps norm outputs sharded and gathers them again in backward.
+    pub(super) tp_overlap: f64,
+}
+
+impl<'a> Geo<'a> {
+    /// The rank-local geometry of `layout` for `spec` on the cluster of `cost`.
+    pub(super) fn new(spec: &ModelSpec, layout: &ParallelLayout, cost: &'a CostModel) -> Geo<'a> {
+        let m = &spec.model;
+        let gpn = cost.cluster.gpus_per_node;
+        let (tp, cp) = (layout.tp, layout.cp);
+        let sp = layout.sequence_parallel && tp > 1;
+        let act = activation_dtype(spec);
+        let a = act.size_bytes() as f64;
+        let mb = layout.micro_batch as f64;
+        let s = m.seq_len as f64;
+        let t = mb * s / cp as f64;
+        let tn = if sp { t / tp as f64 } else { t };
+        let d = m.head_dim() as f64;
+        let heads_l = m.heads as f64 / tp as f64;
+        let kv_heads_l = (m.kv_heads as f64 / tp as f64).max(1.0).floor();
+        let params = cost.params();
+        Geo {
+            cost,
+            act,
+            a,
+            t,
+            tn,
+            h: m.hidden as f64,
+            q_l: heads_l * d,
+            kv_l: kv_heads_l * d,
+            heads_l,
+            f_l: m.ffn_hidden as f64 / tp as f64,
+            s,
+            sp,
+            tp_group: Group::strided(tp, 1, gpn),
+            cp_group: Group::strided(cp, tp, gpn),
+            ep_group: Group::strided(layout.ep, tp, gpn),
+            cp_ring: spec.parallel.cp_comm == megac_ir::spec::CpComm::Ring,
+            tp_overlap: params.tp_comm_overlap,
+        }
+    }
+}
+
+/// The activation dtype of the spec's precision.
+pub(super) fn activation_dtype(spec: &ModelSpec) -> DType {
+    spec.train.precision.storage()
+}
+
+/// The bytes of an f32 weight or gradient element.
+pub(super) const W: f64 = 4.0;
+
+impl Geo<'_> {
+    pub(super) fn lin(&self, m: f64, n: f64, k: f64) -> f64 {
+        self.cost
+            .matmul(m, n, k, (m * k + m * n) * self.a + k * n * W, self.act)
+    }
+    pub(super) fn lin_gi(&self, m: f64, n: f64, k: f64) -> f64 {
+        // dx[m,k] = dy[m,n] · w[n,k]
+        self.cost
+            .matmul(m, k, n, (m * n + m * k) * self.a + n * k * W, self.act)
+            + self.zero(m * k * self.a)
+    }
+    pub(super) fn lin_gw(&self, m: f64, n: f64, k: f64) -> f64 {
+        // dw[n,k] += dy[m,n]ᵀ · x[m,k] (f32, accumulated)
+        self.cost.matmul(
+            n,
+            k,
+            m,
+            (m * n + m * k) * self.a + 2.0 * n * k * W,
+            self.act,
+        )
+    }
+    pub(super) fn mem(&self, bytes: f64) -> f64 {
+        self.cost.memory(bytes)
+    }
+    pub(super) fn zero(&self, bytes: f64) -> f64 {
+        self.cost.memory(bytes)
+    }
+    /// A tensor-parallel collective of a `[t, width]` activation (exposed part).
+    pub(super) fn tp_coll(&self, coll: Coll, width: f64) -> f64 {
+        self.cost
+            .collective(coll, self.t * width * self.a, self.tp_group)
+            * (1.0 - self.tp_overlap)
+    }
+    /// Entering a column-parallel region: all-gather with sequence parallelism, else nothing.
+    pub(super) fn enter_f(&self) -> f64 {
+        if self.sp {
+            self.tp_coll(Coll::AllGather, self.h)
+        } else {
+            0.0
+        }
+    }
+    /// Leaving a row-parallel region: reduce-scatter with sequence parallelism, else all-reduce.
+    pub(super) fn exit_f(&self) -> f64 {
+        if self.sp {
+            self.tp_coll(Coll::ReduceScatter, self.h)
+        } else {
+            self.tp_coll(Coll::AllReduce, self.h)
+        }
+    }
+    /// Backward of a column-parallel region's input: reduce-scatter with sequence
+    /// parallelism, plus the re-gather of the saved sharded input (the `regather` pass, as
+    /// Megatron), else all-reduce.
+    pub(super) fn enter_b(&self) -> f64 {
+        if self.sp {
+            let regather = self.tp_coll(Coll::AllGather, self.h);
+            self.tp_coll(Coll::ReduceScatter, self.h) + regather
+        } else {
+            self.tp_coll(Coll::AllReduce, self.h)
+        }
+    }
+    /// Backward of a row-parallel output: all-gather with sequence parallelism.
+    pub(super) fn exit_b(&self) -> f64 {
+        if self.sp {
+            self.tp_coll(Coll::AllGather, self.h)
+        } else {
+            0.0
+        }
+    }
+    pub(super) fn norm_f(&self, params: f64) -> f64 {
+        self.mem(2.0 * self.tn * self.h * self.a + params * self.h * W)
+    }
+    pub(super) fn norm_b(&self, params: f64) -> f64 {
+        // x, dy in, dx out; weights in; weight gradients accumulated (read and written).
+        self.mem(3.0 * self.tn * self.h * self.a + 3.0 * params * self.h * W)
+            + self.zero(self.tn * self.h * self.a)
+    }
+    pub(super) fn grad_sum(&self, tokens: f64, width: f64) -> f64 {
+        self.mem(3.0 * tokens * width * self.a) + self.zero(tokens * width * self.a)
+    }
+    /// Executed attention FLOPs forward (causal: half the square), per rank.
+    pub(super) fn attn_flops(&self) -> f64 {
+        let d = self.q_l / self.heads_l;
+        2.0 * self.t * self.s * self.heads_l * d
+    }
+    /// Attention kernels per rank: one, or with ring context parallelism one per key/value
+    /// block (the local queries meet each of the cp blocks in turn).
+    pub(super) fn attn_blocks(&self) -> f64 {
+        if self.cp_ring {
+            self.cp_group.size.max(1) as f64
+        } else {
+            1.0
+        }
+    }
+    pub(super) fn kv_bytes(&self) -> f64 {
+        2.0 * self.t * self.kv_l * self.a
+    }
+    pub(super) fn attn_f(&self) -> f64 {
+        let n = self.attn_blocks();
+        let bytes =
+            (2.0 * self.q_l + 2.0 * self.kv_l) * self.t * self.a + 4.0 * self.t * self.heads_l;
+        let kernel = n * self.cost.attention(
+            self.attn_flops() / n,
+            self.t * self.q_l,
+            bytes / n,
+            false,
+            self.act,
+        );
+        kernel
+            + self
+                .cost
+                .cp_exchange(self.kv_bytes(), self.cp_group, self.cp_ring, false, kernel)
+    }
+    pub(super) fn attn_b(&self) -> f64 {
+        let n = self.attn_blocks();
+        let bytes =
+            (4.0 * self.q_l + 4.0 * self.kv_l) * self.t * self.a + 4.0 * self.t * self.heads_l;
+        let kernel = n * self.cost.attention(
+            2.5 * self.attn_flops() / n,
+            self.t * self.q_l,
+            bytes / n,
+            true,
+            self.act,
+        );
+        kernel
+            + self
+                .cost
+                .cp_exchange(self.kv_bytes(), self.cp_group, self.cp_ring, true, kernel)
+            + self.zero(self.t * self.q_l * self.a)
+            + 2.0 * self.zero(self.t * self.kv_l * self.a)
+    }
+}
+
+/// Costs of one transformer layer for one micro-batch, and the bytes it keeps for backward.
+pub(super) struct LayerCost {
+    pub(super) phases: Phases,
+    /// Forward time of the layer (recomputation replays it).
+    pub(super) forward: f64,
+    /// Forward time of the core attention (selective recomputation replays it).
+    pub(super) attention: f64,
+    /// Bytes kept for backward without recomputation.
+    pub(super) saved: f64,
+    /// Bytes kept with selective recomputation.
+    pub(super) saved_selective: f64,
+    /// The layer input (the checkpoint of full recomputation).
+    pub(super) input: f64,
+}
+
+/// The attention half of a layer (norm, projections, core attention, output projection,
+/// residual, and their backward, with the tensor/context-parallel collectives): adds its
+/// phases to `ph` and returns (forward time with its exposed communication, the core
+/// attention kernel's forward time).
+fn attention_block(g: &Geo, arch: Arch, ph: &mut Phases) -> (f64, f64) {
+    let (t, h, a) = (g.t, g.h, g.a);
+    let mut f = 0.0;
+    let mut b = 0.0;
+    let mut w = 0.0;
+    let mut comm_f = 0.0;
+    let mut comm_b = 0.0;
+    let norm_params = if arch == Arch::Gpt { 2.0 } else { 1.0 };
+    f += g.norm_f(norm_params);
+    comm_f += g.enter_f();
+    let attn = g.attn_f();
+    let attn_b = g.attn_b();
+    match arch {
+        Arch::Llama => {
+            f += g.lin(t, g.q_l, h) + 2.0 * g.lin(t, g.kv_l, h);
+            f += g.mem(2.0 * t * g.q_l * a) + g.mem(2.0 * t * g.kv_l * a);
+            f += attn;
+            f += g.lin(t, h, g.q_l);
+            comm_f += g.exit_f();
+            f += g.mem(3.0 * g.tn * h * a);
+            // Backward, in reverse.
+            comm_b += g.exit_b();
+            b += g.grad_sum(g.tn, h); // residual: the input feeds the norm and the add
+            b += g.lin_gi(t, h, g.q_l);
+            w += g.lin_gw(t, h, g.q_l);
+            b += attn_b;
+            b += g.mem(2.0 * t * g.q_l * a) + g.zero(t * g.q_l * a);
+            b += g.mem(2.0 * t * g.kv_l * a) + g.zero(t * g.kv_l * a);
+            b += g.lin_gi(t, g.q_l, h) + 2.0 * g.lin_gi(t, g.kv_l, h);
+            b += 2.0 * g.grad_sum(t, h);
+            w += g.lin_gw(t, g.q_l, h) + 2.0 * g.lin_gw(t, g.kv_l, h);
+            comm_b += g.enter_b();
+            b += g.norm_b(norm_params);
+        }
+        Arch::Gpt => {
+            let qkv = 3.0 * g.q_l;
+            f += g.lin(t, qkv, h) + g.mem(qkv * W);
+            f += g.mem(2.0 * t * qkv * a); // split
+            f += attn;
+            f += g.lin(t, h, g.q_l);
+            comm_f += g.exit_f();
+            f += g.mem(2.0 * g.tn * h * a + h * W); // bias (after the reduction)
+            f += g.mem(3.0 * g.tn * h * a);
+            comm_b += g.exit_b();
+            b += g.grad_sum(g.tn, h);
+            b += g.lin_gi(t, h, g.q_l);
+            w += g.lin_gw(t, h, g.q_l) + g.mem(t * h * a + 2.0 * h * W);
+            b += attn_b;
+            b += g.mem(2.0 * t * qkv * a) + g.zero(t * qkv * a); // concat
+            b += g.lin_gi(t, qkv, h);
+            w += g.lin_gw(t, qkv, h) + g.mem(t * qkv * a + 2.0 * qkv * W);
+            comm_b += g.enter_b();
+            b += g.norm_b(norm_params);
+        }
+    }
+    ph.add_block(f, b, w, comm_f, comm_b);
+    (f + comm_f, attn)
+}
+
+/// The MLP half of a layer (norm, dense or gated MLP, or the MoE router, dispatch, local
+/// experts, combine and expert-parallel all-to-alls; residual; and their backward): adds
+/// its phases to `ph` and returns its forward time with exposed communication.
+fn mlp_block(
+    g: &Geo,
+    spec: &ModelSpec,
+    layout: &ParallelLayout,
+    moe: bool,
+    ph: &mut Phases,
+) -> f64 {
+    let m = &spec.model;
+    let (t, h, a, f_l) = (g.t, g.h, g.a, g.f_l);
+    let mut f = 0.0;
+    let mut b = 0.0;
+    let mut w = 0.0;
+    let mut comm_f = 0.0;
+    let mut comm_b = 0.0;
+    let norm_params = if m.arch == Arch::Gpt { 2.0 } else { 1.0 };
+    f += g.norm_f(norm_params);
+    comm_f += g.enter_f();
+    match (m.arch, moe) {
+        (Arch::Llama, false) => {
+            f += 2.0 * g.lin(t, f_l, h) + g.mem(3.0 * t * f_l * a) + g.lin(t, h, f_l);
+            b += g.lin_gi(t, h, f_l);
+            w += g.lin_gw(t, h, f_l);
+            b += g.mem(5.0 * t * f_l * a) + 2.0 * g.zero(t * f_l * a);
+            b += 2.0 * g.lin_gi(t, f_l, h) + g.grad_sum(t, h);
+            w += 2.0 * g.lin_gw(t, f_l, h);
+        }
+        (Arch::Gpt, _) => {
+            f += g.lin(t, f_l, h) + g.mem(f_l * W);
+            f += g.mem(2.0 * t * f_l * a);
+            f += g.lin(t, h, f_l) + g.mem(2.0 * g.tn * h * a + h * W);
+            b += g.lin_gi(t, h, f_l);
+            w += g.lin_gw(t, h, f_l) + g.mem(t * h * a + 2.0 * h * W);
+            b += g.mem(3.0 * t * f_l * a) + g.zero(t * f_l * a);
+            b += g.lin_gi(t, f_l, h);
+            w += g.lin_gw(t, f_l, h) + g.mem(t * f_l * a + 2.0 * f_l * W);
+        }
+        (Arch::Llama, true) => {
+            let x = m.moe.as_ref().expect("moe layer has [model.moe]");
+            let (e, k) = (x.experts as f64, x.top_k as f64);
+            let ep = layout.ep.max(1) as f64;
+            let local = e / ep;
+            let m_e = t * k * ep / e; // tokens per local expert (balanced routing)
+                                      // Router, aux loss, dispatch / combine.
+            f += g.lin(t, e, h) + g.mem(2.0 * t * e * 4.0 + t * k * 8.0) + g.mem(t * e * 4.0);
+            b += g.lin_gi(t, e, h) + g.mem(3.0 * t * e * 4.0) + g.zero(t * e * 4.0);
+            w += g.lin_gw(t, e, h);
+            for _ in 0..local as u64 {
+                f += g.mem(2.0 * m_e * h * a);
+                f += 2.0 * g.lin(m_e, f_l, h) + g.mem(3.0 * m_e * f_l * a) + g.lin(m_e, h, f_l);
+                b += g.mem(2.0 * m_e * h * a) + g.zero(t * h * a);
+                b += g.lin_gi(m_e, h, f_l)
+                    + g.mem(5.0 * m_e * f_l * a)
+                    + 2.0 * g.zero(m_e * f_l * a);
+                b += 2.0 * g.lin_gi(m_e, f_l, h) + g.grad_sum(m_e, h);
+                w += g.lin_gw(m_e, h, f_l) + 2.0 * g.lin_gw(m_e, f_l, h);
+            }
+            f += g.mem((t * k * h + t * h) * a);
+            b += g.mem((2.0 * t * k * h + t * h) * a) + g.zero(t * k * h * a);
+            if layout.ep > 1 {
+                let bytes = t * k * h * a;
+                let a2a =
+                    g.cost.collective(Coll::AllToAll, bytes, g.ep_group) * (1.0 - g.tp_overlap);
+                comm_f += 2.0 * a2a;
+                comm_b += 2.0 * a2a;
+            }
+        }
+    }
+    comm_f += g.exit_f();
+    f += g.mem(3.0 * g.tn * h * a);
+    comm_b += g.exit_b();
+    b += g.grad_sum(g.tn, h);
+    comm_b += g.enter_b();
+    b += g.norm_b(norm_params);
+    ph.add_block(f, b, w, comm_f, comm_b);
+    f + comm_f
+}
+
+/// Costs of one transformer layer (dense, or MoE with `moe`) for one micro-batch, and the
+/// bytes it keeps for backward under each recomputation.
+pub(super) fn layer_cost(
+    g: &Geo,
+    spec: &ModelSpec,
+    layout: &ParallelLayout,
+    moe: bool,
+) -> LayerCost {
+    let m = &spec.model;
+    let mut ph = Phases::default();
+    let (attn_fwd, attention) = attention_block(g, m.arch, &mut ph);
+    let mlp_fwd = mlp_block(g, spec, layout, moe, &mut ph);
+    let (t, tn, h, a) = (g.t, g.tn, g.h, g.a);
+    let lse = 4.0 * t * g.heads_l;
+    let attn_out = t * g.q_l * a;
+    let mlp_saved = match (m.arch, moe) {
+        (Arch::Llama, false) => 3.0 * t * g.f_l * a,
+        (Arch::Gpt, _) => 2.0 * t * g.f_l * a,
+        (Arch::Llama, true) => {
+            let x = m.moe.as_ref().expect("moe layer has [model.moe]");
+            let (e, k) = (x.experts as f64, x.top_k as f64);
+            let tokens = t * k; // routed copies on this rank
+            t * e * 4.0 + tokens * (h + 3.0 * g.f_l) * a + tokens * h * a
+        }
+    };
+    let qkv_saved = match m.arch {
+        Arch::Llama => (g.q_l + 2.0 * g.kv_l) * t * a,
+        Arch::Gpt => 3.0 * g.q_l * t * a,
+    };
+    // Norm inputs and outputs (the linears' saved input), both sharded by sequence
+    // parallelism (the gathered copy is made again in backward: the `regather` pass), q/k/v,
+    // attention output and log-sum-exp, the MLP's saved tensors.
+    let norm_out = tn;
+    let saved = 2.0 * tn * h * a + 2.0 * norm_out * h * a + qkv_saved + attn_out + lse + mlp_saved;
+    LayerCost {
+        phases: ph,
+        forward: attn_fwd + mlp_fwd,
+        attention,
+        saved,
+        saved_selective: saved - attn_out - lse,
+        input: tn * h * a,
+    }
+}

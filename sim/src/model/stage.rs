@@ -1,0 +1,231 @@
+//! Pipeline stages: the embedding (first stage) and the output layer and loss (last stage)
+//! as phases, the parameters and parameter tensors a stage's ranks hold, and each stage's
+//! phases, parameters and activation bytes for one micro-batch.
+
+use megac_ir::flops::padded_vocab;
+use megac_ir::spec::{Arch, ModelSpec, Recompute};
+use megac_ir::types::DType;
+
+use super::layer::{layer_cost, Geo, LayerCost, Phases, W};
+use super::ParallelLayout;
+use crate::cost::Coll;
+
+/// One pipeline stage's costs for one micro-batch, its parameters and activation bytes.
+pub(super) struct Stage {
+    /// Its pipeline rank (the first, one middle stage standing for all, the last).
+    pub(super) index: u64,
+    /// How many of the pp real stages it stands for.
+    pub(super) mult: f64,
+    pub(super) ph: Phases,
+    pub(super) params_dense: f64,
+    pub(super) params_expert: f64,
+    /// Activation bytes kept for backward per micro-batch in flight.
+    pub(super) saved_per_mb: f64,
+    /// The working set of the layer being differentiated (and recomputed).
+    pub(super) working: f64,
+    /// Parameter tensors on the stage.
+    pub(super) tensors: f64,
+}
+
+/// The stages whose costs differ: the first, one middle stage (all middle stages are alike)
+/// and the last, each with its multiplicity among the pp real ones. Layers split
+/// contiguously and evenly (interleaving changes the order, not the count).
+pub(super) fn stages(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Vec<Stage> {
+    let m = &spec.model;
+    let pp = layout.pp.max(1);
+    let (t, h) = (g.t, g.h);
+    let per_stage = m.layers / pp;
+    let stage_layers = |i: u64| -> Vec<u64> { (i * per_stage..(i + 1) * per_stage).collect() };
+    let dense_layer = layer_cost(g, spec, layout, false);
+    let moe_layer = m.moe.as_ref().map(|_| layer_cost(g, spec, layout, true));
+    let embed = embedding_phases(g, spec, layout);
+    let head = head_phases(g, spec, layout);
+    let recompute_of = |lc: &LayerCost| match layout.recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => lc.attention,
+        Recompute::Full => lc.forward,
+    };
+    let saved_of = |lc: &LayerCost| match layout.recompute {
+        Recompute::None => lc.saved,
+        Recompute::Selective => lc.saved_selective,
+        Recompute::Full => lc.input,
+    };
+    let stage = |i: u64, mult: f64| -> Stage {
+        let layers = stage_layers(i);
+        let (first, last) = (i == 0, i == pp - 1);
+        let mut ph = Phases::default();
+        let mut saved = 0.0;
+        let mut working: f64 = 0.0;
+        for &l in &layers {
+            let lc = match (&moe_layer, m.is_moe_layer(l)) {
+                (Some(x), true) => x,
+                _ => &dense_layer,
+            };
+            ph.add(lc.phases, 1.0);
+            ph.b += recompute_of(lc);
+            saved += saved_of(lc);
+            // Working set of the layer being differentiated (and recomputed).
+            working = working.max(lc.saved);
+        }
+        if first {
+            ph.add(embed, 1.0);
+            saved += t * h * 4.0;
+        }
+        if last {
+            ph.add(head, 1.0);
+        }
+        let (pd, pe) = stage_params(spec, layout, &layers, first, last);
+        Stage {
+            index: i,
+            mult,
+            ph,
+            params_dense: pd,
+            params_expert: pe,
+            saved_per_mb: saved,
+            working,
+            tensors: stage_tensors(spec, layers.len(), first, last),
+        }
+    };
+    if pp == 1 {
+        vec![stage(0, 1.0)]
+    } else {
+        let mut s = vec![stage(0, 1.0)];
+        if pp > 2 {
+            s.push(stage(1, (pp - 2) as f64));
+        }
+        s.push(stage(pp - 1, 1.0));
+        s
+    }
+}
+
+/// The embedding's phases (first stage): the gather, GPT's position embedding, the cast to
+/// the activation dtype, and their backward; with tp the all-reduce of the vocab-split
+/// lookup.
+fn embedding_phases(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Phases {
+    let m = &spec.model;
+    let (t, h, a, s) = (g.t, g.h, g.a, g.s);
+    let mut embed = Phases::default();
+    let mut f = g.mem(t * 4.0 + 2.0 * t * h * 4.0);
+    let mut comm = 0.0;
+    if layout.tp > 1 {
+        comm += g.cost.collective(Coll::AllReduce, t * h * 4.0, g.tp_group) * (1.0 - g.tp_overlap);
+    }
+    if m.arch == Arch::Gpt {
+        f += g.mem(3.0 * t * h * 4.0);
+    }
+    let mut b = g.mem(2.0 * t * h * 4.0 + t * 4.0);
+    if g.act != DType::F32 {
+        f += g.mem(t * h * (4.0 + a));
+        b += g.mem(t * h * (4.0 + a)) + g.zero(t * h * 4.0);
+    }
+    if m.arch == Arch::Gpt {
+        b += g.mem(t * h * 4.0 + 2.0 * s * h * 4.0);
+    }
+    embed.f = f + comm;
+    embed.b = b;
+    embed.comm = comm;
+    embed
+}
+
+/// The output layer's phases (last stage): the final norm, the logits linear over the
+/// rank's vocabulary shard, the cross-entropy (with tp: the max and sum all-reduces of
+/// vocab-parallel cross-entropy), their backward, and the tied embedding's gradient.
+fn head_phases(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Phases {
+    let m = &spec.model;
+    let tp = layout.tp;
+    let (t, h, a) = (g.t, g.h, g.a);
+    let v_l = padded_vocab(m.vocab, tp) as f64 / tp as f64;
+    let mut head = Phases::default();
+    let norm_params = if m.arch == Arch::Gpt { 2.0 } else { 1.0 };
+    let mut comm_f = g.enter_f();
+    let f = g.norm_f(norm_params) + g.lin(t, v_l, h) + g.mem(t * v_l * a + t * 4.0 + 4.0);
+    let mut b = g.mem(2.0 * t * v_l * a + t * 8.0) + g.zero(t * v_l * a);
+    b += g.lin_gi(t, v_l, h);
+    let mut w = g.lin_gw(t, v_l, h);
+    if m.tie_embeddings {
+        w += g.mem(3.0 * v_l * h * W) + g.zero(v_l * h * W);
+    }
+    let comm_b = g.enter_b();
+    b += g.norm_b(norm_params);
+    if tp > 1 {
+        // Vocab-parallel cross-entropy: max and sum of each token's logits over tp.
+        comm_f +=
+            2.0 * g.cost.collective(Coll::AllReduce, t * 4.0, g.tp_group) * (1.0 - g.tp_overlap);
+    }
+    head.f = f + comm_f;
+    head.b = b + comm_b;
+    head.w = w;
+    head.comm = comm_f + comm_b;
+    head
+}
+
+/// Parameter counts on one rank of a stage: (dense, expert).
+fn stage_params(
+    spec: &ModelSpec,
+    layout: &ParallelLayout,
+    layers: &[u64],
+    first: bool,
+    last: bool,
+) -> (f64, f64) {
+    let m = &spec.model;
+    let tp = layout.tp as f64;
+    let h = m.hidden as f64;
+    let d = m.head_dim() as f64;
+    let q_l = (m.heads as f64) * d / tp;
+    let kv_l = (m.kv_heads as f64 / tp).max(1.0).floor() * d;
+    let f_l = m.ffn_hidden as f64 / tp;
+    let v_l = padded_vocab(m.vocab, layout.tp) as f64 / tp;
+    let (mut dense, mut expert) = (0.0, 0.0);
+    for &i in layers {
+        match m.arch {
+            Arch::Llama => {
+                dense += h * q_l + 2.0 * h * kv_l + q_l * h + 2.0 * h;
+                if m.is_moe_layer(i) {
+                    let x = m.moe.as_ref().expect("moe layer has [model.moe]");
+                    dense += h * x.experts as f64;
+                    expert += (x.experts / layout.ep.max(1)) as f64 * 3.0 * h * f_l;
+                } else {
+                    dense += 3.0 * h * f_l;
+                }
+            }
+            Arch::Gpt => {
+                dense +=
+                    3.0 * h * q_l + 3.0 * q_l + q_l * h + h + 2.0 * h * f_l + f_l + h + 4.0 * h;
+            }
+        }
+    }
+    if first {
+        dense += v_l * h;
+        if m.arch == Arch::Gpt {
+            dense += (m.seq_len as f64) * h;
+        }
+    }
+    if last {
+        dense += if m.arch == Arch::Gpt { 2.0 * h } else { h };
+        if !m.tie_embeddings || !first {
+            dense += v_l * h;
+        }
+    }
+    (dense, expert)
+}
+
+/// Number of parameter tensors on a stage (one AdamW kernel each without the distributed
+/// optimizer).
+fn stage_tensors(spec: &ModelSpec, layers: usize, first: bool, last: bool) -> f64 {
+    let m = &spec.model;
+    let per_layer = match m.arch {
+        Arch::Llama => 9.0,
+        Arch::Gpt => 12.0,
+    };
+    let mut n = per_layer * layers as f64;
+    if first {
+        n += if m.arch == Arch::Gpt { 2.0 } else { 1.0 };
+    }
+    if last {
+        n += if m.arch == Arch::Gpt { 2.0 } else { 1.0 };
+        if !m.tie_embeddings {
+            n += 1.0;
+        }
+    }
+    n
+}
