@@ -647,7 +647,7 @@ fn analytic_model_agrees_with_the_pipeline_simulation() {
 #[test]
 #[ignore]
 fn megatron_pipelined_rows_through_the_plan_path() {
-    let mut cl = Cluster::preset("h100-sxm").unwrap();
+    let cl = Cluster::preset("h100-sxm").unwrap();
     let rows = megac_sim::calibrate::calibrate(&cl);
     let mut errs = Vec::new();
     for c in rows.iter().filter(|c| c.row.pp > 1) {
