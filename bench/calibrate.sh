@@ -9,7 +9,7 @@
 # 2. the fit of the free constants (megac_sim::calibrate::fit) on all nine rows, beside the
 #    cluster's, and the in-sample errors at the fitted constants;
 # 3. the leave-one-out table: fit on eight rows, predict the ninth, with mean and max.
-# Progress goes to stderr. About 10 s on 2 cores after the release build.
+# Progress goes to stderr. About 15 s on 2 cores after the release build.
 #
 #   bash bench/calibrate.sh [CLUSTER.toml|PRESET] [--no-fit]     (default h100-sxm)
 # Environment: CALIBRATE_KNOBS=gemm,attention,memory,tp_comm (the fitted set; also link,
