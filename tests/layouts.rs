@@ -434,6 +434,12 @@ fn pipeline_parallel_schedules() {
                 "parallel.vpp=2",
                 "parallel.schedule=interleaved",
             ],
+            // One layer per chunk: each stage's layer chunks share one pool of slots.
+            &[
+                "parallel.pp=2",
+                "parallel.vpp=4",
+                "parallel.schedule=interleaved",
+            ],
         ],
     );
 }

@@ -174,9 +174,10 @@ fn bf16_arenas_are_megatrons_bytes_per_parameter() {
 }
 
 /// Pipeline activation memory: what a micro-batch keeps between its segments takes a slot
-/// per micro-batch in flight, what one segment alone uses lives in one scratch region. So
-/// full recomputation keeps little more than each layer's input, and interleaving (vpp)
-/// adds only the extra micro-batches in flight, not a copy of every chunk's working memory.
+/// per micro-batch in flight (the layers' chunks of a stage share one pool of them), what
+/// one segment alone uses lives in one scratch region. So full recomputation keeps little
+/// more than each layer's input, and interleaving (vpp) adds only the extra micro-batches in
+/// flight, not a copy of every chunk's working memory.
 #[test]
 fn full_recompute_keeps_layer_inputs_and_vpp_does_not_inflate_it() {
     let act = |vpp: u64, recompute: &str| -> u64 {

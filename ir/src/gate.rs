@@ -596,21 +596,21 @@ impl<'p> Gate<'p> {
                         ));
                     }
                 }
-                // A static action list keeps at most `slots` micro-batches of a chunk in
-                // flight (the dynamic `dpp` schedule waits for a free slot instead).
+                // A static action list keeps at most `slots` micro-batches of a chunk's
+                // slot pool in flight (the dynamic `dpp` schedule waits for a free slot).
                 if p.dpp.is_none() {
-                    let mut inflight: HashMap<u32, u32> = HashMap::new();
+                    let mut inflight: HashMap<(u64, u32), u32> = HashMap::new();
                     for (i, a) in p.actions.iter().enumerate() {
                         let Some(c) = p.chunks.iter().find(|c| c.chunk == a.chunk) else {
                             continue; // check_plan names the missing chunk
                         };
-                        let n = inflight.entry(a.chunk).or_default();
+                        let n = inflight.entry(c.pool_key()).or_default();
                         if a.kind == crate::plan::PipeKind::F {
                             if *n >= c.slots {
                                 return Err(invalid(
                                     format!("{at}.pipeline.actions[{i}]"),
                                     format!(
-                                        "the forward of chunk {} micro-batch {} needs an activation slot, but all {} of the chunk are in flight",
+                                        "the forward of chunk {} micro-batch {} needs an activation slot, but all {} of its pool are in flight",
                                         a.chunk, a.microbatch, c.slots
                                     ),
                                 ));
@@ -1029,7 +1029,9 @@ impl<'p> Gate<'p> {
                 }
             }
         }
-        // Pipeline chunks' slot regions are disjoint, and no other activation lies in one.
+        // Pipeline chunks' slot regions are disjoint or one pool (the same base, slot size
+        // and count: its chunks take turns, a slot at a time), and no other activation lies
+        // in one.
         let regions: Vec<(u32, u64, u64)> = chunks
             .values()
             .map(|c| {
@@ -1039,7 +1041,10 @@ impl<'p> Gate<'p> {
             .collect();
         for (k, &(c, s, e)) in regions.iter().enumerate() {
             for &(d, t, f) in &regions[..k] {
-                if s < f && t < e {
+                let pooled = chunks[&c].pool_key() == chunks[&d].pool_key()
+                    && chunks[&c].activation_elems == chunks[&d].activation_elems
+                    && chunks[&c].slots == chunks[&d].slots;
+                if s < f && t < e && !pooled {
                     return Err(invalid(
                         format!("roles[{r}].pipeline.chunks"),
                         format!(

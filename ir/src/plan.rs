@@ -433,7 +433,9 @@ pub struct ChunkProgram {
     pub activation_base: u64,
     /// Size of one slot (one micro-batch's activations of this chunk), in 4-byte units.
     pub activation_elems: u64,
-    /// Slots: the most micro-batches of this chunk in flight at once.
+    /// Slots: the most micro-batches of this chunk in flight at once; or, for chunks that
+    /// share a pool (the same `activation_base`, see [`ChunkProgram::pool_key`]), the most
+    /// micro-batches of all of them in flight at once.
     pub slots: u32,
     /// Data inputs (`tokens`, `labels`) the chunk reads.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -441,6 +443,20 @@ pub struct ChunkProgram {
     /// The transformer layers the chunk holds, `[first, end)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<[u64; 2]>,
+}
+
+impl ChunkProgram {
+    /// The slot pool the chunk draws from: chunks of a role whose slot regions start at the
+    /// same `activation_base` (with the same size and count, which the gate checks) share
+    /// one pool of slots, any of which a forward may take; a chunk that keeps nothing
+    /// (`activation_elems` 0) has a pool of its own.
+    pub fn pool_key(&self) -> (u64, u32) {
+        if self.activation_elems == 0 {
+            (self.activation_base, self.chunk + 1)
+        } else {
+            (self.activation_base, 0)
+        }
+    }
 }
 
 /// MegaDPP's dynamic execution: run the highest-priority ready task.

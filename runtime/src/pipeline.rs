@@ -9,8 +9,9 @@
 //! context-parallel group agree on the choice (a max-reduction of their "not ready" flags)
 //! before running it, because the task's collectives must match across them.
 //!
-//! Each forward takes a free activation slot of its chunk; the chunk's last backward segment
-//! for that micro-batch frees it.
+//! Each forward takes a free activation slot of its chunk's pool (its own slots, or those a
+//! static schedule's chunks on the stage share); the chunk's last backward segment for that
+//! micro-batch frees it.
 
 use std::collections::BTreeMap;
 
@@ -25,7 +26,8 @@ use crate::train::Session;
 
 /// Per-step state of a rank's pipeline: which slots are free and which tasks are done.
 struct State {
-    free: BTreeMap<u32, Vec<u32>>,
+    /// Free slots per pool ([`ChunkProgram::pool_key`]).
+    free: BTreeMap<(u64, u32), Vec<u32>>,
     slot_of: BTreeMap<(u32, u32), u32>,
     /// Per (chunk, micro-batch): forward done, input-gradient done, all done.
     f_done: BTreeMap<(u32, u32), bool>,
@@ -56,7 +58,7 @@ pub(crate) fn run_step(session: &mut Session<'_>, step: u64) -> Result<f64, Runt
         free: pipe
             .chunks
             .iter()
-            .map(|c| (c.chunk, (0..c.slots).rev().collect()))
+            .map(|c| (c.pool_key(), (0..c.slots).rev().collect()))
             .collect(),
         slot_of: BTreeMap::new(),
         f_done: BTreeMap::new(),
@@ -97,7 +99,7 @@ fn run_action(
         PipeKind::F => {
             let slot = st
                 .free
-                .get_mut(&c)
+                .get_mut(&prog.pool_key())
                 .and_then(Vec::pop)
                 .ok_or_else(|| bad(format!("chunk {c} has no free activation slot")))?;
             st.slot_of.insert((c, j), slot);
@@ -146,7 +148,7 @@ fn run_action(
     if last {
         st.b_done.insert((c, j), true);
         st.slot_of.remove(&(c, j));
-        st.free.entry(c).or_default().push(slot);
+        st.free.entry(prog.pool_key()).or_default().push(slot);
     }
     session.executed.push(a);
     Ok(())
@@ -225,7 +227,7 @@ fn run_dynamic(
             let prog = chunk_of(pipe, t.chunk)?;
             let key = (t.chunk, t.microbatch);
             let local = match t.kind {
-                PipeKind::F => st.free.get(&t.chunk).is_some_and(|f| !f.is_empty()),
+                PipeKind::F => st.free.get(&prog.pool_key()).is_some_and(|f| !f.is_empty()),
                 _ => st.f_done.contains_key(&key),
             };
             let seg: &[Instr] = if t.kind == PipeKind::F {

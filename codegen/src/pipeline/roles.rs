@@ -15,6 +15,31 @@ use super::placement::Usage;
 use super::{Geometry, Phase};
 use crate::{memory, Emitter};
 
+/// The most micro-batches of the chunks `group` in flight at once on stage `s` under a
+/// static schedule (None for dpp, whose order is decided at run time).
+fn concurrent(geo: &Geometry, s: u32, group: &BTreeSet<u32>) -> Option<u32> {
+    if matches!(geo.kind, ScheduleKind::Dpp(_)) {
+        return None;
+    }
+    let (mut inflight, mut most) = (0u32, 0u32);
+    for a in geo
+        .lists
+        .get(s as usize)?
+        .iter()
+        .filter(|a| group.contains(&a.chunk))
+    {
+        match a.kind {
+            ActionKind::F => {
+                inflight += 1;
+                most = most.max(inflight);
+            }
+            ActionKind::BW | ActionKind::W => inflight = inflight.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Some(most.max(1))
+}
+
 /// Activation slots per chunk: the most micro-batches of the chunk in flight under the
 /// schedule (all of them for dpp, whose order is decided at run time).
 pub(super) fn slot_counts(geo: &Geometry) -> Vec<u32> {
@@ -120,9 +145,10 @@ struct PlacedChunks {
 /// chunk (a rank runs one segment at a time), and has no chunk. Only what a micro-batch keeps
 /// from one segment to a later one (what the backward reads of the forward, what the weight
 /// segment reads of the backward) takes a slot per micro-batch in flight, each chunk's slots
-/// placed one after another after the scratch. So full recomputation keeps one layer input
-/// per micro-batch and layer, and more chunks (vpp) do not multiply what a chunk needs only
-/// while it runs.
+/// placed one after another after the scratch; under a static schedule the chunks that keep
+/// the same size share one pool of as many slots as micro-batches of them are in flight
+/// together (not the sum of each chunk's most). So full recomputation keeps one layer input per micro-batch and layer, and
+/// more chunks (vpp) do not multiply what a chunk needs only while it runs.
 fn chunk_programs(
     e: &mut Emitter,
     s: u32,
@@ -219,6 +245,36 @@ fn chunk_programs(
             layers,
         });
         base += elems * u64::from(n_slots);
+    }
+    // Under a static schedule, chunks that keep the same size (the layers' chunks, as
+    // opposed to those with the embedding or the head) share one pool of slots instead: as
+    // many as micro-batches of them are in flight together on the stage.
+    let mut sizes: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
+    for c in &chunks {
+        sizes.entry(c.activation_elems).or_default().insert(c.chunk);
+    }
+    let pooled: Vec<(u64, BTreeSet<u32>, u32)> = sizes
+        .into_iter()
+        .filter(|(elems, group)| *elems > 0 && group.len() > 1)
+        .filter_map(|(elems, group)| concurrent(geo, s, &group).map(|n| (elems, group, n)))
+        .collect();
+    if !pooled.is_empty() {
+        base = scratch;
+        for c in chunks
+            .iter_mut()
+            .filter(|c| !pooled.iter().any(|p| p.1.contains(&c.chunk)))
+        {
+            c.activation_base = base;
+            base += c.activation_elems * u64::from(c.slots);
+        }
+        for (elems, group, n) in &pooled {
+            for c in chunks.iter_mut().filter(|c| group.contains(&c.chunk)) {
+                c.activation_base = base;
+                c.slots = *n;
+            }
+            base += elems * u64::from(*n);
+        }
+        live = live.min(base * 4);
     }
     // Without reuse, the transient activations would take their full size too.
     unplanned += e
