@@ -148,6 +148,24 @@ fn tp_and_dp_over_mpi_match_local_threads() {
     mpi_matches_local(&["parallel.tp=2", "parallel.dp=2", BATCH[0], BATCH[1]], 4);
 }
 
+/// Mixed precision over MPI: 16-bit activations and weights move through the same
+/// collectives (staged through f32, summed in group order), bit-identical to local threads.
+#[test]
+fn bf16_tensor_and_data_parallel_over_mpi_match_local_threads() {
+    mpi_matches_local(
+        &[
+            "train.precision=\"bf16\"",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.dp=2",
+            "parallel.distributed_optimizer=true",
+            BATCH[0],
+            BATCH[1],
+        ],
+        4,
+    );
+}
+
 #[test]
 fn launch_with_the_wrong_process_count_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
