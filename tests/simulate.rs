@@ -642,8 +642,9 @@ fn analytic_model_agrees_with_the_pipeline_simulation() {
 
 /// Held-out check of the plan path: the pipelined rows of Megatron-LM's H100 table
 /// (sim/src/calibrate.rs) compiled with the layout the calibration picks and simulated
-/// through `simulate`, against the published step times. Prints per-row errors; slow
-/// (plans of up to 6,144 ranks), so `cargo test --test simulate -- --ignored`.
+/// through `simulate`, against the published step times, and each plan's peak memory per
+/// rank against the H100's 80 GiB. Prints per-row figures; slow (plans of up to 6,144
+/// ranks), so `cargo test --release --test simulate -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn megatron_pipelined_rows_through_the_plan_path() {
@@ -675,6 +676,15 @@ fn megatron_pipelined_rows_through_the_plan_path() {
         let sim = simulate(&plan, &cost, false).unwrap().report;
         let err = sim.step_seconds / c.row.measured_seconds() - 1.0;
         errs.push(err);
+        let memory = sim.roles.iter().map(|r| r.memory_bytes).max().unwrap_or(0) as f64;
+        let gib = (1u64 << 30) as f64;
+        println!(
+            "{:<5} peak memory {:.1} GiB per rank ({} the 80 GiB of an H100; analytic {:.1} GiB)",
+            c.row.name,
+            memory / gib,
+            if memory <= 80.0 * gib { "fits" } else { "exceeds" },
+            c.estimate.peak_memory_bytes / gib
+        );
         println!(
             "{:<5} {} measured {:.3} s, analytic {:.3} s ({:+.1}%), plan simulation {:.3} s ({:+.1}%), bubble {:.3}, busy first/last stage {:.3}/{:.3} s; compile {:.1} s, simulate {:.1} s",
             c.row.name,
