@@ -682,7 +682,11 @@ fn megatron_pipelined_rows_through_the_plan_path() {
             "{:<5} peak memory {:.1} GiB per rank ({} the 80 GiB of an H100; analytic {:.1} GiB)",
             c.row.name,
             memory / gib,
-            if memory <= 80.0 * gib { "fits" } else { "exceeds" },
+            if memory <= 80.0 * gib {
+                "fits"
+            } else {
+                "exceeds"
+            },
             c.estimate.peak_memory_bytes / gib
         );
         println!(
