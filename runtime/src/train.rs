@@ -676,9 +676,11 @@ fn train_rank(
         let t0 = Instant::now();
         let loss_scale = session.scaler.as_ref().map(|s| s.scale());
         let (loss, grad_norm) = session.step(step)?;
-        // fp16: a non-finite gradient norm is an overflow: the update was skipped and the
-        // scale halves, unless it cannot go lower.
-        let skipped = loss_scale.is_some() && !grad_norm.is_finite();
+        // fp16: a non-finite gradient norm with a finite loss is an overflow of the scaled
+        // gradients: the update was skipped and the scale halves, unless it cannot go lower.
+        // A non-finite loss stops the run in every precision (as Megatron's
+        // check_for_nan_in_loss_and_grad).
+        let skipped = loss_scale.is_some() && !grad_norm.is_finite() && loss.is_finite();
         let stuck = session
             .scaler
             .as_ref()
