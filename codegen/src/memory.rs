@@ -6,6 +6,10 @@
 //! program; a view shares its root buffer's storage and extends its lifetime. Placement is
 //! greedy best-known practice (largest first, lowest free offset), deterministic.
 
+use std::collections::BTreeMap;
+
+use megac_ir::plan::{BufId, Buffer, BufferClass, Instr};
+
 /// Record in `plan`'s memory plans the cpu backend's staging area of each role
 /// ([`Plan::staging_elements`]; zero in fp32 plans).
 pub fn add_staging(plan: &mut megac_ir::plan::Plan) {
@@ -19,10 +23,6 @@ pub fn add_staging(plan: &mut megac_ir::plan::Plan) {
     }
     plan.memory.staging_bytes = most;
 }
-
-use std::collections::BTreeMap;
-
-use megac_ir::plan::{BufId, Buffer, BufferClass, Instr};
 
 /// The programs whose liveness decides the plan.
 pub struct Liveness {

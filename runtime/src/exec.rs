@@ -85,7 +85,7 @@ pub fn run_program(
                 mem.debug_assert_disjoint(op, inputs, outputs);
                 // Mixed precision: 16-bit operands are widened for the f32 kernel and its
                 // 16-bit outputs rounded once afterwards.
-                let staged = stage(mem, inputs, outputs);
+                let staged = mem.stage(inputs, outputs);
                 let result = run_kernel(op, inputs, outputs, &env, comm);
                 if staged {
                     mem.unstage(outputs);
@@ -106,22 +106,22 @@ pub fn run_program(
                 twin,
             } => {
                 let (peer, tag) = transfer_peer(plan, comm.rank(), *chunk, *transfer, *twin, ctx);
-                // A 16-bit activation travels widened to f32 (exact both ways).
-                let staged = mem.stage(std::slice::from_ref(buffer));
-                let result = if matches!(instr, Instr::Send { .. }) {
+                // A 16-bit activation travels widened to f32 (exact both ways): a send reads
+                // the buffer, a recv writes it.
+                let one = std::slice::from_ref(buffer);
+                let send = matches!(instr, Instr::Send { .. });
+                let (read, written) = if send { (one, &[][..]) } else { (&[][..], one) };
+                let staged = mem.stage(read, written);
+                let result = if send {
                     comm.send_tagged(peer, tag, mem.f32(*buffer))
                 } else {
                     comm.recv_tagged(peer, tag, mem.f32_mut(*buffer))
                 };
                 if staged {
-                    mem.unstage(if matches!(instr, Instr::Recv { .. }) {
-                        std::slice::from_ref(buffer)
-                    } else {
-                        &[]
-                    });
+                    mem.unstage(written);
                 }
                 result?;
-                if matches!(instr, Instr::Send { .. }) {
+                if send {
                     "send"
                 } else {
                     "recv"
@@ -158,21 +158,6 @@ pub fn run_program(
         }
     }
     Ok(())
-}
-
-/// Stage the 16-bit operands of a kernel (see [`Memory::stage`]); whether any was.
-fn stage(mem: &Memory, inputs: &[BufId], outputs: &[BufId]) -> bool {
-    let mut ids = [0 as BufId; 16];
-    let n = inputs.len() + outputs.len();
-    if n <= ids.len() {
-        for (slot, &b) in ids.iter_mut().zip(inputs.iter().chain(outputs)) {
-            *slot = b;
-        }
-        mem.stage(&ids[..n])
-    } else {
-        let all: Vec<BufId> = inputs.iter().chain(outputs).copied().collect();
-        mem.stage(&all)
-    }
 }
 
 /// The peer rank and message tag of a pipeline transfer: the rank with this rank's

@@ -305,14 +305,18 @@ impl Memory {
         unsafe { std::slice::from_raw_parts_mut(ptr.add(start), len) }
     }
 
-    /// Widen every distinct 16-bit buffer among `ids` into the scratch, so that kernels see
-    /// them as f32 (see [`Memory::unstage`]). Returns whether any was staged.
-    pub(crate) fn stage(&self, ids: &[BufId]) -> bool {
+    /// Widen every distinct 16-bit buffer among an instruction's `inputs` and `outputs` into
+    /// the scratch, so that kernels see them as f32 (see [`Memory::unstage`]). Returns
+    /// whether any was staged (never in a plan without 16-bit buffers: no scratch).
+    pub(crate) fn stage(&self, inputs: &[BufId], outputs: &[BufId]) -> bool {
         // SAFETY: called between kernels: no slice of the scratch is alive.
         let st = unsafe { &mut *self.staging.get() };
         st.entries.clear();
+        if st.scratch.is_empty() {
+            return false;
+        }
         let mut next = 0usize;
-        for &b in ids {
+        for &b in inputs.iter().chain(outputs) {
             let buf = &self.buffers[b as usize];
             let Some(kind) = half_of(buf.dtype) else {
                 continue;

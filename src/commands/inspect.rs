@@ -148,7 +148,8 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         let roles: Vec<serde_json::Value> = plan
             .roles
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(ri, r)| {
                 let m = r.memory.as_ref().unwrap_or(&plan.memory);
                 let pipeline = r.pipeline.as_ref().map(|p| {
                     serde_json::json!({
@@ -180,7 +181,7 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
                 serde_json::json!({
                     "role": r.name,
                     "memory_bytes": memory,
-                    "param_count": role_param_count(&plan, r),
+                    "param_count": role_param_count(&plan, ri),
                     "collective_bytes_per_step": role_collective_bytes(&plan, r),
                     "instructions": { "microbatch": r.microbatch.len(), "optimizer": r.optimizer.len() },
                     "pipeline": pipeline,
@@ -319,13 +320,9 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
     Ok(())
 }
 
-/// The parameter elements a rank of role `r` holds (its shards, its pipeline stage's).
-fn role_param_count(plan: &megac_ir::plan::Plan, r: &megac_ir::plan::Role) -> u64 {
-    let Some(rank) = plan
-        .rank_to_role
-        .iter()
-        .position(|&x| std::ptr::eq(&plan.roles[x as usize], r))
-    else {
+/// The parameter elements a rank of role `role` holds (its shards, its pipeline stage's).
+fn role_param_count(plan: &megac_ir::plan::Plan, role: usize) -> u64 {
+    let Some(rank) = plan.rank_to_role.iter().position(|&x| x as usize == role) else {
         return 0;
     };
     let stage = plan.mesh.coord(rank, megac_ir::Axis::Pp) as u32;

@@ -447,24 +447,9 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             if ins[0] != outs[0] {
                 return Err("updates its parameter in place: input 0 is output 0".into());
             }
-            // Gradients, moments and the master copy are f32 whatever the working weight.
-            for &(x, what) in [
-                (ins[1], "the gradient"),
-                (outs[1], "the first moment"),
-                (outs[2], "the second moment"),
-            ]
-            .iter()
-            .chain(outs.get(3).map(|&m| (m, "the master copy")).as_ref())
-            {
-                if b(x).dtype != DType::F32 {
-                    return Err(format!(
-                        "{what} (buffer {x}, {}) is {}, expected f32",
-                        b(x).name,
-                        b(x).dtype.as_str()
-                    ));
-                }
-            }
-            for (x, class, what) in [
+            // The parameter, its gradient and the AdamW state (with the master copy): each
+            // in its arena; all but the working weight in f32, whatever that is.
+            let operands: Vec<(BufId, BufferClass, &str)> = [
                 (outs[0], BufferClass::Param, "the parameter"),
                 (ins[1], BufferClass::Grad, "the gradient"),
                 (outs[1], BufferClass::OptState, "the first moment"),
@@ -474,7 +459,18 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             .chain(
                 outs.get(3)
                     .map(|&m| (m, BufferClass::OptState, "the master copy")),
-            ) {
+            )
+            .collect();
+            for &(x, _, what) in &operands[1..] {
+                if b(x).dtype != DType::F32 {
+                    return Err(format!(
+                        "{what} (buffer {x}, {}) is {}, expected f32",
+                        b(x).name,
+                        b(x).dtype.as_str()
+                    ));
+                }
+            }
+            for &(x, class, what) in &operands {
                 if b(x).class != class {
                     return Err(format!(
                         "{what} (buffer {x}, {}) is in the {} arena, expected {}",
