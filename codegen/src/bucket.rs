@@ -7,6 +7,10 @@ use megac_ir::OpKind;
 
 use crate::Emitter;
 
+/// Elements per gradient bucket (Megatron's DDP default; its distributed optimizer uses at
+/// least 1M per member of the group).
+pub(crate) const BUCKET_ELEMS: u64 = 40_000_000;
+
 impl Emitter<'_> {
     /// Merge the in-place gradient all-reduces into buckets: runs of adjacent gradient
     /// buffers over the same axes, up to `BUCKET_ELEMS` each (as Megatron's DDP buckets).
@@ -17,7 +21,6 @@ impl Emitter<'_> {
 
     /// `program` with its in-place gradient all-reduces merged into buckets.
     pub(crate) fn bucketed(&mut self, program: Vec<Instr>) -> Vec<Instr> {
-        const BUCKET_ELEMS: u64 = 40_000_000;
         let mut out = Vec::new();
         let mut run: Option<(Vec<megac_ir::Axis>, u64, u64)> = None; // axes, start, end
         let flush = |run: &mut Option<(Vec<megac_ir::Axis>, u64, u64)>,

@@ -225,12 +225,11 @@ impl<'a> Emitter<'a> {
                     } else {
                         d.size
                     };
+                    // Every source rank's rows are its cp share of the micro-batch, on the
+                    // tokens' ranks and on the experts' ranks alike (there the tokens dim is
+                    // split over edp, which does not name cp).
                     let mesh = &self.g.mesh;
-                    let cp = if axes.contains(&megac_ir::Axis::Cp) {
-                        mesh.size(megac_ir::Axis::Cp)
-                    } else {
-                        1
-                    };
+                    let cp = mesh.size(megac_ir::Axis::Cp);
                     let on_experts = ty
                         .layout
                         .shards
@@ -284,6 +283,7 @@ impl<'a> Emitter<'a> {
         shape: Vec<u64>,
     ) -> BufId {
         let id = self.buffers.len() as BufId;
+        let routed_rows = self.routed_rows(v, &shape);
         self.buffers.push(Buffer {
             name,
             class,
@@ -294,8 +294,26 @@ impl<'a> Emitter<'a> {
             rank_offset: None,
             stage: None,
             chunk: None,
+            routed_rows,
         });
         id
+    }
+
+    /// For MoE token rows (a `tokens` dim sized for every token choosing the expert, or the
+    /// capacity): the rows of each expert block a balanced router fills, `top_k / experts`
+    /// of each source rank's tokens, at most the block's rows.
+    fn routed_rows(&self, v: ValueId, shape: &[u64]) -> Option<u64> {
+        let ty = self.g.ty(v);
+        let i = ty.dims.iter().position(|d| d.name == "tokens")?;
+        let moe = self.spec.model.moe.as_ref()?;
+        let t = &self.spec.train;
+        // One source rank's tokens of a micro-batch, and the rows it may send each expert.
+        let tokens = t.micro_batch * self.spec.model.seq_len / self.g.mesh.size(megac_ir::Axis::Cp);
+        let d = &ty.dims[i];
+        let rows_per_source = if d.dynamic { tokens } else { d.size };
+        let rows = *shape.get(i)?;
+        let filled = (rows * moe.top_k * tokens).div_ceil((moe.experts * rows_per_source).max(1));
+        Some(filled.min(rows))
     }
 
     /// A persistent buffer of `dtype`, placed after the class's others (offsets count
@@ -326,6 +344,7 @@ impl<'a> Emitter<'a> {
             rank_offset: None,
             stage: None,
             chunk: None,
+            routed_rows: None,
         });
         id
     }
@@ -604,6 +623,7 @@ impl<'a> Emitter<'a> {
             rank_offset: None,
             stage: None,
             chunk: None,
+            routed_rows: None,
         });
         id
     }

@@ -5,6 +5,7 @@
 use megac_ir::plan::{BufId, BufferClass, Instr, ParamEntry};
 use megac_ir::{Axis, OpKind};
 
+use crate::bucket::BUCKET_ELEMS;
 use crate::{CodegenError, Emitter};
 
 impl Emitter<'_> {
@@ -28,8 +29,9 @@ impl Emitter<'_> {
     /// into `self.params`, laid out from offset 0 of their arenas), writing the norm to
     /// `norm`, whose squares are also summed over `norm_axes` (pipeline stages).
     ///
-    /// The flat arenas hold up to four segments, each padded to a multiple of the size of the
-    /// group it is sharded over: non-expert parameters replicated over tp, then those split
+    /// The flat arenas hold four kinds of segments (each kind bucketed), each padded to a
+    /// multiple of the size of the group it is sharded over: non-expert parameters
+    /// replicated over tp, then those split
     /// over tp (both sharded over dp), then expert parameters (stacked experts split over ep)
     /// replicated over tp, then those split over tp (both sharded over edp, Megatron's
     /// expert-data-parallel group). A shard's layout says over which ranks its elements are
@@ -59,7 +61,10 @@ impl Emitter<'_> {
         let mut grad_offset = total;
         let mut opt_offset = 0u64;
         let mut shards = Vec::new();
-        for (k, seg) in segments.iter().enumerate() {
+        // Last segment first: the backward finishes the last layers' gradients first, so
+        // their reduce-scatters can start (and overlap the rest of the backward) while the
+        // first layers' are still being computed.
+        for (k, seg) in segments.iter().enumerate().rev() {
             shards.push(self.shard_segment(
                 k,
                 seg,
@@ -155,8 +160,10 @@ impl Emitter<'_> {
     }
 
     /// Lay the parameters and gradients of `params` out in the flat arenas, segment after
-    /// segment, each padded to a multiple of its group's size. Returns the non-empty segments
-    /// and the arenas' total length.
+    /// segment: each kind's parameters in buckets of at most max(40M, 1M × group) elements
+    /// (a larger parameter alone), as Megatron's distributed optimizer buckets them, each
+    /// padded to a multiple of its group's size. Returns the non-empty segments and the
+    /// arenas' total length.
     fn lay_out_segments(&mut self, params: &[usize]) -> (Vec<Segment>, u64) {
         let mesh = &self.g.mesh;
         let (dpcp, edp) = (
@@ -169,28 +176,38 @@ impl Emitter<'_> {
         let mut offset = 0u64;
         for (expert, split) in kinds {
             let n = if expert { edp } else { dpcp };
-            let start = offset;
+            // Megatron's bucket size for the distributed optimizer.
+            let bucket = BUCKET_ELEMS.max(1_000_000 * n);
+            let mut start = offset;
+            let close = |offset: &mut u64, start: u64, segments: &mut Vec<Segment>| {
+                let len = *offset - start;
+                if len > 0 {
+                    let padded = len.div_ceil(n) * n;
+                    segments.push(Segment {
+                        start,
+                        padded,
+                        split,
+                        expert,
+                    });
+                    *offset = start + padded;
+                }
+            };
             for &i in params {
                 let entry = &self.params[i];
                 if is_expert(entry) != expert || tp_split(entry) != split {
                     continue;
                 }
                 let (pb, gb) = (entry.buffer, entry.grad);
+                let len = self.buffers[pb as usize].len();
+                if offset > start && offset - start + len > bucket {
+                    close(&mut offset, start, &mut segments);
+                    start = offset;
+                }
                 self.buffers[pb as usize].offset = offset;
                 self.buffers[gb as usize].offset = offset;
-                offset += self.buffers[pb as usize].len();
+                offset += len;
             }
-            let len = offset - start;
-            if len > 0 {
-                let padded = len.div_ceil(n) * n;
-                segments.push(Segment {
-                    start,
-                    padded,
-                    split,
-                    expert,
-                });
-                offset = start + padded;
-            }
+            close(&mut offset, start, &mut segments);
         }
         (segments, offset)
     }

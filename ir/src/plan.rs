@@ -197,6 +197,13 @@ pub struct Buffer {
     /// the chunk's activation slots (see [`ChunkProgram`]), chosen per micro-batch at run time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk: Option<u32>,
+    /// For MoE token rows (`[.., rows, h]` with rows sized for every token choosing the
+    /// expert, or the capacity): the rows of each expert block that a balanced router fills,
+    /// `top_k / experts` of the source tokens. `simulate` costs kernels and all-to-alls on
+    /// this many rows (as a grouped GEMM over the routed tokens runs); the CPU backend
+    /// computes over the whole block.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_rows: Option<u64>,
 }
 
 /// A rank-dependent offset: `index · stride` elements, where `index` is the rank's position
@@ -247,9 +254,19 @@ impl Buffer {
         self.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d))
     }
 
-    /// Check that the buffer's element count, its end (`offset + len`) and its farthest
-    /// rank-dependent end fit in `u64` on `mesh`, as every size computation assumes.
+    /// Check that `routed_rows` is at most the buffer's rows, and that its element count, its
+    /// end (`offset + len`) and its farthest rank-dependent end fit in `u64` on `mesh`, as
+    /// every size computation assumes.
     pub fn check_extent(&self, mesh: &crate::mesh::Mesh) -> Result<(), String> {
+        if let Some(routed) = self.routed_rows {
+            let rows = self.shape.len().checked_sub(2).map(|i| self.shape[i]);
+            if rows.is_none_or(|rows| routed > rows) {
+                return Err(format!(
+                    "routed_rows {routed} exceeds the rows of shape {:?} (its second-to-last dim)",
+                    self.shape
+                ));
+            }
+        }
         let len = self
             .shape
             .iter()

@@ -585,6 +585,15 @@ impl Sharder<'_> {
                     let partial = self.op1(k.clone(), &[x, ins[1]], path, Tp::P)?;
                     match ins.get(2) {
                         None => Ok(vec![partial]),
+                        // The bias goes on after the partial sums are reduced: onto each
+                        // sequence shard with sequence parallelism (reduce-scattered, as
+                        // Megatron does), else onto the all-reduced whole.
+                        Some(&bias) if self.sp && self.seq_dim(partial).is_some() => {
+                            let x = self.seq_shard(partial, path)?;
+                            let b = self.whole(bias, path)?;
+                            let out = self.tp_state(x);
+                            self.op(OpKind::BiasAdd, &[x, b], path, &[out])
+                        }
                         Some(&bias) => {
                             let whole = self.whole(partial, path)?;
                             Ok(vec![self.op1(

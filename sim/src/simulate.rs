@@ -206,6 +206,15 @@ fn rows(b: &Buffer) -> f64 {
     b.len() as f64 / last_dim(b)
 }
 
+/// The share of a buffer a kernel computes on and moves: for MoE token rows, the rows a
+/// balanced router fills (`routed_rows` of each expert block's rows); 1 otherwise.
+fn fill(b: &Buffer) -> f64 {
+    match (b.routed_rows, b.shape.len().checked_sub(2)) {
+        (Some(routed), Some(i)) if b.shape[i] > 0 => routed as f64 / b.shape[i] as f64,
+        _ => 1.0,
+    }
+}
+
 /// A bitmask of mesh axes (a communication stream per distinct set).
 fn axes_key(axes: &[Axis]) -> u8 {
     axes.iter().fold(0u8, |k, a| {
@@ -280,6 +289,9 @@ impl<'a> Ctx<'a> {
                 ..
             } => (op, inputs, outputs),
         };
+        // MoE token rows: kernels compute on, and all-to-alls move, only the routed rows.
+        let bytes = |b: &Buffer| bytes(b) * fill(b);
+        let rows = |b: &Buffer| rows(b) * fill(b);
         let ins: Vec<&Buffer> = inputs
             .iter()
             .map(|&b| buf(plan, b))

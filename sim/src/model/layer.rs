@@ -383,15 +383,18 @@ fn mlp_block(
             for _ in 0..local as u64 {
                 f += g.mem(2.0 * m_e * h * a);
                 f += 2.0 * g.lin(m_e, f_l, h) + g.mem(3.0 * m_e * f_l * a) + g.lin(m_e, h, f_l);
-                b += g.mem(2.0 * m_e * h * a) + g.zero(t * h * a);
-                b += g.lin_gi(m_e, h, f_l)
-                    + g.mem(5.0 * m_e * f_l * a)
-                    + 2.0 * g.zero(m_e * f_l * a);
+                b += g.mem(2.0 * m_e * h * a);
+                b += g.lin_gi(m_e, h, f_l) + g.mem(5.0 * m_e * f_l * a);
                 b += 2.0 * g.lin_gi(m_e, f_l, h) + g.grad_sum(m_e, h);
                 w += g.lin_gw(m_e, h, f_l) + 2.0 * g.lin_gw(m_e, f_l, h);
             }
             f += g.mem((t * k * h + t * h) * a);
-            b += g.mem((2.0 * t * k * h + t * h) * a) + g.zero(t * k * h * a);
+            b += g.mem((2.0 * t * k * h + t * h) * a);
+            // The gradient buffers are zeroed whole, at the rows the plan reserves: the
+            // combine's expert gradient, w2's input gradient, SwiGLU's two, w3's and w1's
+            // input gradients and their sum; and the dispatch's token gradient.
+            let rows = reserved_expert_rows(g, x);
+            b += g.zero(rows * (3.0 * f_l + 4.0 * h) * a + t * h * a);
             if layout.ep > 1 {
                 let bytes = t * k * h * a;
                 let a2a =
@@ -409,6 +412,21 @@ fn mlp_block(
     b += g.norm_b(norm_params);
     ph.add_block(f, b, w, comm_f, comm_b);
     f + comm_f
+}
+
+/// Rows of expert token buffers a MoE layer's plan reserves on a rank for one micro-batch,
+/// over all its local experts: each of the ep sources may send each expert all of its `t`
+/// tokens (dropless) or the capacity, so `experts · rows per source` on either side of the
+/// all-to-all.
+fn reserved_expert_rows(g: &Geo, x: &megac_ir::spec::MoeSpec) -> f64 {
+    let per_source = if x.capacity_factor > 0.0 {
+        // As the build pass sizes it: per micro-batch, over the whole sequence (cp = 1).
+        let c = (x.capacity_factor * g.t * x.top_k as f64 / x.experts as f64).ceil();
+        c.min(g.t)
+    } else {
+        g.t
+    };
+    x.experts as f64 * per_source
 }
 
 /// Costs of one transformer layer (dense, or MoE with `moe`) for one micro-batch, and the
@@ -431,9 +449,10 @@ pub(super) fn layer_cost(
         (Arch::Gpt, _) => 2.0 * t * g.f_l * a,
         (Arch::Llama, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
-            let (e, k) = (x.experts as f64, x.top_k as f64);
-            let tokens = t * k; // routed copies on this rank
-            t * e * 4.0 + tokens * (h + 3.0 * g.f_l) * a + tokens * h * a
+            // The plan's static expert buffers hold every row a router could send (the
+            // upper bound, or the capacity), not the balanced share the time assumes.
+            let rows = reserved_expert_rows(g, x);
+            t * x.experts as f64 * 4.0 + rows * (h + 3.0 * g.f_l) * a + rows * h * a
         }
     };
     let qkv_saved = match m.arch {

@@ -39,8 +39,12 @@ pub(super) fn peak_memory(
         // under mixed precision, an f32 master copy, sharded by the distributed optimizer.
         let state_per_param = if g.act.is_half() { 12.0 } else { 8.0 };
         let param_bytes = p_all * g.act.size_bytes() as f64;
+        // The reduce-scattered shard is a buffer of its own, except in a group of one
+        // (edp = 1), where the shard is the gradient itself.
+        let separate_shard = |p: f64, n: f64| if n > 1.0 { p / n } else { 0.0 };
         let (grads, opt_state) = if dist {
-            (p_all * W + shard * W, shard * state_per_param)
+            let grad_shards = separate_shard(pd, dense_shards) + separate_shard(pe, expert_shards);
+            (p_all * W + grad_shards * W, shard * state_per_param)
         } else {
             (p_all * W, p_all * state_per_param)
         };
