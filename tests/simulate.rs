@@ -747,31 +747,49 @@ fn real_size_examples_compile_validate_and_fit() {
 
 /// `megac plan` and `megac simulate` of the plan compiled from a layout `plan` returned
 /// agree (issue 13's goal: step time within 5%, peak memory per rank within 2%), for every
-/// layout of the search's top 10 of Llama-3 8B on its 8 H100s: tp·dp, cp and interleaved
-/// pipelines. (bench/plan_vs_simulate.sh prints the same for any model; MoE with expert
-/// parallelism and zero-bubble memory do not agree yet.)
+/// layout of the search's top 10 of each real-size example on its own cluster: tp·dp, cp,
+/// interleaved pipelines, expert parallelism with cp (Mixtral) and GPT-3 175B on 1,024 GPUs.
+/// (bench/plan_vs_simulate.sh prints the same for any model.) One gap is known and pinned
+/// here so that it cannot grow unnoticed: zero-bubble (zb-h1) plans keep each micro-batch's
+/// activation gradients for its deferred W in the same per-micro-batch slot as its forward
+/// activations, until W, while the analytic model counts 1F1B's activations (what the
+/// schedule needs); their memory is checked within 25% only, and must be underestimated.
 #[test]
 fn plan_and_simulate_agree_on_the_searched_layouts() {
-    let s = spec("examples/llama3-8b.toml", &[]);
-    let cluster = Cluster::preset("h100-sxm").unwrap();
-    let cost = CostModel::new(cluster.fit(8).unwrap());
-    let found = megac_sim::search(&s, 8, &cost, 10).unwrap();
-    assert_eq!(found.best.len(), 10);
-    for c in &found.best {
-        let plan = plan_of(&c.layout.apply(&s));
-        let sim = simulate(&plan, &cost, false).unwrap().report;
-        let memory = sim.roles.iter().map(|r| r.memory_bytes).max().unwrap() as f64;
-        let (dt, dm) = (
-            c.estimate.step_seconds / sim.step_seconds - 1.0,
-            c.estimate.peak_memory_bytes / memory - 1.0,
-        );
-        assert!(
-            dt.abs() < 0.05 && dm.abs() < 0.02,
-            "{}: plan {} s {} B, simulate {} s {memory} B",
-            c.layout.label(),
-            c.estimate.step_seconds,
-            c.estimate.peak_memory_bytes,
-            sim.step_seconds
-        );
+    for (path, gpus) in [
+        ("examples/llama3-8b.toml", 8),
+        ("examples/llama3-70b.toml", 64),
+        ("examples/mixtral-8x7b.toml", 32),
+        ("examples/gpt3-175b.toml", 1024),
+    ] {
+        let s = spec(path, &[]);
+        let device = s.cluster.as_ref().map_or("h100-sxm", |c| c.device.as_str());
+        let cluster = Cluster::preset(device).unwrap();
+        let cost = CostModel::new(cluster.fit(gpus).unwrap());
+        let found = megac_sim::search(&s, gpus, &cost, 10).unwrap();
+        assert_eq!(found.best.len(), 10, "{path}");
+        for c in &found.best {
+            let plan = plan_of(&c.layout.apply(&s));
+            let sim = simulate(&plan, &cost, false).unwrap().report;
+            let memory = sim.roles.iter().map(|r| r.memory_bytes).max().unwrap() as f64;
+            let (dt, dm) = (
+                c.estimate.step_seconds / sim.step_seconds - 1.0,
+                c.estimate.peak_memory_bytes / memory - 1.0,
+            );
+            let zero_bubble = c.layout.schedule == megac_ir::spec::Schedule::ZbH1;
+            let memory_ok = if zero_bubble {
+                (-0.25..=0.0).contains(&dm)
+            } else {
+                dm.abs() < 0.02
+            };
+            assert!(
+                dt.abs() < 0.05 && memory_ok,
+                "{path} {}: plan {} s {} B, simulate {} s {memory} B",
+                c.layout.label(),
+                c.estimate.step_seconds,
+                c.estimate.peak_memory_bytes,
+                sim.step_seconds
+            );
+        }
     }
 }
