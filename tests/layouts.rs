@@ -424,6 +424,13 @@ fn pipeline_parallel_schedules() {
             &["parallel.pp=4", "parallel.stage_layers=[1, 3, 3, 1]"],
             &["parallel.pp=2", "parallel.schedule=gpipe"],
             &["parallel.pp=4", "parallel.schedule=zb-h1"],
+            // Sequence parallelism's re-gathered linear inputs are gathered within W.
+            &[
+                "parallel.pp=2",
+                "parallel.schedule=zb-h1",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
             &[
                 "parallel.pp=2",
                 "parallel.vpp=2",
@@ -962,4 +969,44 @@ fn fp16_layout_families() {
         ],
         2f64.powi(-11),
     );
+}
+
+/// Under zb-h1 with sequence parallelism, a re-gathered linear input that only the weight
+/// gradient reads is gathered within `W`, so it is not kept from `B` to `W`.
+#[test]
+fn zero_bubble_gathers_weight_gradient_inputs_within_w() {
+    use megac_ir::plan::Instr;
+    use megac_ir::OpKind;
+    let sets: Vec<String> = PIPE
+        .iter()
+        .chain(&[
+            "parallel.pp=2",
+            "parallel.schedule=zb-h1",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("llama-tiny.toml", &sets);
+    let regather = |i: &Instr| matches!(i, Instr::Kernel { op: OpKind::AllGather { .. }, path, .. } if path.ends_with("(regather)"));
+    let reads = |prog: &[Instr], b: u32| {
+        prog.iter()
+            .any(|i| matches!(i, Instr::Kernel { inputs, .. } if inputs.contains(&b)))
+    };
+    let mut in_w = 0;
+    for role in &plan.roles {
+        for c in &role.pipeline.as_ref().unwrap().chunks {
+            in_w += c.weight.iter().filter(|i| regather(i)).count();
+            for i in c.backward.iter().filter(|i| regather(i)) {
+                let Instr::Kernel { outputs, path, .. } = i else {
+                    unreachable!()
+                };
+                assert!(
+                    reads(&c.backward, outputs[0]),
+                    "{path}: gathered in B for W alone"
+                );
+            }
+        }
+    }
+    assert!(in_w >= 8, "{in_w} re-gathers in W");
 }

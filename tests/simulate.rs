@@ -753,7 +753,7 @@ fn real_size_examples_compile_validate_and_fit() {
 /// here so that it cannot grow unnoticed: zero-bubble (zb-h1) plans keep each micro-batch's
 /// activation gradients for its deferred W in the same per-micro-batch slot as its forward
 /// activations, until W, while the analytic model counts 1F1B's activations (what the
-/// schedule needs); their memory is checked within 25% only, and must be underestimated.
+/// schedule needs); their memory is checked within 15% only, and must be underestimated.
 #[test]
 fn plan_and_simulate_agree_on_the_searched_layouts() {
     for (path, gpus) in [
@@ -778,7 +778,7 @@ fn plan_and_simulate_agree_on_the_searched_layouts() {
             );
             let zero_bubble = c.layout.schedule == megac_ir::spec::Schedule::ZbH1;
             let memory_ok = if zero_bubble {
-                (-0.25..=0.0).contains(&dm)
+                (-0.15..=0.0).contains(&dm)
             } else {
                 dm.abs() < 0.02
             };

@@ -51,7 +51,11 @@ pub(super) struct Usage {
 
 /// Step 1: the chunk and phase of every micro-batch instruction. Everything before the
 /// first gradient kernel is forward; backward kernels that only write parameter gradients
-/// are `W` under zero-bubble schedules; a `zero` goes with the kernel after it.
+/// are `W` under zero-bubble schedules, and so are backward kernels all of whose outputs
+/// only `W` kernels of their own chunk read and whose inputs the forward wrote (sequence
+/// parallelism's re-gathered linear inputs), so that those outputs live within `W` instead
+/// of in the micro-batch's slot from `B` to `W`; a `zero`
+/// goes with the kernel after it.
 pub(super) fn place_instructions(
     e: &Emitter,
     program: &[Instr],
@@ -62,25 +66,60 @@ pub(super) fn place_instructions(
         .iter()
         .position(|i| matches!(i, Instr::Kernel { op, .. } if op.accumulates()))
         .unwrap_or(program.len());
+    let root = |b: BufId| *e.view_of.get(&b).unwrap_or(&b);
+    // Activation roots that the backward writes (the others are the forward's, kept for
+    // the backward anyway).
+    let backward_written: BTreeSet<BufId> = program[first_backward..]
+        .iter()
+        .flat_map(|i| match i {
+            Instr::Kernel { outputs, .. } => outputs.clone(),
+            _ => Vec::new(),
+        })
+        .map(root)
+        .collect();
+    // Activation root -> the chunk whose `W` kernels are all the instructions after the
+    // current one that read it (None: another reads it; absent: none reads it).
+    let mut read_only_by_w: BTreeMap<BufId, Option<u32>> = BTreeMap::new();
     let mut place: Vec<(u32, Phase)> = vec![(0, Phase::F); program.len()];
     for i in (0..program.len()).rev() {
         place[i] = match &program[i] {
-            Instr::Kernel { path, outputs, .. } => {
+            Instr::Kernel {
+                path,
+                inputs,
+                outputs,
+                ..
+            } => {
                 let chunk = chunk_of_path(path, &geo.chunk_of_layer, nc);
+                let only_w = |o: &BufId| read_only_by_w.get(&root(*o)) == Some(&Some(chunk));
                 let phase = if i < first_backward {
                     Phase::F
                 } else if geo.split_bw
-                    && outputs
+                    && (outputs
                         .iter()
                         .all(|&o| e.buffers[o as usize].class == BufferClass::Grad)
+                        || (outputs.iter().all(only_w)
+                            && !inputs.iter().any(|&b| backward_written.contains(&root(b)))))
                 {
                     Phase::W
                 } else {
                     Phase::B
                 };
+                let reader = (phase == Phase::W).then_some(chunk);
+                for &b in inputs {
+                    let entry = read_only_by_w.entry(root(b)).or_insert(reader);
+                    if *entry != reader {
+                        *entry = None;
+                    }
+                }
                 (chunk, phase)
             }
-            _ => place.get(i + 1).copied().unwrap_or((nc - 1, Phase::B)),
+            other => {
+                let at = place.get(i + 1).copied().unwrap_or((nc - 1, Phase::B));
+                if let Instr::Send { buffer, .. } = other {
+                    read_only_by_w.insert(root(*buffer), None);
+                }
+                at
+            }
         };
     }
     place
