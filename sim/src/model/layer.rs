@@ -266,8 +266,23 @@ pub(super) struct LayerCost {
     pub(super) saved_selective: f64,
     /// The layer input (the checkpoint of full recomputation).
     pub(super) input: f64,
+    /// What a zero-bubble plan keeps of the layer per micro-batch, by recomputation (none,
+    /// selective, full): see [`ZeroBubbleKept`].
+    pub(super) zb: [ZeroBubbleKept; 3],
 }
 
+/// A layer's share of a zero-bubble (split B/W) plan's per-micro-batch slot, which lives from
+/// `F` to `W`. It holds what 1F1B keeps (`saved`: what `B` reads, of which the linears'
+/// inputs also serve `W`), and `kw_bw`: the linears' inputs plus each linear's output
+/// gradient, born in `B` and read by `W`. The backward walks the layers down, freeing what
+/// only `B` reads and adding the gradients, so a stack of layers peaks either as `B` starts
+/// (every `saved`, plus the first MLP's output gradients, `mlp_bw`, born before its inputs
+/// die) or as it ends (every `kw_bw`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct ZeroBubbleKept {
+    pub(super) kw_bw: f64,
+    pub(super) mlp_bw: f64,
+}
 /// The attention half of a layer (norm, projections, core attention, output projection,
 /// residual, and their backward, with the tensor/context-parallel collectives): adds its
 /// phases to `ph` and returns (forward time with its exposed communication, the core
@@ -464,12 +479,40 @@ pub(super) fn layer_cost(
     // attention output and log-sum-exp, the MLP's saved tensors.
     let norm_out = tn;
     let saved = 2.0 * tn * h * a + 2.0 * norm_out * h * a + qkv_saved + attn_out + lse + mlp_saved;
+    let saved_selective = saved - attn_out - lse;
+    let input = tn * h * a;
+    // Zero-bubble: the MLP's linear inputs `W` reads, and the output gradients of its linears.
+    let (mlp_kw, mlp_bw) = match (m.arch, moe) {
+        (Arch::Llama, false) => (t * g.f_l * a, (2.0 * t * g.f_l + t * h) * a),
+        (Arch::Gpt, _) => (t * g.f_l * a, (t * g.f_l + t * h) * a),
+        (Arch::Llama, true) => {
+            let x = m.moe.as_ref().expect("moe layer has [model.moe]");
+            let rows = reserved_expert_rows(g, x);
+            (rows * (h + g.f_l) * a, rows * (2.0 * g.f_l + h) * a)
+        }
+    };
+    // Both norms' (sequence-sharded) outputs and the attention output are linear inputs;
+    // q/k/v's, the output projection's and the MLP's output gradients are born in B.
+    let kw = 2.0 * norm_out * h * a + attn_out + mlp_kw;
+    // GPT's row-parallel biases read their output's gradient in W, sequence-sharded.
+    let bias_grads = if m.arch == Arch::Gpt && tn < t {
+        2.0 * tn * h * a
+    } else {
+        0.0
+    };
+    let bw = qkv_saved + t * h * a + mlp_bw + bias_grads;
+    // Selective recomputation makes the attention output in B; full recomputation makes
+    // every linear input in B, the norms' outputs gathered (t rows, not tn).
+    let gathered = 2.0 * (t - norm_out) * h * a;
+    let kept = |kw_bw: f64| ZeroBubbleKept { kw_bw, mlp_bw };
+    let zb = [kept(kw + bw), kept(kw + bw), kept(kw + bw + gathered)];
     LayerCost {
         phases: ph,
         forward: attn_fwd + mlp_fwd,
         attention,
         saved,
-        saved_selective: saved - attn_out - lse,
-        input: tn * h * a,
+        saved_selective,
+        input,
+        zb,
     }
 }

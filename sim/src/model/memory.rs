@@ -51,7 +51,9 @@ pub(super) fn peak_memory(
         let inflight = inflight(layout, microbatches, st.index);
         let activations = st.saved_per_mb * inflight + st.working;
         let last = st.index == pp - 1;
-        let head_bytes = if last {
+        // The logits, their gradient and the final norm's tensors (zero-bubble plans keep
+        // them in each micro-batch's slot instead: `Stage::saved_per_mb`).
+        let head_bytes = if last && !(layout.schedule == Schedule::ZbH1 && pp > 1) {
             2.0 * t * v_l * a + 3.0 * tn * h * a
         } else {
             0.0
@@ -88,6 +90,9 @@ pub fn inflight(layout: &ParallelLayout, microbatches: u64, i: u64) -> f64 {
             let chunks = (2 * (p - i - 1) + (v - 1) * p + 1).min(m * v);
             chunks as f64 / v as f64
         }
+        // Zero-bubble H1: every stage holds a micro-batch from its F to its deferred W,
+        // pp of them at once (as many as 1F1B's first stage).
+        Schedule::ZbH1 => p.min(m) as f64,
         _ => (p - i).min(m) as f64,
     }
 }

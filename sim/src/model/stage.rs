@@ -3,7 +3,7 @@
 //! phases, parameters and activation bytes for one micro-batch.
 
 use megac_ir::flops::padded_vocab;
-use megac_ir::spec::{Arch, ModelSpec, Recompute};
+use megac_ir::spec::{Arch, ModelSpec, Recompute, Schedule};
 use megac_ir::types::DType;
 
 use super::layer::{layer_cost, Geo, LayerCost, Phases, W};
@@ -45,16 +45,22 @@ pub(super) fn stages(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Vec<
         Recompute::Selective => lc.attention,
         Recompute::Full => lc.forward,
     };
-    let saved_of = |lc: &LayerCost| match layout.recompute {
-        Recompute::None => lc.saved,
-        Recompute::Selective => lc.saved_selective,
-        Recompute::Full => lc.input,
+    let mode = match layout.recompute {
+        Recompute::None => 0,
+        Recompute::Selective => 1,
+        Recompute::Full => 2,
     };
+    let saved_of = |lc: &LayerCost| [lc.saved, lc.saved_selective, lc.input][mode];
+    // Zero-bubble plans keep a micro-batch's slot from F to W (ZeroBubbleKept).
+    let zero_bubble = layout.schedule == Schedule::ZbH1 && pp > 1;
+    let (tn, a) = (g.tn, g.a);
+    let v_l = padded_vocab(m.vocab, layout.tp) as f64 / layout.tp as f64;
     let stage = |i: u64, mult: f64| -> Stage {
         let layers = stage_layers(i);
         let (first, last) = (i == 0, i == pp - 1);
         let mut ph = Phases::default();
         let mut saved = 0.0;
+        let (mut kw_bw, mut mlp_bw) = (0.0, 0.0f64);
         let mut working: f64 = 0.0;
         for &l in &layers {
             let lc = match (&moe_layer, m.is_moe_layer(l)) {
@@ -64,6 +70,8 @@ pub(super) fn stages(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Vec<
             ph.add(lc.phases, 1.0);
             ph.b += recompute_of(lc);
             saved += saved_of(lc);
+            kw_bw += lc.zb[mode].kw_bw;
+            mlp_bw = mlp_bw.max(lc.zb[mode].mlp_bw);
             // Working set of the layer being differentiated (and recomputed).
             working = working.max(lc.saved);
         }
@@ -73,6 +81,34 @@ pub(super) fn stages(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Vec<
         }
         if last {
             ph.add(head, 1.0);
+        }
+        if zero_bubble {
+            // As B starts: everything 1F1B keeps, plus the first MLP's output gradients, or
+            // on the last stage the head's logits, their gradient, the final norm's input and
+            // output. As B ends: the linears' inputs and output gradients, plus what W reads
+            // of the head (the logits' gradient, the norm's output) or of the embedding (its
+            // output's gradient, gathered; a tied embedding's f32 gradient contribution).
+            let (head_start, head_end) = (
+                2.0 * t * v_l * a + 2.0 * tn * h * a,
+                t * v_l * a + tn * h * a,
+            );
+            let start = saved
+                + if last {
+                    head_start.max(head_end + mlp_bw)
+                } else {
+                    mlp_bw
+                };
+            let mut end = kw_bw;
+            if last {
+                end += head_end;
+            }
+            if first {
+                end += t * h * a;
+                if m.tie_embeddings {
+                    end += v_l * h * W;
+                }
+            }
+            saved = start.max(end);
         }
         let (pd, pe) = stage_params(spec, layout, &layers, first, last);
         Stage {
