@@ -715,9 +715,21 @@ fn activations_vpp_do_not_inflate_full_recompute() {
             act - act1 <= (p - 1) * chunks[0].3,
             "at most p − 1 chunks' inputs"
         );
-        // The last stage: its same-size layer chunks pooled the same way.
+        // The last stage: its same-size layer chunks pooled the same way, and the head's
+        // chunk (larger: ln_f, the logits) one slot of its own. Megatron keeps at most
+        // in_flight chunk micro-batches there in all: while the head's micro-batch is in
+        // flight the pool holds in_flight − 1 (`megac schedule` at vpp 4: F7.0 comes after six
+        // forwards of chunks 1, 3, 5 and before any of their backwards), so the plan reserves
+        // one pooled slot (L/(p·v) layers' worth) more than is ever live together.
         let last = c.chunks(1);
         assert_eq!(last[0].2, in_flight(p, v, 1), "vpp {v}: last stage's pool");
+        let head = last.last().unwrap();
+        assert_eq!(
+            (head.0, head.2),
+            (p * v - 1, 1),
+            "vpp {v}: the head chunk's own slot"
+        );
+        assert!(head.3 > head.1 * input, "vpp {v}: the head chunk is larger");
         acts.push(act);
     }
     // Without recomputation the pool holds whole layers: the same slot counts.
