@@ -17,10 +17,9 @@
 //!   closes before a parameter that would overflow it), each bucket padded to a multiple of g,
 //!   the size of its group: g = d = dp·cp for dense parameters, g = edp = dp·cp/ep for
 //!   experts. With P = Σ padded bucket lengths and Q = Σ P_k/g_k (the rank's shards):
-//!   parameters 2P, optimizer state 12Q, gradients 4P + 4·Σ_{g_k>1} P_k/g_k: the full padded
-//!   fp32 gradient buffer (what the backward accumulates into and the reduce-scatter reads)
-//!   **plus a separate fp32 shard per bucket**, the reduce-scatter's output (Megatron
-//!   reduce-scatters into a view of its grad buffer, so it does not spend these 4Q bytes).
+//!   parameters 2P, optimizer state 12Q, gradients 4P: the full padded fp32 gradient buffer,
+//!   which the backward accumulates into and each bucket's reduce-scatter reduces in place
+//!   into the rank's own slice (as Megatron reduce-scatters into a view of its grad buffer).
 //!
 //! # Activations
 //!
@@ -246,7 +245,7 @@ fn persistent_formula(c: &Compiled, role: usize) -> (u64, u64, u64) {
         return (2 * n, 4 * n, 12 * n);
     }
     let edp = d / ep;
-    let (mut padded, mut shards, mut scattered) = (0u64, 0u64, 0u64);
+    let (mut padded, mut shards) = (0u64, 0u64);
     for (expert, split) in [(false, false), (false, true), (true, false), (true, true)] {
         let g = if expert { edp } else { d };
         let cap = 40_000_000u64.max(1_000_000 * g);
@@ -254,9 +253,6 @@ fn persistent_formula(c: &Compiled, role: usize) -> (u64, u64, u64) {
             let p = len.div_ceil(g) * g;
             padded += p;
             shards += p / g;
-            if g > 1 {
-                scattered += p / g;
-            }
         };
         let mut bucket = 0u64;
         for &(len, _, _) in params.iter().filter(|p| (p.1, p.2) == (expert, split)) {
@@ -270,7 +266,7 @@ fn persistent_formula(c: &Compiled, role: usize) -> (u64, u64, u64) {
             close(bucket);
         }
     }
-    (2 * padded, 4 * (padded + scattered), 12 * shards)
+    (2 * padded, 4 * padded, 12 * shards)
 }
 
 /// Compile, and assert every role's parameters, gradients and optimizer state equal the

@@ -57,21 +57,14 @@ impl Emitter<'_> {
             ));
         };
         let mut program = self.pending_reductions(program_in, params);
-        let (segments, total) = self.lay_out_segments(params);
-        let mut grad_offset = total;
+        let (segments, _total) = self.lay_out_segments(params);
         let mut opt_offset = 0u64;
         let mut shards = Vec::new();
         // Last segment first: the backward finishes the last layers' gradients first, so
         // their reduce-scatters can start (and overlap the rest of the backward) while the
         // first layers' are still being computed.
         for (k, seg) in segments.iter().enumerate().rev() {
-            shards.push(self.shard_segment(
-                k,
-                seg,
-                &mut grad_offset,
-                &mut opt_offset,
-                &mut program,
-            ));
+            shards.push(self.shard_segment(k, seg, &mut opt_offset, &mut program));
         }
         // Every shard is unique over dp·cp (dense shards over the dp·cp group, expert
         // shards over ep × edp = dp·cp).
@@ -213,13 +206,12 @@ impl Emitter<'_> {
     }
 
     /// Segment `k`'s flat buffers, this rank's shard of them (its gradients reduce-scattered
-    /// into the shard, pushed onto `program`) and the shard's AdamW state; the gradient
-    /// shards go from `grad_offset` (past the gradient arena), the state from `opt_offset`.
+    /// in place into the rank's own slice of the segment, as Megatron's distributed
+    /// optimizer does, pushed onto `program`) and the shard's AdamW state, from `opt_offset`.
     fn shard_segment(
         &mut self,
         k: usize,
         seg: &Segment,
-        grad_offset: &mut u64,
         opt_offset: &mut u64,
         program: &mut Vec<Instr>,
     ) -> Shard {
@@ -260,10 +252,14 @@ impl Emitter<'_> {
             let grad_shard = self.flat(
                 &format!("grad:shard{k}"),
                 BufferClass::Grad,
-                *grad_offset,
+                seg.start,
                 shard,
             );
-            *grad_offset += shard;
+            self.buffers[grad_shard as usize].rank_offset = Some(megac_ir::plan::RankOffset {
+                axis: axes[0],
+                with: axes[1..].to_vec(),
+                stride: shard,
+            });
             let param_shard = self.flat_of(
                 &format!("param:shard{k}"),
                 BufferClass::Param,

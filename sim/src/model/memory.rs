@@ -35,18 +35,14 @@ pub(super) fn peak_memory(
         let p_all = pd + pe;
         let shard = pd / dense_shards + pe / expert_shards;
         // As codegen lays them out: working weights in the storage dtype, f32 gradients
-        // (plus the reduce-scattered shard with the distributed optimizer), f32 moments and,
-        // under mixed precision, an f32 master copy, sharded by the distributed optimizer.
+        // (the distributed optimizer reduce-scatters in place), f32 moments and, under mixed
+        // precision, an f32 master copy, sharded by the distributed optimizer.
         let state_per_param = if g.act.is_half() { 12.0 } else { 8.0 };
         let param_bytes = p_all * g.act.size_bytes() as f64;
-        // The reduce-scattered shard is a buffer of its own, except in a group of one
-        // (edp = 1), where the shard is the gradient itself.
-        let separate_shard = |p: f64, n: f64| if n > 1.0 { p / n } else { 0.0 };
         let (grads, opt_state) = if dist {
-            let grad_shards = separate_shard(pd, dense_shards) + separate_shard(pe, expert_shards);
-            (p_all * W + grad_shards * W, shard * state_per_param)
+            (p_all * W + st.grad_extra, shard * state_per_param)
         } else {
-            (p_all * W, p_all * state_per_param)
+            (p_all * W + st.grad_extra, p_all * state_per_param)
         };
         let inflight = inflight(layout, microbatches, st.index);
         let activations = st.saved_per_mb * inflight + st.working;

@@ -23,6 +23,9 @@ pub(super) struct Stage {
     pub(super) saved_per_mb: f64,
     /// The working set of the layer being differentiated (and recomputed).
     pub(super) working: f64,
+    /// Gradient bytes beyond the stage's parameters' (a tied embedding's landing buffer for
+    /// the head's contribution).
+    pub(super) grad_extra: f64,
     /// Parameter tensors on the stage.
     pub(super) tensors: f64,
 }
@@ -62,6 +65,7 @@ pub(super) fn stages(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Vec<
         let mut saved = 0.0;
         let (mut kw_bw, mut mlp_bw) = (0.0, 0.0f64);
         let mut working: f64 = 0.0;
+        let mut grad_extra = 0.0;
         for &l in &layers {
             let lc = match (&moe_layer, m.is_moe_layer(l)) {
                 (Some(x), true) => x,
@@ -76,8 +80,16 @@ pub(super) fn stages(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Vec<
             working = working.max(lc.saved);
         }
         if first {
+            // The embedding keeps nothing for its backward but its output, the first
+            // layer's input, which the layer counts.
             ph.add(embed, 1.0);
-            saved += t * h * 4.0;
+            if m.tie_embeddings && pp > 1 {
+                // Its backward writes an f32 gradient contribution of the tied table (and
+                // reads the gathered output gradient); the head's contribution lands in an
+                // f32 buffer of its own once per step.
+                working = working.max(v_l * h * W + t * h * a);
+                grad_extra = v_l * h * W;
+            }
         }
         if last {
             ph.add(head, 1.0);
@@ -119,6 +131,7 @@ pub(super) fn stages(g: &Geo, spec: &ModelSpec, layout: &ParallelLayout) -> Vec<
             params_expert: pe,
             saved_per_mb: saved,
             working,
+            grad_extra,
             tensors: stage_tensors(spec, layers.len(), first, last),
         }
     };
