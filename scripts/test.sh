@@ -7,6 +7,8 @@
 #      (bindgen, in that build script), iproute2 (`ip`, for scripts/two-nodes.sh, as root).
 #      Only what is missing is installed, with apt-get, and only as root; without root and
 #      with something missing it stops at once and prints the install line.
+#      Then NVRTC for the CUDA kernel test: the PyPI wheel nvidia-cuda-nvrtc, into
+#      target/nvrtc, put on LD_LIBRARY_PATH (pip itself is installed with apt-get if missing).
 #   2. The rustfmt and clippy components (rustup component add, when missing).
 #   3. cargo fmt --check; then clippy -D warnings and every test of the workspace, first for
 #      the default build (no MPI), then with --features mpi (the MPI tests: tests/mpi.rs,
@@ -53,6 +55,28 @@ if ((${#missing[@]})); then
   apt-get update
   DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
 fi
+
+# 1b. NVRTC, for tests/cuda.rs (every CUDA kernel compiles, no GPU needed): the PyPI wheel,
+# unpacked into target/nvrtc (once), on LD_LIBRARY_PATH for the tests; MEGAC_REQUIRE_NVRTC
+# makes the test fail rather than skip when it cannot be loaded.
+nvrtc_dir=${CARGO_TARGET_DIR:-$PWD/target}/nvrtc
+if [[ ! -e $nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13 ]]; then
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    if ! $root; then
+      echo "scripts/test.sh: the CUDA kernel test needs pip (python3 -m pip) to fetch NVRTC" >&2
+      echo "  apt-get install -y --no-install-recommends python3-pip" >&2
+      exit 1
+    fi
+    step "installing python3-pip (apt-get)"
+    apt-get update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-pip
+  fi
+  step "pip install nvidia-cuda-nvrtc==13.0.88 (into $nvrtc_dir)"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$nvrtc_dir" \
+    nvidia-cuda-nvrtc==13.0.88
+fi
+export LD_LIBRARY_PATH="$nvrtc_dir/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export MEGAC_REQUIRE_NVRTC=1
 
 # 2. Rust components.
 for component in rustfmt clippy; do

@@ -26,6 +26,7 @@
 pub mod activation;
 pub mod attention;
 pub mod context;
+pub mod cuda;
 pub mod elementwise;
 pub mod embedding;
 pub mod linear;

@@ -16,6 +16,8 @@
 #![warn(missing_docs)]
 
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod exec;

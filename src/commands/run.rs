@@ -12,6 +12,27 @@ use crate::RunArgs;
 const NO_MPI_ALTERNATIVE: &str =
     "without MPI, --comm local runs every rank of the plan as a thread of this process";
 
+/// `--device cuda`'s answer: what the CUDA probe found, and that no plan runs on a GPU yet.
+#[cfg(feature = "cuda")]
+fn no_cuda_backend() -> String {
+    match megac_runtime::cuda::probe(0) {
+        Err(e) => format!("error: --device cuda: {e}"),
+        Ok(d) => format!(
+            "error: --device cuda: found {} ({} device(s)), but executing plans on a GPU is not \
+             built yet (the kernels of kernels/cuda/ compile with NVRTC); use --device cpu",
+            d.name, d.count
+        ),
+    }
+}
+
+/// `--device cuda`'s answer in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_backend() -> String {
+    "error: --device cuda: this build has no `cuda` feature (cargo build --release --features \
+     cuda); use --device cpu"
+        .into()
+}
+
 /// Check the options this build supports and every path the run will write (before any
 /// work: `megac train` calls it before compiling, `megac run` before reading the plan), and
 /// turn them into runtime options.
@@ -26,11 +47,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     }
     match args.device.as_str() {
         "cpu" => {}
-        "cuda" => {
-            return Err(
-                "error: --device cuda: this build has no cuda backend yet; use --device cpu".into(),
-            )
-        }
+        "cuda" => return Err(no_cuda_backend()),
         other => return Err(format!("error: --device {other}: expected cpu or cuda")),
     }
     if args.steps == Some(0) {

@@ -1,0 +1,98 @@
+//! CUDA C sources of the GPU kernels (`kernels/cuda/*.cu`), compiled at run time with NVRTC
+//! by the runtime (`megac_runtime::cuda`). They are header-free: NVRTC 13 ships no headers,
+//! so 16-bit floats are `unsigned short` with explicit conversions, and every file is
+//! compiled after [`PRELUDE`] (the conversions and block reductions they share).
+//!
+//! Compiled on the CPU (`tests/cuda.rs`); not run on a GPU yet.
+
+/// Definitions every kernel file uses, prepended to each before compilation.
+pub const PRELUDE: &str = include_str!("../cuda/prelude.cu");
+
+/// One kernel file: its name, its source, and the `extern "C"` kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaSource {
+    /// File name under `kernels/cuda/`.
+    pub name: &'static str,
+    /// The file's text (without [`PRELUDE`]).
+    pub source: &'static str,
+    /// The kernels it defines, as the PTX names them.
+    pub kernels: &'static [&'static str],
+}
+
+impl CudaSource {
+    /// The text NVRTC compiles: [`PRELUDE`] then the file.
+    pub fn program(&self) -> String {
+        format!("{PRELUDE}\n{}", self.source)
+    }
+}
+
+/// Every kernel file.
+pub const SOURCES: &[CudaSource] = &[
+    CudaSource {
+        name: "cast.cu",
+        source: include_str!("../cuda/cast.cu"),
+        kernels: &[
+            "cast_f32_to_bf16",
+            "cast_bf16_to_f32",
+            "cast_f32_to_f16",
+            "cast_f16_to_f32",
+        ],
+    },
+    CudaSource {
+        name: "activation.cu",
+        source: include_str!("../cuda/activation.cu"),
+        kernels: &["swiglu_fwd", "swiglu_bwd"],
+    },
+    CudaSource {
+        name: "norm.cu",
+        source: include_str!("../cuda/norm.cu"),
+        kernels: &["rms_norm_fwd", "layer_norm_fwd"],
+    },
+    CudaSource {
+        name: "rope.cu",
+        source: include_str!("../cuda/rope.cu"),
+        kernels: &["rope_apply"],
+    },
+    CudaSource {
+        name: "optim.cu",
+        source: include_str!("../cuda/optim.cu"),
+        kernels: &["adamw_step", "sum_squares"],
+    },
+    CudaSource {
+        name: "loss.cu",
+        source: include_str!("../cuda/loss.cu"),
+        kernels: &["cross_entropy_fwd", "cross_entropy_bwd"],
+    },
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every listed kernel is defined `extern "C"` in its file, and every `extern "C"`
+    /// kernel of a file is listed (so the runtime can load each by name).
+    #[test]
+    fn every_kernel_is_listed_once() {
+        for s in SOURCES {
+            let defined: Vec<&str> = s
+                .source
+                .split("extern \"C\" __global__ void ")
+                .skip(1)
+                .map(|rest| rest.split('(').next().unwrap().trim())
+                .collect();
+            let mut listed = s.kernels.to_vec();
+            let mut found = defined.clone();
+            listed.sort_unstable();
+            found.sort_unstable();
+            assert_eq!(listed, found, "{}", s.name);
+        }
+        let mut all: Vec<&str> = SOURCES
+            .iter()
+            .flat_map(|s| s.kernels.iter().copied())
+            .collect();
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), n, "kernel names are unique");
+    }
+}
