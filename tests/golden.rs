@@ -127,6 +127,28 @@ fn gpt_matches_transformers() {
     golden("gpt");
 }
 
+/// Qwen2ForCausalLM: q/k/v biases (drawn non-zero: they move the first loss by 2.5%) split
+/// with their heads, and linear rope scaling (factor 2: 1.2%).
+#[test]
+fn qwen2_matches_transformers() {
+    golden("qwen2");
+}
+
+/// LlamaForCausalLM with Llama 3.1's rope scaling (`_compute_llama3_parameters`: factor 8,
+/// low/high frequency factors 1 and 4, original context 16 < seq 32; it moves the first
+/// loss by 0.65%).
+#[test]
+fn llama31_rope_scaling_matches_transformers() {
+    golden("llama31");
+}
+
+/// Qwen3ForCausalLM: RMSNorm over each head's q and k before RoPE (weights drawn around 1;
+/// the norms move the first loss by 0.37%), head_dim 32 with hidden 64 / 4 heads.
+#[test]
+fn qwen3_matches_transformers() {
+    golden("qwen3");
+}
+
 /// MixtralForCausalLM (aux_loss_coeff = 0, so the loss is exactly transformers' LM loss):
 /// router softmax in fp32, top-2, renormalised weights, dropless experts.
 #[test]

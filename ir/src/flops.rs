@@ -12,7 +12,7 @@
 //! layer) weighs the layers of a pipeline: the stage balancer
 //! (`pipeline::stages::chunk_layers`) and `megac schedule --costs model`.
 
-use crate::spec::{Arch, ModelSpec};
+use crate::spec::ModelSpec;
 
 /// Vocabulary padded to a multiple of 128·tp, as Megatron pads it (tp 0 counts as 1).
 pub fn padded_vocab(vocab: u64, tp: u64) -> u64 {
@@ -82,7 +82,7 @@ fn widths(spec: &ModelSpec) -> Widths {
     Widths {
         q: (m.heads * m.head_dim()) as f64,
         kv: (m.kv_heads * m.head_dim()) as f64,
-        gated: if m.arch == Arch::Llama { 3.0 } else { 2.0 },
+        gated: if m.arch.llama_like() { 3.0 } else { 2.0 },
     }
 }
 

@@ -172,8 +172,11 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                 Dim::new(format!("{n}*{}", last.name), last.size * n);
             Ok(vec![TensorType::new(first.dtype, dims)])
         }
-        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+        OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
             expect_arity(1)?;
+            if let Some(p) = scaling.as_ref().and_then(|s| s.problem()) {
+                return Err(p);
+            }
             want_rank(ins[0], 4, "rope input [b, s, heads, head_dim]")?;
             if !ins[0].last().size.is_multiple_of(2) {
                 return Err(format!("head dim {} is odd", ins[0].last()));

@@ -1,5 +1,7 @@
 //! Operations of the Graph IR: kernel-sized, each with its attributes.
 
+use crate::spec::RopeScaling;
+
 /// How a linear layer stores its weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightLayout {
@@ -68,6 +70,8 @@ pub enum OpKind {
     Rope {
         /// Base frequency.
         theta: f64,
+        /// The rewrite of the inverse frequencies (`[model.rope_scaling]`), if any.
+        scaling: Option<crate::spec::RopeScaling>,
     },
     /// `(q[b,s,heads,d], k[b,s,kv_heads,d], v[b,s,kv_heads,d]) -> (out[b,s,heads,d],
     /// lse f32[b,heads,s])`: causal softmax attention with scale `1/sqrt(d)`, each kv head shared
@@ -169,6 +173,8 @@ pub enum OpKind {
     RopeGrad {
         /// Base frequency of the forward op.
         theta: f64,
+        /// The forward op's frequency rewrite.
+        scaling: Option<crate::spec::RopeScaling>,
     },
     /// `(q, k, v, out, lse, dout) -> (dq, dk, dv)`: causal attention backward.
     AttentionGrad,
@@ -655,8 +661,31 @@ impl OpKind {
             | OpKind::Split { n }
             | OpKind::RepeatKv { n }
             | OpKind::RepeatKvGrad { n } => vec![("n", n.to_string())],
-            OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
-                vec![("theta", fmt_f64(*theta))]
+            OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
+                let mut a = vec![("theta", fmt_f64(*theta))];
+                match scaling {
+                    None => {}
+                    Some(RopeScaling::Linear { factor }) => {
+                        a.push(("rope_type", "linear".to_string()));
+                        a.push(("factor", fmt_f64(*factor)));
+                    }
+                    Some(RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position_embeddings,
+                    }) => {
+                        a.push(("rope_type", "llama3".to_string()));
+                        a.push(("factor", fmt_f64(*factor)));
+                        a.push(("low_freq_factor", fmt_f64(*low_freq_factor)));
+                        a.push(("high_freq_factor", fmt_f64(*high_freq_factor)));
+                        a.push((
+                            "original_max_position_embeddings",
+                            fmt_f64(*original_max_position_embeddings),
+                        ));
+                    }
+                }
+                a
             }
             OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
                 vec![("top_k", top_k.to_string())]
@@ -735,6 +764,25 @@ impl OpKind {
             WeightLayout::from_name(&w)
                 .ok_or_else(|| format!("attribute w={w}: expected out_in or in_out"))
         };
+        let rope_scaling = || -> Result<Option<RopeScaling>, String> {
+            Ok(match attr("rope_type").as_deref() {
+                None => None,
+                Some("linear") => Some(RopeScaling::Linear {
+                    factor: float("factor")?,
+                }),
+                Some("llama3") => Some(RopeScaling::Llama3 {
+                    factor: float("factor")?,
+                    low_freq_factor: float("low_freq_factor")?,
+                    high_freq_factor: float("high_freq_factor")?,
+                    original_max_position_embeddings: float("original_max_position_embeddings")?,
+                }),
+                Some(t) => {
+                    return Err(format!(
+                        "attribute rope_type={t}: expected linear or llama3"
+                    ))
+                }
+            })
+        };
         Ok(match name {
             "embedding" => OpKind::Embedding,
             "pos_embedding" => OpKind::PosEmbedding,
@@ -747,6 +795,7 @@ impl OpKind {
             "concat" => OpKind::Concat,
             "rope" => OpKind::Rope {
                 theta: float("theta")?,
+                scaling: rope_scaling()?,
             },
             "causal_attention" => OpKind::CausalAttention,
             "cast" => {
@@ -795,6 +844,7 @@ impl OpKind {
             "layer_norm_grad" => OpKind::LayerNormGrad { eps: float("eps")? },
             "rope_grad" => OpKind::RopeGrad {
                 theta: float("theta")?,
+                scaling: rope_scaling()?,
             },
             "attention_grad" => OpKind::AttentionGrad,
             "swiglu_grad" => OpKind::SwiGluGrad,
@@ -877,6 +927,10 @@ mod tests {
 
     /// A valid value for every attribute key, so every name parses.
     fn any_attr(key: &str) -> Option<String> {
+        if key == "rope_type" {
+            // Optional (RoPE without scaling); the scaled forms have their own test.
+            return None;
+        }
         Some(
             match key {
                 "w" => "out_in",
@@ -888,6 +942,52 @@ mod tests {
             }
             .to_string(),
         )
+    }
+
+    /// Rope's optional scaling attributes print and parse back.
+    #[test]
+    fn rope_scaling_attributes_round_trip() {
+        for scaling in [
+            None,
+            Some(RopeScaling::Linear { factor: 2.0 }),
+            Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192.0,
+            }),
+        ] {
+            for op in [
+                OpKind::Rope {
+                    theta: 5e5,
+                    scaling,
+                },
+                OpKind::RopeGrad {
+                    theta: 5e5,
+                    scaling,
+                },
+            ] {
+                let attrs = op.attrs();
+                assert_eq!(
+                    attrs.len(),
+                    1 + usize::from(scaling.is_some())
+                        * match scaling {
+                            Some(RopeScaling::Linear { .. }) => 2,
+                            _ => 5,
+                        }
+                );
+                let get = |k: &str| attrs.iter().find(|(a, _)| *a == k).map(|(_, v)| v.clone());
+                assert_eq!(OpKind::from_text(op.name(), &get).unwrap(), op);
+            }
+        }
+        let bad = |k: &str| {
+            (k == "rope_type")
+                .then(|| "yarn".to_string())
+                .or(Some("1".into()))
+        };
+        assert!(OpKind::from_text("rope", &bad)
+            .unwrap_err()
+            .contains("rope_type=yarn"));
     }
 
     /// Every op, parsed from `OP_NAMES`.

@@ -27,7 +27,14 @@ fn sample() -> Graph {
         .add_op1(OpKind::SplitHeads { n: 4 }, &[q], "attn")
         .unwrap();
     let qr = g
-        .add_op1(OpKind::Rope { theta: 10000.0 }, &[q4], "attn.rope")
+        .add_op1(
+            OpKind::Rope {
+                theta: 10000.0,
+                scaling: None,
+            },
+            &[q4],
+            "attn.rope",
+        )
         .unwrap();
     let a = g
         .add_op1(OpKind::CausalAttention, &[qr, qr, q4], "attn.core")

@@ -67,7 +67,8 @@ pub fn rope_fwd_positions(
     positions: &[u32],
     y: &mut [f32],
 ) {
-    crate::rope::rope_apply_at(x, b, s_local, nh, d, theta, positions, y, false);
+    let inv_freq = crate::rope::default_inv_freq(d, theta);
+    crate::rope::rope_apply_at(x, b, s_local, nh, d, &inv_freq, positions, y, false);
 }
 
 /// Backward of [`rope_fwd_positions`]: `dx += Rᵀ dy`.
@@ -82,7 +83,8 @@ pub fn rope_bwd_positions(
     positions: &[u32],
     dx: &mut [f32],
 ) {
-    crate::rope::rope_apply_at(dy, b, s_local, nh, d, theta, positions, dx, true);
+    let inv_freq = crate::rope::default_inv_freq(d, theta);
+    crate::rope::rope_apply_at(dy, b, s_local, nh, d, &inv_freq, positions, dx, true);
 }
 
 // ---------------------------------------------------------------------------------------

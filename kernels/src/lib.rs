@@ -58,4 +58,4 @@ pub use moe::{
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 pub use optim::{adamw_step, AdamW};
 pub use precision::Half;
-pub use rope::{rope_bwd, rope_fwd};
+pub use rope::{default_inv_freq, rope_bwd, rope_freq, rope_fwd};

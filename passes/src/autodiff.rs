@@ -100,8 +100,14 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                 let d = acc.emit(OpKind::RepeatKvGrad { n: *n }, &[need(dy, &op.path)?])?;
                 acc.add(x[0], d[0])?;
             }
-            OpKind::Rope { theta } => {
-                let d = acc.emit(OpKind::RopeGrad { theta: *theta }, &[need(dy, &op.path)?])?;
+            OpKind::Rope { theta, scaling } => {
+                let d = acc.emit(
+                    OpKind::RopeGrad {
+                        theta: *theta,
+                        scaling: *scaling,
+                    },
+                    &[need(dy, &op.path)?],
+                )?;
                 acc.add(x[0], d[0])?;
             }
             OpKind::CausalAttention => {

@@ -14,50 +14,26 @@ pub(super) fn run(
 ) -> Result<(), RuntimeError> {
     let (mem, mesh) = (env.mem, env.mesh);
     match op {
-        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+        OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
             let [b, s, nh, d] = dims4(op, mem, ins[0])?;
-            let fwd = matches!(op, OpKind::Rope { .. });
-            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
-                None if fwd => k::rope_fwd(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    mem.f32_mut(outs[0]),
-                ),
-                None => k::rope_bwd(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    mem.f32_mut(outs[0]),
-                ),
-                // Context parallelism: the local tokens sit at their chunks' global positions.
-                Some(pos) if fwd => k::context::rope_fwd_positions(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    &pos.local,
-                    mem.f32_mut(outs[0]),
-                ),
-                Some(pos) => k::context::rope_bwd_positions(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    &pos.local,
-                    mem.f32_mut(outs[0]),
-                ),
-            }
+            let inverse = matches!(op, OpKind::RopeGrad { .. });
+            let inv_freq = megac_ir::spec::rope_inv_freq(d, *theta, scaling.as_ref());
+            // Context parallelism: the local tokens sit at their chunks' global positions.
+            let positions = match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None => (0..s as u32).collect(),
+                Some(pos) => pos.local,
+            };
+            k::rope_freq(
+                mem.f32(ins[0]),
+                b,
+                s,
+                nh,
+                d,
+                &inv_freq,
+                &positions,
+                mem.f32_mut(outs[0]),
+                inverse,
+            );
         }
         OpKind::CausalAttention => {
             let [b, s, nh, d] = dims4(op, mem, ins[0])?;
