@@ -149,6 +149,14 @@ fn qwen3_matches_transformers() {
     golden("qwen3");
 }
 
+/// MistralForCausalLM with a sliding window of 5 over 32-token samples (query q sees keys
+/// q-4 ..= q, transformers' sliding-window mask; full causal attention changes the first
+/// loss by 1.3%).
+#[test]
+fn mistral_sliding_window_matches_transformers() {
+    golden("mistral");
+}
+
 /// MixtralForCausalLM (aux_loss_coeff = 0, so the loss is exactly transformers' LM loss):
 /// router softmax in fp32, top-2, renormalised weights, dropless experts.
 #[test]

@@ -32,6 +32,7 @@ const MODEL_KEYS: &[&str] = &[
     "head_dim",
     "qkv_bias",
     "qk_norm",
+    "sliding_window",
     "rope_scaling",
 ];
 const ROPE_SCALING_KEYS: &[&str] = &[
@@ -562,7 +563,14 @@ fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSectio
     )?;
     let qkv_bias = s.boolean("qkv_bias", arch == Arch::Qwen2)?;
     let qk_norm = s.boolean("qk_norm", arch == Arch::Qwen3)?;
-    let sliding_window = None;
+    let sliding_window = match s.table.contains_key("sliding_window") {
+        true => Some(s.positive(
+            "sliding_window",
+            None,
+            "tokens each query attends to, itself included",
+        )?),
+        false => None,
+    };
     let rope_t = s.subtable("rope_scaling")?;
     s.finish()?;
     let rope_scaling = match rope_t {

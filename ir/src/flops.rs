@@ -55,7 +55,8 @@ pub fn step_flops_at_tp(spec: &ModelSpec, tp: u64) -> StepFlops {
     let top_k = m.moe.as_ref().map_or(1.0, |x| x.top_k as f64);
     let mlp_per_token = (l - moe_layers) * h * ffn * gated + moe_layers * h * ffn * gated * top_k;
     let attn_proj = 6.0 * tokens * l * (h * (q + 2.0 * kv) + q * h);
-    let attn_core = 6.0 * tokens * m.seq_len as f64 * q * l;
+    let attn_core =
+        6.0 * tokens * m.seq_len as f64 * q * l * window_fraction(m.seq_len, m.sliding_window);
     let mlp = 6.0 * tokens * mlp_per_token;
     let logits = 6.0 * tokens * h * padded_vocab(m.vocab, tp) as f64;
     StepFlops {
@@ -117,7 +118,21 @@ pub fn layer_flops(spec: &ModelSpec, l: u64) -> LayerFlops {
     let proj = 2.0 * (h * (q + 2.0 * kv) + q * h);
     LayerFlops {
         matmul: proj + 2.0 * gated * h * m.ffn_hidden as f64 * experts,
-        core: 2.0 * m.seq_len as f64 * q,
+        core: 2.0 * m.seq_len as f64 * q * window_fraction(m.seq_len, m.sliding_window),
+    }
+}
+
+/// The share of causal attention's (query, key) pairs that a sliding window of `window`
+/// keys keeps over a sequence of `s`: `Σ_i min(i+1, w) / Σ_i (i+1)`; exactly 1 without a
+/// window or with one at least the sequence long (so the count of full causal attention is
+/// unchanged).
+pub fn window_fraction(s: u64, window: Option<u64>) -> f64 {
+    match window {
+        Some(w) if w < s => {
+            let (s, w) = (s as f64, w as f64);
+            (w * (w + 1.0) / 2.0 + (s - w) * w) / (s * (s + 1.0) / 2.0)
+        }
+        _ => 1.0,
     }
 }
 

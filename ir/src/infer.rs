@@ -186,7 +186,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(vec![ins[0].clone().replicate()])
         }
-        OpKind::CausalAttention => {
+        OpKind::CausalAttention { .. } => {
             expect_arity(3)?;
             let (q, k, v) = (ins[0], ins[1], ins[2]);
             for (t, what) in [(q, "q"), (k, "k"), (v, "v")] {
@@ -467,7 +467,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(outs)
         }
-        OpKind::AttentionGrad => {
+        OpKind::AttentionGrad { .. } => {
             expect_arity(6)?;
             let (q, k, v) = (ins[0], ins[1], ins[2]);
             if ins[3].dims != q.dims || ins[5].dims != q.dims {

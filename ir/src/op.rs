@@ -76,8 +76,12 @@ pub enum OpKind {
     /// `(q[b,s,heads,d], k[b,s,kv_heads,d], v[b,s,kv_heads,d]) -> (out[b,s,heads,d],
     /// lse f32[b,heads,s])`: causal softmax attention with scale `1/sqrt(d)`, each kv head shared
     /// by `heads/kv_heads` query heads; `lse` is the log-sum-exp of each query's scores, kept
-    /// for the backward pass.
-    CausalAttention,
+    /// for the backward pass. With `window > 0` (a sliding window, Mistral's) query `i` sees
+    /// only keys `i-window+1 ..= i`.
+    CausalAttention {
+        /// Keys each query sees, itself included; 0: every earlier key (plain causal).
+        window: u64,
+    },
     /// `(x) -> x` converted to dtype `to` (activations to bf16 under `precision = "bf16"`).
     Cast {
         /// Target dtype.
@@ -177,7 +181,10 @@ pub enum OpKind {
         scaling: Option<crate::spec::RopeScaling>,
     },
     /// `(q, k, v, out, lse, dout) -> (dq, dk, dv)`: causal attention backward.
-    AttentionGrad,
+    AttentionGrad {
+        /// The forward op's sliding window (0: none).
+        window: u64,
+    },
     /// `(gate, up, dy) -> (dgate, dup)`.
     SwiGluGrad,
     /// `(x, dy) -> dx`.
@@ -429,7 +436,7 @@ impl OpKind {
             OpKind::Split { .. } => "split",
             OpKind::Concat => "concat",
             OpKind::Rope { .. } => "rope",
-            OpKind::CausalAttention => "causal_attention",
+            OpKind::CausalAttention { .. } => "causal_attention",
             OpKind::Cast { .. } => "cast",
             OpKind::RepeatKv { .. } => "repeat_kv",
             OpKind::RepeatKvGrad { .. } => "repeat_kv_grad",
@@ -455,7 +462,7 @@ impl OpKind {
             OpKind::RmsNormGrad { .. } => "rms_norm_grad",
             OpKind::LayerNormGrad { .. } => "layer_norm_grad",
             OpKind::RopeGrad { .. } => "rope_grad",
-            OpKind::AttentionGrad => "attention_grad",
+            OpKind::AttentionGrad { .. } => "attention_grad",
             OpKind::SwiGluGrad => "swiglu_grad",
             OpKind::GeluTanhGrad => "gelu_tanh_grad",
             OpKind::CrossEntropyGrad => "cross_entropy_grad",
@@ -485,7 +492,7 @@ impl OpKind {
             | OpKind::RmsNormGrad { .. }
             | OpKind::LayerNormGrad { .. }
             | OpKind::RopeGrad { .. }
-            | OpKind::AttentionGrad
+            | OpKind::AttentionGrad { .. }
             | OpKind::SwiGluGrad
             | OpKind::GeluTanhGrad
             | OpKind::CrossEntropyGrad
@@ -507,7 +514,7 @@ impl OpKind {
             | OpKind::Split { .. }
             | OpKind::Concat
             | OpKind::Rope { .. }
-            | OpKind::CausalAttention
+            | OpKind::CausalAttention { .. }
             | OpKind::Cast { .. }
             | OpKind::RepeatKv { .. }
             | OpKind::Add
@@ -571,11 +578,11 @@ impl OpKind {
                 outputs: inputs.max(4) - 2,
             },
             OpKind::Split { n } => Arity::exactly(1, *n as usize),
-            OpKind::AttentionGrad => Arity::exactly(6, 3),
+            OpKind::AttentionGrad { .. } => Arity::exactly(6, 3),
             OpKind::CombineExpertsGrad => Arity::exactly(4, 2),
             OpKind::AdamW { master: true, .. } => Arity::exactly(3, 4),
             OpKind::LayerNormGrad { .. } | OpKind::AdamW { .. } => Arity::exactly(3, 3),
-            OpKind::CausalAttention => Arity::exactly(3, 2),
+            OpKind::CausalAttention { .. } => Arity::exactly(3, 2),
             OpKind::RmsNormGrad { .. } | OpKind::SwiGluGrad => Arity::exactly(3, 2),
             OpKind::LayerNorm { .. } | OpKind::EmbeddingGrad | OpKind::CombineExperts => {
                 Arity::exactly(3, 1)
@@ -635,8 +642,8 @@ impl OpKind {
                 operand: 0,
                 dim: SplitDim::Last,
             }),
-            OpKind::CausalAttention
-            | OpKind::AttentionGrad
+            OpKind::CausalAttention { .. }
+            | OpKind::AttentionGrad { .. }
             | OpKind::MoeAuxLoss { .. }
             | OpKind::MoeAuxLossGrad { .. } => Some(ImplicitCollective {
                 axis: Axis::Cp,
@@ -689,6 +696,11 @@ impl OpKind {
             }
             OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
                 vec![("top_k", top_k.to_string())]
+            }
+            OpKind::CausalAttention { window } | OpKind::AttentionGrad { window }
+                if *window > 0 =>
+            {
+                vec![("window", window.to_string())]
             }
             OpKind::Cast { to } => vec![("to", to.as_str().to_string())],
             OpKind::MoeAuxLoss { coeff } | OpKind::MoeAuxLossGrad { coeff } => {
@@ -764,6 +776,14 @@ impl OpKind {
             WeightLayout::from_name(&w)
                 .ok_or_else(|| format!("attribute w={w}: expected out_in or in_out"))
         };
+        let window = || -> Result<u64, String> {
+            match attr("window") {
+                None => Ok(0),
+                Some(v) => v
+                    .parse()
+                    .map_err(|_| format!("attribute window={v} is not an unsigned integer")),
+            }
+        };
         let rope_scaling = || -> Result<Option<RopeScaling>, String> {
             Ok(match attr("rope_type").as_deref() {
                 None => None,
@@ -797,7 +817,7 @@ impl OpKind {
                 theta: float("theta")?,
                 scaling: rope_scaling()?,
             },
-            "causal_attention" => OpKind::CausalAttention,
+            "causal_attention" => OpKind::CausalAttention { window: window()? },
             "cast" => {
                 let to = get("to")?;
                 OpKind::Cast {
@@ -846,7 +866,7 @@ impl OpKind {
                 theta: float("theta")?,
                 scaling: rope_scaling()?,
             },
-            "attention_grad" => OpKind::AttentionGrad,
+            "attention_grad" => OpKind::AttentionGrad { window: window()? },
             "swiglu_grad" => OpKind::SwiGluGrad,
             "gelu_tanh_grad" => OpKind::GeluTanhGrad,
             "cross_entropy_grad" => OpKind::CrossEntropyGrad,
@@ -1013,7 +1033,7 @@ mod tests {
             OpKind::Split { .. } => (false, None),
             OpKind::Concat => (false, None),
             OpKind::Rope { .. } => (false, None),
-            OpKind::CausalAttention => (false, cp),
+            OpKind::CausalAttention { .. } => (false, cp),
             OpKind::Cast { .. } => (false, None),
             OpKind::RepeatKv { .. } => (false, None),
             OpKind::RepeatKvGrad { .. } => (true, None),
@@ -1036,7 +1056,7 @@ mod tests {
             OpKind::RmsNormGrad { .. } => (true, None),
             OpKind::LayerNormGrad { .. } => (true, None),
             OpKind::RopeGrad { .. } => (true, None),
-            OpKind::AttentionGrad => (true, cp),
+            OpKind::AttentionGrad { .. } => (true, cp),
             OpKind::SwiGluGrad => (true, None),
             OpKind::GeluTanhGrad => (true, None),
             OpKind::CrossEntropyGrad => (true, Some((Axis::Tp, SplitDim::Last))),
@@ -1217,7 +1237,9 @@ mod tests {
         assert!(ce.applies(&[vec![], vec![], vec![Axis::Tp]]));
         assert!(!ce.applies(&[vec![Axis::Tp], vec![], vec![]]));
         assert!(!ce.applies(&[]));
-        let attn = OpKind::CausalAttention.implicit_collective().unwrap();
+        let attn = OpKind::CausalAttention { window: 0 }
+            .implicit_collective()
+            .unwrap();
         assert!(attn.applies(&[vec![], vec![Axis::Cp], vec![], vec![]]));
         assert!(!attn.applies(&[vec![Axis::Cp]]));
         assert_eq!(SplitDim::Last.index(0), None);

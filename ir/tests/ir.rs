@@ -37,7 +37,11 @@ fn sample() -> Graph {
         )
         .unwrap();
     let a = g
-        .add_op1(OpKind::CausalAttention, &[qr, qr, q4], "attn.core")
+        .add_op1(
+            OpKind::CausalAttention { window: 0 },
+            &[qr, qr, q4],
+            "attn.core",
+        )
         .unwrap();
     let m = g.add_op1(OpKind::MergeHeads, &[a], "attn").unwrap();
     let wo = g.add_param("wo", ty(DType::F32, &[("h", 16), ("heads*head_dim", 16)]));

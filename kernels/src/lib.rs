@@ -44,7 +44,8 @@ pub use attention::{
 };
 pub use context::{
     attention_block_bwd, attention_block_fwd, attention_merge, attention_merge_into,
-    cp_local_positions, rope_bwd_positions, rope_fwd_positions,
+    attention_window_bwd, attention_window_fwd, cp_local_positions, rope_bwd_positions,
+    rope_fwd_positions,
 };
 pub use elementwise::{accumulate, add_fwd, scale_in_place, sum_squares};
 pub use embedding::{embedding_bwd, embedding_fwd, pos_embedding_bwd, pos_embedding_fwd};

@@ -110,7 +110,7 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                 )?;
                 acc.add(x[0], d[0])?;
             }
-            OpKind::CausalAttention => {
+            OpKind::CausalAttention { window } => {
                 let ins = [
                     x[0],
                     x[1],
@@ -119,7 +119,7 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                     op.outputs[1],
                     need(dy, &op.path)?,
                 ];
-                let d = acc.emit(OpKind::AttentionGrad, &ins)?;
+                let d = acc.emit(OpKind::AttentionGrad { window: *window }, &ins)?;
                 for i in 0..3 {
                     acc.add(x[i], d[i])?;
                 }

@@ -232,7 +232,12 @@ impl<'a> Builder<'a> {
             k = self.op(OpKind::RepeatKv { n }, &[k], path)?;
             v = self.op(OpKind::RepeatKv { n }, &[v], path)?;
         }
-        let a = self.op(OpKind::CausalAttention, &[q, k, v], &format!("{path}.core"))?;
+        let window = m.sliding_window.unwrap_or(0);
+        let a = self.op(
+            OpKind::CausalAttention { window },
+            &[q, k, v],
+            &format!("{path}.core"),
+        )?;
         self.op(OpKind::MergeHeads, &[a], path)
     }
 

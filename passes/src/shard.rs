@@ -484,7 +484,7 @@ impl Sharder<'_> {
             | OpKind::RopeGrad { .. }
             | OpKind::Cast { .. }
             | OpKind::GeluTanh => self.emit_unary(kind, &ins, path),
-            OpKind::CausalAttention | OpKind::AttentionGrad => {
+            OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
                 self.emit_attention(kind, &ins, path)
             }
             OpKind::Add
@@ -750,7 +750,7 @@ impl Sharder<'_> {
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
         let k = kind.clone();
-        let fwd = matches!(kind, OpKind::CausalAttention);
+        let fwd = matches!(kind, OpKind::CausalAttention { .. });
         let outs: &[Tp] = if fwd {
             &[Tp::S(2), Tp::S(1)]
         } else {

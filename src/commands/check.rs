@@ -96,7 +96,10 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
         extras.push("q/k RMSNorm per head".to_string());
     }
     if let Some(w) = m.sliding_window {
-        extras.push(format!("sliding window {w}"));
+        extras.push(format!(
+            "sliding window {w} (core attention FLOPs × {:.4}, the causal pairs it keeps)",
+            megac_ir::flops::window_fraction(m.seq_len, Some(w))
+        ));
     }
     if let Some(r) = &m.rope_scaling {
         extras.push(match r {

@@ -57,6 +57,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen2Config,
@@ -213,6 +215,25 @@ MODELS = {
         init_std=0.1,
         grad_clip=2.0,
     ),
+    # MistralForCausalLM with a sliding window of 5 over 32-token samples (query q sees keys
+    # q-4 ..= q): the window cuts most of each row of the causal mask; the script asserts
+    # that full causal attention (sliding_window None) gives another first loss.
+    "mistral": dict(
+        arch="mistral",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=96,
+        vocab=128,
+        seq_len=32,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        sliding_window=5,
+        init_std=0.1,
+        grad_clip=1.5,
+    ),
 }
 
 # A feature's golden must show it: switching the feature off (zero biases, no rope scaling)
@@ -256,7 +277,7 @@ def build_model(m):
         cfg._experts_implementation = "eager"
         model = MixtralForCausalLM(cfg)
         assert model.config._experts_implementation == "eager"
-    elif m["arch"] in ("qwen2", "qwen3") or m.get("rope_scaling") is not None:
+    elif m["arch"] in ("qwen2", "qwen3", "mistral") or m.get("rope_scaling") is not None:
         kw = dict(
             vocab_size=m["vocab"],
             hidden_size=m["hidden"],
@@ -276,6 +297,9 @@ def build_model(m):
         if m["arch"] == "qwen2":
             cfg = Qwen2Config(use_sliding_window=False, **kw)
             cls = Qwen2ForCausalLM
+        elif m["arch"] == "mistral":
+            cfg = MistralConfig(sliding_window=m.get("sliding_window"), **kw)
+            cls = MistralForCausalLM
         elif m["arch"] == "qwen3":
             cfg = Qwen3Config(
                 use_sliding_window=False, attention_bias=False, head_dim=m["head_dim"], **kw
@@ -393,6 +417,13 @@ def feature_effects(model, toks, m):
             layer.self_attn.q_norm = torch.nn.Identity()
             layer.self_attn.k_norm = torch.nn.Identity()
         effects["qk_norm"] = abs(first_loss(off, toks, m) - base) / base
+    if m.get("sliding_window") is not None:
+        plain = dict(m)
+        plain.pop("sliding_window")
+        torch.manual_seed(12345)
+        off = build_model(plain)
+        off.load_state_dict(model.state_dict(), strict=True)
+        effects["sliding_window"] = abs(first_loss(off, toks, m) - base) / base
     if m.get("rope_scaling") is not None:
         plain = dict(m)
         plain.pop("rope_scaling")

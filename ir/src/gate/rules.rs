@@ -305,8 +305,8 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             }
             eq(outs[0], sh(ins[0]), "the output")
         }
-        OpKind::CausalAttention | OpKind::AttentionGrad => {
-            let fwd = matches!(op, OpKind::CausalAttention);
+        OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
+            let fwd = matches!(op, OpKind::CausalAttention { .. });
             let (q, k, v) = (ins[0], ins[1], ins[2]);
             rank(q, 4, "q")?;
             rank(k, 4, "k")?;

@@ -72,6 +72,8 @@ pub(super) struct Geo<'a> {
     pub(super) cp_ring: bool,
     /// Sequence parallelism keeps norm outputs sharded and gathers them again in backward.
     pub(super) tp_overlap: f64,
+    /// The share of causal attention a sliding window keeps (1 without one).
+    pub(super) window: f64,
 }
 
 impl<'a> Geo<'a> {
@@ -109,6 +111,7 @@ impl<'a> Geo<'a> {
             ep_group: Group::strided(layout.ep, tp, gpn),
             cp_ring: spec.parallel.cp_comm == megac_ir::spec::CpComm::Ring,
             tp_overlap: params.tp_comm_overlap,
+            window: megac_ir::flops::window_fraction(m.seq_len, m.sliding_window),
         }
     }
 }
@@ -203,7 +206,7 @@ impl Geo<'_> {
     /// Executed attention FLOPs forward (causal: half the square), per rank.
     pub(super) fn attn_flops(&self) -> f64 {
         let d = self.q_l / self.heads_l;
-        2.0 * self.t * self.s * self.heads_l * d
+        2.0 * self.t * self.s * self.heads_l * d * self.window
     }
     /// Attention kernels per rank: one, or with ring context parallelism one per key/value
     /// block (the local queries meet each of the cp blocks in turn).
