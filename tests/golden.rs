@@ -66,6 +66,13 @@ fn golden_with_init(name: &str, init_file: &str) {
         let (loss, norm) = s.step(step).unwrap();
         let (want_loss, want_norm) = (losses[step as usize - 1], norms[step as usize - 1]);
         let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+        if std::env::var_os("MEGAC_PRINT_ERRORS").is_some() {
+            eprintln!(
+                "{name} step {step}: loss rel {:.2e} norm rel {:.2e}",
+                rel(loss, want_loss),
+                rel(norm, want_norm)
+            );
+        }
         assert!(
             rel(loss, want_loss) < 1e-5,
             "{name} step {step}: loss {loss} vs transformers {want_loss}"
@@ -109,6 +116,9 @@ fn golden_with_init(name: &str, init_file: &str) {
         // Relative 1e-4 over the tensor; single elements whose gradient is within rounding
         // noise of zero may differ more (AdamW divides by their tiny second moment).
         let rel = (diff2 / norm2.max(1e-30)).sqrt();
+        if std::env::var_os("MEGAC_PRINT_ERRORS").is_some() {
+            eprintln!("{name}: {} rel {rel:.2e}", p.name);
+        }
         assert!(
             rel < 1e-4,
             "{name}: {} differs from transformers by relative {rel:.2e}",

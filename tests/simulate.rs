@@ -66,6 +66,31 @@ fn analytic_model_agrees_with_the_simulator() {
                 "parallel.cp_comm=all-gather",
             ],
         ),
+        // The families with q/k/v biases, per-head q/k norms and a sliding window.
+        (
+            "examples/qwen2-7b.toml",
+            &[
+                "parallel.sequence_parallel=false",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
+        (
+            "examples/qwen3-8b.toml",
+            &[
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
+        (
+            "examples/mistral-7b.toml",
+            &[
+                "parallel.tp=1",
+                "parallel.cp=2",
+                "parallel.dp=4",
+                "parallel.sequence_parallel=false",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
         (
             "examples/gpt3-175b.toml",
             &[

@@ -79,7 +79,20 @@ pub fn train_model(model: &crate::ModelArgs, args: &RunArgs) -> Result<(), Strin
     // The compiler's own plans pass the same gate as plan files.
     let plan = CheckedPlan::check(plan)
         .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))?;
-    execute(&plan, args, &opts)
+    execute(&plan, args, &opts)?;
+    // Beside the saved weights, the config.json that makes transformers' from_pretrained
+    // load the folder as the model's class (name the weights model.safetensors).
+    if let (Some(p), true) = (&args.save_params, lead_process()) {
+        let spec = super::load_spec(model)?;
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let config = dir.join("config.json");
+        super::output::write_file(&config, &megac_frontend::hf::export_config(&spec))?;
+        println!("wrote the Hugging Face config to {}", config.display());
+    }
+    Ok(())
 }
 
 /// Run `plan` with `args` (checked into `opts`), write the report, print a summary.
