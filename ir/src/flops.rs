@@ -141,3 +141,25 @@ pub fn window_fraction(s: u64, window: Option<u64>) -> f64 {
 pub fn head_flops(spec: &ModelSpec) -> f64 {
     2.0 * spec.model.hidden as f64 * spec.padded_vocab() as f64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::window_fraction;
+
+    /// The causal pairs a window keeps, counted from the definition.
+    #[test]
+    fn window_fraction_counts_the_pairs_the_window_keeps() {
+        let brute = |s: u64, w: u64| {
+            let kept: u64 = (0..s).map(|q| (q + 1).min(w)).sum();
+            kept as f64 / (s * (s + 1) / 2) as f64
+        };
+        for (s, w) in [(8, 3), (32, 5), (8192, 4096), (16, 1)] {
+            let f = window_fraction(s, Some(w));
+            assert!((f - brute(s, w)).abs() < 1e-12, "s {s} w {w}: {f}");
+        }
+        // No window, or one at least the sequence long: exactly full causal attention.
+        assert_eq!(window_fraction(64, None), 1.0);
+        assert_eq!(window_fraction(64, Some(64)), 1.0);
+        assert_eq!(window_fraction(64, Some(1000)), 1.0);
+    }
+}
