@@ -177,3 +177,30 @@ fn train_save_params_writes_the_config_beside_the_weights() {
     let v: serde_json::Value = serde_json::from_str(&config).unwrap();
     assert_eq!(v["architectures"][0], "Qwen3ForCausalLM");
 }
+
+/// `megac compile` writes the config beside plan.json; `megac run PLAN --save-params`
+/// copies it beside the weights.
+#[test]
+fn run_save_params_copies_the_config_of_the_compiled_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan");
+    let bin = env!("CARGO_BIN_EXE_megac");
+    let o = Command::new(bin)
+        .current_dir(root())
+        .args(["compile", "tests/golden/mistral/model.toml", "-o"])
+        .arg(&plan)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let weights = dir.path().join("out/model.safetensors");
+    let o = Command::new(bin)
+        .arg("run")
+        .arg(&plan)
+        .args(["--steps", "1", "--save-params"])
+        .arg(&weights)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let config = std::fs::read_to_string(dir.path().join("out/config.json")).unwrap();
+    assert_eq!(imported(&config), fixture_model("mistral"));
+}
