@@ -204,3 +204,48 @@ fn run_save_params_copies_the_config_of_the_compiled_plan() {
     let config = std::fs::read_to_string(dir.path().join("out/config.json")).unwrap();
     assert_eq!(imported(&config), fixture_model("mistral"));
 }
+
+/// A Llama-3.1-style checkpoint (llama3 rope scaling) imported with `import-hf` and
+/// trained from its weights with `--init` gives transformers' losses (the llama31
+/// fixture: the first step's loss is that of the checkpoint as transformers computes it;
+/// without the scaling it would differ by 0.65%).
+#[test]
+fn imported_llama31_checkpoint_gives_transformers_losses() {
+    let toml = import_config("config.json", &fixture_config("llama31")).unwrap();
+    // The fixture's job: 4 samples a step in micro-batches of 2, 3 AdamW steps.
+    let sets: Vec<String> = [
+        "train.micro_batch=2",
+        "train.global_batch=4",
+        "train.lr=0.01",
+        "train.betas=[0.9, 0.95]",
+        "train.eps=1e-8",
+        "train.weight_decay=0.1",
+        "train.grad_clip=2.0",
+        "train.seed=7",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let spec = megac_frontend::parse_str("llama31-imported.toml", &toml, &sets)
+        .unwrap_or_else(|e| panic!("{}", e.render()));
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let plan =
+        megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+    let plan = megac_ir::gate::CheckedPlan::check(plan).unwrap();
+    let dir = root().join("tests/golden/llama31");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let data = dir.join("tokens.bin");
+    let init = dir.join("init.safetensors");
+    let mut s =
+        megac_runtime::train::Session::new(&plan, data.to_str().unwrap(), Some(&init)).unwrap();
+    for step in 1..=3u64 {
+        let (loss, _) = s.step(step).unwrap();
+        let want = expected["losses"][step as usize - 1].as_f64().unwrap();
+        assert!(
+            (loss - want).abs() / want < 1e-5,
+            "step {step}: loss {loss} vs transformers {want}"
+        );
+    }
+}
