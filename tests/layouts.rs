@@ -461,6 +461,7 @@ fn qwen2_layout_families() {
             &["parallel.tp=2", "parallel.sequence_parallel=true"],
             // tp 4 > 2 kv heads: k/v (and their biases) whole, heads repeated.
             &["parallel.tp=4"],
+            &["parallel.tp=4", "parallel.sequence_parallel=true"],
             &["parallel.cp=2"],
             &["parallel.pp=2"],
             &["parallel.dp=2", "parallel.distributed_optimizer=true"],
@@ -505,6 +506,7 @@ fn qwen3_layout_families() {
             &["parallel.tp=2"],
             // tp 4 > 2 kv heads: k whole, normalised whole on every rank.
             &["parallel.tp=4"],
+            &["parallel.tp=4", "parallel.sequence_parallel=true"],
             &["parallel.cp=2"],
             &["parallel.pp=2"],
             &["parallel.dp=2", "parallel.distributed_optimizer=true"],
