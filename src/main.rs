@@ -192,6 +192,20 @@ enum Command {
         #[arg(short = 'o', long = "output", value_name = "FILE")]
         output: Option<PathBuf>,
     },
+    /// Write the [model] section of a model.toml from a Hugging Face config.json
+    /// (transformers 4 or 5; refuses, naming the key, what megac cannot express).
+    #[command(
+        name = "import-hf",
+        after_help = "Example:\n  megac import-hf tests/golden/qwen2/init_config.json -o qwen2.toml\n  megac check qwen2.toml"
+    )]
+    ImportHf {
+        /// A transformers config.json (save_pretrained's, or the Hub's).
+        #[arg(value_name = "CONFIG.json")]
+        config: PathBuf,
+        /// The model.toml to write (checked before reading; missing folders are created).
+        #[arg(short = 'o', long = "out", value_name = "MODEL.toml")]
+        out: PathBuf,
+    },
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
     Passes,
@@ -220,6 +234,7 @@ fn main() -> ExitCode {
         Command::Check { model } => commands::check::run(&model),
         Command::Dump { model, after, rank } => commands::dump::run(&model, after.as_deref(), rank),
         Command::Passes => commands::passes::run(),
+        Command::ImportHf { config, out } => commands::import_hf::run(&config, &out),
         Command::CheckPlan { plan } => commands::check_plan::run(&plan),
         Command::Schedule {
             model,

@@ -225,14 +225,24 @@ fn compile_is_deterministic_and_run_matches_train() {
         std::fs::read(b.join("plan.json")).unwrap(),
         "plans differ"
     );
-    let entries: Vec<_> = std::fs::read_dir(&a)
+    // The plan and the model's Hugging Face config.json (for `run --save-params`), no more.
+    let mut entries: Vec<_> = std::fs::read_dir(&a)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
+    entries.sort();
     assert_eq!(
         entries,
-        vec![std::ffi::OsString::from("plan.json")],
+        vec![
+            std::ffi::OsString::from("config.json"),
+            std::ffi::OsString::from("plan.json")
+        ],
         "stray files"
+    );
+    assert_eq!(
+        std::fs::read(a.join("config.json")).unwrap(),
+        std::fs::read(b.join("config.json")).unwrap(),
+        "configs differ"
     );
 
     // `run` of the compiled plan and `train` of the model give the same losses.

@@ -92,6 +92,12 @@ fn real_model_parameter_counts() {
     assert_eq!(params("llama3-70b.toml"), 70_553_706_496);
     // Mixtral 8x7B: 46,702,792,704.
     assert_eq!(params("mixtral-8x7b.toml"), 46_702_792_704);
+    // Qwen2-7B: 7,615,616,512 (its q/k/v biases are 28 · (3584 + 2 · 512) = 129,024 of them).
+    assert_eq!(params("qwen2-7b.toml"), 7_615_616_512);
+    // Mistral-7B v0.1: 7,241,732,096 (the sliding window has no parameters).
+    assert_eq!(params("mistral-7b.toml"), 7_241_732_096);
+    // Qwen3-8B: 8,190,735,360 (head_dim 128 from the family's default; q/k norms).
+    assert_eq!(params("qwen3-8b.toml"), 8_190_735_360);
     // GPT-3 175B with GPT-2's vocabulary and tied embeddings: 12·l·h² + biases and norms
     // + V·h + seq·h ≈ 174.6e9.
     assert_close("gpt3-175b.toml", params("gpt3-175b.toml"), 174.6e9, 0.005);
@@ -204,7 +210,7 @@ fn recompute_rewires_backward_uses_to_clones() {
                         .any(|u| u.inputs.contains(&v) && layer_of(&u.path) != Some(layer));
                     let bad = match policy {
                         "full" => !leaves_layer,
-                        _ => matches!(src.kind, OpKind::CausalAttention),
+                        _ => matches!(src.kind, OpKind::CausalAttention { .. }),
                     };
                     assert!(
                         !bad,

@@ -223,7 +223,11 @@ fn missing_output_folders_are_created_and_no_probe_is_left() {
         s(&trace),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(listing(&dir.path().join("a/b")), ["params.safetensors"]);
+    // `train` writes the Hugging Face config.json beside the weights, and nothing else.
+    assert_eq!(
+        listing(&dir.path().join("a/b")),
+        ["config.json", "params.safetensors"]
+    );
     assert_eq!(listing(&dir.path().join("c")), ["run.json"]);
     assert_eq!(listing(&trace), ["rank-0.trace.json"]);
 }

@@ -66,6 +66,31 @@ fn analytic_model_agrees_with_the_simulator() {
                 "parallel.cp_comm=all-gather",
             ],
         ),
+        // The families with q/k/v biases, per-head q/k norms and a sliding window.
+        (
+            "examples/qwen2-7b.toml",
+            &[
+                "parallel.sequence_parallel=false",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
+        (
+            "examples/qwen3-8b.toml",
+            &[
+                "parallel.sequence_parallel=true",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
+        (
+            "examples/mistral-7b.toml",
+            &[
+                "parallel.tp=1",
+                "parallel.cp=2",
+                "parallel.dp=4",
+                "parallel.sequence_parallel=false",
+                "parallel.distributed_optimizer=false",
+            ],
+        ),
         (
             "examples/gpt3-175b.toml",
             &[
@@ -901,5 +926,42 @@ fn analytic_memory_follows_pipelined_plans() {
             100.0 * dm
         );
         assert!(dm.abs() < 0.02, "{path} {schedule} {sets:?}: {dm}");
+    }
+}
+
+/// The analytic model's parameter memory counts every parameter the compiler builds, the
+/// new families' q/k/v biases and per-head q/k norms included (one device, fp32: 4 bytes
+/// each; the vocabulary padded as the plan pads it).
+#[test]
+fn analytic_parameter_memory_counts_every_parameter() {
+    let one = [
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.dp=1",
+        "parallel.cp=1",
+        "parallel.sequence_parallel=false",
+        "parallel.distributed_optimizer=false",
+        "train.precision=\"fp32\"",
+    ];
+    for path in [
+        "examples/llama3-8b.toml",
+        "examples/qwen2-7b.toml",
+        "examples/qwen3-8b.toml",
+        "examples/mistral-7b.toml",
+    ] {
+        let s = spec(path, &one);
+        let plan = plan_of(&s);
+        let elements: u64 = plan
+            .params
+            .iter()
+            .map(|p| p.shape.iter().product::<u64>())
+            .sum();
+        let cost = CostModel::new(Cluster::preset("h100-sxm").unwrap().fit(1).unwrap());
+        let est = estimate(&s, &ParallelLayout::of_spec(&s), &cost);
+        assert_eq!(
+            est.memory.params,
+            4.0 * elements as f64,
+            "{path}: the model's parameter bytes vs the plan's {elements} parameters"
+        );
     }
 }

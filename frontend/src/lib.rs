@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod hf;
 pub mod raw;
 pub mod schema;
 pub mod validate;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use megac_ir::spec::{
     Arch, ClusterSection, CosineSchedule, CpComm, DppPolicy, LossScaler, ModelSection, ModelSpec,
-    MoeSpec, ParallelSection, Precision, Recompute, Schedule, TrainSection,
+    MoeSpec, ParallelSection, Precision, Recompute, RopeScaling, Schedule, TrainSection,
 };
 
 use megac_ir::Axis;
@@ -29,6 +29,18 @@ const MODEL_KEYS: &[&str] = &[
     "norm_eps",
     "rope_theta",
     "moe",
+    "head_dim",
+    "qkv_bias",
+    "qk_norm",
+    "sliding_window",
+    "rope_scaling",
+];
+const ROPE_SCALING_KEYS: &[&str] = &[
+    "type",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
 ];
 const MOE_KEYS: &[&str] = &[
     "experts",
@@ -511,8 +523,22 @@ pub fn read_spec(
 fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSection, SpecError> {
     let mut s = Section::new(file, "model", t, MODEL_KEYS, origins);
     let arch = s
-        .choice("arch", &[("llama", Arch::Llama), ("gpt", Arch::Gpt)])?
-        .ok_or_else(|| s.missing("arch", "\"llama\" or \"gpt\""))?;
+        .choice(
+            "arch",
+            &[
+                ("llama", Arch::Llama),
+                ("gpt", Arch::Gpt),
+                ("mistral", Arch::Mistral),
+                ("qwen2", Arch::Qwen2),
+                ("qwen3", Arch::Qwen3),
+            ],
+        )?
+        .ok_or_else(|| {
+            s.missing(
+                "arch",
+                "\"llama\", \"gpt\", \"mistral\", \"qwen2\" or \"qwen3\"",
+            )
+        })?;
     let layers = s.positive("layers", None, "number of transformer layers")?;
     let hidden = s.positive("hidden", None, "hidden size")?;
     let heads = s.positive("heads", None, "attention heads")?;
@@ -524,7 +550,33 @@ fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSectio
     let norm_eps = s.number("norm_eps", 1e-5, 0.0, true, None)?;
     let rope_theta = s.number("rope_theta", 10000.0, 0.0, true, None)?;
     let moe_t = s.subtable("moe")?;
+    // transformers' defaults per family: Qwen3Config's head_dim is 128, the others derive it.
+    let head_dim_default = if arch == Arch::Qwen3 {
+        128
+    } else {
+        (hidden / heads).max(1)
+    };
+    let head_dim = s.positive(
+        "head_dim",
+        Some(head_dim_default),
+        "size of one attention head",
+    )?;
+    let qkv_bias = s.boolean("qkv_bias", arch == Arch::Qwen2)?;
+    let qk_norm = s.boolean("qk_norm", arch == Arch::Qwen3)?;
+    let sliding_window = match s.table.contains_key("sliding_window") {
+        true => Some(s.positive(
+            "sliding_window",
+            None,
+            "tokens each query attends to, itself included",
+        )?),
+        false => None,
+    };
+    let rope_t = s.subtable("rope_scaling")?;
     s.finish()?;
+    let rope_scaling = match rope_t {
+        None => None,
+        Some(t) => Some(read_rope_scaling(file, t, origins)?),
+    };
     let moe = match moe_t {
         None => None,
         Some(t) => {
@@ -557,7 +609,62 @@ fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSectio
         norm_eps,
         rope_theta,
         moe,
+        head_dim,
+        qkv_bias,
+        qk_norm,
+        sliding_window,
+        rope_scaling,
     })
+}
+
+/// `[model.rope_scaling]`: `type = "linear"` (factor) or `"llama3"` (factor, low_freq_factor,
+/// high_freq_factor, original_max_position_embeddings), each key required, as transformers'
+/// rope validation requires them.
+fn read_rope_scaling(
+    file: &str,
+    t: Table,
+    origins: &mut Origins,
+) -> Result<RopeScaling, SpecError> {
+    let mut r = Section::new(file, "model.rope_scaling", t, ROPE_SCALING_KEYS, origins);
+    let kind = r
+        .choice("type", &[("linear", false), ("llama3", true)])?
+        .ok_or_else(|| r.missing("type", "\"linear\" or \"llama3\""))?;
+    let required = |r: &mut Section<'_>, key: &str, what: &str| -> Result<f64, SpecError> {
+        if !r.table.contains_key(key) {
+            return Err(r.missing(key, what));
+        }
+        r.number(key, 1.0, 0.0, true, None)
+    };
+    let factor = required(&mut r, "factor", "the divisor of the scaled frequencies")?;
+    let scaling = if kind {
+        let low_freq_factor = required(&mut r, "low_freq_factor", "low-frequency bound factor")?;
+        let high_freq_factor = required(&mut r, "high_freq_factor", "high-frequency bound factor")?;
+        let original_max_position_embeddings = required(
+            &mut r,
+            "original_max_position_embeddings",
+            "the context length before scaling",
+        )?;
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }
+    } else {
+        for key in &ROPE_SCALING_KEYS[2..] {
+            if let Some(e) = r.take(key) {
+                return Err(SpecError::new(
+                    file,
+                    e.key_origin.clone(),
+                    format!("model.rope_scaling.{key} applies only to type = \"llama3\""),
+                )
+                .with_help("type = \"linear\" takes only factor"));
+            }
+        }
+        RopeScaling::Linear { factor }
+    };
+    r.finish()?;
+    Ok(scaling)
 }
 
 fn read_train(

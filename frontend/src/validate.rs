@@ -97,11 +97,51 @@ fn render(c: &Checker<'_>, spec: &ModelSpec, v: &Violation) -> (String, String) 
             head_dim,
             hidden,
             heads,
-        } => (
+        } if head_dim * heads == hidden => (
             format!(
                 "head size {head_dim} (= hidden {hidden} / heads {heads}) is odd, but RoPE rotates pairs of dims"
             ),
             "choose hidden and heads so that hidden / heads is even".into(),
+        ),
+        Violation::OddRopeHeadDim { head_dim, .. } => (
+            format!(
+                "{} is odd, but RoPE rotates pairs of dims",
+                c.show("model.head_dim", head_dim)
+            ),
+            "use an even head_dim".into(),
+        ),
+        Violation::GptHeadDim {
+            head_dim,
+            hidden,
+            heads,
+        } => (
+            format!(
+                "{} differs from hidden {hidden} / heads {heads}, but arch = \"gpt\" (GPT2LMHeadModel) derives the head size",
+                c.show("model.head_dim", head_dim)
+            ),
+            format!("remove head_dim or set it to {}", hidden / heads),
+        ),
+        Violation::KeyNeedsArch { key, needs, arch } => (
+            format!(
+                "model.{key} is set, but {} ({}) has no such option",
+                c.show("model.arch", format!("\"{arch}\"")),
+                arch.hf_class(spec.model.moe.is_some())
+            ),
+            format!(
+                "{key} belongs to arch = \"{needs}\" ({}); remove it or change the arch",
+                needs.hf_class(false)
+            ),
+        ),
+        Violation::RopeScalingWithoutRope { arch } => (
+            format!(
+                "[model.rope_scaling] is set, but {} has learned positions, not RoPE",
+                c.show("model.arch", format!("\"{arch}\""))
+            ),
+            "remove [model.rope_scaling]".into(),
+        ),
+        Violation::RopeScalingInvalid { ref problem } => (
+            format!("[model.rope_scaling]: {problem}"),
+            "llama3 needs factor, low_freq_factor < high_freq_factor and original_max_position_embeddings, all positive (Llama 3.1: 8, 1, 4, 8192)".into(),
         ),
         Violation::MoeNeedsLlama { arch } => (
             format!(

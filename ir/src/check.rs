@@ -1007,7 +1007,7 @@ fn communication(
                 Vec::new()
             }
         }
-        OpKind::CausalAttention | OpKind::AttentionGrad => {
+        OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
             if let Some(axis) = implicit()? {
                 let kv = buffer(input(1)?)?.len();
                 vec![(vec![axis], format!("{} (context-parallel)", op.name()), kv)]

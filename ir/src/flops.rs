@@ -12,7 +12,7 @@
 //! layer) weighs the layers of a pipeline: the stage balancer
 //! (`pipeline::stages::chunk_layers`) and `megac schedule --costs model`.
 
-use crate::spec::{Arch, ModelSpec};
+use crate::spec::ModelSpec;
 
 /// Vocabulary padded to a multiple of 128·tp, as Megatron pads it (tp 0 counts as 1).
 pub fn padded_vocab(vocab: u64, tp: u64) -> u64 {
@@ -55,7 +55,8 @@ pub fn step_flops_at_tp(spec: &ModelSpec, tp: u64) -> StepFlops {
     let top_k = m.moe.as_ref().map_or(1.0, |x| x.top_k as f64);
     let mlp_per_token = (l - moe_layers) * h * ffn * gated + moe_layers * h * ffn * gated * top_k;
     let attn_proj = 6.0 * tokens * l * (h * (q + 2.0 * kv) + q * h);
-    let attn_core = 6.0 * tokens * m.seq_len as f64 * q * l;
+    let attn_core =
+        6.0 * tokens * m.seq_len as f64 * q * l * window_fraction(m.seq_len, m.sliding_window);
     let mlp = 6.0 * tokens * mlp_per_token;
     let logits = 6.0 * tokens * h * padded_vocab(m.vocab, tp) as f64;
     StepFlops {
@@ -82,7 +83,7 @@ fn widths(spec: &ModelSpec) -> Widths {
     Widths {
         q: (m.heads * m.head_dim()) as f64,
         kv: (m.kv_heads * m.head_dim()) as f64,
-        gated: if m.arch == Arch::Llama { 3.0 } else { 2.0 },
+        gated: if m.arch.llama_like() { 3.0 } else { 2.0 },
     }
 }
 
@@ -117,7 +118,21 @@ pub fn layer_flops(spec: &ModelSpec, l: u64) -> LayerFlops {
     let proj = 2.0 * (h * (q + 2.0 * kv) + q * h);
     LayerFlops {
         matmul: proj + 2.0 * gated * h * m.ffn_hidden as f64 * experts,
-        core: 2.0 * m.seq_len as f64 * q,
+        core: 2.0 * m.seq_len as f64 * q * window_fraction(m.seq_len, m.sliding_window),
+    }
+}
+
+/// The share of causal attention's (query, key) pairs that a sliding window of `window`
+/// keys keeps over a sequence of `s`: `Σ_i min(i+1, w) / Σ_i (i+1)`; exactly 1 without a
+/// window or with one at least the sequence long (so the count of full causal attention is
+/// unchanged).
+pub fn window_fraction(s: u64, window: Option<u64>) -> f64 {
+    match window {
+        Some(w) if w < s => {
+            let (s, w) = (s as f64, w as f64);
+            (w * (w + 1.0) / 2.0 + (s - w) * w) / (s * (s + 1.0) / 2.0)
+        }
+        _ => 1.0,
     }
 }
 
@@ -125,4 +140,26 @@ pub fn layer_flops(spec: &ModelSpec, l: u64) -> LayerFlops {
 /// padded for the spec's tp (the same in each of the three passes).
 pub fn head_flops(spec: &ModelSpec) -> f64 {
     2.0 * spec.model.hidden as f64 * spec.padded_vocab() as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::window_fraction;
+
+    /// The causal pairs a window keeps, counted from the definition.
+    #[test]
+    fn window_fraction_counts_the_pairs_the_window_keeps() {
+        let brute = |s: u64, w: u64| {
+            let kept: u64 = (0..s).map(|q| (q + 1).min(w)).sum();
+            kept as f64 / (s * (s + 1) / 2) as f64
+        };
+        for (s, w) in [(8, 3), (32, 5), (8192, 4096), (16, 1)] {
+            let f = window_fraction(s, Some(w));
+            assert!((f - brute(s, w)).abs() < 1e-12, "s {s} w {w}: {f}");
+        }
+        // No window, or one at least the sequence long: exactly full causal attention.
+        assert_eq!(window_fraction(64, None), 1.0);
+        assert_eq!(window_fraction(64, Some(64)), 1.0);
+        assert_eq!(window_fraction(64, Some(1000)), 1.0);
+    }
 }

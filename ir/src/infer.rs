@@ -172,8 +172,11 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                 Dim::new(format!("{n}*{}", last.name), last.size * n);
             Ok(vec![TensorType::new(first.dtype, dims)])
         }
-        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+        OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
             expect_arity(1)?;
+            if let Some(p) = scaling.as_ref().and_then(|s| s.problem()) {
+                return Err(p);
+            }
             want_rank(ins[0], 4, "rope input [b, s, heads, head_dim]")?;
             if !ins[0].last().size.is_multiple_of(2) {
                 return Err(format!("head dim {} is odd", ins[0].last()));
@@ -183,7 +186,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(vec![ins[0].clone().replicate()])
         }
-        OpKind::CausalAttention => {
+        OpKind::CausalAttention { .. } => {
             expect_arity(3)?;
             let (q, k, v) = (ins[0], ins[1], ins[2]);
             for (t, what) in [(q, "q"), (k, "k"), (v, "v")] {
@@ -464,7 +467,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(outs)
         }
-        OpKind::AttentionGrad => {
+        OpKind::AttentionGrad { .. } => {
             expect_arity(6)?;
             let (q, k, v) = (ins[0], ins[1], ins[2]);
             if ins[3].dims != q.dims || ins[5].dims != q.dims {

@@ -1,5 +1,7 @@
 //! Operations of the Graph IR: kernel-sized, each with its attributes.
 
+use crate::spec::RopeScaling;
+
 /// How a linear layer stores its weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightLayout {
@@ -68,12 +70,18 @@ pub enum OpKind {
     Rope {
         /// Base frequency.
         theta: f64,
+        /// The rewrite of the inverse frequencies (`[model.rope_scaling]`), if any.
+        scaling: Option<crate::spec::RopeScaling>,
     },
     /// `(q[b,s,heads,d], k[b,s,kv_heads,d], v[b,s,kv_heads,d]) -> (out[b,s,heads,d],
     /// lse f32[b,heads,s])`: causal softmax attention with scale `1/sqrt(d)`, each kv head shared
     /// by `heads/kv_heads` query heads; `lse` is the log-sum-exp of each query's scores, kept
-    /// for the backward pass.
-    CausalAttention,
+    /// for the backward pass. With `window > 0` (a sliding window, Mistral's) query `i` sees
+    /// only keys `i-window+1 ..= i`.
+    CausalAttention {
+        /// Keys each query sees, itself included; 0: every earlier key (plain causal).
+        window: u64,
+    },
     /// `(x) -> x` converted to dtype `to` (activations to bf16 under `precision = "bf16"`).
     Cast {
         /// Target dtype.
@@ -169,9 +177,14 @@ pub enum OpKind {
     RopeGrad {
         /// Base frequency of the forward op.
         theta: f64,
+        /// The forward op's frequency rewrite.
+        scaling: Option<crate::spec::RopeScaling>,
     },
     /// `(q, k, v, out, lse, dout) -> (dq, dk, dv)`: causal attention backward.
-    AttentionGrad,
+    AttentionGrad {
+        /// The forward op's sliding window (0: none).
+        window: u64,
+    },
     /// `(gate, up, dy) -> (dgate, dup)`.
     SwiGluGrad,
     /// `(x, dy) -> dx`.
@@ -423,7 +436,7 @@ impl OpKind {
             OpKind::Split { .. } => "split",
             OpKind::Concat => "concat",
             OpKind::Rope { .. } => "rope",
-            OpKind::CausalAttention => "causal_attention",
+            OpKind::CausalAttention { .. } => "causal_attention",
             OpKind::Cast { .. } => "cast",
             OpKind::RepeatKv { .. } => "repeat_kv",
             OpKind::RepeatKvGrad { .. } => "repeat_kv_grad",
@@ -449,7 +462,7 @@ impl OpKind {
             OpKind::RmsNormGrad { .. } => "rms_norm_grad",
             OpKind::LayerNormGrad { .. } => "layer_norm_grad",
             OpKind::RopeGrad { .. } => "rope_grad",
-            OpKind::AttentionGrad => "attention_grad",
+            OpKind::AttentionGrad { .. } => "attention_grad",
             OpKind::SwiGluGrad => "swiglu_grad",
             OpKind::GeluTanhGrad => "gelu_tanh_grad",
             OpKind::CrossEntropyGrad => "cross_entropy_grad",
@@ -479,7 +492,7 @@ impl OpKind {
             | OpKind::RmsNormGrad { .. }
             | OpKind::LayerNormGrad { .. }
             | OpKind::RopeGrad { .. }
-            | OpKind::AttentionGrad
+            | OpKind::AttentionGrad { .. }
             | OpKind::SwiGluGrad
             | OpKind::GeluTanhGrad
             | OpKind::CrossEntropyGrad
@@ -501,7 +514,7 @@ impl OpKind {
             | OpKind::Split { .. }
             | OpKind::Concat
             | OpKind::Rope { .. }
-            | OpKind::CausalAttention
+            | OpKind::CausalAttention { .. }
             | OpKind::Cast { .. }
             | OpKind::RepeatKv { .. }
             | OpKind::Add
@@ -565,11 +578,11 @@ impl OpKind {
                 outputs: inputs.max(4) - 2,
             },
             OpKind::Split { n } => Arity::exactly(1, *n as usize),
-            OpKind::AttentionGrad => Arity::exactly(6, 3),
+            OpKind::AttentionGrad { .. } => Arity::exactly(6, 3),
             OpKind::CombineExpertsGrad => Arity::exactly(4, 2),
             OpKind::AdamW { master: true, .. } => Arity::exactly(3, 4),
             OpKind::LayerNormGrad { .. } | OpKind::AdamW { .. } => Arity::exactly(3, 3),
-            OpKind::CausalAttention => Arity::exactly(3, 2),
+            OpKind::CausalAttention { .. } => Arity::exactly(3, 2),
             OpKind::RmsNormGrad { .. } | OpKind::SwiGluGrad => Arity::exactly(3, 2),
             OpKind::LayerNorm { .. } | OpKind::EmbeddingGrad | OpKind::CombineExperts => {
                 Arity::exactly(3, 1)
@@ -629,8 +642,8 @@ impl OpKind {
                 operand: 0,
                 dim: SplitDim::Last,
             }),
-            OpKind::CausalAttention
-            | OpKind::AttentionGrad
+            OpKind::CausalAttention { .. }
+            | OpKind::AttentionGrad { .. }
             | OpKind::MoeAuxLoss { .. }
             | OpKind::MoeAuxLossGrad { .. } => Some(ImplicitCollective {
                 axis: Axis::Cp,
@@ -655,11 +668,39 @@ impl OpKind {
             | OpKind::Split { n }
             | OpKind::RepeatKv { n }
             | OpKind::RepeatKvGrad { n } => vec![("n", n.to_string())],
-            OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
-                vec![("theta", fmt_f64(*theta))]
+            OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
+                let mut a = vec![("theta", fmt_f64(*theta))];
+                match scaling {
+                    None => {}
+                    Some(RopeScaling::Linear { factor }) => {
+                        a.push(("rope_type", "linear".to_string()));
+                        a.push(("factor", fmt_f64(*factor)));
+                    }
+                    Some(RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position_embeddings,
+                    }) => {
+                        a.push(("rope_type", "llama3".to_string()));
+                        a.push(("factor", fmt_f64(*factor)));
+                        a.push(("low_freq_factor", fmt_f64(*low_freq_factor)));
+                        a.push(("high_freq_factor", fmt_f64(*high_freq_factor)));
+                        a.push((
+                            "original_max_position_embeddings",
+                            fmt_f64(*original_max_position_embeddings),
+                        ));
+                    }
+                }
+                a
             }
             OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
                 vec![("top_k", top_k.to_string())]
+            }
+            OpKind::CausalAttention { window } | OpKind::AttentionGrad { window }
+                if *window > 0 =>
+            {
+                vec![("window", window.to_string())]
             }
             OpKind::Cast { to } => vec![("to", to.as_str().to_string())],
             OpKind::MoeAuxLoss { coeff } | OpKind::MoeAuxLossGrad { coeff } => {
@@ -735,6 +776,33 @@ impl OpKind {
             WeightLayout::from_name(&w)
                 .ok_or_else(|| format!("attribute w={w}: expected out_in or in_out"))
         };
+        let window = || -> Result<u64, String> {
+            match attr("window") {
+                None => Ok(0),
+                Some(v) => v
+                    .parse()
+                    .map_err(|_| format!("attribute window={v} is not an unsigned integer")),
+            }
+        };
+        let rope_scaling = || -> Result<Option<RopeScaling>, String> {
+            Ok(match attr("rope_type").as_deref() {
+                None => None,
+                Some("linear") => Some(RopeScaling::Linear {
+                    factor: float("factor")?,
+                }),
+                Some("llama3") => Some(RopeScaling::Llama3 {
+                    factor: float("factor")?,
+                    low_freq_factor: float("low_freq_factor")?,
+                    high_freq_factor: float("high_freq_factor")?,
+                    original_max_position_embeddings: float("original_max_position_embeddings")?,
+                }),
+                Some(t) => {
+                    return Err(format!(
+                        "attribute rope_type={t}: expected linear or llama3"
+                    ))
+                }
+            })
+        };
         Ok(match name {
             "embedding" => OpKind::Embedding,
             "pos_embedding" => OpKind::PosEmbedding,
@@ -747,8 +815,9 @@ impl OpKind {
             "concat" => OpKind::Concat,
             "rope" => OpKind::Rope {
                 theta: float("theta")?,
+                scaling: rope_scaling()?,
             },
-            "causal_attention" => OpKind::CausalAttention,
+            "causal_attention" => OpKind::CausalAttention { window: window()? },
             "cast" => {
                 let to = get("to")?;
                 OpKind::Cast {
@@ -795,8 +864,9 @@ impl OpKind {
             "layer_norm_grad" => OpKind::LayerNormGrad { eps: float("eps")? },
             "rope_grad" => OpKind::RopeGrad {
                 theta: float("theta")?,
+                scaling: rope_scaling()?,
             },
-            "attention_grad" => OpKind::AttentionGrad,
+            "attention_grad" => OpKind::AttentionGrad { window: window()? },
             "swiglu_grad" => OpKind::SwiGluGrad,
             "gelu_tanh_grad" => OpKind::GeluTanhGrad,
             "cross_entropy_grad" => OpKind::CrossEntropyGrad,
@@ -877,6 +947,10 @@ mod tests {
 
     /// A valid value for every attribute key, so every name parses.
     fn any_attr(key: &str) -> Option<String> {
+        if key == "rope_type" {
+            // Optional (RoPE without scaling); the scaled forms have their own test.
+            return None;
+        }
         Some(
             match key {
                 "w" => "out_in",
@@ -888,6 +962,52 @@ mod tests {
             }
             .to_string(),
         )
+    }
+
+    /// Rope's optional scaling attributes print and parse back.
+    #[test]
+    fn rope_scaling_attributes_round_trip() {
+        for scaling in [
+            None,
+            Some(RopeScaling::Linear { factor: 2.0 }),
+            Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192.0,
+            }),
+        ] {
+            for op in [
+                OpKind::Rope {
+                    theta: 5e5,
+                    scaling,
+                },
+                OpKind::RopeGrad {
+                    theta: 5e5,
+                    scaling,
+                },
+            ] {
+                let attrs = op.attrs();
+                assert_eq!(
+                    attrs.len(),
+                    1 + usize::from(scaling.is_some())
+                        * match scaling {
+                            Some(RopeScaling::Linear { .. }) => 2,
+                            _ => 5,
+                        }
+                );
+                let get = |k: &str| attrs.iter().find(|(a, _)| *a == k).map(|(_, v)| v.clone());
+                assert_eq!(OpKind::from_text(op.name(), &get).unwrap(), op);
+            }
+        }
+        let bad = |k: &str| {
+            (k == "rope_type")
+                .then(|| "yarn".to_string())
+                .or(Some("1".into()))
+        };
+        assert!(OpKind::from_text("rope", &bad)
+            .unwrap_err()
+            .contains("rope_type=yarn"));
     }
 
     /// Every op, parsed from `OP_NAMES`.
@@ -913,7 +1033,7 @@ mod tests {
             OpKind::Split { .. } => (false, None),
             OpKind::Concat => (false, None),
             OpKind::Rope { .. } => (false, None),
-            OpKind::CausalAttention => (false, cp),
+            OpKind::CausalAttention { .. } => (false, cp),
             OpKind::Cast { .. } => (false, None),
             OpKind::RepeatKv { .. } => (false, None),
             OpKind::RepeatKvGrad { .. } => (true, None),
@@ -936,7 +1056,7 @@ mod tests {
             OpKind::RmsNormGrad { .. } => (true, None),
             OpKind::LayerNormGrad { .. } => (true, None),
             OpKind::RopeGrad { .. } => (true, None),
-            OpKind::AttentionGrad => (true, cp),
+            OpKind::AttentionGrad { .. } => (true, cp),
             OpKind::SwiGluGrad => (true, None),
             OpKind::GeluTanhGrad => (true, None),
             OpKind::CrossEntropyGrad => (true, Some((Axis::Tp, SplitDim::Last))),
@@ -1117,7 +1237,9 @@ mod tests {
         assert!(ce.applies(&[vec![], vec![], vec![Axis::Tp]]));
         assert!(!ce.applies(&[vec![Axis::Tp], vec![], vec![]]));
         assert!(!ce.applies(&[]));
-        let attn = OpKind::CausalAttention.implicit_collective().unwrap();
+        let attn = OpKind::CausalAttention { window: 0 }
+            .implicit_collective()
+            .unwrap();
         assert!(attn.applies(&[vec![], vec![Axis::Cp], vec![], vec![]]));
         assert!(!attn.applies(&[vec![Axis::Cp]]));
         assert_eq!(SplitDim::Last.index(0), None);

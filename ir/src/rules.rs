@@ -67,6 +67,41 @@ pub enum Violation {
         /// `model.heads`.
         heads: u64,
     },
+    /// GPT-2's head size is `hidden / heads` (its `c_attn` packs q, k, v of `hidden` each).
+    #[error(
+        "head_dim {head_dim} differs from hidden {hidden} / heads {heads}, but GPT-2 derives it"
+    )]
+    GptHeadDim {
+        /// `model.head_dim`.
+        head_dim: u64,
+        /// `model.hidden`.
+        hidden: u64,
+        /// `model.heads`.
+        heads: u64,
+    },
+    /// A key whose Hugging Face class exists only in another family (`qkv_bias` is
+    /// Qwen2's, `qk_norm` Qwen3's, `sliding_window` Mistral's).
+    #[error("model.{key} needs arch {needs}, not {arch}")]
+    KeyNeedsArch {
+        /// The key under `[model]`.
+        key: &'static str,
+        /// The family whose class has it.
+        needs: Arch,
+        /// `model.arch`.
+        arch: Arch,
+    },
+    /// `[model.rope_scaling]` without RoPE (GPT-2 has learned positions).
+    #[error("[model.rope_scaling] needs RoPE, but arch {arch} has learned positions")]
+    RopeScalingWithoutRope {
+        /// `model.arch`.
+        arch: Arch,
+    },
+    /// `[model.rope_scaling]`'s parameters make no rewrite.
+    #[error("{problem}")]
+    RopeScalingInvalid {
+        /// What is wrong.
+        problem: String,
+    },
     /// `[model.moe]` needs the llama (Mixtral) architecture.
     #[error("[model.moe] needs arch llama, not {arch}")]
     MoeNeedsLlama {
@@ -294,7 +329,25 @@ impl Violation {
     pub fn key(&self) -> &'static str {
         use Violation::*;
         match self {
-            HiddenNotDivisibleByHeads { .. } | OddRopeHeadDim { .. } => "model.hidden",
+            HiddenNotDivisibleByHeads { .. } => "model.hidden",
+            OddRopeHeadDim {
+                head_dim,
+                hidden,
+                heads,
+            } => {
+                if head_dim * heads == *hidden {
+                    "model.hidden"
+                } else {
+                    "model.head_dim"
+                }
+            }
+            GptHeadDim { .. } => "model.head_dim",
+            KeyNeedsArch { key, .. } => match *key {
+                "qkv_bias" => "model.qkv_bias",
+                "qk_norm" => "model.qk_norm",
+                _ => "model.sliding_window",
+            },
+            RopeScalingWithoutRope { .. } | RopeScalingInvalid { .. } => "model.rope_scaling",
             KvHeadsNotDividingHeads { .. } | GptGroupedQuery { .. } => "model.kv_heads",
             MoeNeedsLlama { .. } => "model.moe",
             TopKExceedsExperts { .. } => "model.moe.top_k",
@@ -372,8 +425,11 @@ pub fn check(spec: &ModelSpec) -> Vec<Violation> {
     let t = &spec.train;
     let mut out = Vec::new();
 
-    // Model shape.
-    if !m.hidden.is_multiple_of(m.heads) {
+    // Model shape. An explicit head size (other than hidden / heads) frees hidden from
+    // being a multiple of heads in the llama-like families.
+    if !m.hidden.is_multiple_of(m.heads)
+        && (m.arch == Arch::Gpt || m.head_dim == m.hidden / m.heads)
+    {
         out.push(HiddenNotDivisibleByHeads {
             hidden: m.hidden,
             heads: m.heads,
@@ -391,13 +447,39 @@ pub fn check(spec: &ModelSpec) -> Vec<Violation> {
             heads: m.heads,
         });
     }
-    let head_dim = m.hidden.checked_div(m.heads).unwrap_or(0);
-    if m.arch == Arch::Llama && !head_dim.is_multiple_of(2) {
-        out.push(OddRopeHeadDim {
-            head_dim,
+    if m.arch == Arch::Gpt && m.hidden.is_multiple_of(m.heads) && m.head_dim != m.hidden / m.heads {
+        out.push(GptHeadDim {
+            head_dim: m.head_dim,
             hidden: m.hidden,
             heads: m.heads,
         });
+    }
+    if m.arch.llama_like() && !m.head_dim.is_multiple_of(2) {
+        out.push(OddRopeHeadDim {
+            head_dim: m.head_dim,
+            hidden: m.hidden,
+            heads: m.heads,
+        });
+    }
+    for (key, set, needs) in [
+        ("qkv_bias", m.qkv_bias, Arch::Qwen2),
+        ("qk_norm", m.qk_norm, Arch::Qwen3),
+        ("sliding_window", m.sliding_window.is_some(), Arch::Mistral),
+    ] {
+        if set && m.arch != needs {
+            out.push(KeyNeedsArch {
+                key,
+                needs,
+                arch: m.arch,
+            });
+        }
+    }
+    if let Some(r) = &m.rope_scaling {
+        if !m.arch.llama_like() {
+            out.push(RopeScalingWithoutRope { arch: m.arch });
+        } else if let Some(problem) = r.problem() {
+            out.push(RopeScalingInvalid { problem });
+        }
     }
     if let Some(moe) = &m.moe {
         if m.arch != Arch::Llama {

@@ -13,6 +13,12 @@ pub enum Arch {
     Llama,
     /// GPT2LMHeadModel: LayerNorm with bias, GELU (tanh), learned positions, biases.
     Gpt,
+    /// MistralForCausalLM: Llama's layer and names, with an optional sliding window.
+    Mistral,
+    /// Qwen2ForCausalLM: Llama's layer and names with biases on q, k and v.
+    Qwen2,
+    /// Qwen3ForCausalLM: Llama's layer and names with an RMSNorm over each head's q and k.
+    Qwen3,
 }
 
 impl Arch {
@@ -21,8 +27,152 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Gpt => "gpt",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
+
+    /// Whether the family is built as Llama is (RMSNorm, SwiGLU, RoPE, `model.layers.*`
+    /// names): every family but GPT-2.
+    pub fn llama_like(self) -> bool {
+        self != Arch::Gpt
+    }
+
+    /// The Hugging Face class whose parameter names and semantics the family follows.
+    pub fn hf_class(self, moe: bool) -> &'static str {
+        match self {
+            Arch::Llama if moe => "MixtralForCausalLM",
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Gpt => "GPT2LMHeadModel",
+            Arch::Mistral => "MistralForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+}
+
+/// `[model.rope_scaling]`: a rewrite of RoPE's inverse frequencies (transformers'
+/// `ROPE_INIT_FUNCTIONS`); the attention scaling of both types is 1.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// `type = "linear"`: every inverse frequency divided by `factor` (positions / factor).
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// `type = "llama3"`: Llama 3.1's rewrite (`_compute_llama3_parameters`): wavelengths
+    /// above `original_max_position_embeddings / low_freq_factor` divided by `factor`, those
+    /// below `original_max_position_embeddings / high_freq_factor` kept, and those between
+    /// interpolated smoothly.
+    Llama3 {
+        /// The divisor of the low frequencies.
+        factor: f64,
+        /// Low-frequency bound factor.
+        low_freq_factor: f64,
+        /// High-frequency bound factor.
+        high_freq_factor: f64,
+        /// The context length the model was trained with before scaling.
+        original_max_position_embeddings: f64,
+    },
+}
+
+impl RopeScaling {
+    /// The spelling of `type` in model.toml (and the op attribute `rope_type`).
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Llama3 { .. } => "llama3",
+        }
+    }
+
+    /// What makes the rewrite meaningless (the frontend reports it with a location, the plan
+    /// gate as the op's error): a factor or bound that is not positive and finite, or a
+    /// high-frequency factor not above the low-frequency one.
+    pub fn problem(&self) -> Option<String> {
+        let bad = |x: f64| !(x.is_finite() && x > 0.0);
+        match *self {
+            RopeScaling::Linear { factor } if bad(factor) => {
+                Some(format!("rope scaling factor {factor} must be positive"))
+            }
+            RopeScaling::Linear { .. } => None,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                for (k, v) in [
+                    ("factor", factor),
+                    ("low_freq_factor", low_freq_factor),
+                    ("high_freq_factor", high_freq_factor),
+                    (
+                        "original_max_position_embeddings",
+                        original_max_position_embeddings,
+                    ),
+                ] {
+                    if bad(v) {
+                        return Some(format!("rope scaling {k} {v} must be positive"));
+                    }
+                }
+                (high_freq_factor <= low_freq_factor).then(|| {
+                    format!(
+                        "rope scaling high_freq_factor {high_freq_factor} must exceed low_freq_factor {low_freq_factor}"
+                    )
+                })
+            }
+        }
+    }
+
+    /// Apply the rewrite to the default inverse frequencies, in f32 as torch computes it.
+    pub fn apply(&self, inv_freq: &mut [f32]) {
+        match *self {
+            RopeScaling::Linear { factor } => {
+                let f = factor as f32;
+                for x in inv_freq.iter_mut() {
+                    *x /= f;
+                }
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
+                // transformers' `_compute_llama3_parameters` on f32 tensors: each python
+                // float (bounds computed in f64) meets the tensor as an f32 scalar.
+                let low_wavelen = (old / low_freq_factor) as f32;
+                let high_wavelen = (old / high_freq_factor) as f32;
+                let (f, lo) = (factor as f32, low_freq_factor as f32);
+                let span = (high_freq_factor - low_freq_factor) as f32;
+                let two_pi = (2.0 * std::f64::consts::PI) as f32;
+                for x in inv_freq.iter_mut() {
+                    let inv = *x;
+                    let wavelen = two_pi / inv;
+                    let mut scaled = if wavelen > low_wavelen { inv / f } else { inv };
+                    // Neither above the low- nor below the high-frequency wavelength.
+                    if wavelen >= high_wavelen && wavelen <= low_wavelen {
+                        let smooth = (old as f32 / wavelen - lo) / span;
+                        scaled = (1.0 - smooth) * scaled / f + smooth * scaled;
+                    }
+                    *x = scaled;
+                }
+            }
+        }
+    }
+}
+
+/// RoPE's inverse frequencies for heads of `d` dims (`d/2` of them), computed in f32 as
+/// transformers does: `1 / theta^(arange(0, d, 2) / d)`, then `scaling`'s rewrite.
+pub fn rope_inv_freq(d: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f32> {
+    let theta = theta as f32;
+    let mut inv: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0f32 / theta.powf((2 * i) as f32 / d as f32))
+        .collect();
+    if let Some(s) = scaling {
+        s.apply(&mut inv);
+    }
+    inv
 }
 
 /// `[model.moe]`: mixture-of-experts MLPs (Mixtral semantics).
@@ -67,12 +217,23 @@ pub struct ModelSection {
     pub rope_theta: f64,
     /// Mixture of experts, if any.
     pub moe: Option<MoeSpec>,
+    /// Size of one attention head (`model.head_dim`, default `hidden / heads`).
+    pub head_dim: u64,
+    /// Biases on the q, k and v projections (`model.qkv_bias`; Qwen2's default).
+    pub qkv_bias: bool,
+    /// An RMSNorm over each head's q and k before RoPE (`model.qk_norm`; Qwen3's default).
+    pub qk_norm: bool,
+    /// Sliding-window attention (`model.sliding_window`): query `q` sees keys
+    /// `q-window+1 ..= q`; None: full causal attention.
+    pub sliding_window: Option<u64>,
+    /// `[model.rope_scaling]`, if any.
+    pub rope_scaling: Option<RopeScaling>,
 }
 
 impl ModelSection {
     /// Size of one attention head.
     pub fn head_dim(&self) -> u64 {
-        self.hidden / self.heads
+        self.head_dim
     }
 
     /// Whether layer `i` (0-based) has a MoE MLP.
@@ -465,5 +626,72 @@ impl ModelSpec {
 impl fmt::Display for Arch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Llama 3.1's rewrite at its published parameters (factor 8, 1, 4, 8192; head_dim 128,
+    /// theta 500000): the high frequencies are kept, the low ones divided by 8, the band
+    /// between interpolated (values from transformers 5.24's `_compute_llama3_parameters`).
+    #[test]
+    fn llama3_rope_scaling_matches_transformers() {
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
+        let plain = rope_inv_freq(128, 500000.0, None);
+        let scaled = rope_inv_freq(128, 500000.0, Some(&s));
+        // transformers 5.24 (torch 2.15, f32): `_compute_llama3_parameters` of a
+        // Llama-3.1-8B config, as f32 bits; megac's frequencies are bit-identical.
+        #[rustfmt::skip]
+        const TORCH: [u32; 64] = [
+            0x3f800000, 0x3f508ac1, 0x3f29e1c6, 0x3f0a6384, 0x3ee177bc, 0x3eb7ab7d,
+            0x3e959ee3, 0x3e73c461, 0x3e4693b0, 0x3e21c3a0, 0x3e03c6a0, 0x3dd6b19c,
+            0x3daee4ad, 0x3d8e7898, 0x3d681e67, 0x3d3d1684, 0x3d1a08c8, 0x3cfaf53f,
+            0x3ccc6f49, 0x3ca68939, 0x3c87a9c3, 0x3c5d06ec, 0x3c340d6d, 0x3c12ac7f,
+            0x3beef74f, 0x3bc2aa76, 0x3b9e9402, 0x3b812e35, 0x3b527720, 0x3b0dfd06,
+            0x3ab3d11d, 0x3a60979e, 0x3a0995d2, 0x39a3f108, 0x393b2dd2, 0x38c86886,
+            0x38a3418d, 0x3884fdbf, 0x3858ac81, 0x38308199, 0x380fc8f8, 0x37ea426f,
+            0x37bed4f4, 0x379b7475, 0x377d45c3, 0x374e51f5, 0x3728126b, 0x3708ea0f,
+            0x36df10c4, 0x36b5b687, 0x369406cb, 0x36712b80, 0x36447610, 0x36200a69,
+            0x36025f34, 0x35d46808, 0x35ad07a7, 0x358cf400, 0x3565a54d, 0x353b12c7,
+            0x351864a7, 0x34f848c2, 0x34ca41b0, 0x34a4c2ff,
+        ];
+        let bits: Vec<u32> = scaled.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(bits, TORCH);
+        // Wavelength below 8192 / 4 = 2048: unchanged.
+        assert_eq!(scaled[0], plain[0]);
+        assert_eq!(scaled[20], plain[20]);
+        // Above 8192: divided by the factor.
+        assert_eq!(scaled[63], plain[63] / 8.0);
+        // Between: strictly between the two.
+        let mid = (0..64)
+            .find(|&i| {
+                let w = 2.0 * std::f32::consts::PI / plain[i];
+                (2048.0..=8192.0).contains(&w)
+            })
+            .unwrap();
+        assert!(scaled[mid] < plain[mid] && scaled[mid] > plain[mid] / 8.0);
+        let lin = rope_inv_freq(16, 10000.0, Some(&RopeScaling::Linear { factor: 2.0 }));
+        let base = rope_inv_freq(16, 10000.0, None);
+        assert!(lin.iter().zip(&base).all(|(a, b)| *a == b / 2.0));
+    }
+
+    #[test]
+    fn rope_scaling_problems_are_named() {
+        let bad = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 4.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
+        assert!(bad.problem().unwrap().contains("high_freq_factor"));
+        assert!(RopeScaling::Linear { factor: 0.0 }.problem().is_some());
+        assert!(RopeScaling::Linear { factor: 2.0 }.problem().is_none());
     }
 }

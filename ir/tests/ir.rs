@@ -27,10 +27,21 @@ fn sample() -> Graph {
         .add_op1(OpKind::SplitHeads { n: 4 }, &[q], "attn")
         .unwrap();
     let qr = g
-        .add_op1(OpKind::Rope { theta: 10000.0 }, &[q4], "attn.rope")
+        .add_op1(
+            OpKind::Rope {
+                theta: 10000.0,
+                scaling: None,
+            },
+            &[q4],
+            "attn.rope",
+        )
         .unwrap();
     let a = g
-        .add_op1(OpKind::CausalAttention, &[qr, qr, q4], "attn.core")
+        .add_op1(
+            OpKind::CausalAttention { window: 0 },
+            &[qr, qr, q4],
+            "attn.core",
+        )
         .unwrap();
     let m = g.add_op1(OpKind::MergeHeads, &[a], "attn").unwrap();
     let wo = g.add_param("wo", ty(DType::F32, &[("h", 16), ("heads*head_dim", 16)]));

@@ -41,6 +41,9 @@ pub enum Mask<'a> {
         q: &'a [u32],
         /// Global position of each key (`sk` entries).
         k: &'a [u32],
+        /// A sliding window: query `i` sees key `j` only if also `q[i] - k[j] < window`
+        /// (keys `q[i]-window+1 ..= q[i]`, transformers' sliding-window mask); 0: no window.
+        window: u32,
     },
     /// Every query sees every key.
     Full,
@@ -61,7 +64,9 @@ impl Mask<'_> {
         match *self {
             Mask::Causal => softmax_prefix(sc, keys, q0 + 1, lse),
             Mask::Full => softmax_prefix(sc, keys, keys, lse),
-            Mask::Positions { q, k } => softmax_pos(sc, keys, &q[q0..q0 + lse.len()], k, lse),
+            Mask::Positions { q, k, window } => {
+                softmax_pos(sc, keys, &q[q0..q0 + lse.len()], k, window, lse)
+            }
         }
     }
 
@@ -79,8 +84,8 @@ impl Mask<'_> {
         match *self {
             Mask::Causal => probs_and_ds_prefix(p, dp, keys, q0 + 1, lse, dd),
             Mask::Full => probs_and_ds_prefix(p, dp, keys, keys, lse, dd),
-            Mask::Positions { q, k } => {
-                probs_and_ds_pos(p, dp, keys, &q[q0..q0 + lse.len()], k, lse, dd)
+            Mask::Positions { q, k, window } => {
+                probs_and_ds_pos(p, dp, keys, &q[q0..q0 + lse.len()], k, window, lse, dd)
             }
         }
     }
@@ -93,6 +98,13 @@ impl Mask<'_> {
             Mask::Causal | Mask::Full => false,
         }
     }
+}
+
+/// Whether a query at position `q` may attend a key at position `k`: causal (`k <= q`) and,
+/// with a sliding window (`window > 0`), `q - k < window`.
+#[inline(always)]
+fn sees(q: u32, k: u32, window: u32) -> bool {
+    k <= q && (window == 0 || q - k < window)
 }
 
 /// `1 / sqrt(d)` as Hugging Face computes it (`head_dim ** -0.5` in f64, used as f32).
@@ -148,10 +160,10 @@ simd_dispatch! {
     /// at position `qp[r]`) sees key `j` iff `kp[j] <= qp[r]`; masked entries become 0.
     /// Writes each row's log-sum-exp to `lse[r]`; a row that sees no key becomes all 0 with
     /// `lse = -inf`.
-    fn softmax_pos(sc: &mut [f32], keys: usize, qp: &[u32], kp: &[u32], lse: &mut [f32]) {
+    fn softmax_pos(sc: &mut [f32], keys: usize, qp: &[u32], kp: &[u32], window: u32, lse: &mut [f32]) {
         for ((row, l), &qi) in sc.chunks_exact_mut(keys).zip(lse.iter_mut()).zip(qp) {
             for (x, &kj) in row.iter_mut().zip(kp) {
-                if kj > qi {
+                if !sees(qi, kj, window) {
                     *x = f32::NEG_INFINITY;
                 }
             }
@@ -178,7 +190,7 @@ simd_dispatch! {
 simd_dispatch! {
     /// Positional form of [`probs_and_ds_prefix`]: `p = exp(s - lse)` (0 where masked or
     /// where `lse = -inf`), then `dp` into `ds = p * (dp - D)`.
-    fn probs_and_ds_pos(p: &mut [f32], dp: &mut [f32], keys: usize, qp: &[u32], kp: &[u32], lse: &[f32], dd: &[f32]) {
+    fn probs_and_ds_pos(p: &mut [f32], dp: &mut [f32], keys: usize, qp: &[u32], kp: &[u32], window: u32, lse: &[f32], dd: &[f32]) {
         let rows = p.chunks_exact_mut(keys).zip(dp.chunks_exact_mut(keys));
         for (r, (prow, dprow)) in rows.enumerate() {
             let (qi, l, dr) = (qp[r], lse[r], dd[r]);
@@ -188,7 +200,7 @@ simd_dispatch! {
                 continue;
             }
             for ((x, g), &kj) in prow.iter_mut().zip(dprow.iter_mut()).zip(kp) {
-                let pv = if kj <= qi { exp(*x - l) } else { 0.0 };
+                let pv = if sees(qi, kj, window) { exp(*x - l) } else { 0.0 };
                 *x = pv;
                 *g = pv * (*g - dr);
             }
@@ -229,7 +241,7 @@ fn check_shapes(
     );
     match mask {
         Mask::Causal => assert_eq!(sq, sk, "{what}: a causal mask needs sq == sk"),
-        Mask::Positions { q, k } => {
+        Mask::Positions { q, k, .. } => {
             assert_eq!(q.len(), sq, "{what}: q positions must have sq entries");
             assert_eq!(k.len(), sk, "{what}: k positions must have sk entries");
         }

@@ -67,7 +67,8 @@ pub fn rope_fwd_positions(
     positions: &[u32],
     y: &mut [f32],
 ) {
-    crate::rope::rope_apply_at(x, b, s_local, nh, d, theta, positions, y, false);
+    let inv_freq = crate::rope::default_inv_freq(d, theta);
+    crate::rope::rope_apply_at(x, b, s_local, nh, d, &inv_freq, positions, y, false);
 }
 
 /// Backward of [`rope_fwd_positions`]: `dx += Rᵀ dy`.
@@ -82,7 +83,8 @@ pub fn rope_bwd_positions(
     positions: &[u32],
     dx: &mut [f32],
 ) {
-    crate::rope::rope_apply_at(dy, b, s_local, nh, d, theta, positions, dx, true);
+    let inv_freq = crate::rope::default_inv_freq(d, theta);
+    crate::rope::rope_apply_at(dy, b, s_local, nh, d, &inv_freq, positions, dx, true);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -116,7 +118,35 @@ pub fn attention_block_fwd(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let mask = Mask::Positions { q: q_pos, k: k_pos };
+    attention_window_fwd(q, k, v, q_pos, k_pos, 0, b, sq, sk, nh, nkv, d, out, lse);
+}
+
+/// [`attention_block_fwd`] under a sliding window: query `i` may attend key `j` iff
+/// `k_pos[j] <= q_pos[i]` and `q_pos[i] - k_pos[j] < window` (transformers' sliding-window
+/// mask: keys `q-window+1 ..= q`); `window = 0` is plain causal. With `q_pos = k_pos = 0..s`
+/// it is the whole sequence's sliding-window attention.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_window_fwd(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_pos: &[u32],
+    k_pos: &[u32],
+    window: u32,
+    b: usize,
+    sq: usize,
+    sk: usize,
+    nh: usize,
+    nkv: usize,
+    d: usize,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let mask = Mask::Positions {
+        q: q_pos,
+        k: k_pos,
+        window,
+    };
     masked_attention_fwd(q, k, v, mask, b, sq, sk, nh, nkv, d, out, lse);
 }
 
@@ -148,7 +178,38 @@ pub fn attention_block_bwd(
     dk: &mut [f32],
     dv: &mut [f32],
 ) {
-    let mask = Mask::Positions { q: q_pos, k: k_pos };
+    attention_window_bwd(
+        q, k, v, out, lse, dout, q_pos, k_pos, 0, b, sq, sk, nh, nkv, d, dq, dk, dv,
+    );
+}
+
+/// Backward of [`attention_window_fwd`] (as [`attention_block_bwd`], with the window).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_window_bwd(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    q_pos: &[u32],
+    k_pos: &[u32],
+    window: u32,
+    b: usize,
+    sq: usize,
+    sk: usize,
+    nh: usize,
+    nkv: usize,
+    d: usize,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let mask = Mask::Positions {
+        q: q_pos,
+        k: k_pos,
+        window,
+    };
     masked_attention_bwd(
         q, k, v, out, lse, dout, mask, b, sq, sk, nh, nkv, d, dq, dk, dv,
     );

@@ -45,7 +45,8 @@ pub use attention::{
 };
 pub use context::{
     attention_block_bwd, attention_block_fwd, attention_merge, attention_merge_into,
-    cp_local_positions, rope_bwd_positions, rope_fwd_positions,
+    attention_window_bwd, attention_window_fwd, cp_local_positions, rope_bwd_positions,
+    rope_fwd_positions,
 };
 pub use elementwise::{accumulate, add_fwd, scale_in_place, sum_squares};
 pub use embedding::{embedding_bwd, embedding_fwd, pos_embedding_bwd, pos_embedding_fwd};
@@ -59,4 +60,4 @@ pub use moe::{
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 pub use optim::{adamw_step, AdamW};
 pub use precision::Half;
-pub use rope::{rope_bwd, rope_fwd};
+pub use rope::{default_inv_freq, rope_bwd, rope_freq, rope_fwd};

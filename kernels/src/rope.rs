@@ -16,11 +16,21 @@ pub fn rope_tables(s: usize, d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
 /// the same f32 arithmetic as [`rope_tables`].
 pub fn rope_tables_at(positions: &[u32], d: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
     assert!(d.is_multiple_of(2), "rope: head_dim must be even");
-    let half = d / 2;
-    // torch: 1.0 / (base ** (arange(0, d, 2, int64).float() / d)), all in f32.
-    let inv_freq: Vec<f32> = (0..half)
+    rope_tables_freq(positions, &default_inv_freq(d, theta))
+}
+
+/// `1 / theta^((2i) / d)` for `i < d/2`, in f32 as torch computes it
+/// (`1.0 / (base ** (arange(0, d, 2, int64).float() / d))`).
+pub fn default_inv_freq(d: usize, theta: f32) -> Vec<f32> {
+    (0..d / 2)
         .map(|i| 1.0f32 / theta.powf((2 * i) as f32 / d as f32))
-        .collect();
+        .collect()
+}
+
+/// The cos and sin tables (`[positions.len(), inv_freq.len()]`) for explicit inverse
+/// frequencies (a scaled RoPE's): `angle = pos * inv_freq[i]` in f32.
+pub fn rope_tables_freq(positions: &[u32], inv_freq: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
     let mut cos = vec![0.0f32; positions.len() * half];
     let mut sin = vec![0.0f32; positions.len() * half];
     for (r, &p) in positions.iter().enumerate() {
@@ -70,11 +80,22 @@ fn rope_apply(
     inverse: bool,
 ) {
     let positions: Vec<u32> = (0..s as u32).collect();
-    rope_apply_at(x, b, s, nh, d, theta, &positions, y, inverse);
+    rope_apply_at(
+        x,
+        b,
+        s,
+        nh,
+        d,
+        &default_inv_freq(d, theta),
+        &positions,
+        y,
+        inverse,
+    );
 }
 
 /// Rotary embeddings at explicit global positions (`positions.len() == s`, one per local
-/// token): the body of [`rope_fwd`], [`rope_bwd`] and the context-parallel variants.
+/// token) with explicit inverse frequencies (`d/2` of them): the body of [`rope_fwd`],
+/// [`rope_bwd`], [`rope_freq`] and the context-parallel variants.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_apply_at(
     x: &[f32],
@@ -82,7 +103,7 @@ pub(crate) fn rope_apply_at(
     s: usize,
     nh: usize,
     d: usize,
-    theta: f32,
+    inv_freq: &[f32],
     positions: &[u32],
     y: &mut [f32],
     inverse: bool,
@@ -103,8 +124,13 @@ pub(crate) fn rope_apply_at(
     if w == 0 || s == 0 {
         return;
     }
+    assert_eq!(
+        inv_freq.len(),
+        d / 2,
+        "rope: inv_freq must have head_dim / 2 entries"
+    );
     let half = d / 2;
-    let (cos, sin) = rope_tables_at(positions, d, theta);
+    let (cos, sin) = rope_tables_freq(positions, inv_freq);
     let row = |(r, (yr, xr)): (usize, (&mut [f32], &[f32]))| {
         let p = r % s;
         let (c, sn) = (
@@ -135,4 +161,23 @@ pub fn rope_fwd(x: &[f32], b: usize, s: usize, nh: usize, d: usize, theta: f32, 
 #[allow(clippy::too_many_arguments)]
 pub fn rope_bwd(dy: &[f32], b: usize, s: usize, nh: usize, d: usize, theta: f32, dx: &mut [f32]) {
     rope_apply(dy, b, s, nh, d, theta, dx, true);
+}
+
+/// Rotary embeddings with explicit inverse frequencies (`inv_freq.len() == d/2`, e.g. a
+/// scaled RoPE's) at explicit positions (`positions.len() == s`, shared by every sample):
+/// [`rope_fwd`] when `inverse` is false (overwrites `y`), [`rope_bwd`] when true (adds
+/// into `y`).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_freq(
+    x: &[f32],
+    b: usize,
+    s: usize,
+    nh: usize,
+    d: usize,
+    inv_freq: &[f32],
+    positions: &[u32],
+    y: &mut [f32],
+    inverse: bool,
+) {
+    rope_apply_at(x, b, s, nh, d, inv_freq, positions, y, inverse);
 }

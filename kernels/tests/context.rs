@@ -126,6 +126,26 @@ fn block_ref(
     nkv: usize,
     d: usize,
 ) -> (Vec<f64>, Vec<f64>) {
+    window_ref(q, k, v, q_pos, k_pos, 0, b, sq, sk, nh, nkv, d)
+}
+
+/// [`block_ref`] under a sliding window (query `i` sees key `j` iff `k_pos[j] <= q_pos[i]`
+/// and `q_pos[i] - k_pos[j] < window`; 0: no window), written from the definition.
+#[allow(clippy::too_many_arguments)]
+fn window_ref(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    q_pos: &[u32],
+    k_pos: &[u32],
+    window: u32,
+    b: usize,
+    sq: usize,
+    sk: usize,
+    nh: usize,
+    nkv: usize,
+    d: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let group = nh / nkv;
     let scale = 1.0 / (d as f64).sqrt();
     let mut out = vec![0.0; b * sq * nh * d];
@@ -135,7 +155,11 @@ fn block_ref(
             let kvh = h / group;
             for i in 0..sq {
                 let qo = ((bi * sq + i) * nh + h) * d;
-                let allowed: Vec<usize> = (0..sk).filter(|&j| k_pos[j] <= q_pos[i]).collect();
+                let allowed: Vec<usize> = (0..sk)
+                    .filter(|&j| {
+                        k_pos[j] <= q_pos[i] && (window == 0 || q_pos[i] - k_pos[j] < window)
+                    })
+                    .collect();
                 if allowed.is_empty() {
                     continue;
                 }
@@ -1029,4 +1053,119 @@ fn full_mask_matches_reference() {
         assert_near(&format!("{tag} dk"), &dk, &pk, 1e-5);
         assert_near(&format!("{tag} dv"), &dv, &pv, 1e-5);
     }
+}
+
+/// Sliding-window attention (Mistral's: query q sees keys q-window+1 ..= q) over a whole
+/// sequence matches the float64 reference and differs from plain causal attention; split
+/// into the key blocks of cp = 2 ranks (each query block against every key block, merged by
+/// log-sum-exp, backward per block with the final out/lse) it gives the whole sequence's
+/// results and gradients.
+#[test]
+fn sliding_window_attention_matches_the_reference_and_splits_over_key_blocks() {
+    let (b, s, nh, nkv, d, window) = (2, 16, 4, 2, 8, 5u32);
+    let mut rng = Rng::new(41);
+    let q = rng.normal(b * s * nh * d, 1.0);
+    let k = rng.normal(b * s * nkv * d, 1.0);
+    let v = rng.normal(b * s * nkv * d, 1.0);
+    let pos = iota(s);
+    let mut out = nan(b * s * nh * d);
+    let mut lse = nan(b * nh * s);
+    attention_window_fwd(
+        &q, &k, &v, &pos, &pos, window, b, s, s, nh, nkv, d, &mut out, &mut lse,
+    );
+    let (want_out, want_lse) = window_ref(
+        &to64(&q),
+        &to64(&k),
+        &to64(&v),
+        &pos,
+        &pos,
+        window,
+        b,
+        s,
+        s,
+        nh,
+        nkv,
+        d,
+    );
+    assert_close("window out", &out, &want_out, RTOL, 1e-2);
+    assert_close("window lse", &lse, &want_lse, RTOL, 1e-2);
+    let causal = block_fwd(&q, &k, &v, &pos, &pos, b, nh, nkv, d);
+    assert!(rms(&causal.out) > 0.0);
+    let diff: f64 = causal
+        .out
+        .iter()
+        .zip(&out)
+        .map(|(a, b)| f64::from(a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        diff > 1e-2,
+        "the window must change the result (max diff {diff})"
+    );
+
+    // Whole-sequence backward.
+    let dout = rng.normal(b * s * nh * d, 1.0);
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; v.len()],
+    );
+    attention_window_bwd(
+        &q, &k, &v, &out, &lse, &dout, &pos, &pos, window, b, s, s, nh, nkv, d, &mut dq, &mut dk,
+        &mut dv,
+    );
+    // cp = 2: rank r holds the rows at cp_local_positions(s, 2, r); every query block meets
+    // every key block.
+    let blocks = rank_blocks(s, 2);
+    let (mut dq2, mut dk2, mut dv2) = (
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; v.len()],
+    );
+    for qp in &blocks {
+        let sl = qp.len();
+        let ql = gather_rows(&q, b, s, nh * d, qp);
+        let dol = gather_rows(&dout, b, s, nh * d, qp);
+        // Forward over the key blocks, merged.
+        let mut acc: Option<(Vec<f32>, Vec<f32>)> = None;
+        for kp in &blocks {
+            let kl = gather_rows(&k, b, s, nkv * d, kp);
+            let vl = gather_rows(&v, b, s, nkv * d, kp);
+            let mut o = nan(b * sl * nh * d);
+            let mut l = nan(b * nh * sl);
+            attention_window_fwd(
+                &ql, &kl, &vl, qp, kp, window, b, sl, sl, nh, nkv, d, &mut o, &mut l,
+            );
+            acc = Some(match acc {
+                None => (o, l),
+                Some((mut ao, mut al)) => {
+                    attention_merge_into(&mut ao, &mut al, &o, &l, b, sl, nh, d);
+                    (ao, al)
+                }
+            });
+        }
+        let (ol, ll) = acc.unwrap();
+        assert_near(
+            "window out by blocks",
+            &ol,
+            &gather_rows(&out, b, s, nh * d, qp),
+            1e-5,
+        );
+        let mut dql = vec![0f32; ql.len()];
+        for kp in &blocks {
+            let kl = gather_rows(&k, b, s, nkv * d, kp);
+            let vl = gather_rows(&v, b, s, nkv * d, kp);
+            let mut dkl = vec![0f32; kl.len()];
+            let mut dvl = vec![0f32; vl.len()];
+            attention_window_bwd(
+                &ql, &kl, &vl, &ol, &ll, &dol, qp, kp, window, b, sl, sl, nh, nkv, d, &mut dql,
+                &mut dkl, &mut dvl,
+            );
+            scatter_add_rows(&mut dk2, &dkl, b, s, nkv * d, kp);
+            scatter_add_rows(&mut dv2, &dvl, b, s, nkv * d, kp);
+        }
+        scatter_add_rows(&mut dq2, &dql, b, s, nh * d, qp);
+    }
+    assert_near("window dq by blocks", &dq2, &dq, 1e-5);
+    assert_near("window dk by blocks", &dk2, &dk, 1e-5);
+    assert_near("window dv by blocks", &dv2, &dv, 1e-5);
 }

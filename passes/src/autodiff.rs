@@ -100,11 +100,17 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                 let d = acc.emit(OpKind::RepeatKvGrad { n: *n }, &[need(dy, &op.path)?])?;
                 acc.add(x[0], d[0])?;
             }
-            OpKind::Rope { theta } => {
-                let d = acc.emit(OpKind::RopeGrad { theta: *theta }, &[need(dy, &op.path)?])?;
+            OpKind::Rope { theta, scaling } => {
+                let d = acc.emit(
+                    OpKind::RopeGrad {
+                        theta: *theta,
+                        scaling: *scaling,
+                    },
+                    &[need(dy, &op.path)?],
+                )?;
                 acc.add(x[0], d[0])?;
             }
-            OpKind::CausalAttention => {
+            OpKind::CausalAttention { window } => {
                 let ins = [
                     x[0],
                     x[1],
@@ -113,7 +119,7 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                     op.outputs[1],
                     need(dy, &op.path)?,
                 ];
-                let d = acc.emit(OpKind::AttentionGrad, &ins)?;
+                let d = acc.emit(OpKind::AttentionGrad { window: *window }, &ins)?;
                 for i in 0..3 {
                     acc.add(x[i], d[i])?;
                 }

@@ -1,8 +1,10 @@
 //! The `build` pass: ModelSpec -> Graph IR (forward of one training step, global view).
 //!
 //! Parameter names and shapes follow Hugging Face transformers: LlamaForCausalLM for
-//! `arch = "llama"`, MixtralForCausalLM for llama with `[model.moe]`, GPT2LMHeadModel for
-//! `arch = "gpt"` (whose Conv1D weights are stored `[in, out]`). The batch dim is the global
+//! `arch = "llama"`, MixtralForCausalLM for llama with `[model.moe]`, MistralForCausalLM,
+//! Qwen2ForCausalLM (q/k/v biases) and Qwen3ForCausalLM (`q_norm`/`k_norm`) for `mistral`,
+//! `qwen2` and `qwen3`, GPT2LMHeadModel for `arch = "gpt"` (whose Conv1D weights are stored
+//! `[in, out]`). The batch dim is the global
 //! batch; micro-batching is the scheduler's business.
 
 use megac_ir::spec::{Arch, ModelSpec};
@@ -73,8 +75,8 @@ impl<'a> Builder<'a> {
         };
         let h = m.hidden;
         let (embed_name, prefix, final_norm) = match m.arch {
-            Arch::Llama => ("model.embed_tokens", "model.layers", "model.norm"),
             Arch::Gpt => ("transformer.wte", "transformer.h", "transformer.ln_f"),
+            _ => ("model.embed_tokens", "model.layers", "model.norm"),
         };
         let wte = self.param(
             &format!("{embed_name}.weight"),
@@ -89,8 +91,8 @@ impl<'a> Builder<'a> {
         for i in 0..m.layers {
             let p = format!("{prefix}.{i}");
             x = match m.arch {
-                Arch::Llama => self.llama_layer(&p, i, x, &mut aux_losses)?,
                 Arch::Gpt => self.gpt_layer(&p, x)?,
+                _ => self.llama_layer(&p, i, x, &mut aux_losses)?,
             };
         }
         x = self.norm(final_norm, x)?;
@@ -118,22 +120,41 @@ impl<'a> Builder<'a> {
         Ok(())
     }
 
-    /// RMSNorm (llama) or LayerNorm with bias (gpt) at `path`.
+    /// RMSNorm (llama-like) or LayerNorm with bias (gpt) at `path`.
     fn norm(&mut self, path: &str, x: ValueId) -> Result<ValueId, IrError> {
         let spec: &'a ModelSpec = self.spec;
         let m = &spec.model;
         let h = m.hidden;
         match m.arch {
-            Arch::Llama => {
-                let w = self.param(&format!("{path}.weight"), &[("h", h)]);
-                self.op(OpKind::RmsNorm { eps: m.norm_eps }, &[x, w], path)
-            }
             Arch::Gpt => {
                 let w = self.param(&format!("{path}.weight"), &[("h", h)]);
                 let b = self.param(&format!("{path}.bias"), &[("h", h)]);
                 self.op(OpKind::LayerNorm { eps: m.norm_eps }, &[x, w, b], path)
             }
+            _ => {
+                let w = self.param(&format!("{path}.weight"), &[("h", h)]);
+                self.op(OpKind::RmsNorm { eps: m.norm_eps }, &[x, w], path)
+            }
         }
+    }
+
+    /// `nn.Linear` with bias: weight `[out, in]`, bias `[out]` (Qwen2's q, k, v).
+    fn linear_bias(
+        &mut self,
+        path: &str,
+        x: ValueId,
+        out: (&str, u64),
+        inp: (&str, u64),
+    ) -> Result<ValueId, IrError> {
+        let w = self.param(&format!("{path}.weight"), &[out, inp]);
+        let b = self.param(&format!("{path}.bias"), &[out]);
+        self.op(
+            OpKind::Linear {
+                weight: WeightLayout::OutIn,
+            },
+            &[x, w, b],
+            path,
+        )
     }
 
     /// `nn.Linear` without bias: weight `[out, in]`.
@@ -173,7 +194,8 @@ impl<'a> Builder<'a> {
         )
     }
 
-    /// Split `[.., heads*head_dim]` into heads, attend causally, merge back.
+    /// Split `[.., heads*head_dim]` into heads, (Qwen3) RMSNorm each head's q and k, attend
+    /// causally, merge back.
     fn attention_core(
         &mut self,
         path: &str,
@@ -188,10 +210,20 @@ impl<'a> Builder<'a> {
         let mut q = self.op(OpKind::SplitHeads { n: heads }, &[q], path)?;
         let mut k = self.op(OpKind::SplitHeads { n: kv }, &[k], path)?;
         let mut v = self.op(OpKind::SplitHeads { n: kv }, &[v], path)?;
+        if m.qk_norm {
+            // Qwen3: RMSNorm over head_dim, one weight shared by every head.
+            let hd = ("head_dim", m.head_dim());
+            let eps = m.norm_eps;
+            let wq = self.param(&format!("{path}.q_norm.weight"), &[hd]);
+            q = self.op(OpKind::RmsNorm { eps }, &[q, wq], &format!("{path}.q_norm"))?;
+            let wk = self.param(&format!("{path}.k_norm.weight"), &[hd]);
+            k = self.op(OpKind::RmsNorm { eps }, &[k, wk], &format!("{path}.k_norm"))?;
+        }
         if rope {
             let rp = format!("{path}.rotary_emb");
-            q = self.op(OpKind::Rope { theta }, &[q], &rp)?;
-            k = self.op(OpKind::Rope { theta }, &[k], &rp)?;
+            let scaling = m.rope_scaling;
+            q = self.op(OpKind::Rope { theta, scaling }, &[q], &rp)?;
+            k = self.op(OpKind::Rope { theta, scaling }, &[k], &rp)?;
         }
         if spec.parallel.tp > kv {
             // More tensor-parallel ranks than key/value heads: repeat them (transformers'
@@ -200,7 +232,12 @@ impl<'a> Builder<'a> {
             k = self.op(OpKind::RepeatKv { n }, &[k], path)?;
             v = self.op(OpKind::RepeatKv { n }, &[v], path)?;
         }
-        let a = self.op(OpKind::CausalAttention, &[q, k, v], &format!("{path}.core"))?;
+        let window = m.sliding_window.unwrap_or(0);
+        let a = self.op(
+            OpKind::CausalAttention { window },
+            &[q, k, v],
+            &format!("{path}.core"),
+        )?;
         self.op(OpKind::MergeHeads, &[a], path)
     }
 
@@ -221,9 +258,19 @@ impl<'a> Builder<'a> {
 
         let xn = self.norm(&format!("{p}.input_layernorm"), x)?;
         let a = format!("{p}.self_attn");
-        let q = self.linear(&format!("{a}.q_proj"), xn, q_dim, ("h", h))?;
-        let k = self.linear(&format!("{a}.k_proj"), xn, kv_dim, ("h", h))?;
-        let v = self.linear(&format!("{a}.v_proj"), xn, kv_dim, ("h", h))?;
+        let (q, k, v) = if m.qkv_bias {
+            (
+                self.linear_bias(&format!("{a}.q_proj"), xn, q_dim, ("h", h))?,
+                self.linear_bias(&format!("{a}.k_proj"), xn, kv_dim, ("h", h))?,
+                self.linear_bias(&format!("{a}.v_proj"), xn, kv_dim, ("h", h))?,
+            )
+        } else {
+            (
+                self.linear(&format!("{a}.q_proj"), xn, q_dim, ("h", h))?,
+                self.linear(&format!("{a}.k_proj"), xn, kv_dim, ("h", h))?,
+                self.linear(&format!("{a}.v_proj"), xn, kv_dim, ("h", h))?,
+            )
+        };
         let attn = self.attention_core(&a, q, k, v, true)?;
         let o = self.linear(&format!("{a}.o_proj"), attn, ("h", h), q_dim)?;
         let x = self.op(OpKind::Add, &[x, o], &format!("{p}.residual.attn"))?;

@@ -63,7 +63,7 @@ pub fn recompute(g: &mut Graph, policy: Recompute) -> Result<(), PassError> {
         let pick = match policy {
             Recompute::None => false,
             Recompute::Selective => match op.kind {
-                OpKind::CausalAttention => {
+                OpKind::CausalAttention { .. } => {
                     attention_outputs.extend(op.outputs.iter().copied());
                     true
                 }

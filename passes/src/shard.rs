@@ -207,7 +207,9 @@ impl Sharder<'_> {
         match self.arch {
             // Expert tensor parallelism (Megatron's ETP = tp): w1 and w3 (gate/up, `[ffn, h]`)
             // column-parallel, w2 (down, `[h, ffn]`) row-parallel, per expert.
-            Arch::Llama if name.contains(".block_sparse_moe.experts.") => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3
+                if name.contains(".block_sparse_moe.experts.") =>
+            {
                 let base = usize::from(stacked);
                 if ends(&[".w1.weight", ".w3.weight"]) {
                     Some(base)
@@ -217,13 +219,24 @@ impl Sharder<'_> {
                     None
                 }
             }
-            Arch::Llama => {
-                if !self.kv_split && ends(&["k_proj.weight", "v_proj.weight"]) {
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+                // Qwen2's q/k/v biases split with their heads, as the weights' rows.
+                if !self.kv_split
+                    && ends(&[
+                        "k_proj.weight",
+                        "v_proj.weight",
+                        "k_proj.bias",
+                        "v_proj.bias",
+                    ])
+                {
                     None
                 } else if ends(&[
                     "q_proj.weight",
                     "k_proj.weight",
                     "v_proj.weight",
+                    "q_proj.bias",
+                    "k_proj.bias",
+                    "v_proj.bias",
                     "gate_proj.weight",
                     "up_proj.weight",
                     "embed_tokens.weight",
@@ -471,7 +484,7 @@ impl Sharder<'_> {
             | OpKind::RopeGrad { .. }
             | OpKind::Cast { .. }
             | OpKind::GeluTanh => self.emit_unary(kind, &ins, path),
-            OpKind::CausalAttention | OpKind::AttentionGrad => {
+            OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
                 self.emit_attention(kind, &ins, path)
             }
             OpKind::Add
@@ -746,7 +759,7 @@ impl Sharder<'_> {
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
         let k = kind.clone();
-        let fwd = matches!(kind, OpKind::CausalAttention);
+        let fwd = matches!(kind, OpKind::CausalAttention { .. });
         let outs: &[Tp] = if fwd {
             &[Tp::S(2), Tp::S(1)]
         } else {
@@ -831,10 +844,30 @@ impl Sharder<'_> {
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
+        let k = kind.clone();
+        // A norm of per-head rows (Qwen3's qk-norm over head_dim of q and k, `[b, s, heads,
+        // head_dim]`): never on sequence shards. Split by heads, each rank normalises its
+        // own rows with the replicated weight and the weight gradient is a partial sum over
+        // tp; otherwise whole.
+        if self.rank(ins[0]) == 4 {
+            let x_state = self.tp_state(ins[0]);
+            if x_state == Tp::S(2) {
+                let w = self.whole(ins[1], path)?;
+                if matches!(kind, OpKind::RmsNorm { .. }) {
+                    return self.op(k, &[ins[0], w], path, &[x_state]);
+                }
+                if matches!(kind, OpKind::RmsNormGrad { .. }) {
+                    let dy = self.not_partial(ins[2], path)?;
+                    if self.tp_state(dy) == x_state {
+                        return self.op(k, &[ins[0], w, dy], path, &[x_state, Tp::P]);
+                    }
+                }
+            }
+            return self.emit_whole(kind, ins, path);
+        }
         if !self.sp {
             return self.emit_whole(kind, ins, path);
         }
-        let k = kind.clone();
         match kind {
             OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } => {
                 let x = self.seq_shard(ins[0], path)?;

@@ -254,8 +254,8 @@ fn run_kernel(
         | OpKind::CrossEntropyGrad => dense::run(op, ins, outs, env, comm),
         OpKind::Rope { .. }
         | OpKind::RopeGrad { .. }
-        | OpKind::CausalAttention
-        | OpKind::AttentionGrad
+        | OpKind::CausalAttention { .. }
+        | OpKind::AttentionGrad { .. }
         | OpKind::RepeatKv { .. }
         | OpKind::RepeatKvGrad { .. } => attention::run(op, ins, outs, env, comm),
         OpKind::Router { .. }

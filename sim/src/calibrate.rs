@@ -142,6 +142,11 @@ impl TableRow {
                 norm_eps: 1e-5,
                 rope_theta: 10000.0,
                 moe: None,
+                head_dim: self.hidden / self.heads,
+                qkv_bias: false,
+                qk_norm: false,
+                sliding_window: None,
+                rope_scaling: None,
             },
             train: TrainSection {
                 micro_batch: 1,

@@ -362,7 +362,7 @@ impl<'a> Ctx<'a> {
                     dtype(x),
                 )
             }
-            OpKind::CausalAttention | OpKind::AttentionGrad => {
+            OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
                 need(3, 1)?;
                 let (q, k, v) = (ins[0], ins[1], ins[2]);
                 let (b, sq, heads, d) = match q.shape[..] {
@@ -385,8 +385,21 @@ impl<'a> Ctx<'a> {
                     sq
                 };
                 let skv = skv_local * group.size as f64;
-                let fwd = 2.0 * b * sq * skv * heads * d;
-                let backward = matches!(op, OpKind::AttentionGrad);
+                // A sliding window keeps a share of the (query, key) pairs.
+                let window = match op {
+                    OpKind::CausalAttention { window } | OpKind::AttentionGrad { window } => {
+                        (*window > 0).then_some(*window)
+                    }
+                    _ => None,
+                };
+                let fwd = 2.0
+                    * b
+                    * sq
+                    * skv
+                    * heads
+                    * d
+                    * megac_ir::flops::window_fraction(skv as u64, window);
+                let backward = matches!(op, OpKind::AttentionGrad { .. });
                 let flops = if backward { 2.5 * fwd } else { fwd };
                 let ring = plan.cp_comm == megac_ir::spec::CpComm::Ring;
                 let n = if ring { group.size as f64 } else { 1.0 };

@@ -69,9 +69,8 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
     let mut line = |k: &str, v: String| out.push_str(&format!("{k:<12} {v}\n"));
 
     let family = match (m.arch, &m.moe) {
-        (Arch::Llama, Some(_)) => "llama + moe (MixtralForCausalLM names)",
-        (Arch::Llama, None) => "llama (LlamaForCausalLM names)",
-        (Arch::Gpt, _) => "gpt (GPT2LMHeadModel names)",
+        (Arch::Llama, Some(_)) => "llama + moe (MixtralForCausalLM names)".to_string(),
+        (arch, moe) => format!("{arch} ({} names)", arch.hf_class(moe.is_some())),
     };
     line("model", format!("{} — {family}", spec.name));
     line(
@@ -89,6 +88,37 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
             m.seq_len
         ),
     );
+    let mut extras = Vec::new();
+    if m.qkv_bias {
+        extras.push("q/k/v biases".to_string());
+    }
+    if m.qk_norm {
+        extras.push("q/k RMSNorm per head".to_string());
+    }
+    if let Some(w) = m.sliding_window {
+        extras.push(format!(
+            "sliding window {w} (core attention FLOPs × {:.4}, the causal pairs it keeps)",
+            megac_ir::flops::window_fraction(m.seq_len, Some(w))
+        ));
+    }
+    if let Some(r) = &m.rope_scaling {
+        extras.push(match r {
+            megac_ir::spec::RopeScaling::Linear { factor } => {
+                format!("rope scaling linear (factor {factor})")
+            }
+            megac_ir::spec::RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => format!(
+                "rope scaling llama3 (factor {factor}, low {low_freq_factor}, high {high_freq_factor}, original context {original_max_position_embeddings})"
+            ),
+        });
+    }
+    if !extras.is_empty() {
+        line("attention", extras.join(", "));
+    }
     if let Some(moe) = &m.moe {
         line(
             "moe",

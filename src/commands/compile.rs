@@ -23,11 +23,17 @@ pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
     megac_codegen::emit_plan(&module.spec, graph, flops).map_err(|e| format!("error: {e}"))
 }
 
-/// Compile and write `out/plan.json`.
+/// Compile and write `out/plan.json`, and beside it `out/config.json`, the model's Hugging
+/// Face config (`megac run --save-params` copies it beside the saved weights).
 pub fn run(args: &ModelArgs, out: &Path) -> Result<(), String> {
     super::output::check_dir("-o", out)?;
     let plan = build_plan(args)?;
     megac_codegen::write_plan(&plan, out).map_err(|e| format!("error: {e}"))?;
+    let spec = super::load_spec(args)?;
+    super::output::write_file(
+        &out.join("config.json"),
+        &megac_frontend::hf::export_config(&spec),
+    )?;
     let instrs: usize = plan
         .roles
         .iter()

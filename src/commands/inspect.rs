@@ -84,13 +84,13 @@ pub fn role_collective_bytes(
                         }
                         // Context-parallel attention moves every other cp rank's K and V to
                         // each rank (ring or all-gather), and in backward also dK and dV back.
-                        OpKind::CausalAttention | OpKind::AttentionGrad => {
+                        OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
                             if !layout_has(inputs[0], 1, megac_ir::Axis::Cp) {
                                 continue;
                             }
                             let cp = plan.mesh.size(megac_ir::Axis::Cp);
                             let kv = size(inputs[1]) + size(inputs[2]);
-                            let factor = if matches!(op, OpKind::AttentionGrad) {
+                            let factor = if matches!(op, OpKind::AttentionGrad { .. }) {
                                 2
                             } else {
                                 1

@@ -4,6 +4,7 @@ pub mod check;
 pub mod check_plan;
 pub mod compile;
 pub mod dump;
+pub mod import_hf;
 pub mod inspect;
 pub mod launch;
 pub mod output;

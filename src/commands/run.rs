@@ -96,7 +96,14 @@ pub fn train_model(model: &crate::ModelArgs, args: &RunArgs) -> Result<(), Strin
     // The compiler's own plans pass the same gate as plan files.
     let plan = CheckedPlan::check(plan)
         .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))?;
-    execute(&plan, args, &opts)
+    execute(&plan, args, &opts)?;
+    // Beside the saved weights, the config.json that makes transformers' from_pretrained
+    // load the folder as the model's class (name the weights model.safetensors).
+    if let (Some(p), true) = (&args.save_params, lead_process()) {
+        let spec = super::load_spec(model)?;
+        write_config_beside(p, &megac_frontend::hf::export_config(&spec))?;
+    }
+    Ok(())
 }
 
 /// Run `plan` with `args` (checked into `opts`), write the report, print a summary.
@@ -184,5 +191,25 @@ pub fn run(dir: &Path, args: &RunArgs) -> Result<(), String> {
     }
     let opts = options(args)?;
     let plan = super::inspect::read_plan(dir)?;
-    execute(&plan, args, &opts)
+    execute(&plan, args, &opts)?;
+    // The Hugging Face config `megac compile` wrote beside the plan, beside the weights.
+    let config = dir.join("config.json");
+    if let (Some(p), true, true) = (&args.save_params, lead_process(), config.is_file()) {
+        let text = megac_ir::file::read_text(&config, megac_ir::file::MAX_CONFIG_BYTES)
+            .map_err(|e| format!("error: {}: {e}", config.display()))?;
+        write_config_beside(p, &text)?;
+    }
+    Ok(())
+}
+
+/// Write the Hugging Face `config.json` in the folder of the saved weights `weights`.
+fn write_config_beside(weights: &Path, text: &str) -> Result<(), String> {
+    let dir = match weights.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let config = dir.join("config.json");
+    super::output::write_file(&config, text)?;
+    println!("wrote the Hugging Face config to {}", config.display());
+    Ok(())
 }

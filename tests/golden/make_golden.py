@@ -4,7 +4,7 @@
 CI never runs this script: it only reads the files committed next to it. Run it by hand
 (see README.md in this folder for the exact install commands and versions) to regenerate:
 
-    python3 tests/golden/make_golden.py            # writes tests/golden/{llama,gpt,mixtral}/
+    python3 tests/golden/make_golden.py            # writes tests/golden/<model>/ for every MODELS entry
     python3 tests/golden/make_golden.py --check    # regenerate in a temp dir, compare bytes
 
 For each model it writes, into tests/golden/<name>/:
@@ -57,8 +57,14 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -137,7 +143,102 @@ MODELS = {
         moe=dict(experts=4, top_k=2, layer_freq=1, aux_loss_coeff=0.0, capacity_factor=0.0),
         grad_clip=2.0,
     ),
+    # Qwen2ForCausalLM: llama's shapes plus q/k/v biases (Qwen2 always has them), and
+    # linear rope scaling (factor 2). transformers zero-initialises biases, which would
+    # leave them invisible in the first loss: they are redrawn from N(0, bias_std) (the
+    # script asserts that zeroing them moves the first loss by more than MIN_EFFECT), and
+    # the weights are drawn with std init_std (transformers' initializer_range) so that the
+    # logits, hence the loss, respond to the attention (and to positions and their scaling).
+    "qwen2": dict(
+        arch="qwen2",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=96,
+        vocab=128,
+        seq_len=16,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        rope_scaling=dict(type="linear", factor=2.0),
+        bias_std=0.5,
+        init_std=0.2,
+        grad_clip=2.0,
+    ),
+    # LlamaForCausalLM with Llama 3.1's rope scaling (_compute_llama3_parameters). At the
+    # default init std 0.02 the rewrite moves the loss by ~2e-5, so the weights are drawn
+    # larger (init_std: transformers' initializer_range), the sequence is longer than
+    # original_max_position_embeddings and theta is large, so the low-frequency half of the
+    # dims is rescaled over positions that matter; the script asserts the effect on the
+    # first loss exceeds MIN_EFFECT.
+    "llama31": dict(
+        arch="llama",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=96,
+        vocab=128,
+        seq_len=32,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+        rope_scaling=dict(
+            type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+        init_std=0.2,
+        grad_clip=2.0,
+    ),
+    # Qwen3ForCausalLM: an RMSNorm over each head's q and k before RoPE, and a head size (32)
+    # that is not hidden / heads (16). The q/k norm weights are drawn around 1
+    # (1 + N(0, qk_norm_std)) instead of transformers' ones, so each element's gradient
+    # matters; the script asserts that removing the norms moves the first loss.
+    "qwen3": dict(
+        arch="qwen3",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        ffn_hidden=96,
+        vocab=128,
+        seq_len=16,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        qk_norm_std=0.2,
+        init_std=0.1,
+        grad_clip=2.0,
+    ),
+    # MistralForCausalLM with a sliding window of 5 over 32-token samples (query q sees keys
+    # q-4 ..= q): the window cuts most of each row of the causal mask; the script asserts
+    # that full causal attention (sliding_window None) gives another first loss.
+    "mistral": dict(
+        arch="mistral",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=96,
+        vocab=128,
+        seq_len=32,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        sliding_window=5,
+        init_std=0.1,
+        grad_clip=1.5,
+    ),
 }
+
+# A feature's golden must show it: switching the feature off (zero biases, no rope scaling)
+# must change the first loss by more than this (relative), far above float32 noise.
+MIN_EFFECT = 1e-3
 
 # Minimum gap between the top_k-th and the (top_k+1)-th router logit of any token in any
 # MoE layer over all the training forwards (mixtral): far above float32 rounding, so
@@ -176,6 +277,48 @@ def build_model(m):
         cfg._experts_implementation = "eager"
         model = MixtralForCausalLM(cfg)
         assert model.config._experts_implementation == "eager"
+    elif m["arch"] in ("qwen2", "qwen3", "mistral") or m.get("rope_scaling") is not None:
+        kw = dict(
+            vocab_size=m["vocab"],
+            hidden_size=m["hidden"],
+            intermediate_size=m["ffn_hidden"],
+            num_hidden_layers=m["layers"],
+            num_attention_heads=m["heads"],
+            num_key_value_heads=m["kv_heads"],
+            max_position_embeddings=m["seq_len"],
+            rms_norm_eps=m["norm_eps"],
+            rope_parameters=rope_parameters(m),
+            tie_word_embeddings=m["tie_embeddings"],
+            attention_dropout=0.0,
+            hidden_act="silu",
+            initializer_range=m.get("init_std", 0.02),
+            dtype="float32",
+        )
+        if m["arch"] == "qwen2":
+            cfg = Qwen2Config(use_sliding_window=False, **kw)
+            cls = Qwen2ForCausalLM
+        elif m["arch"] == "mistral":
+            cfg = MistralConfig(sliding_window=m.get("sliding_window"), **kw)
+            cls = MistralForCausalLM
+        elif m["arch"] == "qwen3":
+            cfg = Qwen3Config(
+                use_sliding_window=False, attention_bias=False, head_dim=m["head_dim"], **kw
+            )
+            cls = Qwen3ForCausalLM
+        else:
+            assert m["arch"] == "llama"
+            cfg = LlamaConfig(attention_bias=False, mlp_bias=False, **kw)
+            cls = LlamaForCausalLM
+        cfg._attn_implementation = "eager"
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if m.get("bias_std") is not None and name.endswith(".bias"):
+                    p.normal_(0.0, m["bias_std"])
+                if m.get("qk_norm_std") is not None and name.endswith(
+                    ("q_norm.weight", "k_norm.weight")
+                ):
+                    p.normal_(1.0, m["qk_norm_std"])
     elif m["arch"] == "llama":
         cfg = LlamaConfig(
             vocab_size=m["vocab"],
@@ -230,6 +373,67 @@ def build_model(m):
     else:
         assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     return model
+
+
+def rope_parameters(m):
+    """transformers 5's rope_parameters for model m (theta and its rope_scaling)."""
+    r = dict(rope_type="default", rope_theta=m["rope_theta"])
+    sc = m.get("rope_scaling")
+    if sc is not None:
+        r.update({k: v for k, v in sc.items() if k != "type"})
+        r["rope_type"] = sc["type"]
+    return r
+
+
+def first_loss(model, toks, m):
+    """The loss of the first global batch's samples in one forward (no update)."""
+    S, V, G = m["seq_len"], m["vocab"], TRAIN["global_batch"]
+    windows = torch.from_numpy(toks.astype(np.int64))
+    batch = torch.stack([windows[i * (S + 1) : (i + 1) * (S + 1)] for i in range(G)])
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, :S]).logits
+    model.train()
+    return float(F.cross_entropy(logits.reshape(-1, V), batch[:, 1:].reshape(-1)).item())
+
+
+def feature_effects(model, toks, m):
+    """How much each feature of m moves the first loss: {feature: relative change} when it
+    is switched off in a copy of the model (biases zeroed; rope scaling removed)."""
+    import copy
+
+    base = first_loss(model, toks, m)
+    effects = {}
+    if m.get("bias_std") is not None:
+        off = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, p in off.named_parameters():
+                if name.endswith(".bias"):
+                    p.zero_()
+        effects["qkv_bias"] = abs(first_loss(off, toks, m) - base) / base
+    if m.get("qk_norm_std") is not None:
+        off = copy.deepcopy(model)
+        for layer in off.model.layers:
+            layer.self_attn.q_norm = torch.nn.Identity()
+            layer.self_attn.k_norm = torch.nn.Identity()
+        effects["qk_norm"] = abs(first_loss(off, toks, m) - base) / base
+    if m.get("sliding_window") is not None:
+        plain = dict(m)
+        plain.pop("sliding_window")
+        torch.manual_seed(12345)
+        off = build_model(plain)
+        off.load_state_dict(model.state_dict(), strict=True)
+        effects["sliding_window"] = abs(first_loss(off, toks, m) - base) / base
+    if m.get("rope_scaling") is not None:
+        plain = dict(m)
+        plain.pop("rope_scaling")
+        torch.manual_seed(12345)
+        off = build_model(plain)
+        off.load_state_dict(model.state_dict(), strict=True)
+        effects["rope_scaling"] = abs(first_loss(off, toks, m) - base) / base
+    for k, v in effects.items():
+        assert v > MIN_EFFECT, f"{m['arch']}: switching off {k} moves the first loss by only {v:.2e}"
+    return effects
 
 
 def save_weights(model, dst_safetensors, dst_config=None):
@@ -396,8 +600,19 @@ def model_toml(name, m):
         f"norm_eps = {fnum(m['norm_eps'])}",
         f"rope_theta = {fnum(m['rope_theta'])}",
         f"tie_embeddings = {'true' if m['tie_embeddings'] else 'false'}",
-        "",
     ]
+    for key in ("head_dim", "sliding_window"):
+        if m.get(key) is not None:
+            lines.append(f"{key} = {m[key]}")
+    lines.append("")
+    sc = m.get("rope_scaling")
+    if sc is not None:
+        lines.append("[model.rope_scaling]")
+        lines.append(f'type = "{sc["type"]}"')
+        for k, v in sc.items():
+            if k != "type":
+                lines.append(f"{k} = {fnum(v)}")
+        lines.append("")
     if m.get("moe") is not None:
         moe = m["moe"]
         lines += [
@@ -531,6 +746,7 @@ def generate(name, m, outdir):
     with open(os.path.join(outdir, "model.toml"), "w") as f:
         f.write(model_toml(name, m))
 
+    effects = feature_effects(model, toks, m)
     gaps = router_gaps(model)
     losses, norms = train(model, toks, m)
     if is_moe:
@@ -556,6 +772,8 @@ def generate(name, m, outdir):
     }
     if is_moe:
         expected["min_router_logit_gap"] = min(gaps)
+    if effects:
+        expected["feature_effects"] = effects
     expected["torch_version"] = torch.__version__
     expected["transformers_version"] = transformers.__version__
     with open(os.path.join(outdir, "expected.json"), "w") as f:
@@ -573,6 +791,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=HERE, help="output root (default: this folder)")
     ap.add_argument(
+        "--only",
+        action="append",
+        help="generate only this model (repeatable; default: every model)",
+    )
+    ap.add_argument(
         "--check",
         action="store_true",
         help="regenerate into a temp dir and compare with the committed files byte for byte",
@@ -585,12 +808,16 @@ def main():
 
     root = tempfile.mkdtemp() if args.check else args.out
     try:
-        for name, m in MODELS.items():
+        names = args.only or list(MODELS)
+        for name in names:
+            m = MODELS[name]
             outdir = os.path.join(root, name)
             exp = generate(name, m, outdir)
             print(f"== {name} ({m['arch']}), grad_clip {m['grad_clip']}")
             for k, (l, n, c) in enumerate(zip(exp["losses"], exp["grad_norms"], exp["clipped"])):
                 print(f"  step {k}: loss {l:.9g}  grad_norm {n:.9g}  {'clipped' if c else ''}")
+            for k, v in exp.get("feature_effects", {}).items():
+                print(f"  switching off {k} moves the first loss by {v:.3g} (relative)")
             if "min_router_logit_gap" in exp:
                 print(f"  min router logit gap (top_k vs next): {exp['min_router_logit_gap']:.3g}")
             for fn in sorted(os.listdir(outdir)):
@@ -600,7 +827,7 @@ def main():
         print(f"torch {torch.__version__}, transformers {transformers.__version__}")
         if args.check:
             bad = []
-            for name in MODELS:
+            for name in names:
                 for fn in sorted(os.listdir(os.path.join(root, name))):
                     a = os.path.join(root, name, fn)
                     b = os.path.join(HERE, name, fn)

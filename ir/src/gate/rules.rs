@@ -294,16 +294,19 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
                 "the output",
             )
         }
-        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+        OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
             positive(*theta, "theta")?;
+            if let Some(p) = scaling.as_ref().and_then(|s| s.problem()) {
+                return Err(p);
+            }
             rank(ins[0], 4, "the input [b, s, heads, head_dim]")?;
             if sh(ins[0])[3] % 2 != 0 {
                 return Err(format!("head dim {} is odd", sh(ins[0])[3]));
             }
             eq(outs[0], sh(ins[0]), "the output")
         }
-        OpKind::CausalAttention | OpKind::AttentionGrad => {
-            let fwd = matches!(op, OpKind::CausalAttention);
+        OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
+            let fwd = matches!(op, OpKind::CausalAttention { .. });
             let (q, k, v) = (ins[0], ins[1], ins[2]);
             rank(q, 4, "q")?;
             rank(k, 4, "k")?;

@@ -14,56 +14,34 @@ pub(super) fn run(
 ) -> Result<(), RuntimeError> {
     let (mem, mesh) = (env.mem, env.mesh);
     match op {
-        OpKind::Rope { theta } | OpKind::RopeGrad { theta } => {
+        OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
             let [b, s, nh, d] = dims4(op, mem, ins[0])?;
-            let fwd = matches!(op, OpKind::Rope { .. });
-            match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
-                None if fwd => k::rope_fwd(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    mem.f32_mut(outs[0]),
-                ),
-                None => k::rope_bwd(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    mem.f32_mut(outs[0]),
-                ),
-                // Context parallelism: the local tokens sit at their chunks' global positions.
-                Some(pos) if fwd => k::context::rope_fwd_positions(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    &pos.local,
-                    mem.f32_mut(outs[0]),
-                ),
-                Some(pos) => k::context::rope_bwd_positions(
-                    mem.f32(ins[0]),
-                    b,
-                    s,
-                    nh,
-                    d,
-                    *theta as f32,
-                    &pos.local,
-                    mem.f32_mut(outs[0]),
-                ),
-            }
+            let inverse = matches!(op, OpKind::RopeGrad { .. });
+            let inv_freq = megac_ir::spec::rope_inv_freq(d, *theta, scaling.as_ref());
+            // Context parallelism: the local tokens sit at their chunks' global positions.
+            let positions = match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None => (0..s as u32).collect(),
+                Some(pos) => pos.local,
+            };
+            k::rope_freq(
+                mem.f32(ins[0]),
+                b,
+                s,
+                nh,
+                d,
+                &inv_freq,
+                &positions,
+                mem.f32_mut(outs[0]),
+                inverse,
+            );
         }
-        OpKind::CausalAttention => {
+        OpKind::CausalAttention { window } => {
             let [b, s, nh, d] = dims4(op, mem, ins[0])?;
             let nkv = dims4(op, mem, ins[1])?[2];
+            // A window at least the sequence long is no window (and fits the kernel's u32).
+            let window = u32::try_from(*window).unwrap_or(u32::MAX);
             match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
-                None => k::attention_fwd(
+                None if window == 0 => k::attention_fwd(
                     mem.f32(ins[0]),
                     mem.f32(ins[1]),
                     mem.f32(ins[2]),
@@ -75,19 +53,40 @@ pub(super) fn run(
                     mem.f32_mut(outs[0]),
                     mem.f32_mut(outs[1]),
                 ),
+                None => {
+                    // Sliding window: the positional mask over positions 0..s.
+                    let pos: Vec<u32> = (0..s as u32).collect();
+                    k::context::attention_window_fwd(
+                        mem.f32(ins[0]),
+                        mem.f32(ins[1]),
+                        mem.f32(ins[2]),
+                        &pos,
+                        &pos,
+                        window,
+                        b,
+                        s,
+                        s,
+                        nh,
+                        nkv,
+                        d,
+                        mem.f32_mut(outs[0]),
+                        mem.f32_mut(outs[1]),
+                    );
+                }
                 Some(pos) if env.cp_comm == megac_ir::spec::CpComm::AllGather => {
                     // Context parallelism, all-gather variant: every rank gathers the
                     // sequence's keys and values and attends its local queries by global
-                    // position.
+                    // position (and window).
                     let block = s * nkv * d;
                     let kk = gather_seq(comm, &pos.group, mem.f32(ins[1]), b, block)?;
                     let vv = gather_seq(comm, &pos.group, mem.f32(ins[2]), b, block)?;
-                    k::context::attention_block_fwd(
+                    k::context::attention_window_fwd(
                         mem.f32(ins[0]),
                         &kk,
                         &vv,
                         &pos.local,
                         &pos.all,
+                        window,
                         b,
                         s,
                         s * pos.group.len(),
@@ -100,8 +99,9 @@ pub(super) fn run(
                 }
                 Some(pos) => {
                     // Ring variant: each rank's K/V block travels around the cp ring; every
-                    // rank attends its queries to each block as it passes and merges the
-                    // partial results by log-sum-exp.
+                    // rank attends its queries to each block as it passes (masked by global
+                    // position and window; a block a query cannot see gives lse = -inf) and
+                    // merges the partial results by log-sum-exp.
                     let n = pos.group.len();
                     let me = pos.me;
                     let mut kb = mem.f32(ins[1]).to_vec();
@@ -114,16 +114,18 @@ pub(super) fn run(
                         let owner = (me + n - step) % n;
                         let k_pos = &pos.all[owner * s..(owner + 1) * s];
                         if step == 0 {
-                            k::context::attention_block_fwd(
-                                q, &kb, &vb, &pos.local, k_pos, b, s, s, nh, nkv, d, out, lse,
+                            k::context::attention_window_fwd(
+                                q, &kb, &vb, &pos.local, k_pos, window, b, s, s, nh, nkv, d, out,
+                                lse,
                             );
                         } else {
-                            k::context::attention_block_fwd(
+                            k::context::attention_window_fwd(
                                 q,
                                 &kb,
                                 &vb,
                                 &pos.local,
                                 k_pos,
+                                window,
                                 b,
                                 s,
                                 s,
@@ -163,10 +165,34 @@ pub(super) fn run(
                 }
             }
         }
-        OpKind::AttentionGrad => {
+        OpKind::AttentionGrad { window } => {
             let [b, s, nh, d] = dims4(op, mem, ins[0])?;
             let nkv = dims4(op, mem, ins[1])?[2];
+            let window = u32::try_from(*window).unwrap_or(u32::MAX);
             match cp_positions(mem, ins[0], 1, mesh, comm.rank()) {
+                None if window > 0 => {
+                    let pos: Vec<u32> = (0..s as u32).collect();
+                    k::context::attention_window_bwd(
+                        mem.f32(ins[0]),
+                        mem.f32(ins[1]),
+                        mem.f32(ins[2]),
+                        mem.f32(ins[3]),
+                        mem.f32(ins[4]),
+                        mem.f32(ins[5]),
+                        &pos,
+                        &pos,
+                        window,
+                        b,
+                        s,
+                        s,
+                        nh,
+                        nkv,
+                        d,
+                        mem.f32_mut(outs[0]),
+                        mem.f32_mut(outs[1]),
+                        mem.f32_mut(outs[2]),
+                    );
+                }
                 None => k::attention_bwd(
                     mem.f32(ins[0]),
                     mem.f32(ins[1]),
@@ -192,7 +218,7 @@ pub(super) fn run(
                     let vv = gather_seq(comm, &pos.group, mem.f32(ins[2]), b, block)?;
                     let mut dk_all = vec![0f32; kk.len()];
                     let mut dv_all = vec![0f32; vv.len()];
-                    k::context::attention_block_bwd(
+                    k::context::attention_window_bwd(
                         mem.f32(ins[0]),
                         &kk,
                         &vv,
@@ -201,6 +227,7 @@ pub(super) fn run(
                         mem.f32(ins[5]),
                         &pos.local,
                         &pos.all,
+                        window,
                         b,
                         s,
                         s * n,
@@ -239,9 +266,9 @@ pub(super) fn run(
                     for step in 0..n {
                         let owner = (me + n - step) % n;
                         let k_pos = &pos.all[owner * s..(owner + 1) * s];
-                        k::context::attention_block_bwd(
-                            q, &kb, &vb, out, lse, dout, &pos.local, k_pos, b, s, s, nh, nkv, d,
-                            dq, &mut dkb, &mut dvb,
+                        k::context::attention_window_bwd(
+                            q, &kb, &vb, out, lse, dout, &pos.local, k_pos, window, b, s, s, nh,
+                            nkv, d, dq, &mut dkb, &mut dvb,
                         );
                         ring_pass(
                             comm,

@@ -4,7 +4,7 @@
 //! the [`CostModel`] functions the plan simulator uses, and the bytes a layer keeps for its
 //! backward (the tensors megac's autodiff saves; Korthikanti et al. for flash attention).
 
-use megac_ir::spec::{Arch, ModelSpec};
+use megac_ir::spec::{Arch, ModelSection, ModelSpec};
 use megac_ir::types::DType;
 
 use super::ParallelLayout;
@@ -72,6 +72,8 @@ pub(super) struct Geo<'a> {
     pub(super) cp_ring: bool,
     /// Sequence parallelism keeps norm outputs sharded and gathers them again in backward.
     pub(super) tp_overlap: f64,
+    /// The share of causal attention a sliding window keeps (1 without one).
+    pub(super) window: f64,
 }
 
 impl<'a> Geo<'a> {
@@ -109,6 +111,7 @@ impl<'a> Geo<'a> {
             ep_group: Group::strided(layout.ep, tp, gpn),
             cp_ring: spec.parallel.cp_comm == megac_ir::spec::CpComm::Ring,
             tp_overlap: params.tp_comm_overlap,
+            window: megac_ir::flops::window_fraction(m.seq_len, m.sliding_window),
         }
     }
 }
@@ -203,7 +206,7 @@ impl Geo<'_> {
     /// Executed attention FLOPs forward (causal: half the square), per rank.
     pub(super) fn attn_flops(&self) -> f64 {
         let d = self.q_l / self.heads_l;
-        2.0 * self.t * self.s * self.heads_l * d
+        2.0 * self.t * self.s * self.heads_l * d * self.window
     }
     /// Attention kernels per rank: one, or with ring context parallelism one per key/value
     /// block (the local queries meet each of the cp blocks in turn).
@@ -287,7 +290,8 @@ pub(super) struct ZeroBubbleKept {
 /// residual, and their backward, with the tensor/context-parallel collectives): adds its
 /// phases to `ph` and returns (forward time with its exposed communication, the core
 /// attention kernel's forward time).
-fn attention_block(g: &Geo, arch: Arch, ph: &mut Phases) -> (f64, f64) {
+fn attention_block(g: &Geo, m: &ModelSection, ph: &mut Phases) -> (f64, f64) {
+    let arch = m.arch;
     let (t, h, a) = (g.t, g.h, g.a);
     let mut f = 0.0;
     let mut b = 0.0;
@@ -300,8 +304,20 @@ fn attention_block(g: &Geo, arch: Arch, ph: &mut Phases) -> (f64, f64) {
     let attn = g.attn_f();
     let attn_b = g.attn_b();
     match arch {
-        Arch::Llama => {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
             f += g.lin(t, g.q_l, h) + 2.0 * g.lin(t, g.kv_l, h);
+            if m.qkv_bias {
+                // Qwen2's biases: read with the projections' outputs; their gradients are a
+                // sum over the tokens.
+                f += g.mem((g.q_l + 2.0 * g.kv_l) * W);
+                w += g.mem(t * (g.q_l + 2.0 * g.kv_l) * a + 2.0 * (g.q_l + 2.0 * g.kv_l) * W);
+            }
+            if m.qk_norm {
+                // Qwen3's per-head RMSNorm of q and k: x in, y out; backward x, dy in, dx out.
+                let width = g.q_l + g.kv_l;
+                f += g.mem(2.0 * t * width * a);
+                b += g.mem(3.0 * t * width * a) + g.zero(t * width * a);
+            }
             f += g.mem(2.0 * t * g.q_l * a) + g.mem(2.0 * t * g.kv_l * a);
             f += attn;
             f += g.lin(t, h, g.q_l);
@@ -367,7 +383,7 @@ fn mlp_block(
     f += g.norm_f(norm_params);
     comm_f += g.enter_f();
     match (m.arch, moe) {
-        (Arch::Llama, false) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, false) => {
             f += 2.0 * g.lin(t, f_l, h) + g.mem(3.0 * t * f_l * a) + g.lin(t, h, f_l);
             b += g.lin_gi(t, h, f_l);
             w += g.lin_gw(t, h, f_l);
@@ -385,7 +401,7 @@ fn mlp_block(
             b += g.lin_gi(t, f_l, h);
             w += g.lin_gw(t, f_l, h) + g.mem(t * f_l * a + 2.0 * f_l * W);
         }
-        (Arch::Llama, true) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
             let (e, k) = (x.experts as f64, x.top_k as f64);
             let ep = layout.ep.max(1) as f64;
@@ -454,15 +470,15 @@ pub(super) fn layer_cost(
 ) -> LayerCost {
     let m = &spec.model;
     let mut ph = Phases::default();
-    let (attn_fwd, attention) = attention_block(g, m.arch, &mut ph);
+    let (attn_fwd, attention) = attention_block(g, m, &mut ph);
     let mlp_fwd = mlp_block(g, spec, layout, moe, &mut ph);
     let (t, tn, h, a) = (g.t, g.tn, g.h, g.a);
     let lse = 4.0 * t * g.heads_l;
     let attn_out = t * g.q_l * a;
     let mlp_saved = match (m.arch, moe) {
-        (Arch::Llama, false) => 3.0 * t * g.f_l * a,
         (Arch::Gpt, _) => 2.0 * t * g.f_l * a,
-        (Arch::Llama, true) => {
+        (_, false) => 3.0 * t * g.f_l * a,
+        (_, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
             // The plan's static expert buffers hold every row a router could send (the
             // upper bound, or the capacity), not the balanced share the time assumes.
@@ -471,8 +487,10 @@ pub(super) fn layer_cost(
         }
     };
     let qkv_saved = match m.arch {
-        Arch::Llama => (g.q_l + 2.0 * g.kv_l) * t * a,
         Arch::Gpt => 3.0 * g.q_l * t * a,
+        // Qwen3 also keeps the normalised q and k (the rope's inputs).
+        _ if m.qk_norm => (2.0 * g.q_l + 3.0 * g.kv_l) * t * a,
+        _ => (g.q_l + 2.0 * g.kv_l) * t * a,
     };
     // Norm inputs and outputs (the linears' saved input), both sharded by sequence
     // parallelism (the gathered copy is made again in backward: the `regather` pass), q/k/v,
@@ -483,9 +501,9 @@ pub(super) fn layer_cost(
     let input = tn * h * a;
     // Zero-bubble: the MLP's linear inputs `W` reads, and the output gradients of its linears.
     let (mlp_kw, mlp_bw) = match (m.arch, moe) {
-        (Arch::Llama, false) => (t * g.f_l * a, (2.0 * t * g.f_l + t * h) * a),
         (Arch::Gpt, _) => (t * g.f_l * a, (t * g.f_l + t * h) * a),
-        (Arch::Llama, true) => {
+        (_, false) => (t * g.f_l * a, (2.0 * t * g.f_l + t * h) * a),
+        (_, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
             let rows = reserved_expert_rows(g, x);
             (rows * (h + g.f_l) * a, rows * (2.0 * g.f_l + h) * a)
@@ -500,7 +518,12 @@ pub(super) fn layer_cost(
     } else {
         0.0
     };
-    let bw = qkv_saved + t * h * a + mlp_bw + bias_grads;
+    // The q/k/v projections' output gradients.
+    let qkv_out = match m.arch {
+        Arch::Gpt => 3.0 * g.q_l * t * a,
+        _ => (g.q_l + 2.0 * g.kv_l) * t * a,
+    };
+    let bw = qkv_out + t * h * a + mlp_bw + bias_grads;
     // Selective recomputation makes the attention output in B; full recomputation makes
     // every linear input in B, the norms' outputs gathered (t rows, not tn).
     let gathered = 2.0 * (t - norm_out) * h * a;

@@ -227,8 +227,14 @@ fn stage_params(
     let (mut dense, mut expert) = (0.0, 0.0);
     for &i in layers {
         match m.arch {
-            Arch::Llama => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
                 dense += h * q_l + 2.0 * h * kv_l + q_l * h + 2.0 * h;
+                if m.qkv_bias {
+                    dense += q_l + 2.0 * kv_l;
+                }
+                if m.qk_norm {
+                    dense += 2.0 * d;
+                }
                 if m.is_moe_layer(i) {
                     let x = m.moe.as_ref().expect("moe layer has [model.moe]");
                     dense += h * x.experts as f64;
@@ -263,8 +269,8 @@ fn stage_params(
 fn stage_tensors(spec: &ModelSpec, layers: usize, first: bool, last: bool) -> f64 {
     let m = &spec.model;
     let per_layer = match m.arch {
-        Arch::Llama => 9.0,
         Arch::Gpt => 12.0,
+        _ => 9.0 + 3.0 * f64::from(u8::from(m.qkv_bias)) + 2.0 * f64::from(u8::from(m.qk_norm)),
     };
     let mut n = per_layer * layers as f64;
     if first {
