@@ -49,6 +49,12 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         if let Some(d) = &args.trace {
             check_dir("--trace", d)?;
         }
+        if let Some(d) = &args.save {
+            check_dir("--save", d)?;
+        }
+    }
+    if args.save_interval == Some(0) {
+        return Err("error: --save-interval 0: checkpoint every N >= 1 steps".into());
     }
     Ok(RunOptions {
         steps: args.steps,
@@ -61,6 +67,9 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         .then_some(true),
         profile: args.profile,
         trace: args.trace.clone(),
+        save: args.save.clone(),
+        save_interval: args.save_interval,
+        load: args.load.clone(),
     })
 }
 
@@ -131,6 +140,20 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
     }
     if let Some(p) = &args.save_params {
         println!("saved parameters to {}", p.display());
+    }
+    if let Some(c) = report.checkpoints.last() {
+        println!(
+            "saved {} checkpoint{}, the last {} ({:.1} MiB in {:.3} s)",
+            report.checkpoints.len(),
+            if report.checkpoints.len() == 1 {
+                ""
+            } else {
+                "s"
+            },
+            c.path.display(),
+            c.bytes as f64 / (1u64 << 20) as f64,
+            c.seconds
+        );
     }
     Ok(())
 }
