@@ -167,7 +167,7 @@ enum Command {
     Launch(commands::launch::LaunchArgs),
     /// Inspect or export a checkpoint written by `--save`.
     #[command(
-        after_help = "Examples:\n  megac train examples/llama-tiny.toml --steps 2 --save /tmp/llama-ckpt\n  megac checkpoint inspect /tmp/llama-ckpt\n  megac checkpoint export /tmp/llama-ckpt -o /tmp/llama-ckpt.safetensors"
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --steps 2 --save /tmp/llama-ckpt\n  megac checkpoint inspect /tmp/llama-ckpt\n  megac checkpoint export /tmp/llama-ckpt -o /tmp/llama-ckpt.safetensors"
     )]
     Checkpoint {
         #[command(subcommand)]

@@ -1,0 +1,480 @@
+//! Distributed checkpoints through the `megac` binary: `--save` / `--load` resume bit-exactly
+//! in the same layout and within fp32 tolerance in any other (resharding), faults are one
+//! clear error before training, a crashed save leaves the previous checkpoint in use, and
+//! `megac checkpoint inspect|export` read what `--save` wrote. Every reference is an
+//! uninterrupted run.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{megac, stderr, stdout};
+
+const LLAMA: &str = "examples/llama-tiny.toml";
+const MOE: &str = "examples/moe-tiny.toml";
+
+/// `megac train MODEL` with `--set` overrides `sets` and `extra` arguments; panics with its
+/// output unless it succeeds.
+fn train(model: &str, sets: &[&str], extra: &[&str]) -> String {
+    let o = run_train(model, sets, extra);
+    assert!(
+        o.status.success(),
+        "megac train {model} {sets:?} {extra:?} failed:\n{}",
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+fn run_train(model: &str, sets: &[&str], extra: &[&str]) -> std::process::Output {
+    let mut args: Vec<&str> = vec!["train", model];
+    for s in sets {
+        args.push("--set");
+        args.push(s);
+    }
+    args.extend_from_slice(extra);
+    megac(&args)
+}
+
+/// (step, loss, grad norm, loss scale) of each step of a `--report`.
+fn report(path: &Path) -> Vec<(u64, f64, f64, Option<f64>)> {
+    let text = std::fs::read_to_string(path).expect("report");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("report JSON");
+    v["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .map(|s| {
+            (
+                s["step"].as_u64().expect("step"),
+                s["loss"].as_f64().unwrap_or(f64::NAN),
+                s["grad_norm"].as_f64().unwrap_or(f64::NAN),
+                s["loss_scale"].as_f64(),
+            )
+        })
+        .collect()
+}
+
+fn p(dir: &Path, name: &str) -> String {
+    dir.join(name).display().to_string()
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().expect("temporary folder")
+}
+
+/// Saved at step 3 (and 2) and resumed to 6 in the same layout: steps 4, 5, 6 with the
+/// uninterrupted run's losses, gradient norms and final parameters, bit for bit.
+fn bit_exact(model: &str, sets: &[&str]) {
+    let t = tmp();
+    let (full, full_params) = (p(t.path(), "full.json"), p(t.path(), "full.safetensors"));
+    train(
+        model,
+        sets,
+        &[
+            "--steps",
+            "6",
+            "--report",
+            &full,
+            "--save-params",
+            &full_params,
+        ],
+    );
+    let ckpt = p(t.path(), "ckpt");
+    let out = train(
+        model,
+        sets,
+        &["--steps", "3", "--save", &ckpt, "--save-interval", "2"],
+    );
+    assert!(out.contains("saved 2 checkpoints"), "{out}");
+    let latest = std::fs::read_to_string(t.path().join("ckpt/latest")).expect("latest");
+    assert_eq!(latest.trim(), "step-000003");
+    assert!(t.path().join("ckpt/step-000002/index.json").is_file());
+    let (res, res_params) = (p(t.path(), "res.json"), p(t.path(), "res.safetensors"));
+    train(
+        model,
+        sets,
+        &[
+            "--steps",
+            "6",
+            "--load",
+            &ckpt,
+            "--report",
+            &res,
+            "--save-params",
+            &res_params,
+        ],
+    );
+    let (a, b) = (report(Path::new(&full)), report(Path::new(&res)));
+    assert_eq!(
+        b.iter().map(|s| s.0).collect::<Vec<_>>(),
+        [4, 5, 6],
+        "{sets:?}"
+    );
+    for s in &b {
+        let r = a[s.0 as usize - 1];
+        assert_eq!(
+            (s.1.to_bits(), s.2.to_bits(), s.3),
+            (r.1.to_bits(), r.2.to_bits(), r.3),
+            "{model} {sets:?} step {}: resumed {s:?}, uninterrupted {r:?}",
+            s.0
+        );
+    }
+    assert_eq!(
+        std::fs::read(&full_params).expect("params"),
+        std::fs::read(&res_params).expect("params"),
+        "{model} {sets:?}: final parameters differ"
+    );
+    // An explicit step folder: resumes after step 2.
+    let res2 = p(t.path(), "res2.json");
+    let step2 = p(t.path(), "ckpt/step-000002");
+    train(
+        model,
+        sets,
+        &["--steps", "4", "--load", &step2, "--report", &res2],
+    );
+    let c = report(Path::new(&res2));
+    assert_eq!(c.iter().map(|s| s.0).collect::<Vec<_>>(), [3, 4]);
+    assert_eq!(c[0].1.to_bits(), a[2].1.to_bits(), "{sets:?}");
+}
+
+#[test]
+fn resume_in_the_same_layout_is_bit_exact_fp32() {
+    bit_exact(LLAMA, &[]);
+    bit_exact(
+        LLAMA,
+        &[
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.distributed_optimizer=true",
+        ],
+    );
+}
+
+#[test]
+fn resume_in_the_same_layout_is_bit_exact_bf16() {
+    // bf16 keeps fp32 master weights beside the 16-bit working weights: both are saved.
+    bit_exact(LLAMA, &["train.precision=\"bf16\"", "parallel.pp=2"]);
+    bit_exact(
+        LLAMA,
+        &[
+            "train.precision=\"bf16\"",
+            "parallel.dp=2",
+            "parallel.distributed_optimizer=true",
+        ],
+    );
+}
+
+#[test]
+fn resume_continues_the_fp16_loss_scaler() {
+    // The default scaler (2^32, hysteresis 2) overflows at every step of this model: the
+    // scale halves from step 3 on, which a fresh scaler would not repeat after a resume.
+    bit_exact(LLAMA, &["train.precision=\"fp16\""]);
+}
+
+/// Saved at step 2 in layout `from`, resumed to step 4 in layout `to`: within fp32 rel 1e-5
+/// of the uninterrupted run in `to`.
+#[test]
+fn a_checkpoint_loads_into_any_layout() {
+    let dist = "parallel.distributed_optimizer=true";
+    let kv4 = "model.kv_heads=4";
+    let l4 = "model.layers=4";
+    let cases: &[(&str, &[&str], &[&str])] = &[
+        (LLAMA, &[], &["parallel.tp=2"]),
+        (LLAMA, &["parallel.tp=2"], &["parallel.pp=2"]),
+        (LLAMA, &["parallel.pp=2"], &["parallel.dp=2", dist]),
+        (LLAMA, &["parallel.dp=2", dist], &[]),
+        (
+            LLAMA,
+            &["parallel.cp=2", "parallel.dp=2", dist],
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ),
+        (LLAMA, &["parallel.tp=2", kv4], &["parallel.tp=4", kv4]),
+        (
+            LLAMA,
+            &["parallel.pp=2", "parallel.vpp=2", l4],
+            &["parallel.dp=2", dist, l4],
+        ),
+        (MOE, &["parallel.dp=2", "parallel.ep=2"], &[]),
+        (MOE, &[], &["parallel.dp=2", "parallel.ep=2", dist]),
+        (
+            MOE,
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            &["parallel.pp=2"],
+        ),
+    ];
+    let t = tmp();
+    for (k, (model, from, to)) in cases.iter().enumerate() {
+        let ckpt = p(t.path(), &format!("ckpt{k}"));
+        train(model, from, &["--steps", "2", "--save", &ckpt]);
+        let (full, res) = (
+            p(t.path(), &format!("full{k}.json")),
+            p(t.path(), &format!("res{k}.json")),
+        );
+        train(model, to, &["--steps", "4", "--report", &full]);
+        train(
+            model,
+            to,
+            &["--steps", "4", "--load", &ckpt, "--report", &res],
+        );
+        let (a, b) = (report(Path::new(&full)), report(Path::new(&res)));
+        assert_eq!(b.iter().map(|s| s.0).collect::<Vec<_>>(), [3, 4]);
+        for s in &b {
+            let r = a[s.0 as usize - 1];
+            for (got, want, what) in [(s.1, r.1, "loss"), (s.2, r.2, "grad norm")] {
+                let rel = (got - want).abs() / want.abs();
+                assert!(
+                    rel <= 1e-5,
+                    "{model} {from:?} -> {to:?} step {}: {what} {got} resumed, {want} uninterrupted (rel {rel:e})",
+                    s.0
+                );
+            }
+        }
+    }
+}
+
+/// A checkpoint of 2 steps of llama-tiny on 2 ranks (tp = 2).
+fn saved(t: &Path) -> PathBuf {
+    let ckpt = t.join("ckpt");
+    train(
+        LLAMA,
+        &["parallel.tp=2"],
+        &["--steps", "2", "--save", &ckpt.display().to_string()],
+    );
+    ckpt
+}
+
+/// `--load ckpt` with `sets`: must fail before training with a message containing every
+/// one of `wanted`, and write no report.
+fn refused(t: &Path, ckpt: &Path, model: &str, sets: &[&str], wanted: &[&str]) {
+    let report = t.join("refused.json");
+    let o = run_train(
+        model,
+        sets,
+        &[
+            "--steps",
+            "4",
+            "--load",
+            &ckpt.display().to_string(),
+            "--report",
+            &report.display().to_string(),
+        ],
+    );
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{sets:?}: loaded:\n{}", stdout(&o));
+    for w in wanted {
+        assert!(err.contains(w), "{sets:?}: `{w}` not in:\n{err}");
+    }
+    assert_eq!(err.trim().lines().count(), 1, "one line:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(!stdout(&o).contains("trained"), "{}", stdout(&o));
+    assert!(!report.exists(), "a refused load wrote a report");
+}
+
+#[test]
+fn damaged_or_foreign_checkpoints_are_refused_by_name() {
+    let t = tmp();
+    let ckpt = saved(t.path());
+    let step = ckpt.join("step-000002");
+    let shard = step.join("rank-00001.bin");
+    let bytes = std::fs::read(&shard).expect("shard");
+    // Another model, another geometry, nothing left to do, nothing there.
+    refused(
+        t.path(),
+        &ckpt,
+        LLAMA,
+        &["model.layers=3"],
+        &[
+            "index.json",
+            "not a checkpoint of this model",
+            "model.layers.2",
+        ],
+    );
+    refused(
+        t.path(),
+        &ckpt,
+        LLAMA,
+        &["model.hidden=128", "model.ffn_hidden=344"],
+        &["index.json", "not a checkpoint of this model", "[256, 64]"],
+    );
+    refused(
+        t.path(),
+        &ckpt,
+        LLAMA,
+        &["train.global_batch=16"],
+        &["global_batch 8", "16"],
+    );
+    let o = megac(&[
+        "train",
+        LLAMA,
+        "--steps",
+        "2",
+        "--load",
+        &ckpt.display().to_string(),
+    ]);
+    assert!(
+        stderr(&o).contains("nothing left to train"),
+        "{}",
+        stderr(&o)
+    );
+    refused(
+        t.path(),
+        &t.path().join("nowhere"),
+        LLAMA,
+        &[],
+        &["nowhere", "no such checkpoint folder"],
+    );
+    // Truncated: one error naming the shard.
+    std::fs::write(&shard, &bytes[..bytes.len() - 8]).expect("truncate");
+    refused(
+        t.path(),
+        &ckpt,
+        LLAMA,
+        &[],
+        &["rank-00001.bin", "truncated", &format!("{}", bytes.len())],
+    );
+    // Corrupted: the same size, one bit flipped.
+    let mut flipped = bytes.clone();
+    flipped[bytes.len() / 2] ^= 0x10;
+    std::fs::write(&shard, &flipped).expect("corrupt");
+    refused(
+        t.path(),
+        &ckpt,
+        LLAMA,
+        &[],
+        &["rank-00001.bin", "corrupted", "checksum"],
+    );
+    // A shard missing, an index damaged.
+    std::fs::remove_file(&shard).expect("remove");
+    refused(
+        t.path(),
+        &ckpt,
+        LLAMA,
+        &[],
+        &["rank-00001.bin", "cannot open"],
+    );
+    std::fs::write(&shard, &bytes).expect("restore");
+    let index = step.join("index.json");
+    let text = std::fs::read_to_string(&index).expect("index");
+    std::fs::write(&index, &text[..text.len() / 2]).expect("cut index");
+    refused(
+        t.path(),
+        &step,
+        LLAMA,
+        &[],
+        &["index.json", "malformed index"],
+    );
+    std::fs::write(&index, &text).expect("restore index");
+    // Restored: it loads again.
+    train(
+        LLAMA,
+        &[],
+        &["--steps", "3", "--load", &ckpt.display().to_string()],
+    );
+}
+
+#[test]
+fn a_crashed_save_leaves_the_previous_checkpoint_in_use() {
+    let t = tmp();
+    let ckpt = saved(t.path());
+    // What a save killed at step 4 leaves: a half-written temporary folder, and (a copy cut
+    // short) a step folder without its index.
+    let tmp4 = ckpt.join("step-000004.tmp");
+    std::fs::create_dir_all(&tmp4).expect("tmp");
+    std::fs::write(tmp4.join("rank-00000.bin"), [1u8, 2, 3]).expect("half file");
+    let dir4 = ckpt.join("step-000004");
+    std::fs::create_dir_all(&dir4).expect("dir");
+    std::fs::write(dir4.join("rank-00000.bin"), [1u8, 2, 3]).expect("half file");
+    let resumed = |name: &str| {
+        let r = t.path().join(name);
+        train(
+            LLAMA,
+            &["parallel.tp=2"],
+            &[
+                "--steps",
+                "4",
+                "--load",
+                &ckpt.display().to_string(),
+                "--report",
+                &r.display().to_string(),
+            ],
+        );
+        report(&r).iter().map(|s| s.0).collect::<Vec<_>>()
+    };
+    assert_eq!(resumed("a.json"), [3, 4], "latest names step 2");
+    // `latest` lost, or naming the incomplete step: the highest complete step folder.
+    std::fs::write(ckpt.join("latest"), "step-000004\n").expect("latest");
+    assert_eq!(resumed("b.json"), [3, 4]);
+    std::fs::remove_file(ckpt.join("latest")).expect("latest");
+    assert_eq!(resumed("c.json"), [3, 4]);
+    // The next save clears the stale temporary folder and completes step 4.
+    std::fs::remove_dir_all(&dir4).expect("rm");
+    train(
+        LLAMA,
+        &["parallel.tp=2"],
+        &[
+            "--steps",
+            "4",
+            "--load",
+            &ckpt.display().to_string(),
+            "--save",
+            &ckpt.display().to_string(),
+        ],
+    );
+    assert!(!tmp4.exists());
+    assert!(dir4.join("index.json").is_file());
+    let latest = std::fs::read_to_string(ckpt.join("latest")).expect("latest");
+    assert_eq!(latest.trim(), "step-000004");
+}
+
+#[test]
+fn inspect_and_export_read_a_checkpoint() {
+    let t = tmp();
+    let ckpt = t.path().join("ckpt");
+    let params = t.path().join("params.safetensors");
+    train(
+        LLAMA,
+        &["parallel.tp=2", "parallel.dp=2"],
+        &[
+            "--steps",
+            "2",
+            "--save",
+            &ckpt.display().to_string(),
+            "--save-params",
+            &params.display().to_string(),
+        ],
+    );
+    let o = megac(&["checkpoint", "inspect", &ckpt.display().to_string()]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for want in [
+        "step-000002",
+        "llama-tiny",
+        "step           2 (16 samples consumed)",
+        "tp=2",
+        "dp=2",
+        "(4 ranks)",
+        "model.embed_tokens.weight",
+        "param,exp_avg,exp_avg_sq",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+    let exported = t.path().join("export.safetensors");
+    let o = megac(&[
+        "checkpoint",
+        "export",
+        &ckpt.display().to_string(),
+        "-o",
+        &exported.display().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(&exported).expect("export"),
+        std::fs::read(&params).expect("params"),
+        "export differs from --save-params of the same run"
+    );
+}
