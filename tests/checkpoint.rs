@@ -12,6 +12,7 @@ use common::{megac, stderr, stdout};
 
 const LLAMA: &str = "examples/llama-tiny.toml";
 const MOE: &str = "examples/moe-tiny.toml";
+const GPT: &str = "examples/gpt-tiny.toml";
 
 /// `megac train MODEL` with `--set` overrides `sets` and `extra` arguments; panics with its
 /// output unless it succeeds.
@@ -148,6 +149,8 @@ fn resume_in_the_same_layout_is_bit_exact_fp32() {
             "parallel.distributed_optimizer=true",
         ],
     );
+    // GPT-2 ties its head to the word embeddings: the last stage's copy loads too.
+    bit_exact(GPT, &["parallel.pp=2"]);
 }
 
 #[test]
@@ -205,6 +208,11 @@ fn a_checkpoint_loads_into_any_layout() {
                 "parallel.sequence_parallel=true",
             ],
             &["parallel.pp=2"],
+        ),
+        (
+            GPT,
+            &["parallel.tp=2"],
+            &["parallel.pp=2", "parallel.dp=2", dist],
         ),
     ];
     let t = tmp();
@@ -477,4 +485,86 @@ fn inspect_and_export_read_a_checkpoint() {
         std::fs::read(&params).expect("params"),
         "export differs from --save-params of the same run"
     );
+}
+
+/// A model whose checkpoint (26 MiB) takes longer to write than a step to train: a kill
+/// lands in a save.
+const SAVE_BOUND: &[&str] = &[
+    "parallel.tp=2",
+    "model.vocab=16384",
+    "model.seq_len=16",
+    "train.micro_batch=1",
+    "train.global_batch=2",
+];
+
+#[test]
+fn a_run_killed_while_saving_resumes_from_a_complete_checkpoint() {
+    // Saving after every step, killed (SIGKILL) after its first checkpoint is complete;
+    // whatever the kill interrupted, `--load` finds a complete checkpoint and resumes
+    // exactly. At least one of the attempts must have been killed inside a save (it leaves
+    // a `.tmp` folder).
+    let mut inside = 0;
+    for attempt in 0..3 {
+        let t = tmp();
+        let ckpt = t.path().join("ckpt");
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_megac"));
+        cmd.args(["train", LLAMA]);
+        for s in SAVE_BOUND {
+            cmd.args(["--set", s]);
+        }
+        let mut child = cmd
+            .args(["--steps", "100000", "--save-interval", "1", "--save"])
+            .arg(&ckpt)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start megac");
+        let start = std::time::Instant::now();
+        while !ckpt.join("latest").exists() {
+            assert!(start.elapsed().as_secs() < 120, "no checkpoint after 120 s");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20 + 30 * attempt));
+        child.kill().expect("kill -9");
+        child.wait().expect("reap");
+        let partial = std::fs::read_dir(&ckpt)
+            .expect("checkpoint folder")
+            .filter_map(|e| e.ok())
+            .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"));
+        inside += usize::from(partial);
+        let o = megac(&["checkpoint", "inspect", &ckpt.display().to_string()]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = stdout(&o);
+        let step: u64 = out
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("step"))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no step in:\n{out}"));
+        let (full, res) = (p(t.path(), "full.json"), p(t.path(), "res.json"));
+        let total = (step + 1).to_string();
+        train(LLAMA, SAVE_BOUND, &["--steps", &total, "--report", &full]);
+        let ck = ckpt.display().to_string();
+        train(
+            LLAMA,
+            SAVE_BOUND,
+            &["--steps", &total, "--load", &ck, "--report", &res],
+        );
+        let (a, b) = (report(Path::new(&full)), report(Path::new(&res)));
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].0, step + 1);
+        let r = a[step as usize];
+        assert_eq!(
+            (b[0].1.to_bits(), b[0].2.to_bits()),
+            (r.1.to_bits(), r.2.to_bits()),
+            "step {}: resumed {:?}, uninterrupted {r:?}",
+            step + 1,
+            b[0]
+        );
+        if inside > 0 {
+            break;
+        }
+    }
+    assert!(inside > 0, "no kill landed inside a save");
 }

@@ -1028,6 +1028,17 @@ fn verify_file(path: &Path, f: &FileEntry) -> Result<(), CheckpointError> {
     Ok(())
 }
 
+/// Where parameter `p`'s working weights load from: fp32 weights from the master copy
+/// where the checkpoint has one, else the saved working weights.
+fn weight_source(p: &ParamEntry, plan: &Plan, has_master: bool) -> Kind {
+    let half = plan.buffers[p.buffer as usize].dtype.is_half();
+    if !half && has_master {
+        Kind::Master
+    } else {
+        Kind::Param
+    }
+}
+
 /// Load checkpoint `ckpt` into `session` (this rank's shards of every kind of state).
 pub(crate) fn load(session: &mut Session, ckpt: &Checkpoint) -> Result<(), RuntimeError> {
     let plan = session.plan;
@@ -1038,10 +1049,24 @@ pub(crate) fn load(session: &mut Session, ckpt: &Checkpoint) -> Result<(), Runti
     for p in &pieces {
         by_param.entry(p.param).or_default().push(p);
     }
+    // A tied parameter's copy on another stage (GPT-2's head reads the word embeddings on
+    // the last stage): loaded like the parameter, though this rank holds no piece of it.
+    let copies: Vec<(usize, BufId)> = plan
+        .params
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !by_param.contains_key(i))
+        .flat_map(|(i, p)| p.tied_copies.iter().map(move |&b| (i, b)))
+        .filter(|&(_, b)| session.mem.holds(b))
+        .collect();
+    for (i, b) in copies {
+        let p = &plan.params[i];
+        let v = ckpt.hf_values(p, weight_source(p, plan, has_master))?;
+        session.load_shard(p, b, &v);
+    }
     let mut state: BTreeMap<BufId, Vec<f32>> = BTreeMap::new();
     for (i, ps) in by_param {
         let p = &plan.params[i];
-        let half = plan.buffers[p.buffer as usize].dtype.is_half();
         let mut kinds: Vec<Kind> = ps.iter().map(|x| x.kind).collect();
         kinds.sort_unstable();
         kinds.dedup();
@@ -1050,7 +1075,7 @@ pub(crate) fn load(session: &mut Session, ckpt: &Checkpoint) -> Result<(), Runti
             // fp32 weights come from the master copy where there is one; a master copy
             // from the weights where there is none.
             let source = match kind {
-                Kind::Param if !half && has_master => Kind::Master,
+                Kind::Param => weight_source(p, plan, has_master),
                 Kind::Master if !has_master => Kind::Param,
                 k => k,
             };
