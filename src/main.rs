@@ -73,6 +73,11 @@ pub struct RunArgs {
     /// Checkpoint every N steps (steps N, 2N, ...) as well as after the last.
     #[arg(long, value_name = "N", requires = "save")]
     pub save_interval: Option<u64>,
+    /// Overlap checkpoint writes with training: each rank copies its shards to host memory
+    /// and a background thread writes them; the checkpoint completes (index, DIR/latest) at
+    /// the next save. The last step's checkpoint is written synchronously.
+    #[arg(long, requires = "save")]
+    pub save_async: bool,
     /// Resume from a checkpoint: DIR (its latest complete step) or DIR/step-NNNNNN, saved in
     /// any layout of the same model. --steps stays the total: a checkpoint of step 3 with
     /// --steps 6 trains steps 4, 5 and 6.

@@ -568,3 +568,51 @@ fn a_run_killed_while_saving_resumes_from_a_complete_checkpoint() {
     }
     assert!(inside > 0, "no kill landed inside a save");
 }
+
+#[test]
+fn async_saves_write_what_synchronous_saves_write() {
+    // Snapshots written by a background thread, completed at the next save: the same
+    // folders, byte for byte, as synchronous saves of the same run; and they resume.
+    let t = tmp();
+    let (a, s) = (p(t.path(), "async"), p(t.path(), "sync"));
+    let sets = &["parallel.dp=2", "parallel.distributed_optimizer=true"];
+    let out = train(
+        LLAMA,
+        sets,
+        &[
+            "--steps",
+            "3",
+            "--save-interval",
+            "1",
+            "--save",
+            &a,
+            "--save-async",
+        ],
+    );
+    assert!(out.contains("saved 3 checkpoints"), "{out}");
+    train(
+        LLAMA,
+        sets,
+        &["--steps", "3", "--save-interval", "1", "--save", &s],
+    );
+    for step in ["step-000001", "step-000002", "step-000003"] {
+        for file in ["index.json", "rank-00000.bin", "rank-00001.bin"] {
+            let read = |d: &str| std::fs::read(Path::new(d).join(step).join(file)).expect(file);
+            assert!(read(&a) == read(&s), "{step}/{file} differs");
+        }
+    }
+    let latest = std::fs::read_to_string(t.path().join("async/latest")).expect("latest");
+    assert_eq!(latest.trim(), "step-000003");
+    let report = p(t.path(), "r.json");
+    let step1 = p(t.path(), "async/step-000001");
+    train(
+        LLAMA,
+        sets,
+        &["--steps", "2", "--load", &step1, "--report", &report],
+    );
+    assert_eq!(report_steps(&report), [2]);
+}
+
+fn report_steps(path: &str) -> Vec<u64> {
+    report(Path::new(path)).iter().map(|s| s.0).collect()
+}

@@ -516,7 +516,7 @@ impl SaveLayout {
     }
 }
 
-/// A checkpoint written by [`save`].
+/// A checkpoint written by [`save`] (or [`begin_async`] and [`finish`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SavedCheckpoint {
     /// The step saved.
@@ -525,8 +525,20 @@ pub struct SavedCheckpoint {
     pub path: PathBuf,
     /// Bytes of every shard file.
     pub bytes: u64,
-    /// Wall time of the save on rank 0 (from the first rank's start to `latest`).
+    /// Wall time from the start of the save to `latest` moving (on this rank; an async save
+    /// spans the steps its writes overlap).
     pub seconds: f64,
+    /// The part of it training waited for (all of it for a synchronous save; an async save:
+    /// the snapshot, and at the next save or the end the wait for the writes and the index).
+    pub blocking_seconds: f64,
+}
+
+/// A save whose files are being written by a background thread (`--save-async`).
+pub(crate) struct PendingSave {
+    step: u64,
+    t0: std::time::Instant,
+    blocked: f64,
+    writer: std::thread::JoinHandle<Result<u64, CheckpointError>>,
 }
 
 /// Save `session`'s state after `step` into `dir` (a collective: every rank calls it).
@@ -537,13 +549,65 @@ pub(crate) fn save(
     step: u64,
 ) -> Result<SavedCheckpoint, RuntimeError> {
     let t0 = std::time::Instant::now();
+    let tmp = begin(session, dir, step)?;
+    let values = snapshot(session, &layout.per_rank[session.comm.rank()]);
+    let file = tmp.join(rank_file_name(session.comm.rank()));
+    let written = write_values(&file, &values);
+    let mut saved = finish_writes(session, layout, dir, step, written, t0)?;
+    saved.blocking_seconds = saved.seconds;
+    Ok(saved)
+}
+
+/// Start an asynchronous save (a collective): the rank's pieces are copied to host memory
+/// and a background thread writes and syncs its file; [`finish`] completes the checkpoint.
+pub(crate) fn begin_async(
+    session: &mut Session,
+    layout: &SaveLayout,
+    dir: &Path,
+    step: u64,
+) -> Result<PendingSave, RuntimeError> {
+    let t0 = std::time::Instant::now();
+    let tmp = begin(session, dir, step)?;
+    let values = snapshot(session, &layout.per_rank[session.comm.rank()]);
+    let file = tmp.join(rank_file_name(session.comm.rank()));
+    let writer = std::thread::Builder::new()
+        .name(format!("checkpoint-{}", session.comm.rank()))
+        .spawn(move || write_values(&file, &values))
+        .map_err(|e| io_err(&tmp, format!("cannot start the writer thread: {e}")))?;
+    Ok(PendingSave {
+        step,
+        t0,
+        blocked: t0.elapsed().as_secs_f64(),
+        writer,
+    })
+}
+
+/// Complete an asynchronous save (a collective): wait for this rank's writes, then as a
+/// synchronous save does, agree that every rank finished and mark the checkpoint complete.
+pub(crate) fn finish(
+    session: &mut Session,
+    layout: &SaveLayout,
+    dir: &Path,
+    pending: PendingSave,
+) -> Result<SavedCheckpoint, RuntimeError> {
+    let waited = std::time::Instant::now();
+    let written = pending.writer.join().unwrap_or_else(|_| {
+        Err(CheckpointError::Io {
+            path: dir.display().to_string(),
+            message: "the checkpoint writer thread panicked".into(),
+        })
+    });
+    let mut saved = finish_writes(session, layout, dir, pending.step, written, pending.t0)?;
+    saved.blocking_seconds = pending.blocked + waited.elapsed().as_secs_f64();
+    Ok(saved)
+}
+
+/// The first phase of a save (a collective): rank 0 clears what a crashed save may have
+/// left and makes the temporary step folder, which every rank then writes into.
+fn begin(session: &mut Session, dir: &Path, step: u64) -> Result<PathBuf, RuntimeError> {
     let rank = session.comm.rank();
-    let world = session.comm.size();
-    let all: Vec<usize> = (0..world).collect();
-    let name = step_dir_name(step);
-    let tmp = dir.join(format!("{name}.tmp"));
-    let done = dir.join(&name);
-    // Rank 0 clears what a crashed save may have left and makes the folder.
+    let all: Vec<usize> = (0..session.comm.size()).collect();
+    let tmp = dir.join(format!("{}.tmp", step_dir_name(step)));
     let mut failed = [0f64];
     let mut own: Option<CheckpointError> = None;
     if rank == 0 {
@@ -564,9 +628,27 @@ pub(crate) fn save(
             .map(RuntimeError::from)
             .unwrap_or_else(|| rank_failed(0, &tmp)));
     }
-    // Every rank writes its own file; the table gathers (failed, checksum in 16-bit parts).
-    let file = tmp.join(rank_file_name(rank));
-    let written = write_rank_file(&file, session, &layout.per_rank[rank]);
+    Ok(tmp)
+}
+
+/// The last phase of a save (a collective): every rank reports whether its file is written
+/// and its checksum; then rank 0 writes the index, renames the folder into place and moves
+/// `latest`.
+fn finish_writes(
+    session: &mut Session,
+    layout: &SaveLayout,
+    dir: &Path,
+    step: u64,
+    written: Result<u64, CheckpointError>,
+    t0: std::time::Instant,
+) -> Result<SavedCheckpoint, RuntimeError> {
+    let rank = session.comm.rank();
+    let world = session.comm.size();
+    let all: Vec<usize> = (0..world).collect();
+    let name = step_dir_name(step);
+    let tmp = dir.join(format!("{name}.tmp"));
+    let done = dir.join(&name);
+    // The table gathers (failed, checksum in 16-bit parts) of every rank.
     let width = 5;
     let mut table = vec![0f64; world * width];
     match &written {
@@ -585,13 +667,15 @@ pub(crate) fn save(
         return Err(rank_failed(r, &tmp));
     }
     let bytes = layout.bytes.iter().sum();
+    let saved = |t0: std::time::Instant| SavedCheckpoint {
+        step,
+        path: done.clone(),
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+        blocking_seconds: 0.0,
+    };
     if rank != 0 {
-        return Ok(SavedCheckpoint {
-            step,
-            path: done,
-            bytes,
-            seconds: t0.elapsed().as_secs_f64(),
-        });
+        return Ok(saved(t0));
     }
     let sums: Vec<u64> = (0..world)
         .map(|r| {
@@ -615,12 +699,7 @@ pub(crate) fn save(
     }
     let latest = dir.join(LATEST);
     megac_ir::file::write_atomic(&latest, format!("{name}\n")).map_err(|e| io_err(&latest, e))?;
-    Ok(SavedCheckpoint {
-        step,
-        path: done,
-        bytes,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+    Ok(saved(t0))
 }
 
 fn rank_failed(rank: usize, dir: &Path) -> RuntimeError {
@@ -631,25 +710,31 @@ fn rank_failed(rank: usize, dir: &Path) -> RuntimeError {
     .into()
 }
 
-/// Write `pieces` of `session`'s memory to `path` (synced); returns the file's checksum.
-fn write_rank_file(
-    path: &Path,
-    session: &Session,
-    pieces: &[(Piece, u64)],
-) -> Result<u64, CheckpointError> {
-    let file = File::create(path).map_err(|e| io_err(path, e))?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, &file);
-    let mut sum = Checksum::default();
+/// This rank's pieces of `session`'s memory, one after another (what its file holds).
+fn snapshot(session: &Session, pieces: &[(Piece, u64)]) -> Vec<f32> {
+    let total: u64 = pieces.iter().map(|(p, _)| p.hi - p.lo).sum();
+    let mut out = Vec::with_capacity(total as usize);
     let mut cache: Option<(BufId, Vec<f32>)> = None;
-    let mut bytes = Vec::new();
     for (piece, _) in pieces {
         if cache.as_ref().is_none_or(|c| c.0 != piece.buffer) {
             cache = Some((piece.buffer, session.mem.read_f32(piece.buffer)));
         }
         let values = &cache.as_ref().expect("cached").1;
         let (a, z) = (piece.at as usize, (piece.at + piece.hi - piece.lo) as usize);
+        out.extend_from_slice(&values[a..z]);
+    }
+    out
+}
+
+/// Write `values` to `path` as little-endian f32 (synced); returns the file's checksum.
+fn write_values(path: &Path, values: &[f32]) -> Result<u64, CheckpointError> {
+    let file = File::create(path).map_err(|e| io_err(path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, &file);
+    let mut sum = Checksum::default();
+    let mut bytes = Vec::with_capacity(1 << 16);
+    for chunk in values.chunks(1 << 14) {
         bytes.clear();
-        for x in &values[a..z] {
+        for x in chunk {
             bytes.extend_from_slice(&x.to_le_bytes());
         }
         sum.update(&bytes);

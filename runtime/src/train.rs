@@ -34,6 +34,9 @@ pub struct RunOptions {
     pub save: Option<PathBuf>,
     /// Checkpoint every this many steps (and after the last); None: after the last only.
     pub save_interval: Option<u64>,
+    /// Write checkpoints in the background: snapshot to host memory, write in a thread,
+    /// complete at the next save or after the last step.
+    pub save_async: bool,
     /// Resume from this checkpoint (a checkpoint folder's latest complete step, or a step
     /// folder); `steps` stays the total.
     pub load: Option<PathBuf>,
@@ -123,6 +126,7 @@ impl RunReport {
                         "path": c.path.display().to_string(),
                         "bytes": c.bytes,
                         "seconds": c.seconds,
+                        "blocking_seconds": c.blocking_seconds,
                     })
                 })
                 .collect();
@@ -719,6 +723,7 @@ fn train_rank(
         None => None,
     };
     let mut checkpoints = Vec::new();
+    let mut pending: Option<crate::checkpoint::PendingSave> = None;
     let progress = lead
         && opts
             .progress
@@ -794,17 +799,21 @@ fn train_rank(
         if let (Some(dir), Some(layout)) = (&opts.save, &save_layout) {
             let every = opts.save_interval.unwrap_or(u64::MAX).max(1);
             if step % every == 0 || step == steps {
-                let saved = crate::checkpoint::save(&mut session, layout, dir, step)?;
-                if progress {
-                    let _ = writeln!(
-                        std::io::stderr().lock(),
-                        "saved checkpoint {} ({:.1} MiB, {:.2} s)",
-                        saved.path.display(),
-                        saved.bytes as f64 / (1u64 << 20) as f64,
-                        saved.seconds
-                    );
+                if let Some(p) = pending.take() {
+                    let saved = crate::checkpoint::finish(&mut session, layout, dir, p)?;
+                    checkpoints.push(announce(saved, progress));
                 }
-                checkpoints.push(saved);
+                if opts.save_async && step != steps {
+                    pending = Some(crate::checkpoint::begin_async(
+                        &mut session,
+                        layout,
+                        dir,
+                        step,
+                    )?);
+                } else {
+                    let saved = crate::checkpoint::save(&mut session, layout, dir, step)?;
+                    checkpoints.push(announce(saved, progress));
+                }
             }
         }
     }
@@ -836,6 +845,24 @@ fn train_rank(
             .collect(),
         checkpoints,
     })
+}
+
+/// Print a progress line for a checkpoint written (when `progress`); returns it.
+fn announce(
+    saved: crate::checkpoint::SavedCheckpoint,
+    progress: bool,
+) -> crate::checkpoint::SavedCheckpoint {
+    if progress {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "saved checkpoint {} ({:.1} MiB, {:.3} s, training waited {:.3} s)",
+            saved.path.display(),
+            saved.bytes as f64 / (1u64 << 20) as f64,
+            saved.seconds,
+            saved.blocking_seconds
+        );
+    }
+    saved
 }
 
 /// Stop at the first step whose loss or gradient norm is not finite: every later step would

@@ -69,6 +69,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         trace: args.trace.clone(),
         save: args.save.clone(),
         save_interval: args.save_interval,
+        save_async: args.save_async,
         load: args.load.clone(),
     })
 }
@@ -142,17 +143,18 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
         println!("saved parameters to {}", p.display());
     }
     if let Some(c) = report.checkpoints.last() {
+        let n = report.checkpoints.len() as f64;
+        let mean = |f: fn(&megac_runtime::checkpoint::SavedCheckpoint) -> f64| {
+            report.checkpoints.iter().map(f).sum::<f64>() / n
+        };
         println!(
-            "saved {} checkpoint{}, the last {} ({:.1} MiB in {:.3} s)",
+            "saved {} checkpoint{}, the last {} ({:.1} MiB); per save {:.3} s, training waited {:.3} s",
             report.checkpoints.len(),
-            if report.checkpoints.len() == 1 {
-                ""
-            } else {
-                "s"
-            },
+            if report.checkpoints.len() == 1 { "" } else { "s" },
             c.path.display(),
             c.bytes as f64 / (1u64 << 20) as f64,
-            c.seconds
+            mean(|c| c.seconds),
+            mean(|c| c.blocking_seconds),
         );
     }
     Ok(())
