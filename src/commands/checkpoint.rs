@@ -63,13 +63,14 @@ fn inspect(dir: &Path, json: bool) -> Result<(), String> {
         ix.step, ix.consumed_samples
     );
     println!(
-        "  layout         {} ({} ranks){}",
+        "  layout         {} ({} rank{}){}",
         if layout.is_empty() {
             "single device".to_string()
         } else {
             layout.join(" ")
         },
         ix.mesh.world_size(),
+        if ix.mesh.world_size() == 1 { "" } else { "s" },
         if ix.distributed_optimizer {
             ", distributed optimizer"
         } else {
