@@ -376,6 +376,17 @@ fn damaged_or_foreign_checkpoints_are_refused_by_name() {
         &[],
         &["index.json", "malformed index"],
     );
+    // A shape no file could hold: refused, not allocated.
+    let mut v: serde_json::Value = serde_json::from_str(&text).expect("index");
+    v["tensors"][0]["shape"] = serde_json::json!([4294967296u64, 65536]);
+    std::fs::write(&index, v.to_string()).expect("edit index");
+    refused(
+        t.path(),
+        &step,
+        LLAMA,
+        &[],
+        &["index.json", "malformed index", "does not fit"],
+    );
     std::fs::write(&index, &text).expect("restore index");
     // Restored: it loads again.
     train(

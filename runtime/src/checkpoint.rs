@@ -781,12 +781,42 @@ impl Checkpoint {
                 index.format
             )));
         }
+        let sizes_ok = index
+            .mesh
+            .axes
+            .iter()
+            .try_fold(1u64, |n, &(_, k)| {
+                (k >= 1).then(|| n.checked_mul(k)).flatten()
+            })
+            .is_some_and(|n| n <= 1 << 20);
+        if !sizes_ok {
+            return Err(malformed(format!("mesh {:?}", index.mesh.axes)));
+        }
         let world = index.mesh.world_size();
         if world == 0 || world > 1 << 20 {
             return Err(malformed(format!("a mesh of {world} ranks")));
         }
+        // Every tensor's real elements are in the files: no shape may claim more.
+        let stored: u64 = index.files.iter().map(|f| f.bytes / 4).sum();
         let mut hf = HashMap::new();
         for (t, e) in index.tensors.iter().enumerate() {
+            let total = e.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+            let rows = e.shape.first().copied().unwrap_or(1).max(1);
+            let real = total.map(|n| n / rows * e.hf_rows.unwrap_or(rows));
+            let sane = match (total, real) {
+                (Some(total), Some(real)) => {
+                    e.hf_rows.is_none_or(|r| r <= rows)
+                        && real <= stored
+                        && total - real <= (total / rows).saturating_mul(1 << 16)
+                }
+                _ => false,
+            };
+            if !sane {
+                return Err(malformed(format!(
+                    "tensor `{}`: shape {:?} (hf_rows {:?}) does not fit the {stored} elements the files hold",
+                    e.name, e.shape, e.hf_rows
+                )));
+            }
             let local = e.local_len(&index.mesh).ok_or_else(|| {
                 malformed(format!(
                     "tensor `{}`: shape {:?} does not divide over its shards",
