@@ -192,6 +192,7 @@ fn a_checkpoint_loads_into_any_layout() {
             &["parallel.tp=2", "parallel.sequence_parallel=true"],
         ),
         (LLAMA, &["parallel.tp=2", kv4], &["parallel.tp=4", kv4]),
+        (LLAMA, &["parallel.tp=4", kv4], &["parallel.tp=2", kv4]),
         (
             LLAMA,
             &["parallel.pp=2", "parallel.vpp=2", l4],
