@@ -91,7 +91,7 @@ fn bit_exact(model: &str, sets: &[&str]) {
     assert_eq!(latest.trim(), "step-000003");
     assert!(t.path().join("ckpt/step-000002/index.json").is_file());
     let (res, res_params) = (p(t.path(), "res.json"), p(t.path(), "res.safetensors"));
-    train(
+    let out = train(
         model,
         sets,
         &[
@@ -105,6 +105,7 @@ fn bit_exact(model: &str, sets: &[&str]) {
             &res_params,
         ],
     );
+    assert!(out.contains("resumed after step 3 from"), "{out}");
     let (a, b) = (report(Path::new(&full)), report(Path::new(&res)));
     assert_eq!(
         b.iter().map(|s| s.0).collect::<Vec<_>>(),

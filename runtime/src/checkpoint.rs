@@ -955,20 +955,15 @@ impl Checkpoint {
             .sum::<u64>() as usize;
         let mut global = vec![0f32; total];
         let mut covered = vec![false; total];
-        let mut indices: Option<(usize, Vec<usize>)> = None;
+        let mut indices: Option<(usize, Option<Vec<usize>>)> = None;
         for piece in e.pieces.get(kind.name()).into_iter().flatten() {
             let values = self.read_piece(piece)?;
             if indices.as_ref().is_none_or(|c| c.0 != piece.rank) {
-                indices = Some((
-                    piece.rank,
-                    entry.global_indices(&self.index.mesh, piece.rank),
-                ));
+                indices = Some((piece.rank, shard_map(&entry, &self.index.mesh, piece.rank)));
             }
             let idx = &indices.as_ref().expect("computed").1;
-            for (x, &g) in values
-                .iter()
-                .zip(&idx[piece.lo as usize..piece.hi as usize])
-            {
+            for (j, x) in values.iter().enumerate() {
+                let g = global_of(idx, piece.lo as usize + j);
                 if let (Some(v), Some(c)) = (global.get_mut(g), covered.get_mut(g)) {
                     *v = *x;
                     *c = true;
@@ -1143,6 +1138,24 @@ fn verify_file(path: &Path, f: &FileEntry) -> Result<(), CheckpointError> {
     Ok(())
 }
 
+/// Rank `rank`'s map from its local shard of `p` to global elements
+/// ([`ParamEntry::global_indices`]); None where the shard is the whole tensor (the identity).
+fn shard_map(p: &ParamEntry, mesh: &Mesh, rank: usize) -> Option<Vec<usize>> {
+    if p.shards.iter().all(|a| a.is_empty()) {
+        None
+    } else {
+        Some(p.global_indices(mesh, rank))
+    }
+}
+
+/// The global element of local element `local` under `map` (from [`shard_map`]).
+fn global_of(map: &Option<Vec<usize>>, local: usize) -> usize {
+    match map {
+        Some(m) => m.get(local).copied().unwrap_or(usize::MAX),
+        None => local,
+    }
+}
+
 /// Where parameter `p`'s working weights load from: fp32 weights from the master copy
 /// where the checkpoint has one, else the saved working weights.
 fn weight_source(p: &ParamEntry, plan: &Plan, has_master: bool) -> Kind {
@@ -1185,7 +1198,7 @@ pub(crate) fn load(session: &mut Session, ckpt: &Checkpoint) -> Result<(), Runti
         let mut kinds: Vec<Kind> = ps.iter().map(|x| x.kind).collect();
         kinds.sort_unstable();
         kinds.dedup();
-        let mut idx: Option<Vec<usize>> = None;
+        let mut idx: Option<Option<Vec<usize>>> = None;
         for kind in kinds {
             // fp32 weights come from the master copy where there is one; a master copy
             // from the weights where there is none.
@@ -1203,16 +1216,14 @@ pub(crate) fn load(session: &mut Session, ckpt: &Checkpoint) -> Result<(), Runti
                 }
                 continue;
             }
-            let idx = idx.get_or_insert_with(|| p.global_indices(&plan.mesh, rank));
+            let idx = idx.get_or_insert_with(|| shard_map(p, &plan.mesh, rank));
             for piece in ps.iter().filter(|x| x.kind == kind) {
                 let len = session.mem.buffer(piece.buffer).len() as usize;
                 let buf = state.entry(piece.buffer).or_insert_with(|| vec![0f32; len]);
                 let n = (piece.hi - piece.lo) as usize;
                 let out = &mut buf[piece.at as usize..piece.at as usize + n];
-                for (x, &g) in out
-                    .iter_mut()
-                    .zip(&idx[piece.lo as usize..piece.hi as usize])
-                {
+                for (j, x) in out.iter_mut().enumerate() {
+                    let g = global_of(idx, piece.lo as usize + j);
                     *x = v.get(g).copied().unwrap_or(0.0);
                 }
             }

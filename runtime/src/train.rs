@@ -79,6 +79,9 @@ pub struct RunReport {
     pub pipeline_order: Vec<String>,
     /// The checkpoints written (`--save`), in order.
     pub checkpoints: Vec<crate::checkpoint::SavedCheckpoint>,
+    /// `--load`: the step resumed after, the step folder, and the seconds this rank took to
+    /// load its shards (after the checkpoint was verified).
+    pub resumed: Option<(u64, PathBuf, f64)>,
 }
 
 impl RunReport {
@@ -115,6 +118,13 @@ impl RunReport {
         }
         if !self.pipeline_order.is_empty() {
             v["pipeline_order"] = serde_json::json!(self.pipeline_order);
+        }
+        if let Some((step, path, seconds)) = &self.resumed {
+            v["resumed"] = serde_json::json!({
+                "step": step,
+                "path": path.display().to_string(),
+                "load_seconds": seconds,
+            });
         }
         if !self.checkpoints.is_empty() {
             let saved: Vec<serde_json::Value> = self
@@ -711,9 +721,12 @@ fn train_rank(
     let steps = opts.steps.unwrap_or(plan.train.steps);
     // Resume: the state after step `first - 1`; the data and the lr schedule continue from
     // the step.
+    let mut resumed = None;
     let done = match ckpt {
         Some(c) => {
+            let t0 = Instant::now();
             crate::checkpoint::load(&mut session, c)?;
+            resumed = Some((c.index.step, c.dir.clone(), t0.elapsed().as_secs_f64()));
             c.index.step
         }
         None => 0,
@@ -844,6 +857,7 @@ fn train_rank(
             .map(|a| format!("{:?}{}.{}", a.kind, a.chunk, a.microbatch))
             .collect(),
         checkpoints,
+        resumed,
     })
 }
 

@@ -115,6 +115,12 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
     if let Some(path) = &args.report {
         super::output::write_file(path, &report.to_json())?;
     }
+    if let Some((step, path, seconds)) = &report.resumed {
+        println!(
+            "resumed after step {step} from {} (loaded in {seconds:.3} s)",
+            path.display()
+        );
+    }
     let (first, last) = (report.steps.first(), report.steps.last());
     if let (Some(a), Some(z)) = (first, last) {
         println!(
