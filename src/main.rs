@@ -79,8 +79,8 @@ pub struct RunArgs {
     #[arg(long, requires = "save")]
     pub save_async: bool,
     /// Resume from a checkpoint: DIR (its latest complete step) or DIR/step-NNNNNN, saved in
-    /// any layout of the same model. --steps stays the total: a checkpoint of step 3 with
-    /// --steps 6 trains steps 4, 5 and 6.
+    /// any layout of the same model (with the same global batch and sequence length). --steps
+    /// stays the total: a checkpoint of step 3 with --steps 6 trains steps 4, 5 and 6.
     #[arg(long, value_name = "DIR", conflicts_with = "init")]
     pub load: Option<PathBuf>,
 }
