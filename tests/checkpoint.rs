@@ -692,3 +692,39 @@ fn mutated_indexes_are_errors_not_panics() {
     std::fs::write(&index, &text).expect("restore");
     assert!(rejected > 100, "{accepted} accepted, {rejected} rejected");
 }
+
+#[test]
+fn run_takes_the_checkpoint_options_and_refuses_bad_ones() {
+    let t = tmp();
+    let plan = p(t.path(), "plan");
+    let o = megac(&["compile", LLAMA, "--set", "parallel.dp=2", "-o", &plan]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = p(t.path(), "ckpt");
+    let o = megac(&["run", &plan, "--steps", "2", "--save", &ckpt]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report = p(t.path(), "r.json");
+    let o = megac(&[
+        "run", &plan, "--steps", "3", "--load", &ckpt, "--report", &report,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(report_steps(&report), [3]);
+    for (args, wanted) in [
+        (
+            vec!["--save", ckpt.as_str(), "--save-interval", "0"],
+            "--save-interval 0",
+        ),
+        (vec!["--save-interval", "2"], "--save"),
+        (vec!["--save-async"], "--save"),
+        (
+            vec!["--load", ckpt.as_str(), "--init", "x.safetensors"],
+            "--init",
+        ),
+    ] {
+        let mut a = vec!["run", plan.as_str(), "--steps", "3"];
+        a.extend(args.iter().copied());
+        let o = megac(&a);
+        assert!(!o.status.success(), "{a:?} ran");
+        assert!(stderr(&o).contains(wanted), "{a:?}: {}", stderr(&o));
+        assert!(!stdout(&o).contains("trained"), "{a:?} trained");
+    }
+}
