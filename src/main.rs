@@ -55,7 +55,8 @@ pub struct RunArgs {
     /// folders are created.
     #[arg(long, value_name = "FILE.safetensors")]
     pub save_params: Option<PathBuf>,
-    /// Write per-step losses, grad norms and timings as JSON (only when the run succeeds).
+    /// Write per-step losses, grad norms, learning rates and timings as JSON (only when the run
+    /// succeeds).
     #[arg(long, value_name = "FILE.json")]
     pub report: Option<PathBuf>,
     /// Time every kernel after the first step and print a table by op (matmul share, GFLOP/s).

@@ -40,8 +40,8 @@ fn run_train(model: &str, sets: &[&str], extra: &[&str]) -> std::process::Output
     megac(&args)
 }
 
-/// (step, loss, grad norm, loss scale) of each step of a `--report`.
-fn report(path: &Path) -> Vec<(u64, f64, f64, Option<f64>)> {
+/// (step, loss, grad norm, loss scale, lr) of each step of a `--report`.
+fn report(path: &Path) -> Vec<(u64, f64, f64, Option<f64>, f64)> {
     let text = std::fs::read_to_string(path).expect("report");
     let v: serde_json::Value = serde_json::from_str(&text).expect("report JSON");
     v["steps"]
@@ -54,6 +54,7 @@ fn report(path: &Path) -> Vec<(u64, f64, f64, Option<f64>)> {
                 s["loss"].as_f64().unwrap_or(f64::NAN),
                 s["grad_norm"].as_f64().unwrap_or(f64::NAN),
                 s["loss_scale"].as_f64(),
+                s["lr"].as_f64().expect("lr"),
             )
         })
         .collect()
@@ -119,8 +120,8 @@ fn bit_exact(model: &str, sets: &[&str]) {
     for s in &b {
         let r = a[s.0 as usize - 1];
         assert_eq!(
-            (s.1.to_bits(), s.2.to_bits(), s.3),
-            (r.1.to_bits(), r.2.to_bits(), r.3),
+            (s.1.to_bits(), s.2.to_bits(), s.3, s.4.to_bits()),
+            (r.1.to_bits(), r.2.to_bits(), r.3, r.4.to_bits()),
             "{model} {sets:?} step {}: resumed {s:?}, uninterrupted {r:?}",
             s.0
         );
@@ -154,8 +155,18 @@ fn resume_in_the_same_layout_is_bit_exact_fp32() {
             "parallel.distributed_optimizer=true",
         ],
     );
-    // GPT-2 ties its head to the word embeddings: the last stage's copy loads too.
-    bit_exact(GPT, &["parallel.pp=2"]);
+    // GPT-2 ties its head to the word embeddings: the last stage's copy loads too. A
+    // cosine schedule (warmup 2, decay to step 6) continues from the step.
+    bit_exact(
+        GPT,
+        &[
+            "parallel.pp=2",
+            "train.lr_schedule=\"cosine\"",
+            "train.warmup_steps=2",
+            "train.decay_steps=6",
+            "train.min_lr=1e-4",
+        ],
+    );
 }
 
 #[test]

@@ -51,6 +51,8 @@ pub struct StepRecord {
     pub loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// The learning rate of the step (the plan's schedule at this step).
+    pub lr: f64,
     /// Wall time of the step.
     pub seconds: f64,
     /// fp16: the loss scale the step ran with (None in other precisions).
@@ -92,7 +94,8 @@ impl RunReport {
             .iter()
             .map(|s| {
                 let mut j = serde_json::json!({
-                    "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "seconds": s.seconds
+                    "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr,
+                    "seconds": s.seconds
                 });
                 if let Some(scale) = s.loss_scale {
                     j["loss_scale"] = serde_json::json!(scale);
@@ -785,6 +788,7 @@ fn train_rank(
             step,
             loss,
             grad_norm,
+            lr: plan.train.lr_schedule.lr_at(plan.train.lr, step),
             seconds,
             loss_scale,
             skipped,
