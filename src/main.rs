@@ -55,7 +55,8 @@ pub struct RunArgs {
     /// folders are created.
     #[arg(long, value_name = "FILE.safetensors")]
     pub save_params: Option<PathBuf>,
-    /// Write per-step losses, grad norms and timings as JSON (only when the run succeeds).
+    /// Write per-step losses, grad norms, learning rates and timings as JSON (only when the run
+    /// succeeds).
     #[arg(long, value_name = "FILE.json")]
     pub report: Option<PathBuf>,
     /// Time every kernel after the first step and print a table by op (matmul share, GFLOP/s).
@@ -65,6 +66,24 @@ pub struct RunArgs {
     /// step's kernels (DIR is created).
     #[arg(long, value_name = "DIR")]
     pub trace: Option<PathBuf>,
+    /// Write distributed checkpoints into DIR (DIR/step-NNNNNN/: one file per rank and an
+    /// index; DIR/latest names the last complete one) after the last step and every
+    /// --save-interval steps; see docs/checkpoints.md.
+    #[arg(long, value_name = "DIR")]
+    pub save: Option<PathBuf>,
+    /// Checkpoint every N steps (steps N, 2N, ...) as well as after the last.
+    #[arg(long, value_name = "N", requires = "save")]
+    pub save_interval: Option<u64>,
+    /// Overlap checkpoint writes with training: each rank copies its shards to host memory
+    /// and a background thread writes them; the checkpoint completes (index, DIR/latest) at
+    /// the next save. The last step's checkpoint is written synchronously.
+    #[arg(long, requires = "save")]
+    pub save_async: bool,
+    /// Resume from a checkpoint: DIR (its latest complete step) or DIR/step-NNNNNN, saved in
+    /// any layout of the same model (with the same global batch and sequence length). --steps
+    /// stays the total: a checkpoint of step 3 with --steps 6 trains steps 4, 5 and 6.
+    #[arg(long, value_name = "DIR", conflicts_with = "init")]
+    pub load: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -152,6 +171,14 @@ enum Command {
         after_help = "Run options are those of `megac run`; every rank runs `megac run PLAN_DIR --comm mpi`.\nThe mpirun command is printed first. OMPI_MCA_<name> variables override megac's --mca choices;\nMEGAC_MPIRUN names the mpirun to use.\n\nExample:\n  megac compile examples/llama-tiny.toml --set parallel.dp=2 -o /tmp/dp2\n  megac launch -n 2 /tmp/dp2 --steps 20 --report run.json\n  megac launch -n 2 --hostfile examples/hostfile /tmp/dp2 --steps 20"
     )]
     Launch(commands::launch::LaunchArgs),
+    /// Inspect or export a checkpoint written by `--save`.
+    #[command(
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --steps 2 --save /tmp/llama-ckpt\n  megac checkpoint inspect /tmp/llama-ckpt\n  megac checkpoint export /tmp/llama-ckpt -o /tmp/llama-ckpt.safetensors"
+    )]
+    Checkpoint {
+        #[command(subcommand)]
+        action: commands::checkpoint::Action,
+    },
     /// Prove before a run that every process group's members make the same collective calls
     /// in the same order with the same sizes (`megac run` checks this too).
     #[command(
@@ -264,6 +291,7 @@ fn main() -> ExitCode {
         } => commands::inspect::run(&plan, json, program, cluster.as_deref()),
         Command::Run { plan, run } => commands::run::run(&plan, &run),
         Command::Launch(args) => commands::launch::run(&args),
+        Command::Checkpoint { action } => commands::checkpoint::run(&action),
         Command::Train { model, run } => commands::run::train_model(&model, &run),
     };
     match result {

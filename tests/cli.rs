@@ -114,8 +114,17 @@ fn passes_lists_the_pipeline() {
 #[test]
 fn every_command_has_help_with_an_example() {
     for cmd in [
-        "check", "dump", "passes", "compile", "inspect", "run", "train", "launch", "simulate",
+        "check",
+        "dump",
+        "passes",
+        "compile",
+        "inspect",
+        "run",
+        "train",
+        "launch",
+        "simulate",
         "plan",
+        "checkpoint",
     ] {
         let o = megac(&[cmd, "--help"]);
         assert!(o.status.success(), "{cmd} --help failed");

@@ -40,4 +40,8 @@ pub enum RuntimeError {
         /// What failed.
         message: String,
     },
+    /// A checkpoint (`--save`, `--load`, `megac checkpoint`) could not be written, found or
+    /// used: the file and what is wrong with it.
+    #[error("checkpoint {0}")]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
 }

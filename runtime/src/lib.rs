@@ -6,7 +6,8 @@
 //!   [`profile`]: per-op timings and the Chrome trace.
 //! - [`comm`]: the communicator trait and the single-rank world; `local_comm`: one thread
 //!   per rank in this process; `mpi_comm` (feature `mpi`): one process per rank over MPI.
-//! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report.
+//! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report;
+//!   [`checkpoint`]: distributed checkpoints (save, resume, resharding).
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
 //!
@@ -15,6 +16,7 @@
 
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -5,6 +5,17 @@
 
 use megac_ir::spec::LossScaler;
 
+/// The scaler's state between steps, as a checkpoint records it.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ScalerState {
+    /// The scale of the next step.
+    pub scale: f64,
+    /// Clean steps since the last overflow or growth.
+    pub growth_tracker: u64,
+    /// Overflows left before the scale halves.
+    pub hysteresis_tracker: u64,
+}
+
 /// The scale and its trackers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Scaler {
@@ -28,6 +39,22 @@ impl Scaler {
     /// The scale of the next step.
     pub fn scale(&self) -> f64 {
         self.scale
+    }
+
+    /// The state a checkpoint keeps: the scale and both trackers.
+    pub fn state(&self) -> ScalerState {
+        ScalerState {
+            scale: self.scale,
+            growth_tracker: self.growth_tracker,
+            hysteresis_tracker: self.hysteresis_tracker,
+        }
+    }
+
+    /// Continue from a checkpoint's state (the settings stay the plan's).
+    pub fn restore(&mut self, state: &ScalerState) {
+        self.scale = state.scale;
+        self.growth_tracker = state.growth_tracker;
+        self.hysteresis_tracker = state.hysteresis_tracker;
     }
 
     /// Account for a finished step whose gradients did (`overflow`) or did not overflow,

@@ -30,6 +30,16 @@ pub struct RunOptions {
     pub profile: bool,
     /// Write a Chrome-trace timeline of every step's kernels to this directory.
     pub trace: Option<PathBuf>,
+    /// Write distributed checkpoints into this folder (`DIR/step-NNNNNN/`, `DIR/latest`).
+    pub save: Option<PathBuf>,
+    /// Checkpoint every this many steps (and after the last); None: after the last only.
+    pub save_interval: Option<u64>,
+    /// Write checkpoints in the background: snapshot to host memory, write in a thread,
+    /// complete at the next save or after the last step.
+    pub save_async: bool,
+    /// Resume from this checkpoint (a checkpoint folder's latest complete step, or a step
+    /// folder); `steps` stays the total.
+    pub load: Option<PathBuf>,
 }
 
 /// One step of the report.
@@ -41,6 +51,8 @@ pub struct StepRecord {
     pub loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// The learning rate of the step (the plan's schedule at this step).
+    pub lr: f64,
     /// Wall time of the step.
     pub seconds: f64,
     /// fp16: the loss scale the step ran with (None in other precisions).
@@ -67,6 +79,11 @@ pub struct RunReport {
     /// Pipelined plans: the actions this rank ran in its last step, in order (`F0.3` is the
     /// forward of chunk 0 for micro-batch 3); with `dpp` the order the run chose.
     pub pipeline_order: Vec<String>,
+    /// The checkpoints written (`--save`), in order.
+    pub checkpoints: Vec<crate::checkpoint::SavedCheckpoint>,
+    /// `--load`: the step resumed after, the step folder, and the seconds this rank took to
+    /// load its shards (after the checkpoint was verified).
+    pub resumed: Option<(u64, PathBuf, f64)>,
 }
 
 impl RunReport {
@@ -77,7 +94,8 @@ impl RunReport {
             .iter()
             .map(|s| {
                 let mut j = serde_json::json!({
-                    "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "seconds": s.seconds
+                    "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr,
+                    "seconds": s.seconds
                 });
                 if let Some(scale) = s.loss_scale {
                     j["loss_scale"] = serde_json::json!(scale);
@@ -103,6 +121,29 @@ impl RunReport {
         }
         if !self.pipeline_order.is_empty() {
             v["pipeline_order"] = serde_json::json!(self.pipeline_order);
+        }
+        if let Some((step, path, seconds)) = &self.resumed {
+            v["resumed"] = serde_json::json!({
+                "step": step,
+                "path": path.display().to_string(),
+                "load_seconds": seconds,
+            });
+        }
+        if !self.checkpoints.is_empty() {
+            let saved: Vec<serde_json::Value> = self
+                .checkpoints
+                .iter()
+                .map(|c| {
+                    serde_json::json!({
+                        "step": c.step,
+                        "path": c.path.display().to_string(),
+                        "bytes": c.bytes,
+                        "seconds": c.seconds,
+                        "blocking_seconds": c.blocking_seconds,
+                    })
+                })
+                .collect();
+            v["checkpoints"] = serde_json::json!(saved);
         }
         let mut s = serde_json::to_string_pretty(&v).expect("report serializes");
         s.push('\n');
@@ -288,7 +329,12 @@ impl<'p> Session<'p> {
     }
 
     /// Fill buffer `b` (parameter `p` or a tied copy) with this rank's shard of `v`.
-    fn load_shard(&mut self, p: &megac_ir::plan::ParamEntry, b: megac_ir::plan::BufId, v: &[f32]) {
+    pub(crate) fn load_shard(
+        &mut self,
+        p: &megac_ir::plan::ParamEntry,
+        b: megac_ir::plan::BufId,
+        v: &[f32],
+    ) {
         let (plan, rank) = (self.plan, self.comm.rank());
         let mut out = vec![0f32; self.mem.buffer(b).len() as usize];
         if p.shards.is_empty() && p.hf_rows.is_none() {
@@ -548,12 +594,28 @@ fn local_tokens(
 /// is returned (every rank computes the same losses and norms).
 pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
     let world = plan.mesh.world_size();
+    let ckpt = open_checkpoint(plan, opts)?;
+    let ckpt = ckpt.as_ref();
     if world == 1 {
-        return train_rank(plan, opts, Box::new(crate::comm::SingleRank));
+        return train_rank(plan, opts, ckpt, Box::new(crate::comm::SingleRank));
     }
     let mut reports =
-        crate::local_comm::run_ranks(world, |comm| train_rank(plan, opts, Box::new(comm)))?;
+        crate::local_comm::run_ranks(world, |comm| train_rank(plan, opts, ckpt, Box::new(comm)))?;
     Ok(reports.swap_remove(0))
+}
+
+/// `--load`: open and verify the checkpoint and check it against the plan, before any rank
+/// starts (one error naming the file).
+fn open_checkpoint(
+    plan: &CheckedPlan,
+    opts: &RunOptions,
+) -> Result<Option<crate::checkpoint::Checkpoint>, RuntimeError> {
+    let Some(path) = &opts.load else {
+        return Ok(None);
+    };
+    let ckpt = crate::checkpoint::Checkpoint::open(path)?;
+    ckpt.check(plan, opts.steps.unwrap_or(plan.train.steps))?;
+    Ok(Some(ckpt))
 }
 
 /// Train with `plan` as one process of an MPI job (`mpirun -np N megac run PLAN --comm mpi`):
@@ -593,7 +655,10 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
                 if started == 1 { "" } else { "es" },
             )));
         }
-        train_rank(plan, opts, Box::new(comm)).inspect_err(|e| {
+        let ckpt = open_checkpoint(plan, opts).inspect_err(|_| {
+            crate::mpi_comm::set_error_on_every_rank();
+        })?;
+        train_rank(plan, opts, ckpt.as_ref(), Box::new(comm)).inspect_err(|e| {
             // The loss and the norm are reduced over the world: every rank stops at the same
             // step with the same values, and rank 0's message is enough.
             if matches!(e, RuntimeError::NonFinite(_)) {
@@ -650,12 +715,31 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
 fn train_rank(
     plan: &CheckedPlan,
     opts: &RunOptions,
+    ckpt: Option<&crate::checkpoint::Checkpoint>,
     comm: Box<dyn crate::comm::Communicator>,
 ) -> Result<RunReport, RuntimeError> {
     let lead = comm.rank() == 0;
     let mut session = Session::with_comm(plan, &opts.data, opts.init.as_deref(), comm)?;
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);
+    // Resume: the state after step `first - 1`; the data and the lr schedule continue from
+    // the step.
+    let mut resumed = None;
+    let done = match ckpt {
+        Some(c) => {
+            let t0 = Instant::now();
+            crate::checkpoint::load(&mut session, c)?;
+            resumed = Some((c.index.step, c.dir.clone(), t0.elapsed().as_secs_f64()));
+            c.index.step
+        }
+        None => 0,
+    };
+    let save_layout = match &opts.save {
+        Some(_) => Some(crate::checkpoint::SaveLayout::new(plan)?),
+        None => None,
+    };
+    let mut checkpoints = Vec::new();
+    let mut pending: Option<crate::checkpoint::PendingSave> = None;
     let progress = lead
         && opts
             .progress
@@ -669,8 +753,8 @@ fn train_rank(
             ..Default::default()
         });
     }
-    for step in 1..=steps {
-        if opts.profile && opts.trace.is_none() && step == 2.min(steps) {
+    for step in done + 1..=steps {
+        if opts.profile && opts.trace.is_none() && step == (done + 2).min(steps) {
             session.profile = Some(Default::default());
         }
         let t0 = Instant::now();
@@ -704,14 +788,15 @@ fn train_rank(
             step,
             loss,
             grad_norm,
+            lr: plan.train.lr_schedule.lr_at(plan.train.lr, step),
             seconds,
             loss_scale,
             skipped,
         });
         if progress {
             let elapsed = start.elapsed().as_secs_f64();
-            let tok_s = (step * b.tokens_per_step) as f64 / elapsed.max(1e-9);
-            let eta = elapsed / step as f64 * (steps - step) as f64;
+            let tok_s = ((step - done) * b.tokens_per_step) as f64 / elapsed.max(1e-9);
+            let eta = elapsed / (step - done) as f64 * (steps - step) as f64;
             let mut err = std::io::stderr().lock();
             let scale = match loss_scale {
                 Some(s) if skipped => format!(
@@ -727,6 +812,26 @@ fn train_rank(
                 plan.train.lr_schedule.lr_at(plan.train.lr, step),
                 fmt_duration(eta)
             );
+        }
+        if let (Some(dir), Some(layout)) = (&opts.save, &save_layout) {
+            let every = opts.save_interval.unwrap_or(u64::MAX).max(1);
+            if step % every == 0 || step == steps {
+                if let Some(p) = pending.take() {
+                    let saved = crate::checkpoint::finish(&mut session, layout, dir, p)?;
+                    checkpoints.push(announce(saved, progress));
+                }
+                if opts.save_async && step != steps {
+                    pending = Some(crate::checkpoint::begin_async(
+                        &mut session,
+                        layout,
+                        dir,
+                        step,
+                    )?);
+                } else {
+                    let saved = crate::checkpoint::save(&mut session, layout, dir, step)?;
+                    checkpoints.push(announce(saved, progress));
+                }
+            }
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
@@ -744,7 +849,7 @@ fn train_rank(
         })?;
     }
     Ok(RunReport {
-        tokens_per_s: (steps * b.tokens_per_step) as f64 / elapsed.max(1e-9),
+        tokens_per_s: ((steps - done) * b.tokens_per_step) as f64 / elapsed.max(1e-9),
         steps: records,
         peak_rss_bytes: peak_rss_bytes(),
         peak_rss_bytes_per_rank: Vec::new(),
@@ -755,7 +860,27 @@ fn train_rank(
             .iter()
             .map(|a| format!("{:?}{}.{}", a.kind, a.chunk, a.microbatch))
             .collect(),
+        checkpoints,
+        resumed,
     })
+}
+
+/// Print a progress line for a checkpoint written (when `progress`); returns it.
+fn announce(
+    saved: crate::checkpoint::SavedCheckpoint,
+    progress: bool,
+) -> crate::checkpoint::SavedCheckpoint {
+    if progress {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "saved checkpoint {} ({:.1} MiB, {:.3} s, training waited {:.3} s)",
+            saved.path.display(),
+            saved.bytes as f64 / (1u64 << 20) as f64,
+            saved.seconds,
+            saved.blocking_seconds
+        );
+    }
+    saved
 }
 
 /// Stop at the first step whose loss or gradient norm is not finite: every later step would

@@ -2,6 +2,7 @@
 
 pub mod check;
 pub mod check_plan;
+pub mod checkpoint;
 pub mod compile;
 pub mod dump;
 pub mod import_hf;

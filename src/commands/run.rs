@@ -66,6 +66,12 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         if let Some(d) = &args.trace {
             check_dir("--trace", d)?;
         }
+        if let Some(d) = &args.save {
+            check_dir("--save", d)?;
+        }
+    }
+    if args.save_interval == Some(0) {
+        return Err("error: --save-interval 0: checkpoint every N >= 1 steps".into());
     }
     Ok(RunOptions {
         steps: args.steps,
@@ -78,6 +84,10 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         .then_some(true),
         profile: args.profile,
         trace: args.trace.clone(),
+        save: args.save.clone(),
+        save_interval: args.save_interval,
+        save_async: args.save_async,
+        load: args.load.clone(),
     })
 }
 
@@ -129,6 +139,12 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
     if let Some(path) = &args.report {
         super::output::write_file(path, &report.to_json())?;
     }
+    if let Some((step, path, seconds)) = &report.resumed {
+        println!(
+            "resumed after step {step} from {} (loaded in {seconds:.3} s)",
+            path.display()
+        );
+    }
     let (first, last) = (report.steps.first(), report.steps.last());
     if let (Some(a), Some(z)) = (first, last) {
         println!(
@@ -155,6 +171,21 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
     }
     if let Some(p) = &args.save_params {
         println!("saved parameters to {}", p.display());
+    }
+    if let Some(c) = report.checkpoints.last() {
+        let n = report.checkpoints.len() as f64;
+        let mean = |f: fn(&megac_runtime::checkpoint::SavedCheckpoint) -> f64| {
+            report.checkpoints.iter().map(f).sum::<f64>() / n
+        };
+        println!(
+            "saved {} checkpoint{}, the last {} ({:.1} MiB); per save {:.3} s, training waited {:.3} s",
+            report.checkpoints.len(),
+            if report.checkpoints.len() == 1 { "" } else { "s" },
+            c.path.display(),
+            c.bytes as f64 / (1u64 << 20) as f64,
+            mean(|c| c.seconds),
+            mean(|c| c.blocking_seconds),
+        );
     }
     Ok(())
 }
