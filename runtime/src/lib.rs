@@ -9,6 +9,7 @@
 //! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report.
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
+//! - [`infer`]: forward-only runs of a plan: logits, probes, generation.
 //!
 //! The cpu backend is the only one (`--device cuda` is refused with an error), and there is no
 //! NCCL communicator; a communicator implements [`comm::Communicator`].
@@ -21,6 +22,7 @@ pub mod error;
 pub mod exec;
 pub mod hf;
 pub mod hostfile;
+pub mod infer;
 pub mod init;
 pub mod local_comm;
 pub mod memory;

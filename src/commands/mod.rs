@@ -4,6 +4,7 @@ pub mod check;
 pub mod check_plan;
 pub mod compile;
 pub mod dump;
+pub mod generate;
 pub mod inspect;
 pub mod launch;
 pub mod output;
@@ -11,6 +12,7 @@ pub mod passes;
 pub mod plan;
 pub mod run;
 pub mod schedule;
+pub mod scope;
 pub mod simulate;
 
 use megac_ir::plan::LrSchedule;

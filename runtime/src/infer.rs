@@ -1,0 +1,511 @@
+//! Forward-only execution of a compiled plan: logits for a token sequence, and greedy or
+//! sampled generation (`megac generate`).
+//!
+//! The plan is the training plan of the model (one micro-batch of one sample); the runtime
+//! runs its micro-batch program's forward instructions only, up to the one that writes the
+//! logits (the cross-entropy's first operand), and never the loss, the backward or the
+//! optimizer. The plan's `seq_len` is the context window: a sequence shorter than it is
+//! padded with token 0, which changes no logit at its real positions because attention is
+//! causal (and MoE routing is per token and dropless). Each new token reruns the forward over
+//! the whole prefix: there is no KV cache yet.
+
+use megac_ir::gate::CheckedPlan;
+use megac_ir::plan::{BufId, Instr};
+use megac_ir::OpKind;
+
+use crate::error::RuntimeError;
+use crate::train::Session;
+
+/// A plan loaded with weights, ready to run forward.
+pub struct Inference<'p> {
+    session: Session<'p>,
+    /// The forward instructions: the micro-batch program up to the logits' writer.
+    forward: &'p [Instr],
+    logits: BufId,
+    /// Logits per position in the buffer (the padded vocabulary).
+    row: usize,
+}
+
+/// How the next token is chosen.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy (the most likely token, the lowest id on ties), else the softmax's temperature.
+    pub temperature: f64,
+    /// Keep only the `k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `p` (1: all).
+    pub top_p: f64,
+    /// Seed of the sampler.
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A finished generation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generated {
+    /// The new token ids (after the prompt).
+    pub tokens: Vec<u32>,
+    /// Seconds spent generating them.
+    pub seconds: f64,
+}
+
+impl<'p> Inference<'p> {
+    /// Load the weights of `init` into `plan`'s single rank. The plan must be a one-rank,
+    /// unpipelined plan (`megac generate` compiles one).
+    pub fn new(plan: &'p CheckedPlan, init: &std::path::Path) -> Result<Self, RuntimeError> {
+        let world = plan.mesh.world_size();
+        if world != 1 || plan.roles.len() != 1 || plan.roles[0].pipeline.is_some() {
+            return Err(RuntimeError::Unsupported(format!(
+                "forward-only runs (generate, scope) support single-device layouts only so far; \
+                 this layout has {world} ranks (set parallel.tp, pp, dp, cp and ep to 1)"
+            )));
+        }
+        let program = &plan.roles[0].microbatch;
+        let ce = program
+            .iter()
+            .position(|i| {
+                matches!(
+                    i,
+                    Instr::Kernel {
+                        op: OpKind::CrossEntropy,
+                        ..
+                    }
+                )
+            })
+            .ok_or_else(|| RuntimeError::Plan("the plan computes no cross_entropy".into()))?;
+        let Instr::Kernel { inputs, .. } = &program[ce] else {
+            unreachable!("position matched a kernel")
+        };
+        let logits = inputs[0];
+        let end = program[..ce]
+            .iter()
+            .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&logits)))
+            .ok_or_else(|| RuntimeError::Plan("no instruction writes the logits".into()))?;
+        let row = plan.buffers[logits as usize]
+            .shape
+            .last()
+            .copied()
+            .unwrap_or(0) as usize;
+        if row < plan.batch.vocab as usize {
+            return Err(RuntimeError::Plan(format!(
+                "the logits have {row} entries per token, fewer than the vocabulary ({})",
+                plan.batch.vocab
+            )));
+        }
+        let session = Session::new(plan, "synthetic", Some(init))?;
+        Ok(Inference {
+            session,
+            forward: &program[..=end],
+            logits,
+            row,
+        })
+    }
+
+    /// The context window: the most tokens a sequence may have (the plan's `seq_len`).
+    pub fn context(&self) -> usize {
+        self.session.plan.batch.seq_len as usize
+    }
+
+    /// The vocabulary size (logits per position).
+    pub fn vocab(&self) -> usize {
+        self.session.plan.batch.vocab as usize
+    }
+
+    /// The forward instructions, in order.
+    pub fn program(&self) -> &'p [Instr] {
+        self.forward
+    }
+
+    /// Check `tokens` against the vocabulary and the context window.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), RuntimeError> {
+        let bad = |m: String| Err(RuntimeError::Unsupported(m));
+        if tokens.is_empty() {
+            return bad("the prompt has no tokens".into());
+        }
+        if tokens.len() > self.context() {
+            return bad(format!(
+                "{} tokens do not fit the model's context of seq_len = {} tokens",
+                tokens.len(),
+                self.context()
+            ));
+        }
+        if let Some((i, t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= self.vocab())
+        {
+            return bad(format!(
+                "token {i} is {t}, outside the vocabulary [0, {})",
+                self.vocab()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Run the forward over `tokens` (padded to the context window), calling `visit` after
+    /// each instruction with its index and the memory.
+    pub fn run_with(
+        &mut self,
+        tokens: &[u32],
+        mut visit: impl FnMut(usize, &Instr, &crate::memory::Memory),
+    ) -> Result<(), RuntimeError> {
+        self.check_tokens(tokens)?;
+        let (mb, s) = (self.session.plan.batch.micro_batch as usize, self.context());
+        let mut ids = vec![0i32; mb * s];
+        for (x, &t) in ids.iter_mut().zip(tokens) {
+            *x = t as i32;
+        }
+        let labels = vec![0i32; mb * s];
+        self.session.write_inputs(&ids, &labels);
+        let ctx = self.session.context(1);
+        for (i, instr) in self.forward.iter().enumerate() {
+            self.session.run(std::slice::from_ref(instr), &ctx)?;
+            visit(i, instr, &self.session.mem);
+        }
+        Ok(())
+    }
+
+    /// The logits of every position of `tokens`: `tokens.len()` rows of `vocab()` values.
+    pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
+        self.run_with(tokens, |_, _, _| {})?;
+        let all = self.session.mem.read_f32(self.logits);
+        let v = self.vocab();
+        Ok(all
+            .chunks(self.row)
+            .take(tokens.len())
+            .flat_map(|r| r[..v].iter().copied())
+            .collect())
+    }
+
+    /// Generate up to `max_new` tokens after `prompt` (fewer if the context fills: an error
+    /// says so instead).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+    ) -> Result<Generated, RuntimeError> {
+        self.check_tokens(prompt)?;
+        if prompt.len() + max_new > self.context() {
+            return Err(RuntimeError::Unsupported(format!(
+                "{} prompt tokens + {max_new} new tokens do not fit the model's context of \
+                 seq_len = {} tokens",
+                prompt.len(),
+                self.context()
+            )));
+        }
+        let start = std::time::Instant::now();
+        let mut rng = SplitMix64(sampling.seed);
+        let mut seq = prompt.to_vec();
+        let v = self.vocab();
+        for _ in 0..max_new {
+            let logits = self.logits(&seq)?;
+            let last = &logits[(seq.len() - 1) * v..seq.len() * v];
+            if let Some(x) = last.iter().find(|x| !x.is_finite()) {
+                return Err(RuntimeError::NonFinite(format!(
+                    "a logit at position {} is {x}: the weights give no distribution",
+                    seq.len() - 1
+                )));
+            }
+            seq.push(choose(last, sampling, &mut rng));
+        }
+        Ok(Generated {
+            tokens: seq[prompt.len()..].to_vec(),
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// The next token from one position's logits.
+pub fn choose(logits: &[f32], s: &Sampling, rng: &mut SplitMix64) -> u32 {
+    let argmax = |xs: &[f32]| {
+        let mut best = 0;
+        for (i, &x) in xs.iter().enumerate() {
+            if x > xs[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    if s.temperature <= 0.0 {
+        return argmax(logits);
+    }
+    // Temperature, then top-k, then top-p, as transformers' logits warpers.
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let keep_k = if s.top_k == 0 {
+        order.len()
+    } else {
+        s.top_k.min(order.len())
+    };
+    order.truncate(keep_k);
+    let top = f64::from(logits[order[0]]);
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - top) / s.temperature).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if s.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if acc >= s.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+        order.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut u = rng.next_f64() * total;
+    for (&i, &p) in order.iter().zip(&probs) {
+        if u < p {
+            return i as u32;
+        }
+        u -= p;
+    }
+    order[order.len() - 1] as u32
+}
+
+/// The sampler's generator (SplitMix64: a seed gives the same tokens on every machine).
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A probed tensor at its global shape (batch 1, the real tokens only).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Probe {
+    /// Its name (`embed`, `layers.0.out`, ...; docs/scope.md).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub values: Vec<f32>,
+}
+
+/// What a probe point reads of its instruction, after the instruction has run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Site {
+    /// The instruction's operand (an operand is never overwritten by its own instruction).
+    Input(usize),
+    /// The instruction's result.
+    Output(usize),
+    /// The attention probabilities, recomputed from the `causal_attention`'s q and k.
+    Probs,
+}
+
+/// The transformer layer a provenance path names (`model.layers.3.mlp` or `transformer.h.3.mlp`).
+fn layer_of(path: &str) -> Option<usize> {
+    let parts: Vec<&str> = path.split('.').collect();
+    parts
+        .windows(2)
+        .find(|w| w[0] == "layers" || w[0] == "h")
+        .and_then(|w| w[1].parse().ok())
+}
+
+/// Whether `name` matches `pattern`, where `*` matches any run of characters.
+pub fn glob(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == name;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !name.starts_with(first) || name.len() < first.len() + last.len() || !name.ends_with(last) {
+        return false;
+    }
+    let mut rest = &name[first.len()..name.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+impl Inference<'_> {
+    /// Every probe point of the model, in forward order: (name, instruction, site).
+    fn sites(&self) -> Vec<(String, usize, Site)> {
+        let mut out = Vec::new();
+        for (i, instr) in self.forward.iter().enumerate() {
+            let Instr::Kernel { op, path, .. } = instr else {
+                continue;
+            };
+            let layer = layer_of(path);
+            match (op, layer) {
+                (OpKind::Add, Some(l)) if path.ends_with(".residual.attn") => {
+                    if l == 0 {
+                        out.push(("embed".to_string(), i, Site::Input(0)));
+                    }
+                    out.push((format!("layers.{l}.attn.out"), i, Site::Input(1)));
+                }
+                (OpKind::Add, Some(l)) if path.ends_with(".residual.mlp") => {
+                    out.push((format!("layers.{l}.mlp.out"), i, Site::Input(1)));
+                    out.push((format!("layers.{l}.out"), i, Site::Output(0)));
+                }
+                (OpKind::CausalAttention, Some(l)) => {
+                    out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
+                }
+                _ => {}
+            }
+        }
+        let end = self.forward.len() - 1;
+        out.push(("logits".to_string(), end, Site::Output(0)));
+        // `embed` first (its instruction, layer 0's residual add, follows the attention).
+        out.sort_by_key(|(name, _, _)| name != "embed");
+        out
+    }
+
+    /// The names of every probe point, in forward order.
+    pub fn probe_names(&self) -> Vec<String> {
+        self.sites().into_iter().map(|(n, _, _)| n).collect()
+    }
+
+    /// Run the forward over `tokens` and return the probe points matching any of
+    /// `patterns` (`*` matches any run of characters), in forward order. A pattern that
+    /// matches no point is an error listing the points.
+    pub fn probe(
+        &mut self,
+        tokens: &[u32],
+        patterns: &[String],
+    ) -> Result<Vec<Probe>, RuntimeError> {
+        let sites = self.sites();
+        for p in patterns {
+            if !sites.iter().any(|(n, _, _)| glob(p, n)) {
+                let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
+                return Err(RuntimeError::Unsupported(format!(
+                    "--probe {p} matches no probe point of this model; the points are {}",
+                    names.join(", ")
+                )));
+            }
+        }
+        let wanted: Vec<(String, usize, Site)> = sites
+            .into_iter()
+            .filter(|(n, _, _)| patterns.iter().any(|p| glob(p, n)))
+            .collect();
+        let plan = self.session.plan;
+        let n = tokens.len();
+        let vocab = self.vocab();
+        let mut probes = Vec::new();
+        self.run_with(tokens, |i, instr, mem| {
+            let Instr::Kernel {
+                inputs, outputs, ..
+            } = instr
+            else {
+                return;
+            };
+            for (name, _, site) in wanted.iter().filter(|(_, at, _)| *at == i) {
+                let buf = match site {
+                    Site::Input(k) => inputs[*k],
+                    Site::Output(k) => outputs[*k],
+                    Site::Probs => {
+                        probes.push(attention_probs(
+                            name,
+                            n,
+                            (
+                                &plan.buffers[inputs[0] as usize].shape,
+                                &mem.read_f32(inputs[0]),
+                            ),
+                            (
+                                &plan.buffers[inputs[1] as usize].shape,
+                                &mem.read_f32(inputs[1]),
+                            ),
+                        ));
+                        continue;
+                    }
+                };
+                // [batch, seq, rest...]: the first sample's real tokens.
+                let shape = &plan.buffers[buf as usize].shape;
+                let row = shape[2..].iter().product::<u64>() as usize;
+                let values = mem.read_f32(buf);
+                let mut out_shape = vec![1, n];
+                out_shape.extend(shape[2..].iter().map(|&d| d as usize));
+                let mut values = values[..n * row].to_vec();
+                if name == "logits" {
+                    values = values
+                        .chunks(row)
+                        .flat_map(|r| r[..vocab].iter().copied())
+                        .collect();
+                    out_shape[2] = vocab;
+                }
+                probes.push(Probe {
+                    name: name.clone(),
+                    shape: out_shape,
+                    values,
+                });
+            }
+        })?;
+        // In the order of the points (the forward runs `embed`'s add after the attention).
+        probes.sort_by_key(|p| wanted.iter().position(|(n, _, _)| *n == p.name));
+        Ok(probes)
+    }
+}
+
+/// Softmax attention probabilities `[1, heads, n, n]` of the first `n` positions, from q
+/// `[b, s, heads, d]` and k `[b, s, kv_heads, d]` (query head h reads kv head
+/// h / (heads / kv_heads)), scaled by 1/sqrt(d), causal (0 above the diagonal).
+fn attention_probs(
+    name: &str,
+    n: usize,
+    (qs, q): (&[u64], &[f32]),
+    (ks, k): (&[u64], &[f32]),
+) -> Probe {
+    let (heads, kv, d) = (qs[2] as usize, ks[2] as usize, qs[3] as usize);
+    let group = heads / kv.max(1);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![0f32; heads * n * n];
+    for h in 0..heads {
+        let g = h / group.max(1);
+        for i in 0..n {
+            let qi = &q[(i * heads + h) * d..][..d];
+            let scores: Vec<f64> = (0..=i)
+                .map(|j| {
+                    let kj = &k[(j * kv + g) * d..][..d];
+                    qi.iter()
+                        .zip(kj)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = exps.iter().sum();
+            for (j, e) in exps.iter().enumerate() {
+                out[(h * n + i) * n + j] = (e / total) as f32;
+            }
+        }
+    }
+    Probe {
+        name: name.to_string(),
+        shape: vec![1, heads, n, n],
+        values: out,
+    }
+}

@@ -1,0 +1,178 @@
+//! `megac scope` against Hugging Face transformers: every probe point of the tiny llama,
+//! gpt and mixtral models on one input equals transformers' value
+//! (`tests/golden/*/scope.safetensors`, made by tests/golden/make_scope_golden.py from
+//! `output_hidden_states`, `output_attentions` and module hooks; not run in CI) within
+//! float32 rounding; patterns select points; bad patterns are one error and write nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use megac_runtime::infer::{glob, Inference};
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name)
+}
+
+fn forward_plan(name: &str) -> megac_ir::gate::CheckedPlan {
+    let sets = ["train.micro_batch=1", "train.global_batch=1"].map(String::from);
+    let spec = megac_frontend::load(&fixture(name).join("model.toml"), &sets)
+        .unwrap_or_else(|e| panic!("{}", e.render()));
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let plan =
+        megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+    megac_ir::gate::CheckedPlan::check(plan).unwrap()
+}
+
+fn tensors(bytes: &[u8]) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            assert_eq!(t.dtype(), safetensors::Dtype::F32);
+            let v = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, t.shape().to_vec(), v)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+const TOKENS: [u32; 8] = [3, 14, 15, 92, 65, 35, 89, 79];
+
+/// Every point, by name and shape, within `tol` of transformers (absolute, scaled by the
+/// tensor's largest magnitude when that is above 1).
+fn probes_match(name: &str) {
+    let plan = forward_plan(name);
+    let mut inf = Inference::new(&plan, &fixture(name).join("init.safetensors")).unwrap();
+    let mut got = inf.probe(&TOKENS, &["*".to_string()]).unwrap();
+    got.sort_by(|a, b| a.name.cmp(&b.name));
+    let want = tensors(&std::fs::read(fixture(name).join("scope.safetensors")).unwrap());
+    let names = |v: Vec<&String>| v.into_iter().cloned().collect::<Vec<_>>();
+    assert_eq!(
+        names(got.iter().map(|p| &p.name).collect()),
+        names(want.iter().map(|w| &w.0).collect())
+    );
+    // 2 layers: embed, logits, and 4 points per layer.
+    assert_eq!(got.len(), 2 + 2 * 4);
+    for (p, (wname, wshape, wvals)) in got.iter().zip(&want) {
+        assert_eq!(&p.shape, wshape, "{name}: {wname}");
+        let scale = wvals.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let diff = p
+            .values
+            .iter()
+            .zip(wvals)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{name} {wname}: max |diff| {diff:e} (scale {scale})");
+        assert!(diff <= 1e-6 * scale, "{name}: {wname}: max |diff| {diff}");
+    }
+    // A probe is a genuine readout: the last layer's output differs from its attention's.
+    let find = |n: &str| &got.iter().find(|p| p.name == n).unwrap().values;
+    assert_ne!(find("layers.1.out"), find("layers.1.attn.out"));
+}
+
+#[test]
+fn probes_llama_match_transformers() {
+    probes_match("llama");
+}
+
+#[test]
+fn probes_gpt_match_transformers() {
+    probes_match("gpt");
+}
+
+#[test]
+fn probes_mixtral_match_transformers() {
+    probes_match("mixtral");
+}
+
+#[test]
+fn glob_patterns() {
+    assert!(glob("layers.*.attn.probs", "layers.1.attn.probs"));
+    assert!(glob("*", "embed"));
+    assert!(glob("layers.1.*", "layers.1.mlp.out"));
+    assert!(!glob("layers.1.*", "layers.10"));
+    assert!(glob("*.out", "layers.0.attn.out"));
+    assert!(!glob("layers.*.attn.probs", "layers.1.attn.out"));
+    assert!(!glob("embed", "embeds"));
+    assert!(glob("*a*b*", "xaybz"));
+    assert!(!glob("*a*b", "ba"));
+}
+
+fn megac(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_megac"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn scope_command_writes_the_selected_points() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("p.safetensors");
+    let dir = fixture("llama");
+    let (m, i) = (dir.join("model.toml"), dir.join("init.safetensors"));
+    let base = [
+        "scope",
+        m.to_str().unwrap(),
+        "--init",
+        i.to_str().unwrap(),
+        "--tokens",
+        "3,14,15,92,65,35,89,79",
+    ];
+    let mut args = base.to_vec();
+    args.extend([
+        "--probe",
+        "layers.*.attn.probs",
+        "--probe",
+        "logits",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let run = megac(&args);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let got = tensors(&std::fs::read(&out).unwrap());
+    let names: Vec<&str> = got.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(
+        names,
+        ["layers.0.attn.probs", "layers.1.attn.probs", "logits"]
+    );
+    let want = tensors(&std::fs::read(dir.join("scope.safetensors")).unwrap());
+    let probs = want.iter().find(|w| w.0 == "layers.1.attn.probs").unwrap();
+    assert_eq!(got[1].1, probs.1);
+    assert_eq!(got[1].1, [1, 4, 8, 8]);
+
+    // Bad input: one error, exit 1, no file.
+    let bad = tmp.path().join("bad.safetensors");
+    for (tokens, probe, want) in [
+        (
+            "1,2",
+            "layers.*.mlp",
+            "--probe layers.*.mlp matches no probe point of this model; the points are embed, layers.0.attn.probs",
+        ),
+        ("1,200", "logits", "token 1 is 200, outside the vocabulary [0, 128)"),
+    ] {
+        let mut args = base[..4].to_vec();
+        args.extend(["--tokens", tokens, "--probe", probe, "-o", bad.to_str().unwrap()]);
+        let run = megac(&args);
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{err}");
+        assert!(err.contains(want), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!bad.exists());
+    }
+}
