@@ -58,8 +58,8 @@ fn join(t: &[u64]) -> String {
     t.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
 }
 
-/// Every greedy case of the fixture gives transformers' ids exactly.
-fn greedy_matches(name: &str) {
+/// Every greedy case of the fixture gives transformers' ids exactly, with `sets` (a layout).
+fn greedy_matches(name: &str, sets: &[&str]) {
     let text = std::fs::read_to_string(fixture(name).join("generate.json")).unwrap();
     let golden: serde_json::Value = serde_json::from_str(&text).unwrap();
     let cases = golden["cases"].as_array().unwrap();
@@ -68,9 +68,18 @@ fn greedy_matches(name: &str) {
         let prompt = ids(&case["prompt"]);
         let want = ids(&case["tokens"]);
         let n = case["max_new_tokens"].as_u64().unwrap().to_string();
-        let got = generate(name, &["--tokens", &join(&prompt), "--max-new-tokens", &n]);
+        let p = join(&prompt);
+        let mut args = vec!["--tokens", &p, "--max-new-tokens", &n];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let got = generate(name, &args);
         assert_eq!(ids(&got["prompt_tokens"]), prompt);
-        assert_eq!(ids(&got["tokens"]), want, "{name}: prompt {prompt:?}");
+        assert_eq!(
+            ids(&got["tokens"]),
+            want,
+            "{name} {sets:?}: prompt {prompt:?}"
+        );
         let bytes: Vec<u8> = want.iter().map(|&t| t as u8).collect();
         assert_eq!(
             got["text"].as_str().unwrap(),
@@ -82,17 +91,29 @@ fn greedy_matches(name: &str) {
 
 #[test]
 fn greedy_llama_matches_transformers() {
-    greedy_matches("llama");
+    greedy_matches("llama", &[]);
 }
 
 #[test]
 fn greedy_gpt_matches_transformers() {
-    greedy_matches("gpt");
+    greedy_matches("gpt", &[]);
 }
 
 #[test]
 fn greedy_mixtral_matches_transformers() {
-    greedy_matches("mixtral");
+    greedy_matches("mixtral", &[]);
+}
+
+/// Tensor parallelism: two ranks (threads), the vocab-parallel logits gathered.
+#[test]
+fn greedy_tp2_matches_transformers() {
+    greedy_matches("llama", &["parallel.tp=2"]);
+    greedy_matches("gpt", &["parallel.tp=2"]);
+    // Megatron's tensor-parallel MoE needs sequence parallelism.
+    greedy_matches(
+        "mixtral",
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+    );
 }
 
 /// The checked one-sample plan of fixture `name`.
@@ -209,8 +230,8 @@ fn bad_generate_input_is_one_error() {
             "--top-p 0: expected a number in (0, 1]",
         ),
         (
-            vec!["--tokens", "1", "--set", "parallel.tp=2"],
-            "single-device layouts only so far; this layout has 2 ranks",
+            vec!["--tokens", "1", "--set", "parallel.pp=2"],
+            "single-device and tensor-parallel layouts only so far; this layout has pp = 2",
         ),
     ] {
         let mut args = vec!["generate", m, "--init", i];

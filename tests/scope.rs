@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megac_runtime::infer::{glob, Inference};
+use megac_runtime::infer::{glob, with_ranks};
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
@@ -16,8 +16,10 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn forward_plan(name: &str) -> megac_ir::gate::CheckedPlan {
-    let sets = ["train.micro_batch=1", "train.global_batch=1"].map(String::from);
+fn forward_plan(name: &str, extra: &[&str]) -> megac_ir::gate::CheckedPlan {
+    let mut sets = vec!["train.micro_batch=1", "train.global_batch=1"];
+    sets.extend_from_slice(extra);
+    let sets: Vec<String> = sets.into_iter().map(String::from).collect();
     let spec = megac_frontend::load(&fixture(name).join("model.toml"), &sets)
         .unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
@@ -48,12 +50,13 @@ fn tensors(bytes: &[u8]) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 
 const TOKENS: [u32; 8] = [3, 14, 15, 92, 65, 35, 89, 79];
 
-/// Every point, by name and shape, within `tol` of transformers (absolute, scaled by the
-/// tensor's largest magnitude when that is above 1).
-fn probes_match(name: &str) {
-    let plan = forward_plan(name);
-    let mut inf = Inference::new(&plan, &fixture(name).join("init.safetensors")).unwrap();
-    let mut got = inf.probe(&TOKENS, &["*".to_string()]).unwrap();
+/// Every point, by name and shape, within 1e-6 of transformers (absolute, scaled by the
+/// tensor's largest magnitude when that is above 1), in the layout `sets` gives (tensor
+/// parallel: the points gathered from the ranks' shards).
+fn probes_match(name: &str, sets: &[&str]) {
+    let plan = forward_plan(name, sets);
+    let init = fixture(name).join("init.safetensors");
+    let mut got = with_ranks(&plan, &init, |inf| inf.probe(&TOKENS, &["*".to_string()])).unwrap();
     got.sort_by(|a, b| a.name.cmp(&b.name));
     let want = tensors(&std::fs::read(fixture(name).join("scope.safetensors")).unwrap());
     let names = |v: Vec<&String>| v.into_iter().cloned().collect::<Vec<_>>();
@@ -72,8 +75,11 @@ fn probes_match(name: &str) {
             .zip(wvals)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
-        eprintln!("{name} {wname}: max |diff| {diff:e} (scale {scale})");
-        assert!(diff <= 1e-6 * scale, "{name}: {wname}: max |diff| {diff}");
+        eprintln!("{name} {sets:?} {wname}: max |diff| {diff:e} (scale {scale})");
+        assert!(
+            diff <= 1e-6 * scale,
+            "{name} {sets:?}: {wname}: max |diff| {diff}"
+        );
     }
     // A probe is a genuine readout: the last layer's output differs from its attention's.
     let find = |n: &str| &got.iter().find(|p| p.name == n).unwrap().values;
@@ -82,17 +88,29 @@ fn probes_match(name: &str) {
 
 #[test]
 fn probes_llama_match_transformers() {
-    probes_match("llama");
+    probes_match("llama", &[]);
 }
 
 #[test]
 fn probes_gpt_match_transformers() {
-    probes_match("gpt");
+    probes_match("gpt", &[]);
 }
 
 #[test]
 fn probes_mixtral_match_transformers() {
-    probes_match("mixtral");
+    probes_match("mixtral", &[]);
+}
+
+/// tp2 (heads, ffn and vocabulary split over two ranks), with and without sequence
+/// parallelism (the residual stream split over the sequence too).
+#[test]
+fn probes_tp2_match_transformers() {
+    probes_match("llama", &["parallel.tp=2"]);
+    probes_match("gpt", &["parallel.tp=2", "parallel.sequence_parallel=true"]);
+    probes_match(
+        "mixtral",
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+    );
 }
 
 #[test]

@@ -4,14 +4,16 @@
 //! The plan is the training plan of the model (one micro-batch of one sample); the runtime
 //! runs its micro-batch program's forward instructions only, up to the one that writes the
 //! logits (the cross-entropy's first operand), and never the loss, the backward or the
-//! optimizer. The plan's `seq_len` is the context window: a sequence shorter than it is
+//! optimizer. Tensor-parallel plans run one thread per rank (the local communicator), and
+//! the logits and probed tensors are gathered to their global shape from the buffers'
+//! layouts. The plan's `seq_len` is the context window: a sequence shorter than it is
 //! padded with token 0, which changes no logit at its real positions because attention is
 //! causal (and MoE routing is per token and dropless). Each new token reruns the forward over
 //! the whole prefix: there is no KV cache yet.
 
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::{BufId, Instr};
-use megac_ir::OpKind;
+use megac_ir::{Axis, OpKind};
 
 use crate::error::RuntimeError;
 use crate::train::Session;
@@ -60,17 +62,49 @@ pub struct Generated {
 }
 
 impl<'p> Inference<'p> {
-    /// Load the weights of `init` into `plan`'s single rank. The plan must be a one-rank,
-    /// unpipelined plan (`megac generate` compiles one).
-    pub fn new(plan: &'p CheckedPlan, init: &std::path::Path) -> Result<Self, RuntimeError> {
-        let world = plan.mesh.world_size();
-        if world != 1 || plan.roles.len() != 1 || plan.roles[0].pipeline.is_some() {
+    /// Check that forward-only runs support `plan`'s layout: one device, or tensor
+    /// parallelism alone (no pipeline, data, context or expert parallelism).
+    pub fn supports(plan: &CheckedPlan) -> Result<(), RuntimeError> {
+        let m = &plan.mesh;
+        let others: Vec<String> = [Axis::Pp, Axis::Dp, Axis::Cp, Axis::Ep]
+            .into_iter()
+            .filter(|&a| m.size(a) > 1)
+            .map(|a| format!("{} = {}", a.as_str(), m.size(a)))
+            .collect();
+        let piped = plan.roles.iter().any(|r| r.pipeline.is_some());
+        if !others.is_empty() || piped || m.world_size() as u64 != m.size(Axis::Tp) {
             return Err(RuntimeError::Unsupported(format!(
-                "forward-only runs (generate, scope) support single-device layouts only so far; \
-                 this layout has {world} ranks (set parallel.tp, pp, dp, cp and ep to 1)"
+                "forward-only runs (generate, scope) support single-device and tensor-parallel \
+                 layouts only so far; this layout has {} (set them to 1)",
+                if others.is_empty() {
+                    "a pipeline".to_string()
+                } else {
+                    others.join(", ")
+                }
             )));
         }
-        let program = &plan.roles[0].microbatch;
+        Ok(())
+    }
+
+    /// Load the weights of `init` into `plan`'s single rank (`megac generate` compiles a
+    /// one-sample plan).
+    pub fn new(plan: &'p CheckedPlan, init: &std::path::Path) -> Result<Self, RuntimeError> {
+        Self::with_comm(plan, init, Box::new(crate::comm::SingleRank))
+    }
+
+    /// As [`Inference::new`], for the rank `comm` stands for (tensor-parallel plans).
+    pub fn with_comm(
+        plan: &'p CheckedPlan,
+        init: &std::path::Path,
+        comm: Box<dyn crate::comm::Communicator>,
+    ) -> Result<Self, RuntimeError> {
+        Self::supports(plan)?;
+        let role = plan
+            .rank_to_role
+            .get(comm.rank())
+            .and_then(|&r| plan.roles.get(r as usize))
+            .ok_or_else(|| RuntimeError::Plan(format!("rank {} has no role", comm.rank())))?;
+        let program = &role.microbatch;
         let ce = program
             .iter()
             .position(|i| {
@@ -91,8 +125,8 @@ impl<'p> Inference<'p> {
             .iter()
             .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&logits)))
             .ok_or_else(|| RuntimeError::Plan("no instruction writes the logits".into()))?;
-        let row = plan.buffers[logits as usize]
-            .shape
+        let lb = &plan.buffers[logits as usize];
+        let row = global_shape(plan, &lb.shape, &lb.layout)
             .last()
             .copied()
             .unwrap_or(0) as usize;
@@ -102,7 +136,7 @@ impl<'p> Inference<'p> {
                 plan.batch.vocab
             )));
         }
-        let session = Session::new(plan, "synthetic", Some(init))?;
+        let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
         Ok(Inference {
             session,
             forward: &program[..=end],
@@ -175,10 +209,123 @@ impl<'p> Inference<'p> {
         Ok(())
     }
 
+    /// Gather a tensor whose part on each rank has shape `local_shape` (a plan buffer's
+    /// shape), split by `layout` (per dim, the mesh axes that split it), from every rank's
+    /// `local` values: every rank gets the global shape and the whole tensor. The parts are
+    /// summed over the world into zeros, each element from one rank (replicated dims from
+    /// the ranks at coordinate 0), so the values are exact.
+    ///
+    /// A `partial` tensor is a pending sum over tp (each rank holds an addend, as a
+    /// row-parallel linear's output before its all-reduce): every tp rank's part is added.
+    pub fn gather(
+        &mut self,
+        local_shape: &[u64],
+        layout: &[Vec<Axis>],
+        local: &[f32],
+        partial: bool,
+    ) -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
+        let plan = self.session.plan;
+        let world = plan.mesh.world_size();
+        let shape = global_shape(plan, local_shape, layout);
+        if world == 1 {
+            return Ok((shape, local.to_vec()));
+        }
+        let rank = self.session.comm.rank();
+        let axes_of = |d: usize| layout.get(d).cloned().unwrap_or_default();
+        let split_axes: Vec<Axis> = (0..shape.len()).flat_map(axes_of).collect();
+        let contributes = Axis::ALL.iter().all(|a| {
+            split_axes.contains(a) || (partial && *a == Axis::Tp) || plan.mesh.coord(rank, *a) == 0
+        });
+        let local_shape: Vec<usize> = local_shape.iter().map(|&d| d as usize).collect();
+        let offsets: Vec<usize> = (0..shape.len())
+            .map(|d| {
+                let idx = axes_of(d).iter().fold(0u64, |acc, &a| {
+                    acc * plan.mesh.size(a) + plan.mesh.coord(rank, a) as u64
+                });
+                idx as usize * local_shape[d]
+            })
+            .collect();
+        let total: usize = shape.iter().product::<u64>() as usize;
+        let mut global = vec![0f32; total];
+        if contributes && local.len() == local_shape.iter().product::<usize>() {
+            let mut at = vec![0usize; shape.len()];
+            for (i, &x) in local.iter().enumerate() {
+                // Row-major local index -> global index.
+                let mut rest = i;
+                for d in (0..shape.len()).rev() {
+                    at[d] = rest % local_shape[d];
+                    rest /= local_shape[d];
+                }
+                let (mut g, mut stride) = (0usize, 1usize);
+                for d in (0..shape.len()).rev() {
+                    g += (at[d] + offsets[d]) * stride;
+                    stride *= shape[d] as usize;
+                }
+                global[g] = x;
+            }
+        }
+        let ranks: Vec<usize> = (0..world).collect();
+        self.session.comm.all_reduce_sum(&ranks, &mut global)?;
+        Ok((shape, global))
+    }
+
+    /// Buffer `b` of every rank, gathered to its global shape.
+    fn gather_buffer(
+        &mut self,
+        b: BufId,
+        local: &[f32],
+        partial: bool,
+    ) -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
+        let buf = &self.session.plan.buffers[b as usize];
+        self.gather(&buf.shape, &buf.layout, local, partial)
+    }
+
+    /// The forward's buffers that hold pending sums over tp: the results of a vocab-parallel
+    /// embedding and of a linear that contracts a tp-split dim (row-parallel), and what adds
+    /// them, until an all-reduce or reduce-scatter completes the sum. (The plan keeps only
+    /// split layouts; this follows the sums through the program.)
+    fn partial_over_tp(&self) -> std::collections::BTreeSet<BufId> {
+        let plan = self.session.plan;
+        let split_tp = |b: BufId, dim: Option<usize>| {
+            let l = &plan.buffers[b as usize].layout;
+            let d = dim.unwrap_or(l.len().saturating_sub(1));
+            l.get(d).is_some_and(|ax| ax.contains(&Axis::Tp))
+        };
+        let mut partial = std::collections::BTreeSet::new();
+        if plan.mesh.size(Axis::Tp) == 1 {
+            return partial;
+        }
+        for instr in self.forward {
+            let Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                ..
+            } = instr
+            else {
+                continue;
+            };
+            let p = match op {
+                OpKind::AllReduce { .. } | OpKind::ReduceScatter { .. } => false,
+                OpKind::Embedding => inputs.get(1).is_some_and(|&w| split_tp(w, Some(0))),
+                OpKind::Linear { .. } => {
+                    inputs.first().is_some_and(|&x| split_tp(x, None))
+                        || partial.contains(&inputs[0])
+                }
+                _ => inputs.iter().any(|b| partial.contains(b)),
+            };
+            if p {
+                partial.extend(outputs.iter().copied());
+            }
+        }
+        partial
+    }
+
     /// The logits of every position of `tokens`: `tokens.len()` rows of `vocab()` values.
     pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
         self.run_with(tokens, |_, _, _| {})?;
-        let all = self.session.mem.read_f32(self.logits);
+        let local = self.session.mem.read_f32(self.logits);
+        let (_, all) = self.gather_buffer(self.logits, &local, false)?;
         let v = self.vocab();
         Ok(all
             .chunks(self.row)
@@ -413,7 +560,9 @@ impl Inference<'_> {
         let plan = self.session.plan;
         let n = tokens.len();
         let vocab = self.vocab();
-        let mut probes = Vec::new();
+        // What each point read on this rank: a buffer's local values, or local probabilities
+        // (with the layout of q's heads).
+        let mut captured: Vec<(String, Option<BufId>, Probe, Vec<Axis>)> = Vec::new();
         self.run_with(tokens, |i, instr, mem| {
             let Instr::Kernel {
                 inputs, outputs, ..
@@ -426,42 +575,62 @@ impl Inference<'_> {
                     Site::Input(k) => inputs[*k],
                     Site::Output(k) => outputs[*k],
                     Site::Probs => {
-                        probes.push(attention_probs(
+                        let q = &plan.buffers[inputs[0] as usize];
+                        let k = &plan.buffers[inputs[1] as usize];
+                        let probe = attention_probs(
                             name,
                             n,
-                            (
-                                &plan.buffers[inputs[0] as usize].shape,
-                                &mem.read_f32(inputs[0]),
-                            ),
-                            (
-                                &plan.buffers[inputs[1] as usize].shape,
-                                &mem.read_f32(inputs[1]),
-                            ),
-                        ));
+                            (&q.shape, &mem.read_f32(inputs[0])),
+                            (&k.shape, &mem.read_f32(inputs[1])),
+                        );
+                        let heads = q.layout.get(2).cloned().unwrap_or_default();
+                        captured.push((name.clone(), None, probe, heads));
                         continue;
                     }
                 };
-                // [batch, seq, rest...]: the first sample's real tokens.
-                let shape = &plan.buffers[buf as usize].shape;
-                let row = shape[2..].iter().product::<u64>() as usize;
-                let values = mem.read_f32(buf);
-                let mut out_shape = vec![1, n];
-                out_shape.extend(shape[2..].iter().map(|&d| d as usize));
-                let mut values = values[..n * row].to_vec();
-                if name == "logits" {
-                    values = values
-                        .chunks(row)
-                        .flat_map(|r| r[..vocab].iter().copied())
-                        .collect();
-                    out_shape[2] = vocab;
-                }
-                probes.push(Probe {
+                let values = Probe {
                     name: name.clone(),
-                    shape: out_shape,
-                    values,
-                });
+                    shape: Vec::new(),
+                    values: mem.read_f32(buf),
+                };
+                captured.push((name.clone(), Some(buf), values, Vec::new()));
             }
         })?;
+        let partial = self.partial_over_tp();
+        let mut probes = Vec::new();
+        for (name, buf, local, heads) in captured {
+            let Some(buf) = buf else {
+                // [1, heads, n, n], the heads split as q's.
+                let shape: Vec<u64> = local.shape.iter().map(|&d| d as u64).collect();
+                let layout = vec![Vec::new(), heads, Vec::new(), Vec::new()];
+                let (shape, values) = self.gather(&shape, &layout, &local.values, false)?;
+                probes.push(Probe {
+                    name,
+                    shape: shape.iter().map(|&d| d as usize).collect(),
+                    values,
+                });
+                continue;
+            };
+            let partial = partial.contains(&buf);
+            let (shape, values) = self.gather_buffer(buf, &local.values, partial)?;
+            // [batch, seq, rest...]: the first sample's real tokens.
+            let row = shape[2..].iter().product::<u64>() as usize;
+            let mut out_shape = vec![1, n];
+            out_shape.extend(shape[2..].iter().map(|&d| d as usize));
+            let mut values = values[..n * row].to_vec();
+            if name == "logits" {
+                values = values
+                    .chunks(row)
+                    .flat_map(|r| r[..vocab].iter().copied())
+                    .collect();
+                out_shape[2] = vocab;
+            }
+            probes.push(Probe {
+                name,
+                shape: out_shape,
+                values,
+            });
+        }
         // In the order of the points (the forward runs `embed`'s add after the attention).
         probes.sort_by_key(|p| wanted.iter().position(|(n, _, _)| *n == p.name));
         Ok(probes)
@@ -508,4 +677,38 @@ fn attention_probs(
         shape: vec![1, heads, n, n],
         values: out,
     }
+}
+
+/// The global shape of a tensor whose part on each rank has shape `local` (plan buffers
+/// hold a rank's shape), split by `layout`.
+fn global_shape(plan: &CheckedPlan, local: &[u64], layout: &[Vec<Axis>]) -> Vec<u64> {
+    local
+        .iter()
+        .enumerate()
+        .map(|(d, &x)| {
+            let parts: u64 = layout
+                .get(d)
+                .map_or(1, |ax| ax.iter().map(|&a| plan.mesh.size(a)).product());
+            x * parts
+        })
+        .collect()
+}
+
+/// Run `f` on an [`Inference`] of `plan` with the weights of `init`: on this thread for a
+/// one-device plan, else on one thread per rank (the local communicator; every rank runs
+/// `f`, and rank 0's result is returned).
+pub fn with_ranks<T: Send>(
+    plan: &CheckedPlan,
+    init: &std::path::Path,
+    f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
+) -> Result<T, RuntimeError> {
+    Inference::supports(plan)?;
+    let world = plan.mesh.world_size();
+    if world == 1 {
+        return f(&mut Inference::new(plan, init)?);
+    }
+    let mut results = crate::local_comm::run_ranks(world, |comm| {
+        f(&mut Inference::with_comm(plan, init, Box::new(comm))?)
+    })?;
+    Ok(results.swap_remove(0))
 }

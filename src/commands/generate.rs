@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use megac_ir::gate::CheckedPlan;
-use megac_runtime::infer::{Inference, Sampling};
+use megac_runtime::infer::{with_ranks, Sampling};
 
 use crate::ModelArgs;
 
@@ -114,16 +114,18 @@ pub fn run(args: &GenerateArgs) -> Result<(), String> {
     }
     let prompt = prompt_tokens(args.prompt.as_deref(), args.tokens.as_deref())?;
     let plan = compile_forward(&args.model)?;
-    let mut inf = Inference::new(&plan, &args.init).map_err(|e| format!("error: {e}"))?;
     let sampling = Sampling {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
     };
-    let out = inf
-        .generate(&prompt, args.max_new_tokens, &sampling)
-        .map_err(|e| format!("error: {e}"))?;
+    // Tensor-parallel plans: every rank runs the forward; the logits are gathered, so each
+    // chooses the same tokens.
+    let out = with_ranks(&plan, &args.init, |inf| {
+        inf.generate(&prompt, args.max_new_tokens, &sampling)
+    })
+    .map_err(|e| format!("error: {e}"))?;
     let text = decode(&out.tokens);
     let tokens_per_s = if out.seconds > 0.0 {
         out.tokens.len() as f64 / out.seconds

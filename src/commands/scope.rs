@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use megac_runtime::infer::Inference;
+use megac_runtime::infer::with_ranks;
 
 use crate::ModelArgs;
 
@@ -40,9 +40,7 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
     super::output::check_file("-o", &args.output)?;
     let tokens = super::generate::prompt_tokens(args.prompt.as_deref(), args.tokens.as_deref())?;
     let plan = super::generate::compile_forward(&args.model)?;
-    let mut inf = Inference::new(&plan, &args.init).map_err(|e| format!("error: {e}"))?;
-    let probes = inf
-        .probe(&tokens, &args.probes)
+    let probes = with_ranks(&plan, &args.init, |inf| inf.probe(&tokens, &args.probes))
         .map_err(|e| format!("error: {e}"))?;
     let tensors: Vec<(String, Vec<usize>, &[f32])> = probes
         .iter()
