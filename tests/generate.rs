@@ -104,6 +104,16 @@ fn greedy_mixtral_matches_transformers() {
     greedy_matches("mixtral", &[]);
 }
 
+/// Pipeline parallelism: two stages run as a forward pipeline (the last one's logits
+/// gathered); and with tp2 on each stage.
+#[test]
+fn greedy_pp2_matches_transformers() {
+    greedy_matches("llama", &["parallel.pp=2"]);
+    greedy_matches("gpt", &["parallel.pp=2"]);
+    greedy_matches("mixtral", &["parallel.pp=2"]);
+    greedy_matches("llama", &["parallel.pp=2", "parallel.tp=2"]);
+}
+
 /// Tensor parallelism: two ranks (threads), the vocab-parallel logits gathered.
 #[test]
 fn greedy_tp2_matches_transformers() {
@@ -230,8 +240,8 @@ fn bad_generate_input_is_one_error() {
             "--top-p 0: expected a number in (0, 1]",
         ),
         (
-            vec!["--tokens", "1", "--set", "parallel.pp=2"],
-            "single-device and tensor-parallel layouts only so far; this layout has pp = 2",
+            vec!["--tokens", "1", "--set", "parallel.cp=2"],
+            "tensor and pipeline parallel layouts only so far; this layout has cp = 2",
         ),
     ] {
         let mut args = vec!["generate", m, "--init", i];

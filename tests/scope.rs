@@ -101,6 +101,22 @@ fn probes_mixtral_match_transformers() {
     probes_match("mixtral", &[]);
 }
 
+/// pp2: the points of each stage's layers gathered from the stage that ran them; and
+/// pp2 × tp2 with sequence parallelism.
+#[test]
+fn probes_pp2_match_transformers() {
+    probes_match("llama", &["parallel.pp=2"]);
+    probes_match("gpt", &["parallel.pp=2"]);
+    probes_match(
+        "mixtral",
+        &[
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+    );
+}
+
 /// tp2 (heads, ffn and vocabulary split over two ranks), with and without sequence
 /// parallelism (the residual stream split over the sequence too).
 #[test]

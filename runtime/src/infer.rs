@@ -4,9 +4,10 @@
 //! The plan is the training plan of the model (one micro-batch of one sample); the runtime
 //! runs its micro-batch program's forward instructions only, up to the one that writes the
 //! logits (the cross-entropy's first operand), and never the loss, the backward or the
-//! optimizer. Tensor-parallel plans run one thread per rank (the local communicator), and
-//! the logits and probed tensors are gathered to their global shape from the buffers'
-//! layouts. The plan's `seq_len` is the context window: a sequence shorter than it is
+//! optimizer. Tensor- and pipeline-parallel plans run one thread per rank (the local
+//! communicator; a pipeline stage runs its chunks' forward programs in chunk order, as a
+//! forward pipeline), and the logits and probed tensors are gathered to their global shape
+//! from the buffers' layouts and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
 //! padded with token 0, which changes no logit at its real positions because attention is
 //! causal (and MoE routing is per token and dropless). Each new token reruns the forward over
 //! the whole prefix: there is no KV cache yet.
@@ -21,11 +22,70 @@ use crate::train::Session;
 /// A plan loaded with weights, ready to run forward.
 pub struct Inference<'p> {
     session: Session<'p>,
-    /// The forward instructions: the micro-batch program up to the logits' writer.
-    forward: &'p [Instr],
+    /// This rank's forward segments in the order it runs them: (pipeline chunk or None,
+    /// instructions); the one with the loss ends at the logits' writer.
+    segments: Vec<Segment<'p>>,
+    /// Every chunk's forward segment in the model (on any rank), for the probe points.
+    all: Vec<Segment<'p>>,
     logits: BufId,
+    /// Whether this rank computes the logits (the last pipeline stage; every tp rank).
+    owns_logits: bool,
     /// Logits per position in the buffer (the padded vocabulary).
     row: usize,
+}
+
+/// A forward segment: the pipeline chunk (None: an unpipelined role) and its instructions.
+type Segment<'p> = (Option<u32>, &'p [Instr]);
+
+/// A forward program cut after the instruction that writes the logits (the cross-entropy's
+/// first operand), if the program computes the loss: (the cut program, the logits).
+fn cut_at_logits(program: &[Instr]) -> Option<(&[Instr], BufId)> {
+    let ce = program.iter().position(|i| {
+        matches!(
+            i,
+            Instr::Kernel {
+                op: OpKind::CrossEntropy,
+                ..
+            }
+        )
+    })?;
+    let Instr::Kernel { inputs, .. } = &program[ce] else {
+        return None;
+    };
+    let logits = *inputs.first()?;
+    let end = program[..ce]
+        .iter()
+        .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&logits)))?;
+    Some((&program[..=end], logits))
+}
+
+/// The forward segments of `role`: its chunks' forward programs by ascending chunk, or the
+/// micro-batch program; the one that computes the loss cut at the logits.
+fn segments_of(role: &megac_ir::plan::Role) -> (Vec<Segment<'_>>, Option<BufId>) {
+    let mut logits = None;
+    let mut out = Vec::new();
+    match &role.pipeline {
+        Some(pipe) => {
+            let mut chunks: Vec<&megac_ir::plan::ChunkProgram> = pipe.chunks.iter().collect();
+            chunks.sort_by_key(|c| c.chunk);
+            for c in chunks {
+                match cut_at_logits(&c.forward) {
+                    Some((prog, l)) => {
+                        logits = Some(l);
+                        out.push((Some(c.chunk), prog));
+                    }
+                    None => out.push((Some(c.chunk), &c.forward[..])),
+                }
+            }
+        }
+        None => {
+            if let Some((prog, l)) = cut_at_logits(&role.microbatch) {
+                logits = Some(l);
+                out.push((None, prog));
+            }
+        }
+    }
+    (out, logits)
 }
 
 /// How the next token is chosen.
@@ -62,22 +122,21 @@ pub struct Generated {
 }
 
 impl<'p> Inference<'p> {
-    /// Check that forward-only runs support `plan`'s layout: one device, or tensor
-    /// parallelism alone (no pipeline, data, context or expert parallelism).
+    /// Check that forward-only runs support `plan`'s layout: one device, tensor and pipeline
+    /// parallelism (no data, context or expert parallelism, no FBD).
     pub fn supports(plan: &CheckedPlan) -> Result<(), RuntimeError> {
         let m = &plan.mesh;
-        let others: Vec<String> = [Axis::Pp, Axis::Dp, Axis::Cp, Axis::Ep]
+        let others: Vec<String> = [Axis::Dp, Axis::Cp, Axis::Ep]
             .into_iter()
             .filter(|&a| m.size(a) > 1)
             .map(|a| format!("{} = {}", a.as_str(), m.size(a)))
             .collect();
-        let piped = plan.roles.iter().any(|r| r.pipeline.is_some());
-        if !others.is_empty() || piped || m.world_size() as u64 != m.size(Axis::Tp) {
+        if !others.is_empty() || m.world_size() as u64 != m.size(Axis::Tp) * m.size(Axis::Pp) {
             return Err(RuntimeError::Unsupported(format!(
-                "forward-only runs (generate, scope) support single-device and tensor-parallel \
+                "forward-only runs (generate, scope) support tensor and pipeline parallel \
                  layouts only so far; this layout has {} (set them to 1)",
                 if others.is_empty() {
-                    "a pipeline".to_string()
+                    "forward/backward decoupling (parallel.fbd)".to_string()
                 } else {
                     others.join(", ")
                 }
@@ -104,27 +163,22 @@ impl<'p> Inference<'p> {
             .get(comm.rank())
             .and_then(|&r| plan.roles.get(r as usize))
             .ok_or_else(|| RuntimeError::Plan(format!("rank {} has no role", comm.rank())))?;
-        let program = &role.microbatch;
-        let ce = program
-            .iter()
-            .position(|i| {
-                matches!(
-                    i,
-                    Instr::Kernel {
-                        op: OpKind::CrossEntropy,
-                        ..
-                    }
-                )
-            })
+        let (segments, mine) = segments_of(role);
+        // Every chunk of the model, once (tp ranks share roles).
+        let mut all: Vec<Segment<'p>> = Vec::new();
+        let mut logits = None;
+        for r in &plan.roles {
+            let (segs, l) = segments_of(r);
+            logits = logits.or(l);
+            for seg in segs {
+                if !all.iter().any(|(c, _)| *c == seg.0) {
+                    all.push(seg);
+                }
+            }
+        }
+        all.sort_by_key(|(c, _)| *c);
+        let logits = logits
             .ok_or_else(|| RuntimeError::Plan("the plan computes no cross_entropy".into()))?;
-        let Instr::Kernel { inputs, .. } = &program[ce] else {
-            unreachable!("position matched a kernel")
-        };
-        let logits = inputs[0];
-        let end = program[..ce]
-            .iter()
-            .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&logits)))
-            .ok_or_else(|| RuntimeError::Plan("no instruction writes the logits".into()))?;
         let lb = &plan.buffers[logits as usize];
         let row = global_shape(plan, &lb.shape, &lb.layout)
             .last()
@@ -139,8 +193,10 @@ impl<'p> Inference<'p> {
         let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
         Ok(Inference {
             session,
-            forward: &program[..=end],
+            segments,
+            all,
             logits,
+            owns_logits: mine == Some(logits),
             row,
         })
     }
@@ -153,11 +209,6 @@ impl<'p> Inference<'p> {
     /// The vocabulary size (logits per position).
     pub fn vocab(&self) -> usize {
         self.session.plan.batch.vocab as usize
-    }
-
-    /// The forward instructions, in order.
-    pub fn program(&self) -> &'p [Instr] {
-        self.forward
     }
 
     /// Check `tokens` against the vocabulary and the context window.
@@ -187,11 +238,13 @@ impl<'p> Inference<'p> {
     }
 
     /// Run the forward over `tokens` (padded to the context window), calling `visit` after
-    /// each instruction with its index and the memory.
+    /// each instruction with its segment's chunk, its index and the memory. A pipeline stage
+    /// runs its chunks' forwards in chunk order as micro-batch 0 (a forward pipeline: each
+    /// receives its input from the previous stage and sends its output on).
     pub fn run_with(
         &mut self,
         tokens: &[u32],
-        mut visit: impl FnMut(usize, &Instr, &crate::memory::Memory),
+        mut visit: impl FnMut(Option<u32>, usize, &Instr, &crate::memory::Memory),
     ) -> Result<(), RuntimeError> {
         self.check_tokens(tokens)?;
         let (mb, s) = (self.session.plan.batch.micro_batch as usize, self.context());
@@ -202,9 +255,14 @@ impl<'p> Inference<'p> {
         let labels = vec![0i32; mb * s];
         self.session.write_inputs(&ids, &labels);
         let ctx = self.session.context(1);
-        for (i, instr) in self.forward.iter().enumerate() {
-            self.session.run(std::slice::from_ref(instr), &ctx)?;
-            visit(i, instr, &self.session.mem);
+        for &(chunk, program) in &self.segments {
+            if let Some(c) = chunk {
+                self.session.mem.set_slot(c, 0);
+            }
+            for (i, instr) in program.iter().enumerate() {
+                self.session.run(std::slice::from_ref(instr), &ctx)?;
+                visit(chunk, i, instr, &self.session.mem);
+            }
         }
         Ok(())
     }
@@ -223,6 +281,7 @@ impl<'p> Inference<'p> {
         layout: &[Vec<Axis>],
         local: &[f32],
         partial: bool,
+        owner: bool,
     ) -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
         let plan = self.session.plan;
         let world = plan.mesh.world_size();
@@ -233,9 +292,13 @@ impl<'p> Inference<'p> {
         let rank = self.session.comm.rank();
         let axes_of = |d: usize| layout.get(d).cloned().unwrap_or_default();
         let split_axes: Vec<Axis> = (0..shape.len()).flat_map(axes_of).collect();
-        let contributes = Axis::ALL.iter().all(|a| {
-            split_axes.contains(a) || (partial && *a == Axis::Tp) || plan.mesh.coord(rank, *a) == 0
-        });
+        // The pipeline stage that holds the tensor (`owner`) gives it; the others add zeros.
+        let contributes = owner
+            && Axis::ALL.iter().filter(|&&a| a != Axis::Pp).all(|a| {
+                split_axes.contains(a)
+                    || (partial && *a == Axis::Tp)
+                    || plan.mesh.coord(rank, *a) == 0
+            });
         let local_shape: Vec<usize> = local_shape.iter().map(|&d| d as usize).collect();
         let offsets: Vec<usize> = (0..shape.len())
             .map(|d| {
@@ -275,9 +338,10 @@ impl<'p> Inference<'p> {
         b: BufId,
         local: &[f32],
         partial: bool,
+        owner: bool,
     ) -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
         let buf = &self.session.plan.buffers[b as usize];
-        self.gather(&buf.shape, &buf.layout, local, partial)
+        self.gather(&buf.shape, &buf.layout, local, partial, owner)
     }
 
     /// The forward's buffers that hold pending sums over tp: the results of a vocab-parallel
@@ -295,7 +359,7 @@ impl<'p> Inference<'p> {
         if plan.mesh.size(Axis::Tp) == 1 {
             return partial;
         }
-        for instr in self.forward {
+        for instr in self.all.iter().flat_map(|(_, p)| p.iter()) {
             let Instr::Kernel {
                 op,
                 inputs,
@@ -323,9 +387,14 @@ impl<'p> Inference<'p> {
 
     /// The logits of every position of `tokens`: `tokens.len()` rows of `vocab()` values.
     pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
-        self.run_with(tokens, |_, _, _| {})?;
-        let local = self.session.mem.read_f32(self.logits);
-        let (_, all) = self.gather_buffer(self.logits, &local, false)?;
+        self.run_with(tokens, |_, _, _, _| {})?;
+        let local = if self.owns_logits {
+            self.session.mem.read_f32(self.logits)
+        } else {
+            vec![0.0; self.session.mem.buffer(self.logits).len() as usize]
+        };
+        let owner = self.owns_logits;
+        let (_, all) = self.gather_buffer(self.logits, &local, false, owner)?;
         let v = self.vocab();
         Ok(all
             .chunks(self.row)
@@ -457,6 +526,9 @@ pub struct Probe {
     pub values: Vec<f32>,
 }
 
+/// Where a probe point is: (pipeline chunk or None, instruction index in its segment).
+type At = (Option<u32>, usize);
+
 /// What a probe point reads of its instruction, after the instruction has run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Site {
@@ -498,33 +570,41 @@ pub fn glob(pattern: &str, name: &str) -> bool {
 }
 
 impl Inference<'_> {
-    /// Every probe point of the model, in forward order: (name, instruction, site).
-    fn sites(&self) -> Vec<(String, usize, Site)> {
+    /// Every probe point of the model, in forward order: (name, (chunk, instruction), site).
+    fn sites(&self) -> Vec<(String, At, Site)> {
         let mut out = Vec::new();
-        for (i, instr) in self.forward.iter().enumerate() {
-            let Instr::Kernel { op, path, .. } = instr else {
-                continue;
-            };
-            let layer = layer_of(path);
-            match (op, layer) {
-                (OpKind::Add, Some(l)) if path.ends_with(".residual.attn") => {
-                    if l == 0 {
-                        out.push(("embed".to_string(), i, Site::Input(0)));
+        for (chunk, program) in &self.all {
+            for (i, instr) in program.iter().enumerate() {
+                let i = (*chunk, i);
+                let Instr::Kernel { op, path, .. } = instr else {
+                    continue;
+                };
+                let layer = layer_of(path);
+                match (op, layer) {
+                    (OpKind::Add, Some(l)) if path.ends_with(".residual.attn") => {
+                        if l == 0 {
+                            out.push(("embed".to_string(), i, Site::Input(0)));
+                        }
+                        out.push((format!("layers.{l}.attn.out"), i, Site::Input(1)));
                     }
-                    out.push((format!("layers.{l}.attn.out"), i, Site::Input(1)));
+                    (OpKind::Add, Some(l)) if path.ends_with(".residual.mlp") => {
+                        out.push((format!("layers.{l}.mlp.out"), i, Site::Input(1)));
+                        out.push((format!("layers.{l}.out"), i, Site::Output(0)));
+                    }
+                    (OpKind::CausalAttention, Some(l)) => {
+                        out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
+                    }
+                    _ => {}
                 }
-                (OpKind::Add, Some(l)) if path.ends_with(".residual.mlp") => {
-                    out.push((format!("layers.{l}.mlp.out"), i, Site::Input(1)));
-                    out.push((format!("layers.{l}.out"), i, Site::Output(0)));
-                }
-                (OpKind::CausalAttention, Some(l)) => {
-                    out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
-                }
-                _ => {}
             }
         }
-        let end = self.forward.len() - 1;
-        out.push(("logits".to_string(), end, Site::Output(0)));
+        if let Some((chunk, program)) = self.all.last() {
+            out.push((
+                "logits".to_string(),
+                (*chunk, program.len() - 1),
+                Site::Output(0),
+            ));
+        }
         // `embed` first (its instruction, layer 0's residual add, follows the attention).
         out.sort_by_key(|(name, _, _)| name != "embed");
         out
@@ -553,24 +633,23 @@ impl Inference<'_> {
                 )));
             }
         }
-        let wanted: Vec<(String, usize, Site)> = sites
+        let wanted: Vec<(String, At, Site)> = sites
             .into_iter()
             .filter(|(n, _, _)| patterns.iter().any(|p| glob(p, n)))
             .collect();
         let plan = self.session.plan;
         let n = tokens.len();
         let vocab = self.vocab();
-        // What each point read on this rank: a buffer's local values, or local probabilities
-        // (with the layout of q's heads).
-        let mut captured: Vec<(String, Option<BufId>, Probe, Vec<Axis>)> = Vec::new();
-        self.run_with(tokens, |i, instr, mem| {
+        // What each point read on this rank: a buffer's local values, or local probabilities.
+        let mut captured: std::collections::BTreeMap<String, Vec<f32>> = Default::default();
+        self.run_with(tokens, |chunk, i, instr, mem| {
             let Instr::Kernel {
                 inputs, outputs, ..
             } = instr
             else {
                 return;
             };
-            for (name, _, site) in wanted.iter().filter(|(_, at, _)| *at == i) {
+            for (name, _, site) in wanted.iter().filter(|(_, at, _)| *at == (chunk, i)) {
                 let buf = match site {
                     Site::Input(k) => inputs[*k],
                     Site::Output(k) => outputs[*k],
@@ -583,36 +662,52 @@ impl Inference<'_> {
                             (&q.shape, &mem.read_f32(inputs[0])),
                             (&k.shape, &mem.read_f32(inputs[1])),
                         );
-                        let heads = q.layout.get(2).cloned().unwrap_or_default();
-                        captured.push((name.clone(), None, probe, heads));
+                        captured.insert(name.clone(), probe.values);
                         continue;
                     }
                 };
-                let values = Probe {
-                    name: name.clone(),
-                    shape: Vec::new(),
-                    values: mem.read_f32(buf),
-                };
-                captured.push((name.clone(), Some(buf), values, Vec::new()));
+                captured.insert(name.clone(), mem.read_f32(buf));
             }
         })?;
         let partial = self.partial_over_tp();
         let mut probes = Vec::new();
-        for (name, buf, local, heads) in captured {
-            let Some(buf) = buf else {
-                // [1, heads, n, n], the heads split as q's.
-                let shape: Vec<u64> = local.shape.iter().map(|&d| d as u64).collect();
-                let layout = vec![Vec::new(), heads, Vec::new(), Vec::new()];
-                let (shape, values) = self.gather(&shape, &layout, &local.values, false)?;
-                probes.push(Probe {
-                    name,
-                    shape: shape.iter().map(|&d| d as usize).collect(),
-                    values,
-                });
+        // Every rank gathers every point in the same order; the stage that ran it gives it.
+        let all = self.all.clone();
+        for (name, (chunk, i), site) in &wanted {
+            let name = name.clone();
+            let seg = all.iter().find(|(c, _)| c == chunk).map(|(_, p)| *p);
+            let Some(Instr::Kernel {
+                inputs, outputs, ..
+            }) = seg.and_then(|p| p.get(*i))
+            else {
                 continue;
             };
+            let owner = self.segments.iter().any(|(c, _)| c == chunk);
+            let local = captured.remove(&name);
+            let buf = match site {
+                Site::Input(k) => inputs[*k],
+                Site::Output(k) => outputs[*k],
+                Site::Probs => {
+                    // [1, heads, n, n], the heads split as q's.
+                    let q = &plan.buffers[inputs[0] as usize];
+                    let shape = vec![1, q.shape[2], n as u64, n as u64];
+                    let len = shape.iter().product::<u64>() as usize;
+                    let values = local.unwrap_or_else(|| vec![0.0; len]);
+                    let heads = q.layout.get(2).cloned().unwrap_or_default();
+                    let layout = vec![Vec::new(), heads, Vec::new(), Vec::new()];
+                    let (shape, values) = self.gather(&shape, &layout, &values, false, owner)?;
+                    probes.push(Probe {
+                        name,
+                        shape: shape.iter().map(|&d| d as usize).collect(),
+                        values,
+                    });
+                    continue;
+                }
+            };
+            let len = self.session.mem.buffer(buf).len() as usize;
+            let local = local.unwrap_or_else(|| vec![0.0; len]);
             let partial = partial.contains(&buf);
-            let (shape, values) = self.gather_buffer(buf, &local.values, partial)?;
+            let (shape, values) = self.gather_buffer(buf, &local, partial, owner)?;
             // [batch, seq, rest...]: the first sample's real tokens.
             let row = shape[2..].iter().product::<u64>() as usize;
             let mut out_shape = vec![1, n];
@@ -631,8 +726,6 @@ impl Inference<'_> {
                 values,
             });
         }
-        // In the order of the points (the forward runs `embed`'s add after the attention).
-        probes.sort_by_key(|p| wanted.iter().position(|(n, _, _)| *n == p.name));
         Ok(probes)
     }
 }
