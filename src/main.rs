@@ -200,9 +200,9 @@ enum Command {
     Generate(commands::generate::GenerateArgs),
     /// Run a model forward on one input and write the activations at named probe points
     /// (residual stream, attention probabilities, attention and MLP outputs, logits) to a
-    /// safetensors file.
+    /// safetensors file; optionally perturbed, with a clean-vs-perturbed report.
     #[command(
-        after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe embed --probe 'layers.*.attn.probs' --probe logits -o probes.safetensors"
+        after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe embed --probe 'layers.*.attn.probs' --probe logits -o probes.safetensors\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe logits -o out.safetensors --perturb 'layers.0.out:noise(0.5)' --report r.json"
     )]
     Scope(commands::scope::ScopeArgs),
     /// List the compiler's passes in pipeline order.

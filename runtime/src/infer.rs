@@ -30,6 +30,12 @@ pub struct Inference<'p> {
     logits: BufId,
     /// Whether this rank computes the logits (the last pipeline stage; every tp rank).
     owns_logits: bool,
+    /// Perturbations of activations: (chunk, instruction) after which buffer gets `kind`.
+    act_perturb: Vec<(At, BufId, String, PerturbKind)>,
+    /// Perturbations of weights: parameter buffer, name, kind.
+    weight_perturb: Vec<(BufId, String, PerturbKind)>,
+    /// Seed of the perturbations.
+    perturb_seed: u64,
     /// Logits per position in the buffer (the padded vocabulary).
     row: usize,
 }
@@ -197,6 +203,9 @@ impl<'p> Inference<'p> {
             all,
             logits,
             owns_logits: mine == Some(logits),
+            act_perturb: Vec::new(),
+            weight_perturb: Vec::new(),
+            perturb_seed: 0,
             row,
         })
     }
@@ -255,16 +264,44 @@ impl<'p> Inference<'p> {
         let labels = vec![0i32; mb * s];
         self.session.write_inputs(&ids, &labels);
         let ctx = self.session.context(1);
-        for &(chunk, program) in &self.segments {
+        // Weights: perturbed for this run, restored after it.
+        let mut saved = Vec::new();
+        for (b, name, kind) in &self.weight_perturb {
+            let mut w = self.session.mem.read_f32(*b);
+            saved.push((*b, w.clone()));
+            apply(kind, &mut w, stream_seed(self.perturb_seed, name));
+            self.session.mem.write_f32(*b, &w);
+        }
+        let row_len = |mem: &crate::memory::Memory, b: BufId| {
+            let shape = &mem.buffer(b).shape;
+            shape.get(2..).map_or(1, |r| r.iter().product::<u64>()) as usize
+        };
+        let mut result = Ok(());
+        'run: for &(chunk, program) in &self.segments {
             if let Some(c) = chunk {
                 self.session.mem.set_slot(c, 0);
             }
             for (i, instr) in program.iter().enumerate() {
-                self.session.run(std::slice::from_ref(instr), &ctx)?;
+                if let Err(e) = self.session.run(std::slice::from_ref(instr), &ctx) {
+                    result = Err(e);
+                    break 'run;
+                }
+                for (at, b, name, kind) in &self.act_perturb {
+                    if *at == (chunk, i) {
+                        // The real tokens' rows only (the padding stays as it is).
+                        let n = tokens.len() * row_len(&self.session.mem, *b);
+                        let mut x = self.session.mem.read_f32(*b);
+                        apply(kind, &mut x[..n], stream_seed(self.perturb_seed, name));
+                        self.session.mem.write_f32(*b, &x);
+                    }
+                }
                 visit(chunk, i, instr, &self.session.mem);
             }
         }
-        Ok(())
+        for (b, w) in saved.into_iter().rev() {
+            self.session.mem.write_f32(b, &w);
+        }
+        result
     }
 
     /// Gather a tensor whose part on each rank has shape `local_shape` (a plan buffer's
@@ -804,4 +841,288 @@ pub fn with_ranks<T: Send>(
         f(&mut Inference::with_comm(plan, init, Box::new(comm))?)
     })?;
     Ok(results.swap_remove(0))
+}
+
+/// A perturbation's kind (docs/scope.md).
+#[derive(Clone, Debug, PartialEq)]
+pub enum PerturbKind {
+    /// Add Gaussian noise of standard deviation `sigma` times the tensor's RMS.
+    Noise(f64),
+    /// Multiply by a factor.
+    Scale(f64),
+    /// Flip one random bit of the field in each element with probability `rate`.
+    Bitflip(BitField, f64),
+}
+
+/// The bits of an IEEE-754 float32 a bit flip picks from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BitField {
+    /// Bit 31.
+    Sign,
+    /// Bits 23..=30.
+    Exponent,
+    /// Bits 0..=22.
+    Mantissa,
+}
+
+/// `POINT:KIND`: a probe point (or `weights.NAME`, a parameter) and what to do to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Perturbation {
+    /// The point (`layers.0.out`) or `weights.` and a parameter name.
+    pub point: String,
+    /// What is done to it.
+    pub kind: PerturbKind,
+}
+
+impl Perturbation {
+    /// Parse `POINT:KIND`, KIND one of `noise(SIGMA)`, `scale(X)`,
+    /// `bitflip(sign|exponent|mantissa, RATE)`.
+    pub fn parse(text: &str) -> Result<Perturbation, String> {
+        let bad = |why: &str| {
+            format!(
+                "--perturb {text}: {why} (expected POINT:KIND, KIND one of noise(SIGMA), \
+                 scale(X), bitflip(sign|exponent|mantissa, RATE))"
+            )
+        };
+        let (point, kind) = text.rsplit_once(':').ok_or_else(|| bad("no `:`"))?;
+        let (name, args) = kind
+            .strip_suffix(')')
+            .and_then(|k| k.split_once('('))
+            .ok_or_else(|| bad(&format!("`{kind}` is not KIND(ARGS)")))?;
+        let args: Vec<&str> = args.split(',').map(str::trim).collect();
+        let num = |s: &str| -> Result<f64, String> {
+            s.parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| bad(&format!("`{s}` is not a finite number")))
+        };
+        let kind = match (name.trim(), &args[..]) {
+            ("noise", [sigma]) => {
+                let s = num(sigma)?;
+                if s < 0.0 {
+                    return Err(bad("noise's SIGMA must be >= 0"));
+                }
+                PerturbKind::Noise(s)
+            }
+            ("scale", [x]) => PerturbKind::Scale(num(x)?),
+            ("bitflip", [field, rate]) => {
+                let field = match *field {
+                    "sign" => BitField::Sign,
+                    "exponent" => BitField::Exponent,
+                    "mantissa" => BitField::Mantissa,
+                    other => {
+                        return Err(bad(&format!(
+                            "bit field `{other}` is not sign, exponent or mantissa"
+                        )))
+                    }
+                };
+                let r = num(rate)?;
+                if !(0.0..=1.0).contains(&r) {
+                    return Err(bad("bitflip's RATE must be in [0, 1]"));
+                }
+                PerturbKind::Bitflip(field, r)
+            }
+            (other, _) => {
+                return Err(bad(&format!(
+                    "`{other}` with {} argument(s) is not a kind",
+                    args.len()
+                )))
+            }
+        };
+        if point.is_empty() {
+            return Err(bad("no point"));
+        }
+        Ok(Perturbation {
+            point: point.to_string(),
+            kind,
+        })
+    }
+}
+
+/// The random stream of a perturbation: a function of the seed and the point's name only,
+/// so the same perturbation draws the same numbers (twice the same bit flip restores the
+/// tensor).
+fn stream_seed(seed: u64, name: &str) -> u64 {
+    let mut h = SplitMix64(seed);
+    let mut x = h.next_u64();
+    for b in name.bytes() {
+        x = SplitMix64(x ^ u64::from(b)).next_u64();
+    }
+    x
+}
+
+/// Apply `kind` to `x` with the random stream `seed`.
+pub fn apply(kind: &PerturbKind, x: &mut [f32], seed: u64) {
+    let mut rng = SplitMix64(seed);
+    match *kind {
+        PerturbKind::Scale(f) => x.iter_mut().for_each(|v| *v = (f64::from(*v) * f) as f32),
+        PerturbKind::Noise(sigma) => {
+            let n = x.len().max(1) as f64;
+            let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n).sqrt();
+            let std = (sigma * rms) as f32;
+            for v in x.iter_mut() {
+                // Box-Muller.
+                let (u1, u2) = (1.0 - rng.next_f64(), rng.next_f64());
+                let g = ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32;
+                *v += std * g;
+            }
+        }
+        PerturbKind::Bitflip(field, rate) => {
+            let (first, count) = match field {
+                BitField::Sign => (31, 1),
+                BitField::Exponent => (23, 8),
+                BitField::Mantissa => (0, 23),
+            };
+            for v in x.iter_mut() {
+                let hit = rng.next_f64() < rate;
+                let bit = first + (rng.next_u64() % count);
+                if hit {
+                    *v = f32::from_bits(v.to_bits() ^ (1u32 << bit));
+                }
+            }
+        }
+    }
+}
+
+/// What a perturbed run changed, against the clean run of the same tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PerturbReport {
+    /// Mean next-token cross-entropy of the clean run over the input (positions 0..n-1
+    /// predicting tokens 1..n).
+    pub clean_loss: f64,
+    /// The same, perturbed.
+    pub perturbed_loss: f64,
+    /// Mean over positions of KL(clean || perturbed) of the next-token distributions.
+    pub kl: f64,
+    /// Fraction of positions whose most likely next token is the same.
+    pub top1_agreement: f64,
+    /// Per position: (kl, clean top-1, perturbed top-1).
+    pub per_position: Vec<(f64, u32, u32)>,
+}
+
+/// Compare the logits (`n` rows of `vocab`) of a clean and a perturbed run on `tokens`.
+pub fn compare(tokens: &[u32], clean: &[f32], perturbed: &[f32], vocab: usize) -> PerturbReport {
+    let n = tokens.len();
+    let log_softmax = |row: &[f32]| -> Vec<f64> {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+        let lse = row
+            .iter()
+            .map(|&x| (f64::from(x) - max).exp())
+            .sum::<f64>()
+            .ln()
+            + max;
+        row.iter().map(|&x| f64::from(x) - lse).collect()
+    };
+    let argmax = |row: &[f32]| {
+        let mut best = 0;
+        for (i, &x) in row.iter().enumerate() {
+            if x > row[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    let (mut loss0, mut loss1, mut kl_sum, mut agree) = (0.0, 0.0, 0.0, 0usize);
+    let mut per_position = Vec::with_capacity(n);
+    for t in 0..n {
+        let (a, b) = (
+            &clean[t * vocab..(t + 1) * vocab],
+            &perturbed[t * vocab..(t + 1) * vocab],
+        );
+        let (la, lb) = (log_softmax(a), log_softmax(b));
+        let kl: f64 = la.iter().zip(&lb).map(|(p, q)| p.exp() * (p - q)).sum();
+        if t + 1 < n {
+            let next = tokens[t + 1] as usize;
+            loss0 -= la[next];
+            loss1 -= lb[next];
+        }
+        let (ta, tb) = (argmax(a), argmax(b));
+        agree += usize::from(ta == tb);
+        kl_sum += kl;
+        per_position.push((kl, ta, tb));
+    }
+    let pairs = n.saturating_sub(1).max(1) as f64;
+    PerturbReport {
+        clean_loss: loss0 / pairs,
+        perturbed_loss: loss1 / pairs,
+        kl: kl_sum / n.max(1) as f64,
+        top1_agreement: agree as f64 / n.max(1) as f64,
+        per_position,
+    }
+}
+
+impl Inference<'_> {
+    /// Set the perturbations of the following runs (none: clean runs). Activations are
+    /// perturbed right after the instruction that writes them, weights for the run only.
+    /// One-device plans only so far.
+    pub fn set_perturbations(
+        &mut self,
+        perturbations: &[Perturbation],
+        seed: u64,
+    ) -> Result<(), RuntimeError> {
+        let plan = self.session.plan;
+        if !perturbations.is_empty() && plan.mesh.world_size() != 1 {
+            return Err(RuntimeError::Unsupported(
+                "--perturb supports one-device layouts only so far".into(),
+            ));
+        }
+        let sites = self.sites();
+        let (mut acts, mut weights) = (Vec::new(), Vec::new());
+        for p in perturbations {
+            if let Some(name) = p.point.strip_prefix("weights.") {
+                let param = plan.params.iter().find(|q| q.name == name).ok_or_else(|| {
+                    RuntimeError::Unsupported(format!(
+                        "--perturb {}: the model has no parameter `{name}` (the names are \
+                         Hugging Face's, e.g. `weights.{}`)",
+                        p.point,
+                        plan.params.first().map_or("", |q| q.name.as_str())
+                    ))
+                })?;
+                weights.push((param.buffer, p.point.clone(), p.kind.clone()));
+                continue;
+            }
+            let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
+            let Some((_, at, site)) = sites.iter().find(|(n, _, _)| *n == p.point) else {
+                return Err(RuntimeError::Unsupported(format!(
+                    "--perturb {}: no such point; the points are {} and weights.PARAMETER",
+                    p.point,
+                    names.join(", ")
+                )));
+            };
+            let program = self
+                .all
+                .iter()
+                .find(|(c, _)| *c == at.0)
+                .map_or(&[][..], |(_, p)| *p);
+            let Some(Instr::Kernel {
+                inputs, outputs, ..
+            }) = program.get(at.1)
+            else {
+                continue;
+            };
+            let buf = match site {
+                Site::Input(k) => inputs[*k],
+                Site::Output(k) => outputs[*k],
+                Site::Probs => {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "--perturb {}: the attention probabilities are recomputed for probing, \
+                         not a tensor of the forward; perturb layers.N.attn.out instead",
+                        p.point
+                    )))
+                }
+            };
+            // Right after the instruction that writes it.
+            let def = program[..=at.1]
+                .iter()
+                .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&buf)))
+                .ok_or_else(|| RuntimeError::Plan(format!("no instruction writes {}", p.point)))?;
+            acts.push(((at.0, def), buf, p.point.clone(), p.kind.clone()));
+        }
+        self.act_perturb = acts;
+        self.weight_perturb = weights;
+        self.perturb_seed = seed;
+        Ok(())
+    }
 }
