@@ -575,6 +575,8 @@ enum Site {
     Output(usize),
     /// The attention probabilities, recomputed from the `causal_attention`'s q and k.
     Probs,
+    /// The softmax over its last dim of the instruction's result (the MoE router's logits).
+    Softmax,
 }
 
 /// The transformer layer a provenance path names (`model.layers.3.mlp` or `transformer.h.3.mlp`).
@@ -630,6 +632,11 @@ impl Inference<'_> {
                     }
                     (OpKind::CausalAttention, Some(l)) => {
                         out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
+                    }
+                    (OpKind::Linear { .. }, Some(l))
+                        if path.ends_with(".block_sparse_moe.gate") =>
+                    {
+                        out.push((format!("layers.{l}.moe.router"), i, Site::Softmax));
                     }
                     _ => {}
                 }
@@ -690,6 +697,7 @@ impl Inference<'_> {
                 let buf = match site {
                     Site::Input(k) => inputs[*k],
                     Site::Output(k) => outputs[*k],
+                    Site::Softmax => outputs[0],
                     Site::Probs => {
                         let q = &plan.buffers[inputs[0] as usize];
                         let k = &plan.buffers[inputs[1] as usize];
@@ -724,6 +732,7 @@ impl Inference<'_> {
             let buf = match site {
                 Site::Input(k) => inputs[*k],
                 Site::Output(k) => outputs[*k],
+                Site::Softmax => outputs[0],
                 Site::Probs => {
                     // [1, heads, n, n], the heads split as q's.
                     let q = &plan.buffers[inputs[0] as usize];
@@ -756,6 +765,18 @@ impl Inference<'_> {
                     .flat_map(|r| r[..vocab].iter().copied())
                     .collect();
                 out_shape[2] = vocab;
+            }
+            if *site == Site::Softmax {
+                for r in values.chunks_mut(row) {
+                    let max = r
+                        .iter()
+                        .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+                    let e: Vec<f64> = r.iter().map(|&x| (f64::from(x) - max).exp()).collect();
+                    let total: f64 = e.iter().sum();
+                    for (x, e) in r.iter_mut().zip(&e) {
+                        *x = (e / total) as f32;
+                    }
+                }
             }
             probes.push(Probe {
                 name,
@@ -1105,10 +1126,11 @@ impl Inference<'_> {
             let buf = match site {
                 Site::Input(k) => inputs[*k],
                 Site::Output(k) => outputs[*k],
-                Site::Probs => {
+                Site::Probs | Site::Softmax => {
                     return Err(RuntimeError::Unsupported(format!(
-                        "--perturb {}: the attention probabilities are recomputed for probing, \
-                         not a tensor of the forward; perturb layers.N.attn.out instead",
+                        "--perturb {}: attention and router probabilities are computed for \
+                         probing, not tensors of the forward; perturb layers.N.attn.out or \
+                         layers.N.mlp.out instead",
                         p.point
                     )))
                 }

@@ -17,6 +17,8 @@ made by make_golden.py) and writes, into tests/golden/<name>/:
                         layers.{i}.attn.probs  output_attentions[i]  [batch, heads, q, k]
                         layers.{i}.attn.out    the attention block's output (o_proj / c_proj)
                         layers.{i}.mlp.out     the MLP's (or MoE block's) output
+                        layers.{i}.moe.router  mixtral: softmax of the router's logits
+                                           over every expert [batch, seq, experts]
                         logits             the output layer's logits
 
     python3 tests/golden/make_scope_golden.py          # writes the files
@@ -111,6 +113,15 @@ def probes(model, name):
         hooks.append(layer.register_forward_hook(save(f"layers.{i}.out")))
         hooks.append(attn.register_forward_hook(save(f"layers.{i}.attn.out")))
         hooks.append(mlp.register_forward_hook(save(f"layers.{i}.mlp.out")))
+        if name == "mixtral":
+            # The router's probabilities over every expert: softmax of its logits.
+            def router(key):
+                def hook(_m, _inp, out):
+                    got[key] = torch.softmax(out[0].float(), dim=-1).reshape(1, len(SCOPE_TOKENS), -1)
+
+                return hook
+
+            hooks.append(mlp.gate.register_forward_hook(router(f"layers.{i}.moe.router")))
     with torch.no_grad():
         out = model(
             torch.tensor([SCOPE_TOKENS]), output_hidden_states=True, output_attentions=True
