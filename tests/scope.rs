@@ -65,8 +65,8 @@ fn probes_match(name: &str, sets: &[&str]) {
         names(want.iter().map(|w| &w.0).collect())
     );
     // 2 layers: embed, logits, and 4 points per layer.
-    // 2 layers of 4 points (mixtral: 5, with the router), embed and logits.
-    let per_layer = if name == "mixtral" { 5 } else { 4 };
+    // 2 layers of 4 points and the lens's 2 (mixtral: and the router), embed and logits.
+    let per_layer = if name == "mixtral" { 7 } else { 6 };
     assert_eq!(got.len(), 2 + 2 * per_layer);
     for (p, (wname, wshape, wvals)) in got.iter().zip(&want) {
         assert_eq!(&p.shape, wshape, "{name}: {wname}");

@@ -36,6 +36,8 @@ pub struct Inference<'p> {
     weight_perturb: Vec<(BufId, String, PerturbKind)>,
     /// Seed of the perturbations.
     perturb_seed: u64,
+    /// Tokens per position the logit lens keeps.
+    lens_k: usize,
     /// Logits per position in the buffer (the padded vocabulary).
     row: usize,
 }
@@ -206,6 +208,7 @@ impl<'p> Inference<'p> {
             act_perturb: Vec::new(),
             weight_perturb: Vec::new(),
             perturb_seed: 0,
+            lens_k: 5,
             row,
         })
     }
@@ -577,6 +580,9 @@ enum Site {
     Probs,
     /// The softmax over its last dim of the instruction's result (the MoE router's logits).
     Softmax,
+    /// The logit lens of the instruction's result (a layer's output): the final norm and
+    /// the output layer applied to it, top-k tokens and probabilities.
+    Lens,
 }
 
 /// The transformer layer a provenance path names (`model.layers.3.mlp` or `transformer.h.3.mlp`).
@@ -629,6 +635,7 @@ impl Inference<'_> {
                     (OpKind::Add, Some(l)) if path.ends_with(".residual.mlp") => {
                         out.push((format!("layers.{l}.mlp.out"), i, Site::Input(1)));
                         out.push((format!("layers.{l}.out"), i, Site::Output(0)));
+                        out.push((format!("layers.{l}.lens"), i, Site::Lens));
                     }
                     (OpKind::CausalAttention, Some(l)) => {
                         out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
@@ -697,7 +704,7 @@ impl Inference<'_> {
                 let buf = match site {
                     Site::Input(k) => inputs[*k],
                     Site::Output(k) => outputs[*k],
-                    Site::Softmax => outputs[0],
+                    Site::Softmax | Site::Lens => outputs[0],
                     Site::Probs => {
                         let q = &plan.buffers[inputs[0] as usize];
                         let k = &plan.buffers[inputs[1] as usize];
@@ -715,6 +722,7 @@ impl Inference<'_> {
             }
         })?;
         let partial = self.partial_over_tp();
+        let mut lens_head: Option<LensHead> = None;
         let mut probes = Vec::new();
         // Every rank gathers every point in the same order; the stage that ran it gives it.
         let all = self.all.clone();
@@ -732,7 +740,7 @@ impl Inference<'_> {
             let buf = match site {
                 Site::Input(k) => inputs[*k],
                 Site::Output(k) => outputs[*k],
-                Site::Softmax => outputs[0],
+                Site::Softmax | Site::Lens => outputs[0],
                 Site::Probs => {
                     // [1, heads, n, n], the heads split as q's.
                     let q = &plan.buffers[inputs[0] as usize];
@@ -765,6 +773,25 @@ impl Inference<'_> {
                     .flat_map(|r| r[..vocab].iter().copied())
                     .collect();
                 out_shape[2] = vocab;
+            }
+            if *site == Site::Lens {
+                let head = match &lens_head {
+                    Some(h) => h,
+                    None => lens_head.insert(self.lens_head()?),
+                };
+                let (tokens, probs) = head.apply(&values, row, vocab, self.lens_k);
+                let shape = vec![1, n, self.lens_k.min(vocab)];
+                probes.push(Probe {
+                    name: format!("{name}.tokens"),
+                    shape: shape.clone(),
+                    values: tokens,
+                });
+                probes.push(Probe {
+                    name: format!("{name}.probs"),
+                    shape,
+                    values: probs,
+                });
+                continue;
             }
             if *site == Site::Softmax {
                 for r in values.chunks_mut(row) {
@@ -1126,7 +1153,7 @@ impl Inference<'_> {
             let buf = match site {
                 Site::Input(k) => inputs[*k],
                 Site::Output(k) => outputs[*k],
-                Site::Probs | Site::Softmax => {
+                Site::Probs | Site::Softmax | Site::Lens => {
                     return Err(RuntimeError::Unsupported(format!(
                         "--perturb {}: attention and router probabilities are computed for \
                          probing, not tensors of the forward; perturb layers.N.attn.out or \
@@ -1146,5 +1173,131 @@ impl Inference<'_> {
         self.weight_perturb = weights;
         self.perturb_seed = seed;
         Ok(())
+    }
+}
+
+/// The final norm and output layer, gathered whole, for the logit lens.
+struct LensHead {
+    /// `RmsNorm` (no bias) or `LayerNorm` (with `bias`).
+    rms: bool,
+    eps: f32,
+    weight: Vec<f32>,
+    bias: Vec<f32>,
+    /// The output layer's weight and whether it is `[in, out]`; its padded vocabulary.
+    head: Vec<f32>,
+    in_out: bool,
+    padded: usize,
+}
+
+impl LensHead {
+    /// Top-`k` tokens (as f32 ids) and probabilities, per row of `x` (`row` = hidden).
+    fn apply(&self, x: &[f32], h: usize, vocab: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+        let rows = x.len() / h.max(1);
+        let mut y = vec![0f32; x.len()];
+        if self.rms {
+            megac_kernels::norm::rms_norm_fwd(x, &self.weight, self.eps, rows, h, &mut y);
+        } else {
+            megac_kernels::norm::layer_norm_fwd(
+                x,
+                &self.weight,
+                &self.bias,
+                self.eps,
+                rows,
+                h,
+                &mut y,
+            );
+        }
+        let k = k.min(vocab);
+        let (mut tokens, mut probs) = (Vec::new(), Vec::new());
+        for r in y.chunks(h) {
+            let logits: Vec<f64> = (0..vocab)
+                .map(|v| {
+                    (0..h)
+                        .map(|j| {
+                            let w = if self.in_out {
+                                self.head[j * self.padded + v]
+                            } else {
+                                self.head[v * h + j]
+                            };
+                            f64::from(r[j]) * f64::from(w)
+                        })
+                        .sum()
+                })
+                .collect();
+            let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+            let total: f64 = e.iter().sum();
+            let mut order: Vec<usize> = (0..vocab).collect();
+            order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+            for &t in &order[..k] {
+                tokens.push(t as f32);
+                probs.push((e[t] / total) as f32);
+            }
+        }
+        (tokens, probs)
+    }
+}
+
+impl Inference<'_> {
+    /// The final norm and the output layer of the model, gathered from the ranks.
+    fn lens_head(&mut self) -> Result<LensHead, RuntimeError> {
+        let missing = || RuntimeError::Plan("the logit lens finds no final norm".into());
+        let (chunk, program) = *self.all.last().ok_or_else(missing)?;
+        let Some(Instr::Kernel {
+            op: OpKind::Linear { weight: layout },
+            inputs: head_in,
+            ..
+        }) = program.last()
+        else {
+            return Err(missing());
+        };
+        let writer = |b: BufId| {
+            program.iter().rev().find_map(|i| match i {
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    ..
+                } if outputs.contains(&b) => Some((op, inputs)),
+                _ => None,
+            })
+        };
+        // The norm, through sequence parallelism's all-gather.
+        let mut w = writer(head_in[0]).ok_or_else(missing)?;
+        if let (OpKind::AllGather { .. }, ins) = w {
+            w = writer(ins[0]).ok_or_else(missing)?;
+        }
+        let (rms, eps, norm_in) = match w {
+            (OpKind::RmsNorm { eps }, ins) => (true, *eps, ins.clone()),
+            (OpKind::LayerNorm { eps }, ins) => (false, *eps, ins.clone()),
+            _ => return Err(missing()),
+        };
+        let owner = self.segments.iter().any(|(c, _)| *c == chunk);
+        let fetch = |inf: &mut Self, b: BufId| -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
+            let len = inf.session.mem.buffer(b).len() as usize;
+            let local = if owner {
+                inf.session.mem.read_f32(b)
+            } else {
+                vec![0.0; len]
+            };
+            inf.gather_buffer(b, &local, false, owner)
+        };
+        let (_, weight) = fetch(self, norm_in[1])?;
+        let bias = match norm_in.get(2) {
+            Some(&b) if !rms => fetch(self, b)?.1,
+            _ => Vec::new(),
+        };
+        let (shape, head) = fetch(self, head_in[1])?;
+        let in_out = matches!(layout, megac_ir::op::WeightLayout::InOut);
+        let padded = if in_out { shape[1] } else { shape[0] } as usize;
+        Ok(LensHead {
+            rms,
+            eps: eps as f32,
+            weight,
+            bias,
+            head,
+            in_out,
+            padded,
+        })
     }
 }

@@ -27,7 +27,8 @@ pub struct ScopeArgs {
     pub tokens: Option<String>,
     /// A probe point or pattern (`*` matches any run of characters): `embed`,
     /// `layers.{i}.out`, `layers.{i}.attn.probs`, `layers.{i}.attn.out`, `layers.{i}.mlp.out`,
-    /// `layers.{i}.moe.router`, `logits` (repeatable; docs/scope.md).
+    /// `layers.{i}.moe.router`, `layers.{i}.lens` (the logit lens: `.tokens` and `.probs`, top
+    /// 5), `logits` (repeatable; docs/scope.md).
     #[arg(long = "probe", value_name = "PATTERN", required = true)]
     pub probes: Vec<String>,
     /// The safetensors file to write (one F32 tensor per probe point, named as the point;

@@ -20,6 +20,10 @@ made by make_golden.py) and writes, into tests/golden/<name>/:
                         layers.{i}.moe.router  mixtral: softmax of the router's logits
                                            over every expert [batch, seq, experts]
                         logits             the output layer's logits
+                        layers.{i}.lens.tokens / .probs  the logit lens: the final norm
+                                           and output layer applied to layers.{i}.out,
+                                           the top 5 tokens (as float ids) and their
+                                           probabilities [batch, seq, 5]
 
     python3 tests/golden/make_scope_golden.py          # writes the files
     python3 tests/golden/make_scope_golden.py --check  # regenerate in memory, compare
@@ -45,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Prompts (token ids < vocab 128) and how many tokens to generate: prompt + new <= seq_len 16.
 PROMPTS = [([5, 17, 99, 3, 42], 8), ([1], 15), ([100, 2, 64, 64, 7, 0, 33, 90, 12, 8], 6)]
 SCOPE_TOKENS = [3, 14, 15, 92, 65, 35, 89, 79]
+LENS_K = 5
 
 CLASSES = {"llama": LlamaForCausalLM, "gpt": GPT2LMHeadModel, "mixtral": MixtralForCausalLM}
 
@@ -136,6 +141,14 @@ def probes(model, name):
     for i in range(n - 1):
         assert torch.equal(got[f"layers.{i}.out"], out.hidden_states[i + 1]), i
     got["logits"] = out.logits
+    # The logit lens: the final norm and the output layer on each layer's output, top 5.
+    norm = model.transformer.ln_f if name == "gpt" else model.model.norm
+    with torch.no_grad():
+        for i in range(n):
+            p = torch.softmax(model.lm_head(norm(got[f"layers.{i}.out"])).double(), dim=-1)
+            top = p.topk(LENS_K, dim=-1)
+            got[f"layers.{i}.lens.tokens"] = top.indices.to(torch.float32)
+            got[f"layers.{i}.lens.probs"] = top.values.to(torch.float32)
     return {k: v.contiguous().to(torch.float32) for k, v in sorted(got.items())}
 
 
