@@ -233,6 +233,19 @@ enum Command {
         #[arg(short = 'o', long = "out", value_name = "MODEL.toml")]
         out: PathBuf,
     },
+    /// Run a model forward from a prompt and print the tokens it generates (greedy by
+    /// default, or sampled with --temperature, --top-k, --top-p, --seed).
+    #[command(
+        after_help = "Example:\n  megac generate tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --prompt \"Hi\" --max-new-tokens 8 --format json"
+    )]
+    Generate(commands::generate::GenerateArgs),
+    /// Run a model forward on one input and write the activations at named probe points
+    /// (residual stream, attention probabilities, attention and MLP outputs, logits) to a
+    /// safetensors file; optionally perturbed, with a clean-vs-perturbed report.
+    #[command(
+        after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe embed --probe 'layers.*.attn.probs' --probe logits -o probes.safetensors\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe logits -o out.safetensors --perturb 'layers.0.out:noise(0.5)' --report r.json"
+    )]
+    Scope(commands::scope::ScopeArgs),
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
     Passes,
@@ -262,6 +275,8 @@ fn main() -> ExitCode {
         Command::Dump { model, after, rank } => commands::dump::run(&model, after.as_deref(), rank),
         Command::Passes => commands::passes::run(),
         Command::ImportHf { config, out } => commands::import_hf::run(&config, &out),
+        Command::Generate(args) => commands::generate::run(&args),
+        Command::Scope(args) => commands::scope::run(&args),
         Command::CheckPlan { plan } => commands::check_plan::run(&plan),
         Command::Schedule {
             model,

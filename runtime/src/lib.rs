@@ -10,6 +10,7 @@
 //!   [`checkpoint`]: distributed checkpoints (save, resume, resharding).
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
+//! - [`infer`]: forward-only runs of a plan: logits, probes, generation.
 //!
 //! The cpu backend is the only one (`--device cuda` is refused with an error), and there is no
 //! NCCL communicator; a communicator implements [`comm::Communicator`].
@@ -25,6 +26,7 @@ pub mod error;
 pub mod exec;
 pub mod hf;
 pub mod hostfile;
+pub mod infer;
 pub mod init;
 pub mod local_comm;
 pub mod memory;

@@ -5,6 +5,7 @@ pub mod check_plan;
 pub mod checkpoint;
 pub mod compile;
 pub mod dump;
+pub mod generate;
 pub mod import_hf;
 pub mod inspect;
 pub mod launch;
@@ -13,6 +14,7 @@ pub mod passes;
 pub mod plan;
 pub mod run;
 pub mod schedule;
+pub mod scope;
 pub mod simulate;
 
 use megac_ir::plan::LrSchedule;

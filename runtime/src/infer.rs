@@ -1,0 +1,1303 @@
+//! Forward-only execution of a compiled plan: logits for a token sequence, and greedy or
+//! sampled generation (`megac generate`).
+//!
+//! The plan is the training plan of the model (one micro-batch of one sample); the runtime
+//! runs its micro-batch program's forward instructions only, up to the one that writes the
+//! logits (the cross-entropy's first operand), and never the loss, the backward or the
+//! optimizer. Tensor- and pipeline-parallel plans run one thread per rank (the local
+//! communicator; a pipeline stage runs its chunks' forward programs in chunk order, as a
+//! forward pipeline), and the logits and probed tensors are gathered to their global shape
+//! from the buffers' layouts and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
+//! padded with token 0, which changes no logit at its real positions because attention is
+//! causal (and MoE routing is per token and dropless). Each new token reruns the forward over
+//! the whole prefix: there is no KV cache yet.
+
+use megac_ir::gate::CheckedPlan;
+use megac_ir::plan::{BufId, Instr};
+use megac_ir::{Axis, OpKind};
+
+use crate::error::RuntimeError;
+use crate::train::Session;
+
+/// A plan loaded with weights, ready to run forward.
+pub struct Inference<'p> {
+    session: Session<'p>,
+    /// This rank's forward segments in the order it runs them: (pipeline chunk or None,
+    /// instructions); the one with the loss ends at the logits' writer.
+    segments: Vec<Segment<'p>>,
+    /// Every chunk's forward segment in the model (on any rank), for the probe points.
+    all: Vec<Segment<'p>>,
+    logits: BufId,
+    /// Whether this rank computes the logits (the last pipeline stage; every tp rank).
+    owns_logits: bool,
+    /// Perturbations of activations: (chunk, instruction) after which buffer gets `kind`.
+    act_perturb: Vec<(At, BufId, String, PerturbKind)>,
+    /// Perturbations of weights: parameter buffer, name, kind.
+    weight_perturb: Vec<(BufId, String, PerturbKind)>,
+    /// Seed of the perturbations.
+    perturb_seed: u64,
+    /// Tokens per position the logit lens keeps.
+    lens_k: usize,
+    /// Logits per position in the buffer (the padded vocabulary).
+    row: usize,
+}
+
+/// A forward segment: the pipeline chunk (None: an unpipelined role) and its instructions.
+type Segment<'p> = (Option<u32>, &'p [Instr]);
+
+/// A forward program cut after the instruction that writes the logits (the cross-entropy's
+/// first operand), if the program computes the loss: (the cut program, the logits).
+fn cut_at_logits(program: &[Instr]) -> Option<(&[Instr], BufId)> {
+    let ce = program.iter().position(|i| {
+        matches!(
+            i,
+            Instr::Kernel {
+                op: OpKind::CrossEntropy,
+                ..
+            }
+        )
+    })?;
+    let Instr::Kernel { inputs, .. } = &program[ce] else {
+        return None;
+    };
+    let logits = *inputs.first()?;
+    let end = program[..ce]
+        .iter()
+        .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&logits)))?;
+    Some((&program[..=end], logits))
+}
+
+/// The forward segments of `role`: its chunks' forward programs by ascending chunk, or the
+/// micro-batch program; the one that computes the loss cut at the logits.
+fn segments_of(role: &megac_ir::plan::Role) -> (Vec<Segment<'_>>, Option<BufId>) {
+    let mut logits = None;
+    let mut out = Vec::new();
+    match &role.pipeline {
+        Some(pipe) => {
+            let mut chunks: Vec<&megac_ir::plan::ChunkProgram> = pipe.chunks.iter().collect();
+            chunks.sort_by_key(|c| c.chunk);
+            for c in chunks {
+                match cut_at_logits(&c.forward) {
+                    Some((prog, l)) => {
+                        logits = Some(l);
+                        out.push((Some(c.chunk), prog));
+                    }
+                    None => out.push((Some(c.chunk), &c.forward[..])),
+                }
+            }
+        }
+        None => {
+            if let Some((prog, l)) = cut_at_logits(&role.microbatch) {
+                logits = Some(l);
+                out.push((None, prog));
+            }
+        }
+    }
+    (out, logits)
+}
+
+/// How the next token is chosen.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy (the most likely token, the lowest id on ties), else the softmax's temperature.
+    pub temperature: f64,
+    /// Keep only the `k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `p` (1: all).
+    pub top_p: f64,
+    /// Seed of the sampler.
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A finished generation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generated {
+    /// The new token ids (after the prompt).
+    pub tokens: Vec<u32>,
+    /// Seconds spent generating them.
+    pub seconds: f64,
+}
+
+impl<'p> Inference<'p> {
+    /// Check that forward-only runs support `plan`'s layout: one device, tensor and pipeline
+    /// parallelism (no data, context or expert parallelism, no FBD).
+    pub fn supports(plan: &CheckedPlan) -> Result<(), RuntimeError> {
+        let m = &plan.mesh;
+        let others: Vec<String> = [Axis::Dp, Axis::Cp, Axis::Ep]
+            .into_iter()
+            .filter(|&a| m.size(a) > 1)
+            .map(|a| format!("{} = {}", a.as_str(), m.size(a)))
+            .collect();
+        if !others.is_empty() || m.world_size() as u64 != m.size(Axis::Tp) * m.size(Axis::Pp) {
+            return Err(RuntimeError::Unsupported(format!(
+                "forward-only runs (generate, scope) support tensor and pipeline parallel \
+                 layouts only so far; this layout has {} (set them to 1)",
+                if others.is_empty() {
+                    "forward/backward decoupling (parallel.fbd)".to_string()
+                } else {
+                    others.join(", ")
+                }
+            )));
+        }
+        Ok(())
+    }
+
+    /// Load the weights of `init` into `plan`'s single rank (`megac generate` compiles a
+    /// one-sample plan).
+    pub fn new(plan: &'p CheckedPlan, init: &std::path::Path) -> Result<Self, RuntimeError> {
+        Self::with_comm(plan, init, Box::new(crate::comm::SingleRank))
+    }
+
+    /// As [`Inference::new`], for the rank `comm` stands for (tensor-parallel plans).
+    pub fn with_comm(
+        plan: &'p CheckedPlan,
+        init: &std::path::Path,
+        comm: Box<dyn crate::comm::Communicator>,
+    ) -> Result<Self, RuntimeError> {
+        Self::supports(plan)?;
+        let role = plan
+            .rank_to_role
+            .get(comm.rank())
+            .and_then(|&r| plan.roles.get(r as usize))
+            .ok_or_else(|| RuntimeError::Plan(format!("rank {} has no role", comm.rank())))?;
+        let (segments, mine) = segments_of(role);
+        // Every chunk of the model, once (tp ranks share roles).
+        let mut all: Vec<Segment<'p>> = Vec::new();
+        let mut logits = None;
+        for r in &plan.roles {
+            let (segs, l) = segments_of(r);
+            logits = logits.or(l);
+            for seg in segs {
+                if !all.iter().any(|(c, _)| *c == seg.0) {
+                    all.push(seg);
+                }
+            }
+        }
+        all.sort_by_key(|(c, _)| *c);
+        let logits = logits
+            .ok_or_else(|| RuntimeError::Plan("the plan computes no cross_entropy".into()))?;
+        let lb = &plan.buffers[logits as usize];
+        let row = global_shape(plan, &lb.shape, &lb.layout)
+            .last()
+            .copied()
+            .unwrap_or(0) as usize;
+        if row < plan.batch.vocab as usize {
+            return Err(RuntimeError::Plan(format!(
+                "the logits have {row} entries per token, fewer than the vocabulary ({})",
+                plan.batch.vocab
+            )));
+        }
+        let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
+        Ok(Inference {
+            session,
+            segments,
+            all,
+            logits,
+            owns_logits: mine == Some(logits),
+            act_perturb: Vec::new(),
+            weight_perturb: Vec::new(),
+            perturb_seed: 0,
+            lens_k: 5,
+            row,
+        })
+    }
+
+    /// The context window: the most tokens a sequence may have (the plan's `seq_len`).
+    pub fn context(&self) -> usize {
+        self.session.plan.batch.seq_len as usize
+    }
+
+    /// The vocabulary size (logits per position).
+    pub fn vocab(&self) -> usize {
+        self.session.plan.batch.vocab as usize
+    }
+
+    /// Check `tokens` against the vocabulary and the context window.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), RuntimeError> {
+        let bad = |m: String| Err(RuntimeError::Unsupported(m));
+        if tokens.is_empty() {
+            return bad("the prompt has no tokens".into());
+        }
+        if tokens.len() > self.context() {
+            return bad(format!(
+                "{} tokens do not fit the model's context of seq_len = {} tokens",
+                tokens.len(),
+                self.context()
+            ));
+        }
+        if let Some((i, t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= self.vocab())
+        {
+            return bad(format!(
+                "token {i} is {t}, outside the vocabulary [0, {})",
+                self.vocab()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Run the forward over `tokens` (padded to the context window), calling `visit` after
+    /// each instruction with its segment's chunk, its index and the memory. A pipeline stage
+    /// runs its chunks' forwards in chunk order as micro-batch 0 (a forward pipeline: each
+    /// receives its input from the previous stage and sends its output on).
+    pub fn run_with(
+        &mut self,
+        tokens: &[u32],
+        mut visit: impl FnMut(Option<u32>, usize, &Instr, &crate::memory::Memory),
+    ) -> Result<(), RuntimeError> {
+        self.check_tokens(tokens)?;
+        let (mb, s) = (self.session.plan.batch.micro_batch as usize, self.context());
+        let mut ids = vec![0i32; mb * s];
+        for (x, &t) in ids.iter_mut().zip(tokens) {
+            *x = t as i32;
+        }
+        let labels = vec![0i32; mb * s];
+        self.session.write_inputs(&ids, &labels);
+        let ctx = self.session.context(1);
+        // Weights: perturbed for this run, restored after it.
+        let mut saved = Vec::new();
+        for (b, name, kind) in &self.weight_perturb {
+            let mut w = self.session.mem.read_f32(*b);
+            saved.push((*b, w.clone()));
+            apply(kind, &mut w, stream_seed(self.perturb_seed, name));
+            self.session.mem.write_f32(*b, &w);
+        }
+        let row_len = |mem: &crate::memory::Memory, b: BufId| {
+            let shape = &mem.buffer(b).shape;
+            shape.get(2..).map_or(1, |r| r.iter().product::<u64>()) as usize
+        };
+        let mut result = Ok(());
+        'run: for &(chunk, program) in &self.segments {
+            if let Some(c) = chunk {
+                self.session.mem.set_slot(c, 0);
+            }
+            for (i, instr) in program.iter().enumerate() {
+                if let Err(e) = self.session.run(std::slice::from_ref(instr), &ctx) {
+                    result = Err(e);
+                    break 'run;
+                }
+                for (at, b, name, kind) in &self.act_perturb {
+                    if *at == (chunk, i) {
+                        // The real tokens' rows only (the padding stays as it is).
+                        let n = tokens.len() * row_len(&self.session.mem, *b);
+                        let mut x = self.session.mem.read_f32(*b);
+                        apply(kind, &mut x[..n], stream_seed(self.perturb_seed, name));
+                        self.session.mem.write_f32(*b, &x);
+                    }
+                }
+                visit(chunk, i, instr, &self.session.mem);
+            }
+        }
+        for (b, w) in saved.into_iter().rev() {
+            self.session.mem.write_f32(b, &w);
+        }
+        result
+    }
+
+    /// Gather a tensor whose part on each rank has shape `local_shape` (a plan buffer's
+    /// shape), split by `layout` (per dim, the mesh axes that split it), from every rank's
+    /// `local` values: every rank gets the global shape and the whole tensor. The parts are
+    /// summed over the world into zeros, each element from one rank (replicated dims from
+    /// the ranks at coordinate 0), so the values are exact.
+    ///
+    /// A `partial` tensor is a pending sum over tp (each rank holds an addend, as a
+    /// row-parallel linear's output before its all-reduce): every tp rank's part is added.
+    pub fn gather(
+        &mut self,
+        local_shape: &[u64],
+        layout: &[Vec<Axis>],
+        local: &[f32],
+        partial: bool,
+        owner: bool,
+    ) -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
+        let plan = self.session.plan;
+        let world = plan.mesh.world_size();
+        let shape = global_shape(plan, local_shape, layout);
+        if world == 1 {
+            return Ok((shape, local.to_vec()));
+        }
+        let rank = self.session.comm.rank();
+        let axes_of = |d: usize| layout.get(d).cloned().unwrap_or_default();
+        let split_axes: Vec<Axis> = (0..shape.len()).flat_map(axes_of).collect();
+        // The pipeline stage that holds the tensor (`owner`) gives it; the others add zeros.
+        let contributes = owner
+            && Axis::ALL.iter().filter(|&&a| a != Axis::Pp).all(|a| {
+                split_axes.contains(a)
+                    || (partial && *a == Axis::Tp)
+                    || plan.mesh.coord(rank, *a) == 0
+            });
+        let local_shape: Vec<usize> = local_shape.iter().map(|&d| d as usize).collect();
+        let offsets: Vec<usize> = (0..shape.len())
+            .map(|d| {
+                let idx = axes_of(d).iter().fold(0u64, |acc, &a| {
+                    acc * plan.mesh.size(a) + plan.mesh.coord(rank, a) as u64
+                });
+                idx as usize * local_shape[d]
+            })
+            .collect();
+        let total: usize = shape.iter().product::<u64>() as usize;
+        let mut global = vec![0f32; total];
+        if contributes && local.len() == local_shape.iter().product::<usize>() {
+            let mut at = vec![0usize; shape.len()];
+            for (i, &x) in local.iter().enumerate() {
+                // Row-major local index -> global index.
+                let mut rest = i;
+                for d in (0..shape.len()).rev() {
+                    at[d] = rest % local_shape[d];
+                    rest /= local_shape[d];
+                }
+                let (mut g, mut stride) = (0usize, 1usize);
+                for d in (0..shape.len()).rev() {
+                    g += (at[d] + offsets[d]) * stride;
+                    stride *= shape[d] as usize;
+                }
+                global[g] = x;
+            }
+        }
+        let ranks: Vec<usize> = (0..world).collect();
+        self.session.comm.all_reduce_sum(&ranks, &mut global)?;
+        Ok((shape, global))
+    }
+
+    /// Buffer `b` of every rank, gathered to its global shape.
+    fn gather_buffer(
+        &mut self,
+        b: BufId,
+        local: &[f32],
+        partial: bool,
+        owner: bool,
+    ) -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
+        let buf = &self.session.plan.buffers[b as usize];
+        self.gather(&buf.shape, &buf.layout, local, partial, owner)
+    }
+
+    /// The forward's buffers that hold pending sums over tp: the results of a vocab-parallel
+    /// embedding and of a linear that contracts a tp-split dim (row-parallel), and what adds
+    /// them, until an all-reduce or reduce-scatter completes the sum. (The plan keeps only
+    /// split layouts; this follows the sums through the program.)
+    fn partial_over_tp(&self) -> std::collections::BTreeSet<BufId> {
+        let plan = self.session.plan;
+        let split_tp = |b: BufId, dim: Option<usize>| {
+            let l = &plan.buffers[b as usize].layout;
+            let d = dim.unwrap_or(l.len().saturating_sub(1));
+            l.get(d).is_some_and(|ax| ax.contains(&Axis::Tp))
+        };
+        let mut partial = std::collections::BTreeSet::new();
+        if plan.mesh.size(Axis::Tp) == 1 {
+            return partial;
+        }
+        for instr in self.all.iter().flat_map(|(_, p)| p.iter()) {
+            let Instr::Kernel {
+                op,
+                inputs,
+                outputs,
+                ..
+            } = instr
+            else {
+                continue;
+            };
+            let p = match op {
+                OpKind::AllReduce { .. } | OpKind::ReduceScatter { .. } => false,
+                OpKind::Embedding => inputs.get(1).is_some_and(|&w| split_tp(w, Some(0))),
+                OpKind::Linear { .. } => {
+                    inputs.first().is_some_and(|&x| split_tp(x, None))
+                        || partial.contains(&inputs[0])
+                }
+                _ => inputs.iter().any(|b| partial.contains(b)),
+            };
+            if p {
+                partial.extend(outputs.iter().copied());
+            }
+        }
+        partial
+    }
+
+    /// The logits of every position of `tokens`: `tokens.len()` rows of `vocab()` values.
+    pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
+        self.run_with(tokens, |_, _, _, _| {})?;
+        let local = if self.owns_logits {
+            self.session.mem.read_f32(self.logits)
+        } else {
+            vec![0.0; self.session.mem.buffer(self.logits).len() as usize]
+        };
+        let owner = self.owns_logits;
+        let (_, all) = self.gather_buffer(self.logits, &local, false, owner)?;
+        let v = self.vocab();
+        Ok(all
+            .chunks(self.row)
+            .take(tokens.len())
+            .flat_map(|r| r[..v].iter().copied())
+            .collect())
+    }
+
+    /// Generate up to `max_new` tokens after `prompt` (fewer if the context fills: an error
+    /// says so instead).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+    ) -> Result<Generated, RuntimeError> {
+        self.check_tokens(prompt)?;
+        if prompt.len() + max_new > self.context() {
+            return Err(RuntimeError::Unsupported(format!(
+                "{} prompt tokens + {max_new} new tokens do not fit the model's context of \
+                 seq_len = {} tokens",
+                prompt.len(),
+                self.context()
+            )));
+        }
+        let start = std::time::Instant::now();
+        let mut rng = SplitMix64(sampling.seed);
+        let mut seq = prompt.to_vec();
+        let v = self.vocab();
+        for _ in 0..max_new {
+            let logits = self.logits(&seq)?;
+            let last = &logits[(seq.len() - 1) * v..seq.len() * v];
+            if let Some(x) = last.iter().find(|x| !x.is_finite()) {
+                return Err(RuntimeError::NonFinite(format!(
+                    "a logit at position {} is {x}: the weights give no distribution",
+                    seq.len() - 1
+                )));
+            }
+            seq.push(choose(last, sampling, &mut rng));
+        }
+        Ok(Generated {
+            tokens: seq[prompt.len()..].to_vec(),
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// The next token from one position's logits.
+pub fn choose(logits: &[f32], s: &Sampling, rng: &mut SplitMix64) -> u32 {
+    let argmax = |xs: &[f32]| {
+        let mut best = 0;
+        for (i, &x) in xs.iter().enumerate() {
+            if x > xs[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    if s.temperature <= 0.0 {
+        return argmax(logits);
+    }
+    // Temperature, then top-k, then top-p, as transformers' logits warpers.
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let keep_k = if s.top_k == 0 {
+        order.len()
+    } else {
+        s.top_k.min(order.len())
+    };
+    order.truncate(keep_k);
+    let top = f64::from(logits[order[0]]);
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - top) / s.temperature).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if s.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if acc >= s.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+        order.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut u = rng.next_f64() * total;
+    for (&i, &p) in order.iter().zip(&probs) {
+        if u < p {
+            return i as u32;
+        }
+        u -= p;
+    }
+    order[order.len() - 1] as u32
+}
+
+/// The sampler's generator (SplitMix64: a seed gives the same tokens on every machine).
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A probed tensor at its global shape (batch 1, the real tokens only).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Probe {
+    /// Its name (`embed`, `layers.0.out`, ...; docs/scope.md).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub values: Vec<f32>,
+}
+
+/// Where a probe point is: (pipeline chunk or None, instruction index in its segment).
+type At = (Option<u32>, usize);
+
+/// What a probe point reads of its instruction, after the instruction has run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Site {
+    /// The instruction's operand (an operand is never overwritten by its own instruction).
+    Input(usize),
+    /// The instruction's result.
+    Output(usize),
+    /// The attention probabilities, recomputed from the `causal_attention`'s q and k.
+    Probs,
+    /// The softmax over its last dim of the instruction's result (the MoE router's logits).
+    Softmax,
+    /// The logit lens of the instruction's result (a layer's output): the final norm and
+    /// the output layer applied to it, top-k tokens and probabilities.
+    Lens,
+}
+
+/// The transformer layer a provenance path names (`model.layers.3.mlp` or `transformer.h.3.mlp`).
+fn layer_of(path: &str) -> Option<usize> {
+    let parts: Vec<&str> = path.split('.').collect();
+    parts
+        .windows(2)
+        .find(|w| w[0] == "layers" || w[0] == "h")
+        .and_then(|w| w[1].parse().ok())
+}
+
+/// Whether `name` matches `pattern`, where `*` matches any run of characters.
+pub fn glob(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == name;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !name.starts_with(first) || name.len() < first.len() + last.len() || !name.ends_with(last) {
+        return false;
+    }
+    let mut rest = &name[first.len()..name.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+impl Inference<'_> {
+    /// Every probe point of the model, in forward order: (name, (chunk, instruction), site).
+    fn sites(&self) -> Vec<(String, At, Site)> {
+        let mut out = Vec::new();
+        for (chunk, program) in &self.all {
+            for (i, instr) in program.iter().enumerate() {
+                let i = (*chunk, i);
+                let Instr::Kernel { op, path, .. } = instr else {
+                    continue;
+                };
+                let layer = layer_of(path);
+                match (op, layer) {
+                    (OpKind::Add, Some(l)) if path.ends_with(".residual.attn") => {
+                        if l == 0 {
+                            out.push(("embed".to_string(), i, Site::Input(0)));
+                        }
+                        out.push((format!("layers.{l}.attn.out"), i, Site::Input(1)));
+                    }
+                    (OpKind::Add, Some(l)) if path.ends_with(".residual.mlp") => {
+                        out.push((format!("layers.{l}.mlp.out"), i, Site::Input(1)));
+                        out.push((format!("layers.{l}.out"), i, Site::Output(0)));
+                        out.push((format!("layers.{l}.lens"), i, Site::Lens));
+                    }
+                    (OpKind::CausalAttention { .. }, Some(l)) => {
+                        out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
+                    }
+                    (OpKind::Linear { .. }, Some(l))
+                        if path.ends_with(".block_sparse_moe.gate") =>
+                    {
+                        out.push((format!("layers.{l}.moe.router"), i, Site::Softmax));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if let Some((chunk, program)) = self.all.last() {
+            out.push((
+                "logits".to_string(),
+                (*chunk, program.len() - 1),
+                Site::Output(0),
+            ));
+        }
+        // `embed` first (its instruction, layer 0's residual add, follows the attention).
+        out.sort_by_key(|(name, _, _)| name != "embed");
+        out
+    }
+
+    /// The names of every probe point, in forward order.
+    pub fn probe_names(&self) -> Vec<String> {
+        self.sites().into_iter().map(|(n, _, _)| n).collect()
+    }
+
+    /// Run the forward over `tokens` and return the probe points matching any of
+    /// `patterns` (`*` matches any run of characters), in forward order. A pattern that
+    /// matches no point is an error listing the points.
+    pub fn probe(
+        &mut self,
+        tokens: &[u32],
+        patterns: &[String],
+    ) -> Result<Vec<Probe>, RuntimeError> {
+        let sites = self.sites();
+        for p in patterns {
+            if !sites.iter().any(|(n, _, _)| glob(p, n)) {
+                let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
+                return Err(RuntimeError::Unsupported(format!(
+                    "--probe {p} matches no probe point of this model; the points are {}",
+                    names.join(", ")
+                )));
+            }
+        }
+        let wanted: Vec<(String, At, Site)> = sites
+            .into_iter()
+            .filter(|(n, _, _)| patterns.iter().any(|p| glob(p, n)))
+            .collect();
+        let plan = self.session.plan;
+        let n = tokens.len();
+        let vocab = self.vocab();
+        // What each point read on this rank: a buffer's local values, or local probabilities.
+        let mut captured: std::collections::BTreeMap<String, Vec<f32>> = Default::default();
+        self.run_with(tokens, |chunk, i, instr, mem| {
+            let Instr::Kernel {
+                inputs, outputs, ..
+            } = instr
+            else {
+                return;
+            };
+            for (name, _, site) in wanted.iter().filter(|(_, at, _)| *at == (chunk, i)) {
+                let buf = match site {
+                    Site::Input(k) => inputs[*k],
+                    Site::Output(k) => outputs[*k],
+                    Site::Softmax | Site::Lens => outputs[0],
+                    Site::Probs => {
+                        let q = &plan.buffers[inputs[0] as usize];
+                        let k = &plan.buffers[inputs[1] as usize];
+                        let probe = attention_probs(
+                            name,
+                            n,
+                            (&q.shape, &mem.read_f32(inputs[0])),
+                            (&k.shape, &mem.read_f32(inputs[1])),
+                        );
+                        captured.insert(name.clone(), probe.values);
+                        continue;
+                    }
+                };
+                captured.insert(name.clone(), mem.read_f32(buf));
+            }
+        })?;
+        let partial = self.partial_over_tp();
+        let mut lens_head: Option<LensHead> = None;
+        let mut probes = Vec::new();
+        // Every rank gathers every point in the same order; the stage that ran it gives it.
+        let all = self.all.clone();
+        for (name, (chunk, i), site) in &wanted {
+            let name = name.clone();
+            let seg = all.iter().find(|(c, _)| c == chunk).map(|(_, p)| *p);
+            let Some(Instr::Kernel {
+                inputs, outputs, ..
+            }) = seg.and_then(|p| p.get(*i))
+            else {
+                continue;
+            };
+            let owner = self.segments.iter().any(|(c, _)| c == chunk);
+            let local = captured.remove(&name);
+            let buf = match site {
+                Site::Input(k) => inputs[*k],
+                Site::Output(k) => outputs[*k],
+                Site::Softmax | Site::Lens => outputs[0],
+                Site::Probs => {
+                    // [1, heads, n, n], the heads split as q's.
+                    let q = &plan.buffers[inputs[0] as usize];
+                    let shape = vec![1, q.shape[2], n as u64, n as u64];
+                    let len = shape.iter().product::<u64>() as usize;
+                    let values = local.unwrap_or_else(|| vec![0.0; len]);
+                    let heads = q.layout.get(2).cloned().unwrap_or_default();
+                    let layout = vec![Vec::new(), heads, Vec::new(), Vec::new()];
+                    let (shape, values) = self.gather(&shape, &layout, &values, false, owner)?;
+                    probes.push(Probe {
+                        name,
+                        shape: shape.iter().map(|&d| d as usize).collect(),
+                        values,
+                    });
+                    continue;
+                }
+            };
+            let len = self.session.mem.buffer(buf).len() as usize;
+            let local = local.unwrap_or_else(|| vec![0.0; len]);
+            let partial = partial.contains(&buf);
+            let (shape, values) = self.gather_buffer(buf, &local, partial, owner)?;
+            // [batch, seq, rest...]: the first sample's real tokens.
+            let row = shape[2..].iter().product::<u64>() as usize;
+            let mut out_shape = vec![1, n];
+            out_shape.extend(shape[2..].iter().map(|&d| d as usize));
+            let mut values = values[..n * row].to_vec();
+            if name == "logits" {
+                values = values
+                    .chunks(row)
+                    .flat_map(|r| r[..vocab].iter().copied())
+                    .collect();
+                out_shape[2] = vocab;
+            }
+            if *site == Site::Lens {
+                let head = match &lens_head {
+                    Some(h) => h,
+                    None => lens_head.insert(self.lens_head()?),
+                };
+                let (tokens, probs) = head.apply(&values, row, vocab, self.lens_k);
+                let shape = vec![1, n, self.lens_k.min(vocab)];
+                probes.push(Probe {
+                    name: format!("{name}.tokens"),
+                    shape: shape.clone(),
+                    values: tokens,
+                });
+                probes.push(Probe {
+                    name: format!("{name}.probs"),
+                    shape,
+                    values: probs,
+                });
+                continue;
+            }
+            if *site == Site::Softmax {
+                for r in values.chunks_mut(row) {
+                    let max = r
+                        .iter()
+                        .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+                    let e: Vec<f64> = r.iter().map(|&x| (f64::from(x) - max).exp()).collect();
+                    let total: f64 = e.iter().sum();
+                    for (x, e) in r.iter_mut().zip(&e) {
+                        *x = (e / total) as f32;
+                    }
+                }
+            }
+            probes.push(Probe {
+                name,
+                shape: out_shape,
+                values,
+            });
+        }
+        Ok(probes)
+    }
+}
+
+/// Softmax attention probabilities `[1, heads, n, n]` of the first `n` positions, from q
+/// `[b, s, heads, d]` and k `[b, s, kv_heads, d]` (query head h reads kv head
+/// h / (heads / kv_heads)), scaled by 1/sqrt(d), causal (0 above the diagonal).
+fn attention_probs(
+    name: &str,
+    n: usize,
+    (qs, q): (&[u64], &[f32]),
+    (ks, k): (&[u64], &[f32]),
+) -> Probe {
+    let (heads, kv, d) = (qs[2] as usize, ks[2] as usize, qs[3] as usize);
+    let group = heads / kv.max(1);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![0f32; heads * n * n];
+    for h in 0..heads {
+        let g = h / group.max(1);
+        for i in 0..n {
+            let qi = &q[(i * heads + h) * d..][..d];
+            let scores: Vec<f64> = (0..=i)
+                .map(|j| {
+                    let kj = &k[(j * kv + g) * d..][..d];
+                    qi.iter()
+                        .zip(kj)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = exps.iter().sum();
+            for (j, e) in exps.iter().enumerate() {
+                out[(h * n + i) * n + j] = (e / total) as f32;
+            }
+        }
+    }
+    Probe {
+        name: name.to_string(),
+        shape: vec![1, heads, n, n],
+        values: out,
+    }
+}
+
+/// The global shape of a tensor whose part on each rank has shape `local` (plan buffers
+/// hold a rank's shape), split by `layout`.
+fn global_shape(plan: &CheckedPlan, local: &[u64], layout: &[Vec<Axis>]) -> Vec<u64> {
+    local
+        .iter()
+        .enumerate()
+        .map(|(d, &x)| {
+            let parts: u64 = layout
+                .get(d)
+                .map_or(1, |ax| ax.iter().map(|&a| plan.mesh.size(a)).product());
+            x * parts
+        })
+        .collect()
+}
+
+/// Run `f` on an [`Inference`] of `plan` with the weights of `init`: on this thread for a
+/// one-device plan, else on one thread per rank (the local communicator; every rank runs
+/// `f`, and rank 0's result is returned).
+pub fn with_ranks<T: Send>(
+    plan: &CheckedPlan,
+    init: &std::path::Path,
+    f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
+) -> Result<T, RuntimeError> {
+    Inference::supports(plan)?;
+    let world = plan.mesh.world_size();
+    if world == 1 {
+        return f(&mut Inference::new(plan, init)?);
+    }
+    let mut results = crate::local_comm::run_ranks(world, |comm| {
+        f(&mut Inference::with_comm(plan, init, Box::new(comm))?)
+    })?;
+    Ok(results.swap_remove(0))
+}
+
+/// A perturbation's kind (docs/scope.md).
+#[derive(Clone, Debug, PartialEq)]
+pub enum PerturbKind {
+    /// Add Gaussian noise of standard deviation `sigma` times the tensor's RMS.
+    Noise(f64),
+    /// Multiply by a factor.
+    Scale(f64),
+    /// Flip one random bit of the field in each element with probability `rate`.
+    Bitflip(BitField, f64),
+}
+
+/// The bits of an IEEE-754 float32 a bit flip picks from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BitField {
+    /// Bit 31.
+    Sign,
+    /// Bits 23..=30.
+    Exponent,
+    /// Bits 0..=22.
+    Mantissa,
+}
+
+/// `POINT:KIND`: a probe point (or `weights.NAME`, a parameter) and what to do to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Perturbation {
+    /// The point (`layers.0.out`) or `weights.` and a parameter name.
+    pub point: String,
+    /// What is done to it.
+    pub kind: PerturbKind,
+}
+
+impl Perturbation {
+    /// Parse `POINT:KIND`, KIND one of `noise(SIGMA)`, `scale(X)`,
+    /// `bitflip(sign|exponent|mantissa, RATE)`.
+    pub fn parse(text: &str) -> Result<Perturbation, String> {
+        let bad = |why: &str| {
+            format!(
+                "--perturb {text}: {why} (expected POINT:KIND, KIND one of noise(SIGMA), \
+                 scale(X), bitflip(sign|exponent|mantissa, RATE))"
+            )
+        };
+        let (point, kind) = text.rsplit_once(':').ok_or_else(|| bad("no `:`"))?;
+        let (name, args) = kind
+            .strip_suffix(')')
+            .and_then(|k| k.split_once('('))
+            .ok_or_else(|| bad(&format!("`{kind}` is not KIND(ARGS)")))?;
+        let args: Vec<&str> = args.split(',').map(str::trim).collect();
+        let num = |s: &str| -> Result<f64, String> {
+            s.parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| bad(&format!("`{s}` is not a finite number")))
+        };
+        let kind = match (name.trim(), &args[..]) {
+            ("noise", [sigma]) => {
+                let s = num(sigma)?;
+                if s < 0.0 {
+                    return Err(bad("noise's SIGMA must be >= 0"));
+                }
+                PerturbKind::Noise(s)
+            }
+            ("scale", [x]) => PerturbKind::Scale(num(x)?),
+            ("bitflip", [field, rate]) => {
+                let field = match *field {
+                    "sign" => BitField::Sign,
+                    "exponent" => BitField::Exponent,
+                    "mantissa" => BitField::Mantissa,
+                    other => {
+                        return Err(bad(&format!(
+                            "bit field `{other}` is not sign, exponent or mantissa"
+                        )))
+                    }
+                };
+                let r = num(rate)?;
+                if !(0.0..=1.0).contains(&r) {
+                    return Err(bad("bitflip's RATE must be in [0, 1]"));
+                }
+                PerturbKind::Bitflip(field, r)
+            }
+            (other, _) => {
+                return Err(bad(&format!(
+                    "`{other}` with {} argument(s) is not a kind",
+                    args.len()
+                )))
+            }
+        };
+        if point.is_empty() {
+            return Err(bad("no point"));
+        }
+        Ok(Perturbation {
+            point: point.to_string(),
+            kind,
+        })
+    }
+}
+
+/// The random stream of a perturbation: a function of the seed and the point's name only,
+/// so the same perturbation draws the same numbers (twice the same bit flip restores the
+/// tensor).
+fn stream_seed(seed: u64, name: &str) -> u64 {
+    let mut h = SplitMix64(seed);
+    let mut x = h.next_u64();
+    for b in name.bytes() {
+        x = SplitMix64(x ^ u64::from(b)).next_u64();
+    }
+    x
+}
+
+/// Apply `kind` to `x` with the random stream `seed`.
+pub fn apply(kind: &PerturbKind, x: &mut [f32], seed: u64) {
+    let mut rng = SplitMix64(seed);
+    match *kind {
+        PerturbKind::Scale(f) => x.iter_mut().for_each(|v| *v = (f64::from(*v) * f) as f32),
+        PerturbKind::Noise(sigma) => {
+            let n = x.len().max(1) as f64;
+            let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n).sqrt();
+            let std = (sigma * rms) as f32;
+            for v in x.iter_mut() {
+                // Box-Muller.
+                let (u1, u2) = (1.0 - rng.next_f64(), rng.next_f64());
+                let g = ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32;
+                *v += std * g;
+            }
+        }
+        PerturbKind::Bitflip(field, rate) => {
+            let (first, count) = match field {
+                BitField::Sign => (31, 1),
+                BitField::Exponent => (23, 8),
+                BitField::Mantissa => (0, 23),
+            };
+            for v in x.iter_mut() {
+                let hit = rng.next_f64() < rate;
+                let bit = first + (rng.next_u64() % count);
+                if hit {
+                    *v = f32::from_bits(v.to_bits() ^ (1u32 << bit));
+                }
+            }
+        }
+    }
+}
+
+/// What a perturbed run changed, against the clean run of the same tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PerturbReport {
+    /// Mean next-token cross-entropy of the clean run over the input (positions 0..n-1
+    /// predicting tokens 1..n).
+    pub clean_loss: f64,
+    /// The same, perturbed.
+    pub perturbed_loss: f64,
+    /// Mean over positions of KL(clean || perturbed) of the next-token distributions.
+    pub kl: f64,
+    /// Fraction of positions whose most likely next token is the same.
+    pub top1_agreement: f64,
+    /// Per position: (kl, clean top-1, perturbed top-1).
+    pub per_position: Vec<(f64, u32, u32)>,
+}
+
+/// Compare the logits (`n` rows of `vocab`) of a clean and a perturbed run on `tokens`.
+pub fn compare(tokens: &[u32], clean: &[f32], perturbed: &[f32], vocab: usize) -> PerturbReport {
+    let n = tokens.len();
+    let log_softmax = |row: &[f32]| -> Vec<f64> {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+        let lse = row
+            .iter()
+            .map(|&x| (f64::from(x) - max).exp())
+            .sum::<f64>()
+            .ln()
+            + max;
+        row.iter().map(|&x| f64::from(x) - lse).collect()
+    };
+    let argmax = |row: &[f32]| {
+        let mut best = 0;
+        for (i, &x) in row.iter().enumerate() {
+            if x > row[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    let (mut loss0, mut loss1, mut kl_sum, mut agree) = (0.0, 0.0, 0.0, 0usize);
+    let mut per_position = Vec::with_capacity(n);
+    for t in 0..n {
+        let (a, b) = (
+            &clean[t * vocab..(t + 1) * vocab],
+            &perturbed[t * vocab..(t + 1) * vocab],
+        );
+        let (la, lb) = (log_softmax(a), log_softmax(b));
+        let kl: f64 = la.iter().zip(&lb).map(|(p, q)| p.exp() * (p - q)).sum();
+        if t + 1 < n {
+            let next = tokens[t + 1] as usize;
+            loss0 -= la[next];
+            loss1 -= lb[next];
+        }
+        let (ta, tb) = (argmax(a), argmax(b));
+        agree += usize::from(ta == tb);
+        kl_sum += kl;
+        per_position.push((kl, ta, tb));
+    }
+    let pairs = n.saturating_sub(1).max(1) as f64;
+    PerturbReport {
+        clean_loss: loss0 / pairs,
+        perturbed_loss: loss1 / pairs,
+        kl: kl_sum / n.max(1) as f64,
+        top1_agreement: agree as f64 / n.max(1) as f64,
+        per_position,
+    }
+}
+
+impl Inference<'_> {
+    /// Set the perturbations of the following runs (none: clean runs). Activations are
+    /// perturbed right after the instruction that writes them, weights for the run only.
+    /// One-device plans only so far.
+    pub fn set_perturbations(
+        &mut self,
+        perturbations: &[Perturbation],
+        seed: u64,
+    ) -> Result<(), RuntimeError> {
+        let plan = self.session.plan;
+        if !perturbations.is_empty() && plan.mesh.world_size() != 1 {
+            return Err(RuntimeError::Unsupported(
+                "--perturb supports one-device layouts only so far".into(),
+            ));
+        }
+        let sites = self.sites();
+        let (mut acts, mut weights) = (Vec::new(), Vec::new());
+        for p in perturbations {
+            if let Some(name) = p.point.strip_prefix("weights.") {
+                let param = plan.params.iter().find(|q| q.name == name).ok_or_else(|| {
+                    RuntimeError::Unsupported(format!(
+                        "--perturb {}: the model has no parameter `{name}` (the names are \
+                         Hugging Face's, e.g. `weights.{}`)",
+                        p.point,
+                        plan.params.first().map_or("", |q| q.name.as_str())
+                    ))
+                })?;
+                weights.push((param.buffer, p.point.clone(), p.kind.clone()));
+                continue;
+            }
+            let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
+            let Some((_, at, site)) = sites.iter().find(|(n, _, _)| *n == p.point) else {
+                return Err(RuntimeError::Unsupported(format!(
+                    "--perturb {}: no such point; the points are {} and weights.PARAMETER",
+                    p.point,
+                    names.join(", ")
+                )));
+            };
+            let program = self
+                .all
+                .iter()
+                .find(|(c, _)| *c == at.0)
+                .map_or(&[][..], |(_, p)| *p);
+            let Some(Instr::Kernel {
+                inputs, outputs, ..
+            }) = program.get(at.1)
+            else {
+                continue;
+            };
+            let buf = match site {
+                Site::Input(k) => inputs[*k],
+                Site::Output(k) => outputs[*k],
+                Site::Probs | Site::Softmax | Site::Lens => {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "--perturb {}: attention and router probabilities are computed for \
+                         probing, not tensors of the forward; perturb layers.N.attn.out or \
+                         layers.N.mlp.out instead",
+                        p.point
+                    )))
+                }
+            };
+            // Right after the instruction that writes it.
+            let def = program[..=at.1]
+                .iter()
+                .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&buf)))
+                .ok_or_else(|| RuntimeError::Plan(format!("no instruction writes {}", p.point)))?;
+            acts.push(((at.0, def), buf, p.point.clone(), p.kind.clone()));
+        }
+        self.act_perturb = acts;
+        self.weight_perturb = weights;
+        self.perturb_seed = seed;
+        Ok(())
+    }
+}
+
+/// The final norm and output layer, gathered whole, for the logit lens.
+struct LensHead {
+    /// `RmsNorm` (no bias) or `LayerNorm` (with `bias`).
+    rms: bool,
+    eps: f32,
+    weight: Vec<f32>,
+    bias: Vec<f32>,
+    /// The output layer's weight and whether it is `[in, out]`; its padded vocabulary.
+    head: Vec<f32>,
+    in_out: bool,
+    padded: usize,
+}
+
+impl LensHead {
+    /// Top-`k` tokens (as f32 ids) and probabilities, per row of `x` (`row` = hidden).
+    fn apply(&self, x: &[f32], h: usize, vocab: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+        let rows = x.len() / h.max(1);
+        let mut y = vec![0f32; x.len()];
+        if self.rms {
+            megac_kernels::norm::rms_norm_fwd(x, &self.weight, self.eps, rows, h, &mut y);
+        } else {
+            megac_kernels::norm::layer_norm_fwd(
+                x,
+                &self.weight,
+                &self.bias,
+                self.eps,
+                rows,
+                h,
+                &mut y,
+            );
+        }
+        let k = k.min(vocab);
+        let (mut tokens, mut probs) = (Vec::new(), Vec::new());
+        for r in y.chunks(h) {
+            let logits: Vec<f64> = (0..vocab)
+                .map(|v| {
+                    (0..h)
+                        .map(|j| {
+                            let w = if self.in_out {
+                                self.head[j * self.padded + v]
+                            } else {
+                                self.head[v * h + j]
+                            };
+                            f64::from(r[j]) * f64::from(w)
+                        })
+                        .sum()
+                })
+                .collect();
+            let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+            let total: f64 = e.iter().sum();
+            let mut order: Vec<usize> = (0..vocab).collect();
+            order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+            for &t in &order[..k] {
+                tokens.push(t as f32);
+                probs.push((e[t] / total) as f32);
+            }
+        }
+        (tokens, probs)
+    }
+}
+
+impl Inference<'_> {
+    /// The final norm and the output layer of the model, gathered from the ranks.
+    fn lens_head(&mut self) -> Result<LensHead, RuntimeError> {
+        let missing = || RuntimeError::Plan("the logit lens finds no final norm".into());
+        let (chunk, program) = *self.all.last().ok_or_else(missing)?;
+        let Some(Instr::Kernel {
+            op: OpKind::Linear { weight: layout },
+            inputs: head_in,
+            ..
+        }) = program.last()
+        else {
+            return Err(missing());
+        };
+        let writer = |b: BufId| {
+            program.iter().rev().find_map(|i| match i {
+                Instr::Kernel {
+                    op,
+                    inputs,
+                    outputs,
+                    ..
+                } if outputs.contains(&b) => Some((op, inputs)),
+                _ => None,
+            })
+        };
+        // The norm, through sequence parallelism's all-gather.
+        let mut w = writer(head_in[0]).ok_or_else(missing)?;
+        if let (OpKind::AllGather { .. }, ins) = w {
+            w = writer(ins[0]).ok_or_else(missing)?;
+        }
+        let (rms, eps, norm_in) = match w {
+            (OpKind::RmsNorm { eps }, ins) => (true, *eps, ins.clone()),
+            (OpKind::LayerNorm { eps }, ins) => (false, *eps, ins.clone()),
+            _ => return Err(missing()),
+        };
+        let owner = self.segments.iter().any(|(c, _)| *c == chunk);
+        let fetch = |inf: &mut Self, b: BufId| -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
+            let len = inf.session.mem.buffer(b).len() as usize;
+            let local = if owner {
+                inf.session.mem.read_f32(b)
+            } else {
+                vec![0.0; len]
+            };
+            inf.gather_buffer(b, &local, false, owner)
+        };
+        let (_, weight) = fetch(self, norm_in[1])?;
+        let bias = match norm_in.get(2) {
+            Some(&b) if !rms => fetch(self, b)?.1,
+            _ => Vec::new(),
+        };
+        let (shape, head) = fetch(self, head_in[1])?;
+        let in_out = matches!(layout, megac_ir::op::WeightLayout::InOut);
+        let padded = if in_out { shape[1] } else { shape[0] } as usize;
+        Ok(LensHead {
+            rms,
+            eps: eps as f32,
+            weight,
+            bias,
+            head,
+            in_out,
+            padded,
+        })
+    }
+}

@@ -1,0 +1,147 @@
+//! `megac generate`: run a model forward from a prompt and print the new tokens.
+
+use std::path::PathBuf;
+
+use megac_ir::gate::CheckedPlan;
+use megac_runtime::infer::{with_ranks, Sampling};
+
+use crate::ModelArgs;
+
+/// Options of `megac generate`.
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The weights (a Hugging Face safetensors file, save_pretrained layout).
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub init: PathBuf,
+    /// The prompt as text, tokenized byte by byte as `.txt` data is (docs/data.md).
+    #[arg(
+        long,
+        value_name = "TEXT",
+        conflicts_with = "tokens",
+        required_unless_present = "tokens"
+    )]
+    pub prompt: Option<String>,
+    /// The prompt as token ids, comma-separated (`1,2,3`).
+    #[arg(long, value_name = "IDS")]
+    pub tokens: Option<String>,
+    /// How many tokens to generate (prompt + new tokens must fit model.seq_len).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 (the default) is greedy decoding.
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    pub temperature: f64,
+    /// Sample among the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub top_k: usize,
+    /// Sample among the most likely tokens whose probabilities reach P (1: all).
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    pub top_p: f64,
+    /// Seed of the sampler (the same seed gives the same tokens).
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    pub seed: u64,
+    /// `text` (the new text, byte-level decoded) or `json`
+    /// (`{"prompt_tokens", "tokens", "text", "tokens_per_s"}`).
+    #[arg(long, default_value = "text", value_name = "text|json")]
+    pub format: String,
+}
+
+/// Parse `--tokens 1,2,3`.
+pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
+    text.split(',')
+        .enumerate()
+        .map(|(i, t)| {
+            t.trim().parse::<u32>().map_err(|_| {
+                format!(
+                    "error: --tokens {text}: item {} is `{}`, not a token id (expected comma-separated integers, e.g. 1,2,3)",
+                    i + 1,
+                    t.trim()
+                )
+            })
+        })
+        .collect()
+}
+
+/// The prompt's token ids, from `--tokens` or the bytes of `--prompt`.
+pub fn prompt_tokens(prompt: Option<&str>, tokens: Option<&str>) -> Result<Vec<u32>, String> {
+    match (prompt, tokens) {
+        (_, Some(t)) => parse_tokens(t),
+        (Some(p), None) => Ok(p.bytes().map(u32::from).collect()),
+        (None, None) => Err("error: give the prompt with --prompt TEXT or --tokens IDS".into()),
+    }
+}
+
+/// Byte-level decoding: each id below 256 is one byte (invalid UTF-8 shows as U+FFFD).
+pub fn decode(tokens: &[u32]) -> String {
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .map(|&t| u8::try_from(t).unwrap_or(b'?'))
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Compile `model` as a one-sample forward (micro and global batch 1) and load `init`.
+pub fn compile_forward(model: &ModelArgs) -> Result<CheckedPlan, String> {
+    let mut sets = vec![
+        "train.micro_batch=1".to_string(),
+        "train.global_batch=1".to_string(),
+    ];
+    sets.extend(model.sets.iter().cloned());
+    let args = ModelArgs {
+        model: model.model.clone(),
+        sets,
+    };
+    let plan = super::compile::build_plan(&args)?;
+    CheckedPlan::check(plan)
+        .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))
+}
+
+/// `megac generate`.
+pub fn run(args: &GenerateArgs) -> Result<(), String> {
+    if !matches!(args.format.as_str(), "text" | "json") {
+        return Err(format!(
+            "error: --format {}: expected text or json",
+            args.format
+        ));
+    }
+    let bad = |flag: &str, v: f64, want: &str| Err(format!("error: {flag} {v}: {want}"));
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return bad("--temperature", args.temperature, "expected a number >= 0");
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        return bad("--top-p", args.top_p, "expected a number in (0, 1]");
+    }
+    let prompt = prompt_tokens(args.prompt.as_deref(), args.tokens.as_deref())?;
+    let plan = compile_forward(&args.model)?;
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    // Tensor-parallel plans: every rank runs the forward; the logits are gathered, so each
+    // chooses the same tokens.
+    let out = with_ranks(&plan, &args.init, |inf| {
+        inf.generate(&prompt, args.max_new_tokens, &sampling)
+    })
+    .map_err(|e| format!("error: {e}"))?;
+    let text = decode(&out.tokens);
+    let tokens_per_s = if out.seconds > 0.0 {
+        out.tokens.len() as f64 / out.seconds
+    } else {
+        0.0
+    };
+    if args.format == "json" {
+        let json = serde_json::json!({
+            "prompt_tokens": prompt,
+            "tokens": out.tokens,
+            "text": text,
+            "tokens_per_s": (tokens_per_s * 10.0).round() / 10.0,
+        });
+        println!("{json}");
+    } else {
+        println!("{text}");
+    }
+    Ok(())
+}
