@@ -491,13 +491,16 @@ pub struct Scan {
     pub clock: Clock,
     /// Events dropped for lack of buffer space, per rank.
     pub dropped: Vec<u64>,
+    /// Per rank, the evidence: compute ratio against its peers (None without peers) and the
+    /// share of its collectives it arrived last at (None without collectives).
+    pub per_rank: Vec<(Option<f64>, Option<f64>)>,
 }
 
 /// Align and detect.
 pub fn scan(ranks: &[RankTrace]) -> Scan {
     let clock = align(ranks);
     let steps = ranks.iter().map(|r| r.header.steps).max().unwrap_or(0);
-    let mut findings = slow_ranks(ranks, steps);
+    let (mut findings, per_rank) = slow_ranks(ranks, steps);
     let slow: Vec<usize> = findings.iter().flat_map(|f| f.ranks.clone()).collect();
     findings.extend(slow_links(ranks, &slow));
     Scan {
@@ -506,6 +509,7 @@ pub fn scan(ranks: &[RankTrace]) -> Scan {
         findings,
         clock,
         dropped: ranks.iter().map(|r| r.dropped).collect(),
+        per_rank,
     }
 }
 
@@ -518,7 +522,10 @@ fn analysed(steps: u64) -> std::ops::RangeInclusive<u64> {
     }
 }
 
-fn slow_ranks(ranks: &[RankTrace], steps: u64) -> Vec<Finding> {
+/// Slow-rank findings, and per rank (compute ratio, late share).
+type SlowRanks = (Vec<Finding>, Vec<(Option<f64>, Option<f64>)>);
+
+fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
     let n = ranks.len();
     let range = analysed(steps);
     // compute[r][s]: rank r's compute ns in step s.
@@ -552,11 +559,15 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> Vec<Finding> {
         }
     }
     let mut out = Vec::new();
+    let mut evidence = Vec::with_capacity(n);
     for r in 0..n {
         let role = ranks[r].header.role;
         let peers: Vec<usize> = (0..n)
             .filter(|&p| p != r && ranks[p].header.role == role)
             .collect();
+        let (last, total, _) = late[r];
+        let late_share = (total > 0).then(|| last as f64 / total as f64);
+        evidence.push((None, late_share));
         if peers.is_empty() {
             continue;
         }
@@ -581,11 +592,13 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> Vec<Finding> {
             ratios.push(ratio);
         }
         let score = median(&mut ratios);
+        if !score.is_nan() {
+            evidence[r].0 = Some(score);
+        }
         if score.is_nan() || score < SLOW_RANK {
             continue;
         }
-        let (last, total, expected) = late[r];
-        let late_share = (total > 0).then(|| last as f64 / total as f64);
+        let expected = late[r].2;
         let inverted = total == 0 || last as f64 > 1.5 * expected;
         if inverted {
             out.push(Finding {
@@ -598,7 +611,7 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> Vec<Finding> {
         }
     }
     out.sort_by(|a, b| b.score.total_cmp(&a.score));
-    out
+    (out, evidence)
 }
 
 /// A pair of ranks (lower first) and a message size.
@@ -692,6 +705,10 @@ impl Scan {
                 "anchors": self.clock.anchors,
             },
             "dropped_events": self.dropped,
+            "per_rank": self.per_rank.iter().map(|(c, l)| serde_json::json!({
+                "compute_ratio": c.map(|x| round(x, 1000.0)),
+                "late_share": l.map(|x| round(x, 1000.0)),
+            })).collect::<Vec<_>>(),
         });
         let mut s = serde_json::to_string_pretty(&v).expect("scan serializes");
         s.push('\n');

@@ -534,3 +534,42 @@ pub fn capacity(plan: &megac_ir::plan::Plan, role: usize, steps: u64) -> usize {
     let per_step = 2 * (per_mb * m + r.optimizer.len()) + 3 * actions + 4 * m + 64;
     (per_step * steps as usize + 4096).min(1 << 24)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The hot path: two clock readings and one record. Prints ns per event (`bench/scan.sh`
+    /// turns it into the overhead bound); asserts a loose 2 µs so a loaded machine passes.
+    #[test]
+    fn recording_an_event_is_cheap_and_never_allocates() {
+        let n = 200_000;
+        let mut r = Recorder::new(n, 0.0, 0.0);
+        let cap = r.events.capacity();
+        let t = Instant::now();
+        for i in 0..n {
+            let t0 = Instant::now();
+            r.push(Kind::Compute, t0, Instant::now(), i as u32, 0, 0, 0);
+        }
+        let ns = t.elapsed().as_nanos() as f64 / n as f64;
+        println!("recording cost: {ns:.1} ns per event");
+        assert_eq!(r.events.capacity(), cap, "the buffer never grows");
+        r.push(Kind::Compute, t, t, 0, 0, 0, 0);
+        assert_eq!(
+            (r.events.len(), r.dropped),
+            (n, 1),
+            "a full buffer drops and counts"
+        );
+        assert!(ns < 2_000.0, "{ns} ns per event");
+    }
+
+    #[test]
+    fn the_recorded_clock_is_skewed_as_injected() {
+        let r = Recorder::new(1, 50e6, 200e-6);
+        let plain = Recorder::new(1, 0.0, 0.0);
+        let t = Instant::now();
+        let (a, b) = (r.stamp(t), plain.stamp(t));
+        let want = b as f64 * (1.0 + 200e-6) + 50e6;
+        assert!((a as f64 - want).abs() < 2.0, "{a} vs {want}");
+    }
+}
