@@ -9,6 +9,14 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+/// The tests of this file run one at a time: each times ranks against each other, and four
+/// runs of four rank threads at once on a small machine would mostly measure each other.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn megac(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_megac"))
         .args(args)
@@ -105,6 +113,7 @@ const TP2DP2: [&str; 2] = ["parallel.tp=2", "parallel.dp=2"];
 
 #[test]
 fn injection_changes_timing_only_and_scan_names_the_slow_rank_and_nothing_else() {
+    let _serial = serial();
     let healthy = tempfile::tempdir().unwrap();
     let slow = tempfile::tempdir().unwrap();
     let a = train(healthy.path(), &DP4, 5, &[]);
@@ -127,7 +136,7 @@ fn injection_changes_timing_only_and_scan_names_the_slow_rank_and_nothing_else()
     );
     assert_eq!(findings(&v), [("slow-rank".to_string(), vec![2])], "{v:#}");
     let f = &v["findings"][0];
-    assert!(f["score"].as_f64().unwrap() >= 1.2, "{f}");
+    assert!(f["score"].as_f64().unwrap() >= 1.3, "{f}");
     assert!((2..=5).contains(&f["first_step"].as_u64().unwrap()), "{f}");
     // The healthy run: nothing found.
     let v = scan(healthy.path());
@@ -136,6 +145,7 @@ fn injection_changes_timing_only_and_scan_names_the_slow_rank_and_nothing_else()
 
 #[test]
 fn scan_recovers_injected_clock_offsets_and_merges_a_trace() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let truth = [(1usize, 50.0f64, 200.0f64), (3, -50.0, -200.0)];
     train(
@@ -147,21 +157,26 @@ fn scan_recovers_injected_clock_offsets_and_merges_a_trace() {
     let v = scan(dir.path());
     let offsets = v["clock"]["offsets_us"].as_array().unwrap();
     let drifts = v["clock"]["drift_ppm"].as_array().unwrap();
-    // The run spans well under 60 s of the process clock: bound the alignment error at the
-    // ends of that span (|Δoffset + Δdrift·t| for t in [0, 60 s]).
+    // Rank 1 shares every tp collective with rank 0 (dozens per step): its clock is
+    // recovered closely. Ranks 2 and 3 are tied to rank 0 through the data-parallel group
+    // only (two collectives per step), so their bound is looser (docs/scan.md).
     for r in 0..4 {
         let (o, d) = truth
             .iter()
             .find(|t| t.0 == r)
             .map_or((0.0, 0.0), |t| (t.1 * 1e3, t.2));
         let (eo, ed) = (offsets[r].as_f64().unwrap(), drifts[r].as_f64().unwrap());
-        let err_start = (eo - o).abs();
+        let (max_o, max_d) = if r == 1 {
+            (500.0, 1_000.0)
+        } else {
+            (2_000.0, 2_500.0)
+        };
         assert!(
-            err_start < 2_000.0,
+            (eo - o).abs() < max_o,
             "rank {r}: offset {eo} us, injected {o} us"
         );
         assert!(
-            (ed - d).abs() < 5_000.0,
+            (ed - d).abs() < max_d,
             "rank {r}: drift {ed} ppm, injected {d}"
         );
     }
@@ -220,6 +235,7 @@ fn scan_recovers_injected_clock_offsets_and_merges_a_trace() {
 
 #[test]
 fn a_slow_link_between_pipeline_ranks_is_a_link_not_a_rank() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     // pp2 × dp2: ranks 0 and 2 are one pipeline (dp0), 1 and 3 the other.
     let sets = ["parallel.pp=2", "parallel.dp=2"];
@@ -260,6 +276,7 @@ fn a_slow_link_between_pipeline_ranks_is_a_link_not_a_rank() {
 
 #[test]
 fn bad_inject_specs_and_trace_folders_are_one_clear_error() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let o = megac(&[
         "train",

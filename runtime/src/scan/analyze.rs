@@ -13,8 +13,8 @@
 //! compared with the median of its peers, the ranks that run the same role program; the
 //! rank's score is the median of that ratio over the steps (the first, warm-up step is left
 //! out when there are more). A rank scoring at least [`SLOW_RANK`] is named only when the
-//! collective-wait inversion agrees: it waits the least (arrives last) in more of its
-//! collectives than an even share would give. **Slow link.** Sends never wait for their
+//! collective-wait inversion agrees: it waits the least (arrives last) in at least 1.5× the
+//! share of its collectives an even split would give. **Slow link.** Sends never wait for their
 //! receiver, so a send's duration is the link's: per pair of ranks and message size, the
 //! median send time is compared with the median over the other pairs that send messages of
 //! that size; a pair scoring at least [`SLOW_LINK`] is a slow link.
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use super::{Event, Kind, RankHeader, COLLECTIVES, FORMAT};
 
 /// A rank scoring at least this compute ratio against its peers is a slow-rank candidate.
-pub const SLOW_RANK: f64 = 1.2;
+pub const SLOW_RANK: f64 = 1.3;
 /// A pair scoring at least this transfer-time ratio against the other pairs is a slow link.
 pub const SLOW_LINK: f64 = 1.8;
 
@@ -310,9 +310,9 @@ struct Bound {
 }
 
 /// The offset and drift that leave the widest margin inside every bound (the width of the
-/// feasible offsets, a concave function of the drift, maximised by ternary search over
-/// ±1 %); the offset is the middle of the feasible interval at that drift. None without
-/// bounds on both sides.
+/// feasible offsets is a concave function of the drift; searched over ±2000 ppm, the middle
+/// of its plateau); the offset is the middle of the feasible interval at that drift. None
+/// without bounds on both sides.
 fn fit_bounds(bounds: &[Bound]) -> Option<(f64, f64)> {
     if !bounds.iter().any(|b| b.lo.is_finite()) || !bounds.iter().any(|b| b.hi.is_finite()) {
         return None;
@@ -335,17 +335,18 @@ fn fit_bounds(bounds: &[Bound]) -> Option<(f64, f64)> {
         let (lo, hi) = interval(d);
         hi - lo
     };
-    let (mut a, mut b) = (-1e-2, 1e-2);
-    for _ in 0..200 {
-        let m1 = a + (b - a) / 3.0;
-        let m2 = b - (b - a) / 3.0;
-        if width(m1) < width(m2) {
-            a = m1;
-        } else {
-            b = m2;
-        }
-    }
-    let d = 0.5 * (a + b);
+    // The widest feasible band over drifts of ±2000 ppm in steps of 0.5 ppm, then the middle
+    // of the drifts whose band is within 1 µs of it (a plateau has no better point).
+    let grid: Vec<f64> = (-4000..=4000).map(|i| f64::from(i) * 0.5e-6).collect();
+    let widths: Vec<f64> = grid.iter().map(|&d| width(d)).collect();
+    let best = widths.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let near: Vec<f64> = grid
+        .iter()
+        .zip(&widths)
+        .filter(|(_, &w)| w >= best - 1_000.0)
+        .map(|(&d, _)| d)
+        .collect();
+    let d = 0.5 * (near[0] + near[near.len() - 1]);
     let (lo, hi) = interval(d);
     // offset + d·(t - tm) = mid  ->  offset at t = 0.
     Some((0.5 * (lo + hi) - d * tm, d))
@@ -386,7 +387,7 @@ fn messages(ranks: &[RankTrace]) -> Vec<(usize, usize, i64, i64)> {
 /// its clock at T from both sides (`enter_r - T_hi <= offset + drift·T <= exit_r - T_lo`,
 /// with T_lo the aligned members' latest enter and T_hi their earliest exit); each message
 /// from one side. Ranks are aligned one at a time, the one with the most bounds first; its
-/// fit is the widest-margin line through them ([`fit_bounds`]). A rank with no bounds on one
+/// fit is a line through them ([`fit_bounds`]). A rank with no bounds on one
 /// side keeps offset 0 and drift 0.
 pub fn align(ranks: &[RankTrace]) -> Clock {
     let n = ranks.len();
@@ -599,7 +600,7 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
             continue;
         }
         let expected = late[r].2;
-        let inverted = total == 0 || last as f64 > 1.5 * expected;
+        let inverted = total == 0 || last as f64 >= 1.5 * expected;
         if inverted {
             out.push(Finding {
                 kind: "slow-rank",
