@@ -309,9 +309,9 @@ struct Bound {
     hi: f64,
 }
 
-/// The offset and drift that leave the widest margin inside every bound (the width of the
-/// feasible offsets is a concave function of the drift; searched over ±2000 ppm, the middle
-/// of its plateau); the offset is the middle of the feasible interval at that drift. None
+/// The offset and drift that leave the widest margin inside every bound, less half the offset
+/// change the drift makes over the bounds' span (the width of the feasible offsets is a
+/// concave function of the drift; searched over ±2000 ppm); the offset is the middle of the feasible interval at that drift. None
 /// without bounds on both sides.
 fn fit_bounds(bounds: &[Bound]) -> Option<(f64, f64)> {
     if !bounds.iter().any(|b| b.lo.is_finite()) || !bounds.iter().any(|b| b.hi.is_finite()) {
@@ -335,18 +335,20 @@ fn fit_bounds(bounds: &[Bound]) -> Option<(f64, f64)> {
         let (lo, hi) = interval(d);
         hi - lo
     };
-    // The widest feasible band over drifts of ±2000 ppm in steps of 0.5 ppm, then the middle
-    // of the drifts whose band is within 1 µs of it (a plateau has no better point).
-    let grid: Vec<f64> = (-4000..=4000).map(|i| f64::from(i) * 0.5e-6).collect();
-    let widths: Vec<f64> = grid.iter().map(|&d| width(d)).collect();
-    let best = widths.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let near: Vec<f64> = grid
-        .iter()
-        .zip(&widths)
-        .filter(|(_, &w)| w >= best - 1_000.0)
-        .map(|(&d, _)| d)
-        .collect();
-    let d = 0.5 * (near[0] + near[near.len() - 1]);
+    // The widest feasible band over drifts of ±2000 ppm in steps of 0.5 ppm, less half the
+    // offset change the drift makes over the bounds' time span: few bounds leave the band
+    // open along the drift, and a drift is kept only where the bounds call for it.
+    let span = bounds.iter().map(|b| b.t).fold(f64::NEG_INFINITY, f64::max)
+        - bounds.iter().map(|b| b.t).fold(f64::INFINITY, f64::min);
+    let score = |d: f64| width(d) - 0.5 * d.abs() * span;
+    let d = (-4000..=4000)
+        .map(|i| f64::from(i) * 0.5e-6)
+        .max_by(|&a, &b| {
+            score(a)
+                .total_cmp(&score(b))
+                .then(b.abs().total_cmp(&a.abs()))
+        })
+        .unwrap_or(0.0);
     let (lo, hi) = interval(d);
     // offset + d·(t - tm) = mid  ->  offset at t = 0.
     Some((0.5 * (lo + hi) - d * tm, d))
