@@ -206,7 +206,7 @@ enum Command {
     /// MegaScan: align the clocks of a traced run's ranks (`--trace DIR`), find slow ranks and
     /// slow links, and merge the ranks into one Perfetto timeline.
     #[command(
-        after_help = "Example:\n  megac train examples/llama-tiny.toml --set parallel.dp=4 --set train.global_batch=16 --steps 4 --trace /tmp/scan-dp4 --inject slow-rank:2:3\n  megac scan /tmp/scan-dp4\n  megac scan /tmp/scan-dp4 --format json -o merged.json"
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --set parallel.dp=4 --set train.global_batch=16 --steps 4 --trace /tmp/scan-dp4 --inject slow-rank:2:3\n  megac scan /tmp/scan-dp4\n  megac scan /tmp/scan-dp4 --format json -o merged.json\n  megac scan /tmp/scan-dp4 --svg /tmp/scan-dp4/timeline.svg"
     )]
     Scan(commands::scan::ScanArgs),
     /// List the compiler's passes in pipeline order.

@@ -138,6 +138,18 @@ fn injection_changes_timing_only_and_scan_names_the_slow_rank_and_nothing_else()
     let f = &v["findings"][0];
     assert!(f["score"].as_f64().unwrap() >= 1.3, "{f}");
     assert!((2..=5).contains(&f["first_step"].as_u64().unwrap()), "{f}");
+    // The SVG timeline names the slow rank in red, and only it.
+    let svg = slow.path().join("timeline.svg");
+    ok(&megac(&[
+        "scan",
+        slow.path().join("trace").to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]));
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("fill=\"#c00\">rank ").count(), 1);
+    assert!(svg.contains("fill=\"#c00\">rank 2 ("));
     // The healthy run: nothing found.
     let v = scan(healthy.path());
     assert_eq!(findings(&v), [], "{v:#}");

@@ -19,6 +19,10 @@ pub struct ScanArgs {
     /// Perfetto): a process per rank, compute and communication threads, flow arrows.
     #[arg(short = 'o', long = "output", value_name = "TRACE.json")]
     pub output: Option<PathBuf>,
+    /// Draw the merged, aligned timeline as an SVG (a compute and a communication lane per
+    /// rank; the ranks a finding names in red).
+    #[arg(long, value_name = "FILE.svg")]
+    pub svg: Option<PathBuf>,
 }
 
 /// Run `megac scan`.
@@ -32,10 +36,16 @@ pub fn run(args: &ScanArgs) -> Result<(), String> {
     if let Some(o) = &args.output {
         super::output::check_file("-o", o)?;
     }
+    if let Some(o) = &args.svg {
+        super::output::check_file("--svg", o)?;
+    }
     let ranks = analyze::read_dir(&args.dir).map_err(|e| format!("error: {e}"))?;
     let report = analyze::scan(&ranks);
     if let Some(o) = &args.output {
         super::output::write_file(o, &analyze::chrome_trace(&ranks, &report.clock))?;
+    }
+    if let Some(o) = &args.svg {
+        super::output::write_file(o, &crate::render::scan::render_svg(&ranks, &report))?;
     }
     if args.format == "json" {
         print!("{}", report.to_json());
