@@ -138,6 +138,14 @@ fn injection_changes_timing_only_and_scan_names_the_slow_rank_and_nothing_else()
     let f = &v["findings"][0];
     assert!(f["score"].as_f64().unwrap() >= 1.3, "{f}");
     assert!((2..=5).contains(&f["first_step"].as_u64().unwrap()), "{f}");
+    // MegatronApp's heuristic, the baseline, finds a 4x straggler too.
+    let baseline: Vec<u64> = v["baseline_megatronapp"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_u64().unwrap())
+        .collect();
+    assert!(baseline.contains(&2), "{baseline:?}");
     // The SVG timeline names the slow rank in red, and only it.
     let svg = slow.path().join("timeline.svg");
     ok(&megac(&[

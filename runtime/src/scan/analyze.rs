@@ -497,6 +497,8 @@ pub struct Scan {
     /// Per rank, the evidence: compute ratio against its peers (None without peers) and the
     /// share of its collectives it arrived last at (None without collectives).
     pub per_rank: Vec<(Option<f64>, Option<f64>)>,
+    /// The ranks MegatronApp's heuristic calls abnormal ([`megatronapp_baseline`]).
+    pub baseline: Vec<usize>,
 }
 
 /// Align and detect.
@@ -513,7 +515,98 @@ pub fn scan(ranks: &[RankTrace]) -> Scan {
         clock,
         dropped: ranks.iter().map(|r| r.dropped).collect(),
         per_rank,
+        baseline: megatronapp_baseline(ranks, steps),
     }
+}
+
+/// MegatronApp's published heuristic (`scripts/aggregate.py`, `try_detect`), on megac's
+/// events, as the baseline of `bench/scan.sh`. Stage 1: among the data-parallel ranks of
+/// each (pp, tp) position, for every step after the first and every event index, the
+/// shortest collective is flagged when under 0.9× the mean of the others (MegatronApp's
+/// `loss`/`allreduce`) and the longest compute segment when over 1.1× (its `backward`); a
+/// rank flagged more than 5 times is a suspect. Stage 2: a suspect is abnormal when, in more
+/// than 40% of its collectives, it waited under 0.9× the mean of the other members
+/// (MegatronApp uses the tp all-reduces; megac's collectives of every group stand in, so
+/// dp-only layouts are not left without evidence).
+pub fn megatronapp_baseline(ranks: &[RankTrace], steps: u64) -> Vec<usize> {
+    let n = ranks.len();
+    let coord = |r: usize, axis: &str| {
+        ranks[r]
+            .header
+            .coords
+            .iter()
+            .find(|c| c.0 == axis)
+            .map_or(0, |c| c.1)
+    };
+    // Per rank and step: durations of its collectives and compute segments, in order.
+    let series = |r: usize, kind: Kind, step: u64| -> Vec<f64> {
+        ranks[r]
+            .events
+            .iter()
+            .filter(|e| e.kind == kind && u64::from(e.step) == step)
+            .map(|e| (e.t1 - e.t0) as f64)
+            .collect()
+    };
+    let mut flags = vec![0usize; n];
+    let mut positions: BTreeMap<(usize, usize, usize), Vec<usize>> = BTreeMap::new();
+    for (r, t) in ranks.iter().enumerate() {
+        positions
+            .entry((t.header.role, coord(r, "pp"), coord(r, "tp")))
+            .or_default()
+            .push(r);
+    }
+    for group in positions.values().filter(|g| g.len() > 1) {
+        for step in analysed(steps) {
+            for (kind, shortest) in [(Kind::Collective, true), (Kind::Compute, false)] {
+                let all: Vec<Vec<f64>> = group.iter().map(|&r| series(r, kind, step)).collect();
+                let len = all.iter().map(Vec::len).min().unwrap_or(0);
+                for i in 0..len {
+                    let d: Vec<f64> = all.iter().map(|v| v[i]).collect();
+                    let pick = (0..d.len())
+                        .min_by(|&a, &b| {
+                            if shortest {
+                                d[a].total_cmp(&d[b])
+                            } else {
+                                d[b].total_cmp(&d[a])
+                            }
+                        })
+                        .unwrap_or(0);
+                    let others = (d.iter().sum::<f64>() - d[pick]) / (d.len() - 1) as f64;
+                    let flagged = if shortest {
+                        d[pick] < 0.9 * others
+                    } else {
+                        d[pick] > 1.1 * others
+                    };
+                    if flagged {
+                        flags[group[pick]] += 1;
+                    }
+                }
+            }
+        }
+    }
+    let inst = instances(ranks);
+    let mut out = Vec::new();
+    for r in (0..n).filter(|&r| flags[r] > 5) {
+        let (mut all, mut short) = (0usize, 0usize);
+        for members in inst.values() {
+            let Some(me) = members.iter().find(|m| m.0 == r) else {
+                continue;
+            };
+            let others: Vec<f64> = members
+                .iter()
+                .filter(|m| m.0 != r)
+                .map(|m| (m.2 - m.1) as f64)
+                .collect();
+            all += 1;
+            if ((me.2 - me.1) as f64) < 0.9 * others.iter().sum::<f64>() / others.len() as f64 {
+                short += 1;
+            }
+        }
+        if all > 0 && short as f64 > 0.4 * all as f64 {
+            out.push(r);
+        }
+    }
+    out
 }
 
 /// Steps the detectors look at: all but the first (warm-up) when there are more.
@@ -708,6 +801,7 @@ impl Scan {
                 "anchors": self.clock.anchors,
             },
             "dropped_events": self.dropped,
+            "baseline_megatronapp": self.baseline,
             "per_rank": self.per_rank.iter().map(|(c, l)| serde_json::json!({
                 "compute_ratio": c.map(|x| round(x, 1000.0)),
                 "late_share": l.map(|x| round(x, 1000.0)),
