@@ -254,7 +254,7 @@ fn scan_recovers_injected_clock_offsets_and_merges_a_trace() {
 }
 
 #[test]
-fn a_slow_link_between_pipeline_ranks_is_a_link_not_a_rank() {
+fn a_slow_link_between_pipeline_ranks_is_a_link_and_a_slow_rank_is_a_rank() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     // pp2 × dp2: ranks 0 and 2 are one pipeline (dp0), 1 and 3 the other.
@@ -268,7 +268,7 @@ fn a_slow_link_between_pipeline_ranks_is_a_link_not_a_rank() {
         sets[1],
     ]);
     ok(&check);
-    train(dir.path(), &sets, 4, &["slow-link:0-2:4"]);
+    train(dir.path(), &sets, 6, &["slow-link:0-2:4"]);
     let v = scan(dir.path());
     let f = findings(&v);
     // Which pair is the dp0 pipeline depends on the rank order: find it in the rank files.
@@ -292,6 +292,11 @@ fn a_slow_link_between_pipeline_ranks_is_a_link_not_a_rank() {
         "ranks 0 and 2 must be different pipeline stages"
     );
     assert_eq!(f, [("slow-link".to_string(), vec![0, 2])], "{v:#}");
+    // A slow rank on the same layout is a rank, not its links.
+    let rank = tempfile::tempdir().unwrap();
+    train(rank.path(), &sets, 6, &["slow-rank:0:4"]);
+    let v = scan(rank.path());
+    assert_eq!(findings(&v), [("slow-rank".to_string(), vec![0])], "{v:#}");
 }
 
 #[test]

@@ -17,7 +17,9 @@
 //! share of its collectives an even split would give. **Slow link.** Sends never wait for their
 //! receiver, so a send's duration is the link's: per pair of ranks and message size, the
 //! lower quartile of its send times (a slow link delays every send, a preempted sender only
-//! some) is compared with the median of the other pairs' that send messages of that size; a pair scoring at least [`SLOW_LINK`] is a slow link.
+//! some) is compared with the median of the other pairs' that send messages of that size;
+//! a pair scoring at least [`SLOW_LINK`], between two ranks whose compute is normal (neither
+//! a slow rank), is a slow link.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,7 +29,7 @@ use super::{Event, Kind, RankHeader, COLLECTIVES, FORMAT};
 /// A rank scoring at least this compute ratio against its peers is a slow-rank candidate.
 pub const SLOW_RANK: f64 = 1.3;
 /// A pair scoring at least this transfer-time ratio against the other pairs is a slow link.
-pub const SLOW_LINK: f64 = 1.8;
+pub const SLOW_LINK: f64 = 3.0;
 
 /// Why a trace directory cannot be scanned: the file (or folder) and what is wrong.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -761,7 +763,7 @@ fn slow_links(ranks: &[RankTrace], slow_ranks: &[usize]) -> Vec<Finding> {
     let mut out = Vec::new();
     for ((a, b), (mut ratios, first)) in per_pair {
         let score = median(&mut ratios);
-        if score >= SLOW_LINK && !(slow_ranks.contains(&a) && slow_ranks.contains(&b)) {
+        if score >= SLOW_LINK && !slow_ranks.contains(&a) && !slow_ranks.contains(&b) {
             out.push(Finding {
                 kind: "slow-link",
                 ranks: vec![a, b],
