@@ -62,8 +62,9 @@ pub struct RunArgs {
     /// Time every kernel after the first step and print a table by op (matmul share, GFLOP/s).
     #[arg(long)]
     pub profile: bool,
-    /// Write a Chrome-trace timeline (DIR/rank-0.trace.json, opens in Perfetto) of every
-    /// step's kernels (DIR is created).
+    /// Record every rank's pipeline actions, collectives, sends and receives, data loading
+    /// and optimizer steps into DIR/rank-N.json (one file per rank, for `megac scan DIR`;
+    /// DIR is created).
     #[arg(long, value_name = "DIR")]
     pub trace: Option<PathBuf>,
     /// Write distributed checkpoints into DIR (DIR/step-NNNNNN/: one file per rank and an
@@ -84,6 +85,16 @@ pub struct RunArgs {
     /// stays the total: a checkpoint of step 3 with --steps 6 trains steps 4, 5 and 6.
     #[arg(long, value_name = "DIR", conflicts_with = "init")]
     pub load: Option<PathBuf>,
+    /// With --trace: also time every kernel and write rank 0's Chrome-trace timeline of them,
+    /// DIR/rank-0.trace.json (opens in Perfetto; costs more than the event records).
+    #[arg(long, requires = "trace")]
+    pub trace_kernels: bool,
+    /// Inject a timing fault (repeatable; numbers never change): slow-rank:R:F (rank R's
+    /// compute F times slower), slow-link:A-B:F (transfers between ranks A and B F times
+    /// slower), jitter:S[:SEED] (each compute segment slowed by 1 + S·|z|, z seeded normal),
+    /// clock:R:MS:PPM (rank R's recorded clock MS ms ahead, PPM ppm fast; for `megac scan`).
+    #[arg(long = "inject", value_name = "SPEC")]
+    pub inject: Vec<String>,
 }
 
 #[derive(Subcommand)]
@@ -246,6 +257,12 @@ enum Command {
         after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe embed --probe 'layers.*.attn.probs' --probe logits -o probes.safetensors\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe logits -o out.safetensors --perturb 'layers.0.out:noise(0.5)' --report r.json"
     )]
     Scope(commands::scope::ScopeArgs),
+    /// MegaScan: align the clocks of a traced run's ranks (`--trace DIR`), find slow ranks and
+    /// slow links, and merge the ranks into one Perfetto timeline.
+    #[command(
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --set parallel.dp=4 --set train.global_batch=16 --steps 4 --trace /tmp/scan-dp4 --inject slow-rank:2:3\n  megac scan /tmp/scan-dp4\n  megac scan /tmp/scan-dp4 --format json -o merged.json\n  megac scan /tmp/scan-dp4 --svg /tmp/scan-dp4/timeline.svg"
+    )]
+    Scan(commands::scan::ScanArgs),
     /// List the compiler's passes in pipeline order.
     #[command(after_help = "Example:\n  megac passes")]
     Passes,
@@ -296,6 +313,7 @@ fn main() -> ExitCode {
             },
         ),
         Command::Simulate(args) => commands::simulate::run(&args),
+        Command::Scan(args) => commands::scan::run(&args),
         Command::Plan(args) => commands::plan::run(&args),
         Command::Compile { model, out } => commands::compile::run(&model, &out),
         Command::Inspect {

@@ -414,6 +414,7 @@ fn trace_writes_a_chrome_timeline_and_profile_prints_the_op_table() {
         "2",
         "--trace",
         trace.to_str().unwrap(),
+        "--trace-kernels",
         "--profile",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));

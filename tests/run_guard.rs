@@ -229,7 +229,7 @@ fn missing_output_folders_are_created_and_no_probe_is_left() {
         ["config.json", "params.safetensors"]
     );
     assert_eq!(listing(&dir.path().join("c")), ["run.json"]);
-    assert_eq!(listing(&trace), ["rank-0.trace.json"]);
+    assert_eq!(listing(&trace), ["rank-0.json"]);
 }
 
 // ---- 2. a diverging run stops and saves nothing; --init must be finite ----

@@ -80,6 +80,11 @@ pub trait Communicator: Send {
             self.rank()
         )))
     }
+    /// The recording and injecting wrapper, when this communicator is one (`--trace`,
+    /// `--inject`).
+    fn scan(&mut self) -> Option<&mut crate::scan::ScanComm> {
+        None
+    }
 }
 
 /// The world of one rank: every collective over the group `[0]` is the identity and there is

@@ -6,6 +6,8 @@
 //!   [`profile`]: per-op timings and the Chrome trace.
 //! - [`comm`]: the communicator trait and the single-rank world; `local_comm`: one thread
 //!   per rank in this process; `mpi_comm` (feature `mpi`): one process per rank over MPI.
+//! - [`scan`]: per-rank event records (`--trace`), fault injection (`--inject`) and their
+//!   analysis (clock alignment, merged timeline, slow-rank and slow-link detection).
 //! - [`train`]: the loop: data, micro-batches, optimizer steps, progress, report;
 //!   [`checkpoint`]: distributed checkpoints (save, resume, resharding).
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
@@ -35,5 +37,6 @@ pub mod mpi_comm;
 mod pipeline;
 pub mod profile;
 pub mod scaler;
+pub mod scan;
 mod sharded;
 pub mod train;

@@ -123,9 +123,17 @@ fn run_action(
         PipeKind::W => vec![&prog.weight],
         PipeKind::BW => vec![&prog.backward, &prog.weight],
     };
+    let t0 = std::time::Instant::now();
     for seg in segments {
         session.run(seg, &ctx)?;
     }
+    let kind = match a.kind {
+        PipeKind::F => crate::scan::Kind::Forward,
+        PipeKind::B => crate::scan::Kind::Backward,
+        PipeKind::W => crate::scan::Kind::Weight,
+        PipeKind::BW => crate::scan::Kind::BackwardWeight,
+    };
+    session.record(kind, t0, c, j);
     match a.kind {
         PipeKind::F => {
             st.f_done.insert((c, j), true);

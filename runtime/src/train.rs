@@ -28,7 +28,7 @@ pub struct RunOptions {
     pub progress: Option<bool>,
     /// Time every kernel (after the first step, which warms up) and report by op.
     pub profile: bool,
-    /// Write a Chrome-trace timeline of every step's kernels to this directory.
+    /// Write every rank's event record (`rank-N.json`, for `megac scan`) to this directory.
     pub trace: Option<PathBuf>,
     /// Write distributed checkpoints into this folder (`DIR/step-NNNNNN/`, `DIR/latest`).
     pub save: Option<PathBuf>,
@@ -40,6 +40,11 @@ pub struct RunOptions {
     /// Resume from this checkpoint (a checkpoint folder's latest complete step, or a step
     /// folder); `steps` stays the total.
     pub load: Option<PathBuf>,
+    /// With `trace`: also time every kernel and write rank 0's Chrome-trace timeline of them
+    /// (`rank-0.trace.json`; costs more than the event records).
+    pub trace_kernels: bool,
+    /// Injected faults (`--inject`): timing only, never numbers.
+    pub inject: Vec<crate::scan::Inject>,
 }
 
 /// One step of the report.
@@ -390,7 +395,9 @@ impl<'p> Session<'p> {
         let (tokens, labels) = self.load(step, mb);
         self.write_inputs(&tokens, &labels);
         let ctx = self.context(step);
+        let t0 = Instant::now();
         self.run(&self.role().microbatch, &ctx)?;
+        self.record(crate::scan::Kind::Microbatch, t0, 0, mb as u32);
         Ok(self.scalar(self.loss_buf))
     }
 
@@ -400,14 +407,28 @@ impl<'p> Session<'p> {
         program: &[megac_ir::plan::Instr],
         ctx: &StepContext,
     ) -> Result<(), RuntimeError> {
-        run_program(
+        if let Some(s) = self.comm.scan() {
+            s.begin_segment();
+        }
+        let out = run_program(
             program,
             self.plan,
             &self.mem,
             ctx,
             self.comm.as_mut(),
             self.profile.as_mut(),
-        )
+        );
+        if let Some(s) = self.comm.scan() {
+            s.end_segment();
+        }
+        out
+    }
+
+    /// Record a session event from `t0` to now (when tracing).
+    pub(crate) fn record(&mut self, kind: crate::scan::Kind, t0: Instant, a: u32, b: u32) {
+        if let Some(s) = self.comm.scan() {
+            s.record(kind, t0, a, b);
+        }
     }
 
     /// The scalar in buffer `b` (0 where this rank holds none).
@@ -428,6 +449,13 @@ impl<'p> Session<'p> {
 
     /// This rank's part of micro-batch `mb` of 1-based `step`: (tokens, labels).
     pub(crate) fn load(&mut self, step: u64, mb: u64) -> (Vec<i32>, Vec<i32>) {
+        let t0 = Instant::now();
+        let out = self.load_untimed(step, mb);
+        self.record(crate::scan::Kind::Data, t0, 0, mb as u32);
+        out
+    }
+
+    fn load_untimed(&mut self, step: u64, mb: u64) -> (Vec<i32>, Vec<i32>) {
         let b = &self.plan.batch;
         // Micro-batch k of data-parallel rank r holds global samples (k·dp + r)·mb ..
         // (k·dp + r + 1)·mb - 1 of the step, as Megatron's sampler does.
@@ -454,12 +482,24 @@ impl<'p> Session<'p> {
     /// One optimizer step (1-based); returns the gradient norm before clipping.
     pub fn optimizer_step(&mut self, step: u64) -> Result<f64, RuntimeError> {
         let ctx = self.context(step);
+        let t0 = Instant::now();
         self.run(&self.role().optimizer, &ctx)?;
+        self.record(crate::scan::Kind::Optimizer, t0, 0, 0);
         Ok(self.scalar(self.norm_buf))
     }
 
     /// A whole step: zero gradients, every micro-batch, the optimizer. Returns (loss, grad norm).
     pub fn step(&mut self, step: u64) -> Result<(f64, f64), RuntimeError> {
+        if let Some(r) = self.comm.scan().and_then(|s| s.rec.as_mut()) {
+            r.begin_step(step);
+        }
+        let t0 = Instant::now();
+        let out = self.step_untimed(step);
+        self.record(crate::scan::Kind::Step, t0, 0, 0);
+        out
+    }
+
+    fn step_untimed(&mut self, step: u64) -> Result<(f64, f64), RuntimeError> {
         self.mem.zero_grads();
         let mut loss = 0.0;
         if self.role().pipeline.is_some() {
@@ -719,6 +759,24 @@ fn train_rank(
     comm: Box<dyn crate::comm::Communicator>,
 ) -> Result<RunReport, RuntimeError> {
     let lead = comm.rank() == 0;
+    let steps = opts.steps.unwrap_or(plan.train.steps);
+    let rank = comm.rank();
+    let comm: Box<dyn crate::comm::Communicator> = if opts.trace.is_some()
+        || !opts.inject.is_empty()
+    {
+        let faults = crate::scan::RankFaults::of(&opts.inject, rank);
+        let role = plan.rank_to_role.get(rank).map_or(0, |&r| r as usize);
+        let rec = opts.trace.is_some().then(|| {
+            crate::scan::Recorder::new(
+                crate::scan::capacity(plan, role.min(plan.roles.len().saturating_sub(1)), steps),
+                faults.offset_ns,
+                faults.drift,
+            )
+        });
+        Box::new(crate::scan::ScanComm::new(comm, rec, faults))
+    } else {
+        comm
+    };
     let mut session = Session::with_comm(plan, &opts.data, opts.init.as_deref(), comm)?;
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);
@@ -747,14 +805,14 @@ fn train_rank(
     let mut records = Vec::new();
     let start = Instant::now();
     let mut step_times = Vec::new();
-    if opts.trace.is_some() {
+    if opts.trace.is_some() && opts.trace_kernels {
         session.profile = Some(crate::exec::Profile {
             events: Some(Vec::new()),
             ..Default::default()
         });
     }
     for step in done + 1..=steps {
-        if opts.profile && opts.trace.is_none() && step == (done + 2).min(steps) {
+        if opts.profile && session.profile.is_none() && step == (done + 2).min(steps) {
             session.profile = Some(Default::default());
         }
         let t0 = Instant::now();
@@ -838,6 +896,9 @@ fn train_rank(
     if let Some(path) = &opts.save_params {
         session.save_params(path)?;
     }
+    if let Some(dir) = &opts.trace {
+        write_rank_record(&mut session, dir, steps)?;
+    }
     if let (true, Some(dir), Some(p)) = (lead, &opts.trace, &session.profile) {
         megac_ir::file::write_atomic(
             &dir.join("rank-0.trace.json"),
@@ -881,6 +942,40 @@ fn announce(
         );
     }
     saved
+}
+
+/// Write this rank's event record, `DIR/rank-N.json`.
+fn write_rank_record(
+    session: &mut Session<'_>,
+    dir: &std::path::Path,
+    steps: u64,
+) -> Result<(), RuntimeError> {
+    let plan = session.plan;
+    let rank = session.comm.rank();
+    let header = crate::scan::RankHeader {
+        rank,
+        world: plan.mesh.world_size(),
+        role: plan.rank_to_role[rank] as usize,
+        coords: megac_ir::Axis::ALL
+            .iter()
+            .map(|&a| {
+                (
+                    a.as_str().to_string(),
+                    plan.mesh.coord(rank, a),
+                    plan.mesh.size(a) as usize,
+                )
+            })
+            .collect(),
+        steps,
+    };
+    let Some(rec) = session.comm.scan().and_then(|s| s.rec.as_ref()) else {
+        return Ok(());
+    };
+    let path = dir.join(format!("rank-{rank}.json"));
+    megac_ir::file::write_atomic(&path, rec.to_json(&header)).map_err(|e| RuntimeError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
 }
 
 /// Stop at the first step whose loss or gradient norm is not finite: every later step would

@@ -13,6 +13,7 @@ pub mod output;
 pub mod passes;
 pub mod plan;
 pub mod run;
+pub mod scan;
 pub mod schedule;
 pub mod scope;
 pub mod simulate;

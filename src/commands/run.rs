@@ -50,6 +50,11 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         "cuda" => return Err(no_cuda_backend()),
         other => return Err(format!("error: --device {other}: expected cpu or cuda")),
     }
+    let inject = args
+        .inject
+        .iter()
+        .map(|s| megac_runtime::scan::Inject::parse(s).map_err(|e| format!("error: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
     if args.steps == Some(0) {
         return Err("error: --steps 0: run at least one step".into());
     }
@@ -88,6 +93,8 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         save_interval: args.save_interval,
         save_async: args.save_async,
         load: args.load.clone(),
+        trace_kernels: args.trace_kernels,
+        inject,
     })
 }
 
@@ -118,6 +125,14 @@ pub fn train_model(model: &crate::ModelArgs, args: &RunArgs) -> Result<(), Strin
 
 /// Run `plan` with `args` (checked into `opts`), write the report, print a summary.
 fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), String> {
+    let named: Vec<(String, megac_runtime::scan::Inject)> = args
+        .inject
+        .iter()
+        .cloned()
+        .zip(opts.inject.iter().cloned())
+        .collect();
+    megac_runtime::scan::inject::check_ranks(&named, plan.mesh.world_size())
+        .map_err(|e| format!("error: {e}"))?;
     if let Some(note) = super::lr_schedule_cut_short(
         plan.train.lr,
         &plan.train.lr_schedule,

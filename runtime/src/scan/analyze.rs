@@ -1,0 +1,997 @@
+//! `megac scan`: read a trace directory's rank files, align their clocks, merge them into one
+//! Chrome/Perfetto timeline, and find slow ranks and slow links.
+//!
+//! **Alignment.** Members of a collective leave it nearly together (none can leave before
+//! the last has arrived, and all then compute the same result), so each collective gives one
+//! equation per member: `exit_r = (1 + d_r)·t + o_r` with `t` the exit on rank 0's clock.
+//! Each rank is fitted by least squares against a rank already aligned (rank 0 first, then
+//! the rank it shares most collectives with), four times, each time dropping the exits more
+//! than 5 robust standard deviations (1.4826·MAD, at least 2 µs) from the fit, so a rank
+//! preempted inside one collective does not move the line.
+//!
+//! **Slow rank.** Per step, a rank's compute time (the sum of its compute segments) is
+//! compared with the median of its peers, the ranks that run the same role program; the
+//! rank's score is the median of that ratio over the steps (the first, warm-up step is left
+//! out when there are more). A rank scoring at least [`SLOW_RANK`] is named only when the
+//! collective-wait inversion agrees: it waits the least (arrives last) in at least 1.5× the
+//! share of its collectives an even split would give. **Slow link.** Sends never wait for their
+//! receiver, so a send's duration is the link's: per pair of ranks and message size, the
+//! lower quartile of its send times (a slow link delays every send, a preempted sender only
+//! some) is compared with the median of the other pairs' that send messages of that size;
+//! a pair scoring at least [`SLOW_LINK`], between two ranks whose compute is normal (neither
+//! a slow rank), is a slow link.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use super::{Event, Kind, RankHeader, COLLECTIVES, FORMAT};
+
+/// A rank scoring at least this compute ratio against its peers is a slow-rank candidate.
+pub const SLOW_RANK: f64 = 1.3;
+/// A pair scoring at least this transfer-time ratio against the other pairs is a slow link.
+pub const SLOW_LINK: f64 = 3.0;
+
+/// Why a trace directory cannot be scanned: the file (or folder) and what is wrong.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct ScanError {
+    /// The rank file or trace directory.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// One rank's file, parsed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankTrace {
+    /// Who the rank is.
+    pub header: RankHeader,
+    /// Events the buffer had no room for.
+    pub dropped: u64,
+    /// The groups its collectives ran on (an event's `a`).
+    pub groups: Vec<Vec<usize>>,
+    /// Its events, as recorded.
+    pub events: Vec<Event>,
+}
+
+impl RankTrace {
+    /// "rank 5 (tp1 dp0 pp1)": tp, dp and pp always, other axes when larger than 1.
+    pub fn label(&self) -> String {
+        let coords: Vec<String> = self
+            .header
+            .coords
+            .iter()
+            .filter(|(a, _, n)| *n > 1 || matches!(a.as_str(), "tp" | "dp" | "pp"))
+            .map(|(a, c, _)| format!("{a}{c}"))
+            .collect();
+        format!("rank {} ({})", self.header.rank, coords.join(" "))
+    }
+}
+
+/// The largest rank file `read_dir` reads (1 GiB).
+const MAX_RANK_FILE: u64 = 1 << 30;
+
+/// Read every `rank-N.json` of `dir` (ranks 0..world, each once).
+pub fn read_dir(dir: &Path) -> Result<Vec<RankTrace>, ScanError> {
+    let dir_err = |message: String| ScanError {
+        path: dir.display().to_string(),
+        message,
+    };
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| dir_err(format!("cannot read the folder: {e}")))?;
+    let mut files: BTreeMap<usize, PathBuf> = BTreeMap::new();
+    for e in entries {
+        let e = e.map_err(|e| dir_err(format!("cannot read the folder: {e}")))?;
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(n) = name
+            .strip_prefix("rank-")
+            .and_then(|s| s.strip_suffix(".json"))
+            .and_then(|s| s.parse::<usize>().ok())
+        {
+            files.insert(n, e.path());
+        }
+    }
+    if files.is_empty() {
+        return Err(dir_err(
+            "no rank-N.json files (write them with `megac train|run ... --trace DIR`)".into(),
+        ));
+    }
+    let mut ranks = Vec::new();
+    for (n, path) in &files {
+        ranks.push(read_rank(path, *n)?);
+    }
+    let world = ranks[0].header.world;
+    for r in &ranks {
+        if r.header.world != world {
+            return Err(ScanError {
+                path: files[&r.header.rank].display().to_string(),
+                message: format!(
+                    "a world of {} ranks, but rank-{}.json has {world}",
+                    r.header.world, ranks[0].header.rank
+                ),
+            });
+        }
+    }
+    if let Some(missing) = (0..world).find(|r| !files.contains_key(r)) {
+        return Err(dir_err(format!(
+            "the run had {world} ranks but rank-{missing}.json is missing"
+        )));
+    }
+    if let Some(&extra) = files.keys().find(|&&r| r >= world) {
+        return Err(ScanError {
+            path: files[&extra].display().to_string(),
+            message: format!("rank {extra} is outside the run's {world} ranks"),
+        });
+    }
+    Ok(ranks)
+}
+
+/// Parse one rank file; `n` is the rank its name says.
+pub fn read_rank(path: &Path, n: usize) -> Result<RankTrace, ScanError> {
+    let err = |message: String| ScanError {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = megac_ir::file::read_text(path, MAX_RANK_FILE).map_err(|e| err(e.to_string()))?;
+    parse_rank(&text, n).map_err(err)
+}
+
+/// Parse the text of a rank file of rank `n`.
+pub fn parse_rank(text: &str, n: usize) -> Result<RankTrace, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not a megac rank file: {e}"))?;
+    if v["format"] != FORMAT {
+        return Err(format!(
+            "not a megac rank file (its \"format\" is {}, expected \"{FORMAT}\")",
+            v["format"]
+        ));
+    }
+    let uint = |key: &str| {
+        v[key]
+            .as_u64()
+            .ok_or_else(|| format!("\"{key}\" must be a non-negative integer"))
+    };
+    let (rank, world, role, steps, dropped) = (
+        uint("rank")? as usize,
+        uint("world")? as usize,
+        uint("role")? as usize,
+        uint("steps")?,
+        uint("dropped")?,
+    );
+    if rank != n {
+        return Err(format!(
+            "the file is named for rank {n} but holds rank {rank}"
+        ));
+    }
+    if world == 0 || rank >= world {
+        return Err(format!("rank {rank} is outside its world of {world} ranks"));
+    }
+    let coords = v["coords"]
+        .as_array()
+        .ok_or("\"coords\" must be a list")?
+        .iter()
+        .map(|c| match (c[0].as_str(), c[1].as_u64(), c[2].as_u64()) {
+            (Some(a), Some(i), Some(s)) if i < s => Ok((a.to_string(), i as usize, s as usize)),
+            _ => Err(format!(
+                "bad coordinate {c} (expected [\"axis\", index, size])"
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let groups = v["groups"]
+        .as_array()
+        .ok_or("\"groups\" must be a list")?
+        .iter()
+        .map(|g| {
+            let members: Option<Vec<usize>> = g
+                .as_array()
+                .map(|m| m.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
+                .unwrap_or(None);
+            match members {
+                Some(m) if m.contains(&rank) && m.iter().all(|&x| x < world) => Ok(m),
+                _ => Err(format!(
+                    "bad group {g} (a list of ranks below {world} holding rank {rank})"
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let list = v["events"].as_array().ok_or("\"events\" must be a list")?;
+    let mut events = Vec::with_capacity(list.len());
+    for (i, e) in list.iter().enumerate() {
+        let bad = |why: &str| format!("events[{i}] {e}: {why}");
+        let a = e
+            .as_array()
+            .filter(|a| a.len() == 8)
+            .ok_or_else(|| bad("expected [kind, t0, t1, step, a, b, seq, bytes]"))?;
+        let kind = a[0]
+            .as_str()
+            .and_then(Kind::from_name)
+            .ok_or_else(|| bad("unknown kind"))?;
+        let (t0, t1) = match (a[1].as_i64(), a[2].as_i64()) {
+            (Some(t0), Some(t1)) if t1 >= t0 => (t0, t1),
+            _ => return Err(bad("t0 and t1 must be integers with t0 <= t1")),
+        };
+        let num = |j: usize| {
+            a[j].as_u64()
+                .ok_or_else(|| bad("fields 3..8 must be non-negative integers"))
+        };
+        let ev = Event {
+            kind,
+            t0,
+            t1,
+            step: num(3)? as u32,
+            a: num(4)? as u32,
+            b: num(5)? as u32,
+            seq: num(6)?,
+            bytes: num(7)?,
+        };
+        match kind {
+            Kind::Collective if ev.a as usize >= groups.len() => {
+                return Err(bad(&format!("group {} of {}", ev.a, groups.len())))
+            }
+            Kind::Collective if ev.b as usize >= COLLECTIVES.len() => {
+                return Err(bad("unknown collective"))
+            }
+            Kind::Send | Kind::Recv if ev.a as usize >= world || ev.a as usize == rank => {
+                return Err(bad("the peer must be another rank of the world"))
+            }
+            _ => {}
+        }
+        events.push(ev);
+    }
+    Ok(RankTrace {
+        header: RankHeader {
+            rank,
+            world,
+            role,
+            coords,
+            steps,
+        },
+        dropped,
+        groups,
+        events,
+    })
+}
+
+/// Each rank's clock against rank 0's: `recorded_r = (1 + drift[r])·t + offset_ns[r]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Clock {
+    /// Offsets in ns.
+    pub offset_ns: Vec<f64>,
+    /// Drifts (fractions).
+    pub drift: Vec<f64>,
+    /// Per rank, the collectives its fit used (0 for rank 0 and unaligned ranks).
+    pub anchors: Vec<usize>,
+}
+
+impl Clock {
+    /// Rank `r`'s recorded time `x` on rank 0's clock.
+    pub fn align(&self, r: usize, x: i64) -> f64 {
+        (x as f64 - self.offset_ns[r]) / (1.0 + self.drift[r])
+    }
+}
+
+/// Collective instances: (members, call number) -> per member (rank, enter, exit).
+type Instances = BTreeMap<(Vec<usize>, u64), Vec<(usize, i64, i64)>>;
+
+fn instances(ranks: &[RankTrace]) -> Instances {
+    let mut map: Instances = BTreeMap::new();
+    for r in ranks {
+        for e in r.events.iter().filter(|e| e.kind == Kind::Collective) {
+            let g = &r.groups[e.a as usize];
+            if g.len() > 1 {
+                map.entry((g.clone(), e.seq))
+                    .or_default()
+                    .push((r.header.rank, e.t0, e.t1));
+            }
+        }
+    }
+    map
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// One causal bound on a rank's clock against rank 0's at rank-0 time `t`:
+/// `lo <= offset + drift·t <= hi` (either side may be infinite).
+#[derive(Clone, Copy, Debug)]
+struct Bound {
+    t: f64,
+    lo: f64,
+    hi: f64,
+}
+
+/// The offset and drift that leave the widest margin inside every bound, less half the offset
+/// change the drift makes over the bounds' span (the width of the feasible offsets is a
+/// concave function of the drift; searched over ±2000 ppm); the offset is the middle of the feasible interval at that drift. None
+/// without bounds on both sides.
+fn fit_bounds(bounds: &[Bound]) -> Option<(f64, f64)> {
+    if !bounds.iter().any(|b| b.lo.is_finite()) || !bounds.iter().any(|b| b.hi.is_finite()) {
+        return None;
+    }
+    let tm = bounds.iter().map(|b| b.t).sum::<f64>() / bounds.len() as f64;
+    let interval = |d: f64| {
+        let lo = bounds
+            .iter()
+            .filter(|b| b.lo.is_finite())
+            .map(|b| b.lo - d * (b.t - tm))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let hi = bounds
+            .iter()
+            .filter(|b| b.hi.is_finite())
+            .map(|b| b.hi - d * (b.t - tm))
+            .fold(f64::INFINITY, f64::min);
+        (lo, hi)
+    };
+    let width = |d: f64| {
+        let (lo, hi) = interval(d);
+        hi - lo
+    };
+    // The widest feasible band over drifts of ±2000 ppm in steps of 0.5 ppm, less half the
+    // offset change the drift makes over the bounds' time span: few bounds leave the band
+    // open along the drift, and a drift is kept only where the bounds call for it.
+    let span = bounds.iter().map(|b| b.t).fold(f64::NEG_INFINITY, f64::max)
+        - bounds.iter().map(|b| b.t).fold(f64::INFINITY, f64::min);
+    let score = |d: f64| width(d) - 0.5 * d.abs() * span;
+    let d = (-4000..=4000)
+        .map(|i| f64::from(i) * 0.5e-6)
+        .max_by(|&a, &b| {
+            score(a)
+                .total_cmp(&score(b))
+                .then(b.abs().total_cmp(&a.abs()))
+        })
+        .unwrap_or(0.0);
+    let (lo, hi) = interval(d);
+    // offset + d·(t - tm) = mid  ->  offset at t = 0.
+    Some((0.5 * (lo + hi) - d * tm, d))
+}
+
+/// Sends matched to receives: (from, to, send enter, recv exit), by (from, to, tag, order).
+fn messages(ranks: &[RankTrace]) -> Vec<(usize, usize, i64, i64)> {
+    let mut sends: BTreeMap<(usize, usize, u64), Vec<i64>> = BTreeMap::new();
+    for r in ranks {
+        for e in r.events.iter().filter(|e| e.kind == Kind::Send) {
+            sends
+                .entry((r.header.rank, e.a as usize, e.seq))
+                .or_default()
+                .push(e.t0);
+        }
+    }
+    let mut out = Vec::new();
+    for r in ranks {
+        let mut seen: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+        for e in r.events.iter().filter(|e| e.kind == Kind::Recv) {
+            let from = e.a as usize;
+            let k = seen.entry((from, e.seq)).or_default();
+            if let Some(&t) = sends
+                .get(&(from, r.header.rank, e.seq))
+                .and_then(|v| v.get(*k))
+            {
+                out.push((from, r.header.rank, t, e.t1));
+            }
+            *k += 1;
+        }
+    }
+    out
+}
+
+/// Estimate every rank's offset and drift against rank 0 from causality: a collective
+/// completes at one instant T after every member entered and before any left, and a message
+/// is received after it was sent. Each collective a rank shares with aligned ranks bounds
+/// its clock at T from both sides (`enter_r - T_hi <= offset + drift·T <= exit_r - T_lo`,
+/// with T_lo the aligned members' latest enter and T_hi their earliest exit); each message
+/// from one side. Ranks are aligned one at a time, the one with the most bounds first; its
+/// fit is a line through them ([`fit_bounds`]). A rank with no bounds on one
+/// side keeps offset 0 and drift 0.
+pub fn align(ranks: &[RankTrace]) -> Clock {
+    let n = ranks.len();
+    let inst = instances(ranks);
+    let msgs = messages(ranks);
+    let mut clock = Clock {
+        offset_ns: vec![0.0; n],
+        drift: vec![0.0; n],
+        anchors: vec![0; n],
+    };
+    let mut aligned = vec![false; n];
+    if n > 0 {
+        aligned[0] = true;
+    }
+    let bounds_of = |r: usize, aligned: &[bool], clock: &Clock| {
+        let mut out = Vec::new();
+        for members in inst.values() {
+            let Some(&(_, xe, xx)) = members.iter().find(|m| m.0 == r) else {
+                continue;
+            };
+            let others: Vec<(f64, f64)> = members
+                .iter()
+                .filter(|m| m.0 != r && aligned[m.0])
+                .map(|m| (clock.align(m.0, m.1), clock.align(m.0, m.2)))
+                .collect();
+            if others.is_empty() {
+                continue;
+            }
+            let t_lo = others.iter().map(|o| o.0).fold(f64::NEG_INFINITY, f64::max);
+            let t_hi = others.iter().map(|o| o.1).fold(f64::INFINITY, f64::min);
+            out.push(Bound {
+                t: 0.5 * (t_lo + t_hi),
+                lo: xe as f64 - t_hi,
+                hi: xx as f64 - t_lo,
+            });
+        }
+        for &(from, to, sent, got) in &msgs {
+            if to == r && aligned[from] {
+                // got_r >= sent (aligned): offset + drift·t <= got - sent.
+                let t = clock.align(from, sent);
+                out.push(Bound {
+                    t,
+                    lo: f64::NEG_INFINITY,
+                    hi: got as f64 - t,
+                });
+            } else if from == r && aligned[to] {
+                let t = clock.align(to, got);
+                out.push(Bound {
+                    t,
+                    lo: sent as f64 - t,
+                    hi: f64::INFINITY,
+                });
+            }
+        }
+        out
+    };
+    loop {
+        let best = (0..n)
+            .filter(|&r| !aligned[r])
+            .map(|r| (r, bounds_of(r, &aligned, &clock)))
+            .filter(|(_, b)| {
+                b.iter().any(|b| b.lo.is_finite()) && b.iter().any(|b| b.hi.is_finite())
+            })
+            .max_by_key(|(r, b)| (b.len(), std::cmp::Reverse(*r)));
+        let Some((r, bounds)) = best else { break };
+        if let Some((o, d)) = fit_bounds(&bounds) {
+            clock.offset_ns[r] = o;
+            clock.drift[r] = d;
+        }
+        clock.anchors[r] = bounds.len();
+        aligned[r] = true;
+    }
+    clock
+}
+
+/// A fault `megac scan` found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finding {
+    /// `slow-rank` or `slow-link`.
+    pub kind: &'static str,
+    /// The rank, or the link's two ranks.
+    pub ranks: Vec<usize>,
+    /// The compute ratio against peers (slow rank) or transfer-time ratio against other
+    /// links (slow link).
+    pub score: f64,
+    /// The first step whose ratio reached the threshold.
+    pub first_step: u64,
+    /// Slow rank: the share of its collectives it arrived last at.
+    pub late_share: Option<f64>,
+}
+
+/// What `megac scan` reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scan {
+    /// Steps in the trace.
+    pub steps: u64,
+    /// The ranks' labels (`rank 5 (tp1 dp0 pp1)`).
+    pub labels: Vec<String>,
+    /// The faults found, slow ranks first, highest score first.
+    pub findings: Vec<Finding>,
+    /// The clock alignment.
+    pub clock: Clock,
+    /// Events dropped for lack of buffer space, per rank.
+    pub dropped: Vec<u64>,
+    /// Per rank, the evidence: compute ratio against its peers (None without peers) and the
+    /// share of its collectives it arrived last at (None without collectives).
+    pub per_rank: Vec<(Option<f64>, Option<f64>)>,
+    /// The ranks MegatronApp's heuristic calls abnormal ([`megatronapp_baseline`]).
+    pub baseline: Vec<usize>,
+}
+
+/// Align and detect.
+pub fn scan(ranks: &[RankTrace]) -> Scan {
+    let clock = align(ranks);
+    let steps = ranks.iter().map(|r| r.header.steps).max().unwrap_or(0);
+    let (mut findings, per_rank) = slow_ranks(ranks, steps);
+    let slow: Vec<usize> = findings.iter().flat_map(|f| f.ranks.clone()).collect();
+    findings.extend(slow_links(ranks, &slow));
+    Scan {
+        steps,
+        labels: ranks.iter().map(RankTrace::label).collect(),
+        findings,
+        clock,
+        dropped: ranks.iter().map(|r| r.dropped).collect(),
+        per_rank,
+        baseline: megatronapp_baseline(ranks, steps),
+    }
+}
+
+/// MegatronApp's published heuristic (`scripts/aggregate.py`, `try_detect`), on megac's
+/// events, as the baseline of `bench/scan.sh`. Stage 1: among the data-parallel ranks of
+/// each (pp, tp) position, for every step after the first and every event index, the
+/// shortest collective is flagged when under 0.9× the mean of the others (MegatronApp's
+/// `loss`/`allreduce`) and the longest compute segment when over 1.1× (its `backward`); a
+/// rank flagged more than 5 times is a suspect. Stage 2: a suspect is abnormal when, in more
+/// than 40% of its collectives, it waited under 0.9× the mean of the other members
+/// (MegatronApp uses the tp all-reduces; megac's collectives of every group stand in, so
+/// dp-only layouts are not left without evidence).
+pub fn megatronapp_baseline(ranks: &[RankTrace], steps: u64) -> Vec<usize> {
+    let n = ranks.len();
+    let coord = |r: usize, axis: &str| {
+        ranks[r]
+            .header
+            .coords
+            .iter()
+            .find(|c| c.0 == axis)
+            .map_or(0, |c| c.1)
+    };
+    // Per rank and step: durations of its collectives and compute segments, in order.
+    let series = |r: usize, kind: Kind, step: u64| -> Vec<f64> {
+        ranks[r]
+            .events
+            .iter()
+            .filter(|e| e.kind == kind && u64::from(e.step) == step)
+            .map(|e| (e.t1 - e.t0) as f64)
+            .collect()
+    };
+    let mut flags = vec![0usize; n];
+    let mut positions: BTreeMap<(usize, usize, usize), Vec<usize>> = BTreeMap::new();
+    for (r, t) in ranks.iter().enumerate() {
+        positions
+            .entry((t.header.role, coord(r, "pp"), coord(r, "tp")))
+            .or_default()
+            .push(r);
+    }
+    for group in positions.values().filter(|g| g.len() > 1) {
+        for step in analysed(steps) {
+            for (kind, shortest) in [(Kind::Collective, true), (Kind::Compute, false)] {
+                let all: Vec<Vec<f64>> = group.iter().map(|&r| series(r, kind, step)).collect();
+                let len = all.iter().map(Vec::len).min().unwrap_or(0);
+                for i in 0..len {
+                    let d: Vec<f64> = all.iter().map(|v| v[i]).collect();
+                    let pick = (0..d.len())
+                        .min_by(|&a, &b| {
+                            if shortest {
+                                d[a].total_cmp(&d[b])
+                            } else {
+                                d[b].total_cmp(&d[a])
+                            }
+                        })
+                        .unwrap_or(0);
+                    let others = (d.iter().sum::<f64>() - d[pick]) / (d.len() - 1) as f64;
+                    let flagged = if shortest {
+                        d[pick] < 0.9 * others
+                    } else {
+                        d[pick] > 1.1 * others
+                    };
+                    if flagged {
+                        flags[group[pick]] += 1;
+                    }
+                }
+            }
+        }
+    }
+    let inst = instances(ranks);
+    let mut out = Vec::new();
+    for r in (0..n).filter(|&r| flags[r] > 5) {
+        let (mut all, mut short) = (0usize, 0usize);
+        for members in inst.values() {
+            let Some(me) = members.iter().find(|m| m.0 == r) else {
+                continue;
+            };
+            let others: Vec<f64> = members
+                .iter()
+                .filter(|m| m.0 != r)
+                .map(|m| (m.2 - m.1) as f64)
+                .collect();
+            all += 1;
+            if ((me.2 - me.1) as f64) < 0.9 * others.iter().sum::<f64>() / others.len() as f64 {
+                short += 1;
+            }
+        }
+        if all > 0 && short as f64 > 0.4 * all as f64 {
+            out.push(r);
+        }
+    }
+    out
+}
+
+/// Steps the detectors look at: all but the first (warm-up) when there are more.
+fn analysed(steps: u64) -> std::ops::RangeInclusive<u64> {
+    if steps > 1 {
+        2..=steps
+    } else {
+        1..=steps
+    }
+}
+
+/// Slow-rank findings, and per rank (compute ratio, late share).
+type SlowRanks = (Vec<Finding>, Vec<(Option<f64>, Option<f64>)>);
+
+fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
+    let n = ranks.len();
+    let range = analysed(steps);
+    // compute[r][s]: rank r's compute ns in step s.
+    let compute: Vec<BTreeMap<u64, f64>> = ranks
+        .iter()
+        .map(|r| {
+            let mut m: BTreeMap<u64, f64> = BTreeMap::new();
+            for e in r.events.iter().filter(|e| e.kind == Kind::Compute) {
+                *m.entry(u64::from(e.step)).or_default() += (e.t1 - e.t0) as f64;
+            }
+            m
+        })
+        .collect();
+    // Collective-wait inversion: per rank, (last arrivals, instances, expected share).
+    let mut late = vec![(0usize, 0usize, 0.0f64); n];
+    for members in instances(ranks).values() {
+        if members.len() < 2 {
+            continue;
+        }
+        let last = members
+            .iter()
+            .min_by_key(|m| m.2 - m.1)
+            .map(|m| m.0)
+            .unwrap_or(0);
+        for m in members {
+            late[m.0].1 += 1;
+            late[m.0].2 += 1.0 / members.len() as f64;
+            if m.0 == last {
+                late[m.0].0 += 1;
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut evidence = Vec::with_capacity(n);
+    for r in 0..n {
+        let role = ranks[r].header.role;
+        let peers: Vec<usize> = (0..n)
+            .filter(|&p| p != r && ranks[p].header.role == role)
+            .collect();
+        let (last, total, _) = late[r];
+        let late_share = (total > 0).then(|| last as f64 / total as f64);
+        evidence.push((None, late_share));
+        if peers.is_empty() {
+            continue;
+        }
+        let mut ratios = Vec::new();
+        let mut first = None;
+        for s in range.clone() {
+            let Some(&mine) = compute[r].get(&s) else {
+                continue;
+            };
+            let mut others: Vec<f64> = peers
+                .iter()
+                .filter_map(|&p| compute[p].get(&s).copied())
+                .collect();
+            let m = median(&mut others);
+            if m.is_nan() || m <= 0.0 {
+                continue;
+            }
+            let ratio = mine / m;
+            if ratio >= SLOW_RANK && first.is_none() {
+                first = Some(s);
+            }
+            ratios.push(ratio);
+        }
+        let score = median(&mut ratios);
+        if !score.is_nan() {
+            evidence[r].0 = Some(score);
+        }
+        if score.is_nan() || score < SLOW_RANK {
+            continue;
+        }
+        let expected = late[r].2;
+        let inverted = total == 0 || last as f64 >= 1.5 * expected;
+        if inverted {
+            out.push(Finding {
+                kind: "slow-rank",
+                ranks: vec![r],
+                score,
+                first_step: first.unwrap_or(*range.start()),
+                late_share,
+            });
+        }
+    }
+    out.sort_by(|a, b| b.score.total_cmp(&a.score));
+    (out, evidence)
+}
+
+/// A pair of ranks (lower first) and a message size.
+type PairSize = ((usize, usize), u64);
+
+fn slow_links(ranks: &[RankTrace], slow_ranks: &[usize]) -> Vec<Finding> {
+    // (pair, bytes) -> (send durations, first step seen slow is computed later).
+    let mut sends: BTreeMap<PairSize, Vec<(u64, f64)>> = BTreeMap::new();
+    for r in ranks {
+        let me = r.header.rank;
+        for e in r.events.iter().filter(|e| e.kind == Kind::Send) {
+            let p = e.a as usize;
+            let pair = (me.min(p), me.max(p));
+            sends
+                .entry((pair, e.bytes))
+                .or_default()
+                .push((u64::from(e.step), (e.t1 - e.t0) as f64));
+        }
+    }
+    let medians: BTreeMap<((usize, usize), u64), f64> = sends
+        .iter()
+        .map(|(k, v)| {
+            // The lower quartile: a slow link delays every send, a preempted sender only some.
+            let mut d: Vec<f64> = v.iter().map(|x| x.1).collect();
+            d.sort_by(f64::total_cmp);
+            (*k, d[d.len() / 4])
+        })
+        .collect();
+    // Per pair: ratio against the other pairs with the same message size.
+    let mut per_pair: BTreeMap<(usize, usize), (Vec<f64>, u64)> = BTreeMap::new();
+    for (&(pair, bytes), &m) in &medians {
+        let mut others: Vec<f64> = medians
+            .iter()
+            .filter(|((p, b), _)| *b == bytes && *p != pair)
+            .map(|(_, &v)| v)
+            .collect();
+        let reference = median(&mut others);
+        if reference.is_nan() || reference <= 0.0 {
+            continue;
+        }
+        let first = sends[&(pair, bytes)]
+            .iter()
+            .filter(|(_, d)| *d >= SLOW_LINK * reference)
+            .map(|(s, _)| *s)
+            .min()
+            .unwrap_or(0);
+        let e = per_pair.entry(pair).or_insert((Vec::new(), u64::MAX));
+        e.0.push(m / reference);
+        e.1 = e.1.min(first);
+    }
+    let mut out = Vec::new();
+    for ((a, b), (mut ratios, first)) in per_pair {
+        let score = median(&mut ratios);
+        if score >= SLOW_LINK && !slow_ranks.contains(&a) && !slow_ranks.contains(&b) {
+            out.push(Finding {
+                kind: "slow-link",
+                ranks: vec![a, b],
+                score,
+                first_step: first,
+                late_share: None,
+            });
+        }
+    }
+    out.sort_by(|a, b| b.score.total_cmp(&a.score));
+    out
+}
+
+impl Scan {
+    /// The JSON report of `megac scan --format json`.
+    pub fn to_json(&self) -> String {
+        let round = |x: f64, k: f64| (x * k).round() / k;
+        let findings: Vec<serde_json::Value> = self
+            .findings
+            .iter()
+            .map(|f| {
+                let mut j = serde_json::json!({
+                    "kind": f.kind, "ranks": f.ranks, "score": round(f.score, 1000.0),
+                    "first_step": f.first_step,
+                });
+                if let Some(l) = f.late_share {
+                    j["late_share"] = serde_json::json!(round(l, 1000.0));
+                }
+                j
+            })
+            .collect();
+        let v = serde_json::json!({
+            "steps": self.steps,
+            "ranks": self.labels.len(),
+            "findings": findings,
+            "clock": {
+                "offsets_us": self.clock.offset_ns.iter().map(|o| round(o / 1e3, 1000.0)).collect::<Vec<_>>(),
+                "drift_ppm": self.clock.drift.iter().map(|d| round(d * 1e6, 1000.0)).collect::<Vec<_>>(),
+                "anchors": self.clock.anchors,
+            },
+            "dropped_events": self.dropped,
+            "baseline_megatronapp": self.baseline,
+            "per_rank": self.per_rank.iter().map(|(c, l)| serde_json::json!({
+                "compute_ratio": c.map(|x| round(x, 1000.0)),
+                "late_share": l.map(|x| round(x, 1000.0)),
+            })).collect::<Vec<_>>(),
+        });
+        let mut s = serde_json::to_string_pretty(&v).expect("scan serializes");
+        s.push('\n');
+        s
+    }
+
+    /// The text report.
+    pub fn to_text(&self) -> String {
+        let mut s = format!("{} ranks, {} steps\n", self.labels.len(), self.steps);
+        if self.findings.is_empty() {
+            s.push_str("no slow rank or slow link found\n");
+        }
+        for f in &self.findings {
+            match f.kind {
+                "slow-rank" => {
+                    let r = f.ranks[0];
+                    s.push_str(&format!(
+                        "slow-rank: {}: compute {:.2}x its peers' (same role), from step {}",
+                        self.labels[r], f.score, f.first_step
+                    ));
+                    if let Some(l) = f.late_share {
+                        s.push_str(&format!(
+                            "; last to arrive at {:.0}% of its collectives",
+                            100.0 * l
+                        ));
+                    }
+                    s.push('\n');
+                }
+                _ => s.push_str(&format!(
+                    "slow-link: {} <-> {}: sends {:.2}x slower than other links', from step {}\n",
+                    self.labels[f.ranks[0]], self.labels[f.ranks[1]], f.score, f.first_step
+                )),
+            }
+        }
+        s.push_str("clock (against rank 0):\n");
+        for (r, label) in self.labels.iter().enumerate().skip(1) {
+            s.push_str(&format!(
+                "  {label}: offset {:+.1} us, drift {:+.2} ppm ({} collectives)\n",
+                self.clock.offset_ns[r] / 1e3,
+                self.clock.drift[r] * 1e6,
+                self.clock.anchors[r]
+            ));
+        }
+        let dropped: u64 = self.dropped.iter().sum();
+        if dropped > 0 {
+            s.push_str(&format!(
+                "warning: {dropped} events were dropped (the ranks' buffers were full)\n"
+            ));
+        }
+        s
+    }
+}
+
+/// The merged, aligned timeline as a Chrome trace (Perfetto): one process per rank named by
+/// its coordinates, a compute and a communication thread, flow arrows from each send to its
+/// receive and from each collective's last arriver to the members that waited for it.
+pub fn chrome_trace(ranks: &[RankTrace], clock: &Clock) -> String {
+    use serde_json::json;
+    let t_min = ranks
+        .iter()
+        .flat_map(|r| {
+            r.events
+                .iter()
+                .map(move |e| clock.align(r.header.rank, e.t0))
+        })
+        .fold(f64::INFINITY, f64::min);
+    let us = |r: usize, x: i64| ((clock.align(r, x) - t_min) / 1e3 * 1000.0).round() / 1000.0;
+    let mut out: Vec<serde_json::Value> = Vec::new();
+    for r in ranks {
+        let pid = r.header.rank;
+        out.push(
+            json!({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": r.label()}}),
+        );
+        out.push(json!({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}));
+        out.push(json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "compute"}}));
+        out.push(json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "communication"}}));
+        for e in &r.events {
+            let name = match e.kind {
+                Kind::Step => format!("step {}", e.step),
+                Kind::Forward | Kind::Backward | Kind::Weight | Kind::BackwardWeight => {
+                    format!("{}{}.{}", e.kind.name(), e.a, e.b)
+                }
+                Kind::Microbatch => format!("mb {}", e.b),
+                Kind::Collective => {
+                    format!("{} {:?}", COLLECTIVES[e.b as usize], r.groups[e.a as usize])
+                }
+                Kind::Send => format!("send -> {}", e.a),
+                Kind::Recv => format!("recv <- {}", e.a),
+                k => k.name().to_string(),
+            };
+            let mut args = json!({"step": e.step});
+            if e.kind.is_comm() {
+                args["bytes"] = json!(e.bytes);
+                args["seq"] = json!(e.seq);
+            }
+            out.push(json!({
+                "name": name, "cat": e.kind.name(), "ph": "X", "pid": pid,
+                "tid": if e.kind.is_comm() { 1 } else { 0 },
+                "ts": us(pid, e.t0), "dur": ((us(pid, e.t1) - us(pid, e.t0)) * 1000.0).round() / 1000.0,
+                "args": args,
+            }));
+        }
+    }
+    // Flows: send -> recv.
+    let mut flow = 0u64;
+    for (from, to, sent, got) in messages(ranks) {
+        flow += 1;
+        out.push(json!({"name": "transfer", "cat": "flow", "ph": "s", "id": flow, "pid": from, "tid": 1, "ts": us(from, sent)}));
+        out.push(json!({"name": "transfer", "cat": "flow", "ph": "f", "bp": "e", "id": flow, "pid": to, "tid": 1, "ts": us(to, got)}));
+    }
+    // Flows: a collective's last arriver -> each member that waited for it.
+    for members in instances(ranks).values() {
+        let Some(&(last, enter, _)) = members
+            .iter()
+            .max_by(|a, b| clock.align(a.0, a.1).total_cmp(&clock.align(b.0, b.1)))
+        else {
+            continue;
+        };
+        for &(m, _, exit) in members.iter().filter(|m| m.0 != last) {
+            flow += 1;
+            out.push(json!({"name": "waited for", "cat": "flow", "ph": "s", "id": flow, "pid": last, "tid": 1, "ts": us(last, enter)}));
+            out.push(json!({"name": "waited for", "cat": "flow", "ph": "f", "bp": "e", "id": flow, "pid": m, "tid": 1, "ts": us(m, exit)}));
+        }
+    }
+    let v = json!({"traceEvents": out, "displayTimeUnit": "ms"});
+    let mut s = serde_json::to_string(&v).expect("trace serializes");
+    s.push('\n');
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_widest_margin_fit_recovers_offset_and_drift() {
+        // A collective every 10 ms for 5 s; T on rank 0's clock; rank r's clock reads
+        // (1 + 200 ppm)·T + 50 ms. Its enter is before T (it waited, or arrived last 1 us
+        // before), its exit after (woken 3..40 us late); the aligned peers' enter/exit bracket
+        // T the same way.
+        let mut bounds = Vec::new();
+        for i in 0..500u64 {
+            let t = i as f64 * 1e7;
+            let skew = |x: f64| x * (1.0 + 200e-6) + 50e6;
+            let late = 1_000.0 + (i * 7919 % 37) as f64 * 1_000.0;
+            let (enter_r, exit_r) = if i % 2 == 0 {
+                (t - 1_000.0, t + late)
+            } else {
+                (t - 3e5, t + 3_000.0)
+            };
+            let (t_lo, t_hi) = if i % 2 == 0 {
+                (t - 2e5, t + late)
+            } else {
+                (t - 1_000.0, t + 2_000.0)
+            };
+            bounds.push(Bound {
+                t: 0.5 * (t_lo + t_hi),
+                lo: skew(enter_r) - t_hi,
+                hi: skew(exit_r) - t_lo,
+            });
+        }
+        let (o, d) = fit_bounds(&bounds).unwrap();
+        let err = |t: f64| (o + d * t) - (50e6 + 200e-6 * t);
+        assert!(
+            err(0.0).abs() < 5_000.0 && err(5e9).abs() < 5_000.0,
+            "offset {o} drift {d}"
+        );
+        assert!((d - 200e-6).abs() < 2e-6, "drift {d}");
+        assert!(fit_bounds(&bounds[..0]).is_none());
+    }
+
+    #[test]
+    fn bad_rank_files_say_what_is_wrong() {
+        let e = |t: &str| parse_rank(t, 0).unwrap_err();
+        assert!(e("{").contains("not a megac rank file"));
+        assert!(e(r#"{"format":"x"}"#).contains("expected \"megac-scan/1\""));
+        let ok = r#"{"format":"megac-scan/1","rank":0,"world":2,"role":0,"coords":[["dp",0,2]],"steps":1,"dropped":0,"groups":[[0,1]],"events":[["coll",5,9,1,0,0,1,4]]}"#;
+        assert_eq!(parse_rank(ok, 0).unwrap().events.len(), 1);
+        assert!(parse_rank(ok, 1).unwrap_err().contains("named for rank 1"));
+        let bad = ok.replace("[\"coll\",5,9", "[\"coll\",9,5");
+        assert!(e(&bad).contains("t0 <= t1"), "{}", e(&bad));
+        let bad = ok.replace("[\"coll\",5,9,1,0", "[\"coll\",5,9,1,3");
+        assert!(e(&bad).contains("group 3 of 1"));
+    }
+}
