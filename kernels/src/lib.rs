@@ -39,7 +39,9 @@ pub mod rope;
 mod simd;
 mod util;
 
-pub use activation::{gelu_tanh_bwd, gelu_tanh_fwd, swiglu_bwd, swiglu_fwd};
+pub use activation::{
+    gelu_tanh_bwd, gelu_tanh_fwd, sigmoid_mul_bwd, sigmoid_mul_fwd, swiglu_bwd, swiglu_fwd,
+};
 pub use attention::{
     attention_bwd, attention_fwd, masked_attention_bwd, masked_attention_fwd, Mask,
 };

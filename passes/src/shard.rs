@@ -190,13 +190,15 @@ struct Sharder<'a> {
     tokens_of: HashMap<ValueId, ValueId>,
 }
 
-/// The MoE block of an op's path (`model.layers.0.block_sparse_moe`).
+/// The MoE block of an op's path (`model.layers.0.block_sparse_moe`; Qwen2-MoE's
+/// `model.layers.0.mlp`).
 fn moe_block(path: &str) -> &str {
-    const BLOCK: &str = "block_sparse_moe";
-    match path.find(BLOCK) {
-        Some(i) => &path[..i + BLOCK.len()],
-        None => path,
+    for block in ["block_sparse_moe", ".mlp."] {
+        if let Some(i) = path.find(block) {
+            return &path[..i + block.trim_end_matches('.').len()];
+        }
     }
+    path
 }
 
 impl Sharder<'_> {
@@ -219,7 +221,20 @@ impl Sharder<'_> {
                     None
                 }
             }
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+            // Qwen2-MoE's routed experts, as Mixtral's: gate/up column-, down row-parallel.
+            Arch::Qwen2Moe if name.contains(".mlp.experts.") => {
+                let base = usize::from(stacked);
+                if ends(&[".gate_proj.weight", ".up_proj.weight"]) {
+                    Some(base)
+                } else if ends(&[".down_proj.weight"]) {
+                    Some(base + 1)
+                } else {
+                    None
+                }
+            }
+            // The shared expert is a dense MLP (its `gate_proj`/`up_proj`/`down_proj` split as
+            // the dense one's); the router and the shared-expert gate are replicated.
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe => {
                 // Qwen2's q/k/v biases split with their heads, as the weights' rows.
                 if !self.kv_split
                     && ends(&[

@@ -304,7 +304,7 @@ fn attention_block(g: &Geo, m: &ModelSection, ph: &mut Phases) -> (f64, f64) {
     let attn = g.attn_f();
     let attn_b = g.attn_b();
     match arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe => {
             f += g.lin(t, g.q_l, h) + 2.0 * g.lin(t, g.kv_l, h);
             if m.qkv_bias {
                 // Qwen2's biases: read with the projections' outputs; their gradients are a
@@ -383,7 +383,7 @@ fn mlp_block(
     f += g.norm_f(norm_params);
     comm_f += g.enter_f();
     match (m.arch, moe) {
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, false) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe, false) => {
             f += 2.0 * g.lin(t, f_l, h) + g.mem(3.0 * t * f_l * a) + g.lin(t, h, f_l);
             b += g.lin_gi(t, h, f_l);
             w += g.lin_gw(t, h, f_l);
@@ -401,8 +401,27 @@ fn mlp_block(
             b += g.lin_gi(t, f_l, h);
             w += g.lin_gw(t, f_l, h) + g.mem(t * f_l * a + 2.0 * f_l * W);
         }
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, true) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
+            // Each routed expert's width on this rank (model.moe.ffn_hidden over tp).
+            let f_l = f_l * x.ffn_hidden as f64 / m.ffn_hidden as f64;
+            if x.shared_ffn_hidden > 0 {
+                // The shared expert: a dense SwiGLU MLP on every token; its gate a [1, h]
+                // linear and the sigmoid scaling.
+                let s_l = g.f_l * x.shared_ffn_hidden as f64 / m.ffn_hidden as f64;
+                f += 2.0 * g.lin(t, s_l, h) + g.mem(3.0 * t * s_l * a) + g.lin(t, h, s_l);
+                b += g.lin_gi(t, h, s_l);
+                w += g.lin_gw(t, h, s_l);
+                b += g.mem(5.0 * t * s_l * a) + 2.0 * g.zero(t * s_l * a);
+                b += 2.0 * g.lin_gi(t, s_l, h) + g.grad_sum(t, h);
+                w += 2.0 * g.lin_gw(t, s_l, h);
+                if x.shared_expert_gate {
+                    f += g.lin(t, 1.0, h) + g.mem(3.0 * t * h * a);
+                    b += g.lin_gi(t, 1.0, h) + g.mem(4.0 * t * h * a);
+                    w += g.lin_gw(t, 1.0, h);
+                }
+                f += g.mem(3.0 * t * h * a);
+            }
             let (e, k) = (x.experts as f64, x.top_k as f64);
             let ep = layout.ep.max(1) as f64;
             let local = e / ep;
