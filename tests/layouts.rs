@@ -535,6 +535,57 @@ fn mistral_sliding_window_layout_families() {
     );
 }
 
+/// Qwen2-MoE (dense first layer, unnormalised top-2, sigmoid-gated shared expert, q/k/v
+/// biases): the shared expert splits over tp as the dense MLP, its gate replicated; experts
+/// over ep folded over dp; every layout family trains like one device.
+#[test]
+fn qwen2_moe_layout_families() {
+    golden_layouts(
+        "qwen2_moe",
+        &[
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &["parallel.dp=2", "parallel.ep=2"],
+            &["parallel.pp=3"],
+            &["parallel.dp=2", "parallel.distributed_optimizer=true"],
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.distributed_optimizer=true",
+            ],
+        ],
+    );
+    let sets: Vec<String> = BASE
+        .iter()
+        .chain(&["parallel.tp=2", "parallel.sequence_parallel=true"])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("tests/golden/qwen2_moe/model.toml", &sets);
+    let entry = |name: &str| {
+        plan.params
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no parameter {name}"))
+    };
+    let tp = vec![megac_ir::Axis::Tp];
+    let mp = "model.layers.1.mlp";
+    // The shared expert is column/row parallel as a dense MLP; so are the routed experts.
+    for (w, dim) in [("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)] {
+        for p in [
+            entry(&format!("{mp}.shared_expert.{w}.weight")),
+            entry(&format!("{mp}.experts.1.{w}.weight")),
+            entry(&format!("model.layers.0.mlp.{w}.weight")),
+        ] {
+            assert_eq!(p.shards[dim], tp, "{}", p.name);
+            assert!(p.shards[1 - dim].is_empty(), "{}", p.name);
+        }
+    }
+    // The router and the shared expert's gate are replicated.
+    for name in ["gate.weight", "shared_expert_gate.weight"] {
+        let p = entry(&format!("{mp}.{name}"));
+        assert!(p.shards.iter().all(Vec::is_empty), "{name}: {:?}", p.shards);
+    }
+}
+
 /// Pipelines: 8 layers so that pp·vpp up to 8 chunks each get one; 4 micro-batches per step.
 const PIPE: &[&str] = &[
     "train.micro_batch=2",
