@@ -584,6 +584,32 @@ fn qwen2_moe_layout_families() {
         let p = entry(&format!("{mp}.{name}"));
         assert!(p.shards.iter().all(Vec::is_empty), "{name}: {:?}", p.shards);
     }
+    // The gate scales each token's row on sequence shards: the shared expert's partial
+    // output is reduce-scattered once (as a dense MLP's under sequence parallelism), the
+    // gate logits (one per token) sliced, their gradient gathered once for the replicated
+    // [1, h] weight; nothing is all-reduced.
+    use megac_ir::plan::Instr;
+    use megac_ir::OpKind;
+    let gate_path = format!("{mp}.shared_expert_gate");
+    let mut count = std::collections::BTreeMap::<&str, usize>::new();
+    for i in &plan.roles[0].microbatch {
+        if let Instr::Kernel { op, path, .. } = i {
+            if *path == gate_path {
+                *count.entry(op.name()).or_default() += 1;
+            }
+        }
+    }
+    assert_eq!(count.get("all_reduce"), None, "{count:?}");
+    assert_eq!(count.get("reduce_scatter"), Some(&1), "{count:?}");
+    assert_eq!(count.get("slice"), Some(&1), "{count:?}");
+    assert_eq!(count.get("all_gather"), Some(&1), "{count:?}");
+    assert!(plan.roles[0].microbatch.iter().any(|i| matches!(
+        i,
+        Instr::Kernel {
+            op: OpKind::SigmoidMulGrad,
+            ..
+        }
+    )));
 }
 
 /// Pipelines: 8 layers so that pp·vpp up to 8 chunks each get one; 4 micro-batches per step.

@@ -514,6 +514,7 @@ impl Sharder<'_> {
             OpKind::Combine | OpKind::CombineGrad | OpKind::DispatchGrad { .. } => {
                 self.emit_moe(kind, &ins, path)
             }
+            OpKind::SigmoidMul | OpKind::SigmoidMulGrad => self.emit_row_scale(kind, &ins, path),
             // Everything else (position embeddings, the router, dispatch, collectives,
             // optimizer) runs on whole operands and gives whole results.
             _ => self.emit_whole(kind, &ins, path),
@@ -849,6 +850,33 @@ impl Sharder<'_> {
         } else {
             self.emit_whole(kind, ins, path)
         }
+    }
+
+    /// Qwen2-MoE's shared-expert gate (`sigmoid(gate[t]) · y[t, :]`) and its gradient: a
+    /// token's row scaled by that token's gate, so with sequence parallelism every operand
+    /// goes onto sequence shards (the shared expert's partial output reduce-scattered, as
+    /// the dense MLP's, the gate logits of the replicated `[1, h]` weight sliced) and so do
+    /// the results; otherwise whole.
+    fn emit_row_scale(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        if !(self.sp && ins.iter().all(|&x| self.seq_dim(x).is_some())) {
+            return self.emit_whole(kind, ins, path);
+        }
+        let args: Vec<ValueId> = ins
+            .iter()
+            .map(|&x| self.seq_shard(x, path))
+            .collect::<Result<_, _>>()?;
+        let out = self.tp_state(args[0]);
+        let n_out = if matches!(kind, OpKind::SigmoidMulGrad) {
+            2
+        } else {
+            1
+        };
+        self.op(kind.clone(), &args, path, &vec![out; n_out])
     }
 
     /// Norms and their gradients: on sequence shards with sequence parallelism (the weight
