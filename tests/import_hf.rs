@@ -203,6 +203,41 @@ fn train_save_params_writes_the_config_beside_the_weights() {
     assert_eq!(v["architectures"][0], "Qwen3ForCausalLM");
 }
 
+/// Qwen2-MoE's --save-params: Hugging Face's per-expert tensor names beside a
+/// Qwen2MoeForCausalLM config.json that imports back to the model.
+#[test]
+fn train_save_params_writes_qwen2_moe_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let weights = dir.path().join("model.safetensors");
+    let o = Command::new(env!("CARGO_BIN_EXE_megac"))
+        .current_dir(root())
+        .args(["train", "tests/golden/qwen2_moe/model.toml", "--steps", "1"])
+        .args(["--data", "tests/golden/qwen2_moe/tokens.bin"])
+        .args(["--init", "tests/golden/qwen2_moe/init.safetensors"])
+        .arg("--save-params")
+        .arg(&weights)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let config = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    assert_eq!(imported(&config), fixture_model("qwen2_moe"));
+    let v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(v["architectures"][0], "Qwen2MoeForCausalLM");
+    assert_eq!(v["mlp_only_layers"], serde_json::json!([0]));
+    // The same tensor names as transformers' save_pretrained of the fixture.
+    let names = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut n: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+        n.sort();
+        n
+    };
+    let want = names(&root().join("tests/golden/qwen2_moe/init.safetensors"));
+    assert!(want.contains(&"model.layers.1.mlp.experts.3.down_proj.weight".to_string()));
+    assert!(want.contains(&"model.layers.2.mlp.shared_expert_gate.weight".to_string()));
+    assert_eq!(names(&weights), want);
+}
+
 /// `megac compile` writes the config beside plan.json; `megac run PLAN --save-params`
 /// copies it beside the weights.
 #[test]
