@@ -404,11 +404,10 @@ fn mlp_block(
         (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
             // Each routed expert's width on this rank (model.moe.ffn_hidden over tp).
-            let f_l = f_l * x.ffn_hidden as f64 / m.ffn_hidden as f64;
+            let (f_l, s_l) = expert_widths(g, m, x);
             if x.shared_ffn_hidden > 0 {
                 // The shared expert: a dense SwiGLU MLP on every token; its gate a [1, h]
                 // linear and the sigmoid scaling.
-                let s_l = g.f_l * x.shared_ffn_hidden as f64 / m.ffn_hidden as f64;
                 f += 2.0 * g.lin(t, s_l, h) + g.mem(3.0 * t * s_l * a) + g.lin(t, h, s_l);
                 b += g.lin_gi(t, h, s_l);
                 w += g.lin_gw(t, h, s_l);
@@ -464,6 +463,12 @@ fn mlp_block(
     f + comm_f
 }
 
+/// A routed expert's and the shared expert's intermediate width on a rank (over tp).
+fn expert_widths(g: &Geo, m: &ModelSection, x: &megac_ir::spec::MoeSpec) -> (f64, f64) {
+    let per = g.f_l / m.ffn_hidden as f64;
+    (per * x.ffn_hidden as f64, per * x.shared_ffn_hidden as f64)
+}
+
 /// Rows of expert token buffers a MoE layer's plan reserves on a rank for one micro-batch,
 /// over all its local experts: each of the ep sources may send each expert all of its `t`
 /// tokens (dropless) or the capacity, so `experts · rows per source` on either side of the
@@ -502,7 +507,19 @@ pub(super) fn layer_cost(
             // The plan's static expert buffers hold every row a router could send (the
             // upper bound, or the capacity), not the balanced share the time assumes.
             let rows = reserved_expert_rows(g, x);
-            t * x.experts as f64 * 4.0 + rows * (h + 3.0 * g.f_l) * a + rows * h * a
+            let (e_l, s_l) = expert_widths(g, m, x);
+            // The shared expert keeps what a dense MLP does; its gate the logits and the
+            // shared expert's output.
+            let gate = if x.shared_expert_gate {
+                t * a + t * h * a
+            } else {
+                0.0
+            };
+            t * x.experts as f64 * 4.0
+                + rows * (h + 3.0 * e_l) * a
+                + rows * h * a
+                + 3.0 * t * s_l * a
+                + gate
         }
     };
     let qkv_saved = match m.arch {
@@ -525,7 +542,16 @@ pub(super) fn layer_cost(
         (_, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
             let rows = reserved_expert_rows(g, x);
-            (rows * (h + g.f_l) * a, rows * (2.0 * g.f_l + h) * a)
+            let (e_l, s_l) = expert_widths(g, m, x);
+            let shared = if s_l > 0.0 {
+                (t * s_l * a, (2.0 * t * s_l + t * h) * a)
+            } else {
+                (0.0, 0.0)
+            };
+            (
+                rows * (h + e_l) * a + shared.0,
+                rows * (2.0 * e_l + h) * a + shared.1,
+            )
         }
     };
     // Both norms' (sequence-sharded) outputs and the attention output are linear inputs;
