@@ -184,6 +184,14 @@ fn qwen2_moe_matches_transformers() {
     golden("qwen2_moe");
 }
 
+/// Qwen2-MoE's state dict as transformers 5 holds it (experts fused into
+/// `mlp.experts.gate_up_proj` and `down_proj`, beside the shared expert) loads with `--init`
+/// and trains identically.
+#[test]
+fn qwen2_moe_fused_checkpoint_loads() {
+    golden_with_init("qwen2_moe", "init_fused.safetensors");
+}
+
 /// transformers 5 saves Mixtral's experts fused (`mlp.experts.gate_up_proj`, `down_proj`);
 /// `--init` accepts that layout too and trains identically.
 #[test]

@@ -16,7 +16,7 @@ For each model it writes, into tests/golden/<name>/:
     expected.json       per-step loss and global grad norm (before clipping), versions
     final.safetensors   weights after `steps` optimizer steps (HF layout)
 
-and for the MoE model (mixtral) also
+and for the MoE models (mixtral, qwen2_moe) also
 
     init_fused.safetensors  the same initial weights as transformers 5's state_dict holds
                             them (experts fused into 3-D tensors; see hub_from_fused)
@@ -842,6 +842,14 @@ def generate(name, m, outdir):
             model,
             os.path.join(outdir, "init.safetensors"),
             os.path.join(outdir, "init_config.json"),
+        )
+    if is_moe and not hub_by_hand:
+        # Qwen2-MoE: the state dict as transformers 5 holds it (experts fused), which
+        # --init also reads.
+        save_file(
+            {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+            os.path.join(outdir, "init_fused.safetensors"),
+            metadata={"format": "pt"},
         )
     with open(os.path.join(outdir, "tokens.bin"), "wb") as f:
         f.write(toks.tobytes())
