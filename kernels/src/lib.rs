@@ -57,7 +57,7 @@ pub use loss::{cross_entropy_bwd, cross_entropy_fwd};
 pub use moe::{
     combine_bwd, combine_fwd, dispatch_bwd, dispatch_fwd, dispatch_fwd_routed, moe_aux_loss_bwd,
     moe_aux_loss_bwd_from_stats, moe_aux_loss_from_stats, moe_aux_loss_fwd, moe_aux_stats,
-    router_bwd, router_fwd, AuxStats, Routing,
+    router_bwd, router_bwd_with, router_fwd, router_fwd_with, AuxStats, Routing,
 };
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 pub use optim::{adamw_step, AdamW};
