@@ -552,6 +552,13 @@ fn qwen2_moe_layout_families() {
                 "parallel.ep=2",
                 "parallel.distributed_optimizer=true",
             ],
+            // Recomputation clones the MoE layer, shared expert and gate included.
+            &["train.recompute=\"full\""],
+            &[
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "train.recompute=\"full\"",
+            ],
         ],
     );
     let sets: Vec<String> = BASE
