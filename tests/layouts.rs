@@ -545,6 +545,9 @@ fn qwen2_moe_layout_families() {
         &[
             &["parallel.tp=2", "parallel.sequence_parallel=true"],
             &["parallel.dp=2", "parallel.ep=2"],
+            &["parallel.cp=2"],
+            // Experts over the cp group (ep folds over dp·cp).
+            &["parallel.cp=2", "parallel.ep=2"],
             &["parallel.pp=3"],
             &["parallel.dp=2", "parallel.distributed_optimizer=true"],
             &[
