@@ -174,6 +174,24 @@ fn mixtral_matches_transformers() {
     golden("mixtral");
 }
 
+/// Qwen2MoeForCausalLM (eager experts, aux loss off): q/k/v biases, a dense first layer
+/// (`mlp_only_layers = [0]`, dense ffn 96), then router softmax in fp32 over 4 experts of
+/// ffn 48, top-2 weights not renormalised (renormalising moves the first loss by 0.31%), and
+/// a shared expert of 80 scaled by sigmoid(x · w) (the gate moves it by 0.48%); every
+/// token's top-2 / third router logit gap is at least 4e-3.
+#[test]
+fn qwen2_moe_matches_transformers() {
+    golden("qwen2_moe");
+}
+
+/// Qwen2-MoE's state dict as transformers 5 holds it (experts fused into
+/// `mlp.experts.gate_up_proj` and `down_proj`, beside the shared expert) loads with `--init`
+/// and trains identically.
+#[test]
+fn qwen2_moe_fused_checkpoint_loads() {
+    golden_with_init("qwen2_moe", "init_fused.safetensors");
+}
+
 /// transformers 5 saves Mixtral's experts fused (`mlp.experts.gate_up_proj`, `down_proj`);
 /// `--init` accepts that layout too and trains identically.
 #[test]

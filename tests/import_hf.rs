@@ -15,8 +15,15 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-const FIXTURES: [&str; 7] = [
-    "llama", "gpt", "mixtral", "qwen2", "qwen3", "llama31", "mistral",
+const FIXTURES: [&str; 8] = [
+    "llama",
+    "gpt",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "llama31",
+    "mistral",
+    "qwen2_moe",
 ];
 
 fn model_of(toml: &str) -> ModelSection {
@@ -81,7 +88,10 @@ fn transformers_4_layout_reads_the_same() {
 /// Each change makes the config something megac cannot express; the error names the key.
 #[test]
 fn inexpressible_configs_are_refused_naming_the_key() {
-    let cases: [(&str, &str, serde_json::Value); 6] = [
+    let cases: [(&str, &str, serde_json::Value); 9] = [
+        ("qwen2_moe", "use_sliding_window", serde_json::json!(true)),
+        ("qwen2_moe", "mlp_only_layers", serde_json::json!([1])),
+        ("qwen2_moe", "decoder_sparse_step", serde_json::json!(2)),
         ("llama", "attention_bias", serde_json::json!(true)),
         ("llama", "mlp_bias", serde_json::json!(true)),
         ("llama", "hidden_act", serde_json::json!("gelu")),
@@ -117,6 +127,21 @@ fn family_defaults_follow_transformers() {
     o.insert("sliding_window".into(), serde_json::json!(4096));
     o.insert("use_sliding_window".into(), serde_json::json!(false));
     assert_eq!(imported(&v.to_string()).sliding_window, None);
+    // Qwen2-MoE writes `sliding_window: 0` (transformers 5.24's save_pretrained of the
+    // fixture): not a window while use_sliding_window is false.
+    let v: serde_json::Value = serde_json::from_str(&fixture_config("qwen2_moe")).unwrap();
+    assert_eq!(v["sliding_window"], serde_json::json!(0));
+    assert_eq!(v["use_sliding_window"], serde_json::json!(false));
+    let m = imported(&v.to_string());
+    assert_eq!(m.sliding_window, None);
+    // Qwen2MoeConfig's qkv_bias (true) and norm_topk_prob (false) defaults.
+    let mut v = v;
+    let o = v.as_object_mut().unwrap();
+    o.remove("qkv_bias");
+    o.remove("norm_topk_prob");
+    let m = imported(&v.to_string());
+    assert!(m.qkv_bias);
+    assert!(!m.moe.unwrap().norm_topk_prob);
 }
 
 #[test]
@@ -176,6 +201,41 @@ fn train_save_params_writes_the_config_beside_the_weights() {
     assert_eq!(imported(&config), fixture_model("qwen3"));
     let v: serde_json::Value = serde_json::from_str(&config).unwrap();
     assert_eq!(v["architectures"][0], "Qwen3ForCausalLM");
+}
+
+/// Qwen2-MoE's --save-params: Hugging Face's per-expert tensor names beside a
+/// Qwen2MoeForCausalLM config.json that imports back to the model.
+#[test]
+fn train_save_params_writes_qwen2_moe_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let weights = dir.path().join("model.safetensors");
+    let o = Command::new(env!("CARGO_BIN_EXE_megac"))
+        .current_dir(root())
+        .args(["train", "tests/golden/qwen2_moe/model.toml", "--steps", "1"])
+        .args(["--data", "tests/golden/qwen2_moe/tokens.bin"])
+        .args(["--init", "tests/golden/qwen2_moe/init.safetensors"])
+        .arg("--save-params")
+        .arg(&weights)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let config = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    assert_eq!(imported(&config), fixture_model("qwen2_moe"));
+    let v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(v["architectures"][0], "Qwen2MoeForCausalLM");
+    assert_eq!(v["mlp_only_layers"], serde_json::json!([0]));
+    // The same tensor names as transformers' save_pretrained of the fixture.
+    let names = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut n: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+        n.sort();
+        n
+    };
+    let want = names(&root().join("tests/golden/qwen2_moe/init.safetensors"));
+    assert!(want.contains(&"model.layers.1.mlp.experts.3.down_proj.weight".to_string()));
+    assert!(want.contains(&"model.layers.2.mlp.shared_expert_gate.weight".to_string()));
+    assert_eq!(names(&weights), want);
 }
 
 /// `megac compile` writes the config beside plan.json; `megac run PLAN --save-params`

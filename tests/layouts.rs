@@ -535,6 +535,93 @@ fn mistral_sliding_window_layout_families() {
     );
 }
 
+/// Qwen2-MoE (dense first layer, unnormalised top-2, sigmoid-gated shared expert, q/k/v
+/// biases): the shared expert splits over tp as the dense MLP, its gate replicated; experts
+/// over ep folded over dp; every layout family trains like one device.
+#[test]
+fn qwen2_moe_layout_families() {
+    golden_layouts(
+        "qwen2_moe",
+        &[
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &["parallel.dp=2", "parallel.ep=2"],
+            &["parallel.cp=2"],
+            // Experts over the cp group (ep folds over dp·cp).
+            &["parallel.cp=2", "parallel.ep=2"],
+            &["parallel.pp=3"],
+            &["parallel.dp=2", "parallel.distributed_optimizer=true"],
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.distributed_optimizer=true",
+            ],
+            // Recomputation clones the MoE layer, shared expert and gate included.
+            &["train.recompute=\"full\""],
+            &[
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "train.recompute=\"full\"",
+            ],
+        ],
+    );
+    let sets: Vec<String> = BASE
+        .iter()
+        .chain(&["parallel.tp=2", "parallel.sequence_parallel=true"])
+        .map(|s| s.to_string())
+        .collect();
+    let plan = plan("tests/golden/qwen2_moe/model.toml", &sets);
+    let entry = |name: &str| {
+        plan.params
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no parameter {name}"))
+    };
+    let tp = vec![megac_ir::Axis::Tp];
+    let mp = "model.layers.1.mlp";
+    // The shared expert is column/row parallel as a dense MLP; so are the routed experts.
+    for (w, dim) in [("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)] {
+        for p in [
+            entry(&format!("{mp}.shared_expert.{w}.weight")),
+            entry(&format!("{mp}.experts.1.{w}.weight")),
+            entry(&format!("model.layers.0.mlp.{w}.weight")),
+        ] {
+            assert_eq!(p.shards[dim], tp, "{}", p.name);
+            assert!(p.shards[1 - dim].is_empty(), "{}", p.name);
+        }
+    }
+    // The router and the shared expert's gate are replicated.
+    for name in ["gate.weight", "shared_expert_gate.weight"] {
+        let p = entry(&format!("{mp}.{name}"));
+        assert!(p.shards.iter().all(Vec::is_empty), "{name}: {:?}", p.shards);
+    }
+    // The gate scales each token's row on sequence shards: the shared expert's partial
+    // output is reduce-scattered once (as a dense MLP's under sequence parallelism), the
+    // gate logits (one per token) sliced, their gradient gathered once for the replicated
+    // [1, h] weight; nothing is all-reduced.
+    use megac_ir::plan::Instr;
+    use megac_ir::OpKind;
+    let gate_path = format!("{mp}.shared_expert_gate");
+    let mut count = std::collections::BTreeMap::<&str, usize>::new();
+    for i in &plan.roles[0].microbatch {
+        if let Instr::Kernel { op, path, .. } = i {
+            if *path == gate_path {
+                *count.entry(op.name()).or_default() += 1;
+            }
+        }
+    }
+    assert_eq!(count.get("all_reduce"), None, "{count:?}");
+    assert_eq!(count.get("reduce_scatter"), Some(&1), "{count:?}");
+    assert_eq!(count.get("slice"), Some(&1), "{count:?}");
+    assert_eq!(count.get("all_gather"), Some(&1), "{count:?}");
+    assert!(plan.roles[0].microbatch.iter().any(|i| matches!(
+        i,
+        Instr::Kernel {
+            op: OpKind::SigmoidMulGrad,
+            ..
+        }
+    )));
+}
+
 /// Pipelines: 8 layers so that pp·vpp up to 8 chunks each get one; 4 micro-batches per step.
 const PIPE: &[&str] = &[
     "train.micro_batch=2",

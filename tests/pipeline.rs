@@ -98,6 +98,9 @@ fn real_model_parameter_counts() {
     assert_eq!(params("mistral-7b.toml"), 7_241_732_096);
     // Qwen3-8B: 8,190,735,360 (head_dim 128 from the family's default; q/k norms).
     assert_eq!(params("qwen3-8b.toml"), 8_190_735_360);
+    // Qwen1.5-MoE-A2.7B: 14,315,784,192 (60 routed experts of 1408 and a gated shared
+    // expert of 5632 in each of 24 layers; q/k/v biases).
+    assert_eq!(params("qwen1.5-moe-a2.7b.toml"), 14_315_784_192);
     // GPT-3 175B with GPT-2's vocabulary and tied embeddings: 12·l·h² + biases and norms
     // + V·h + seq·h ≈ 174.6e9.
     assert_close("gpt3-175b.toml", params("gpt3-175b.toml"), 174.6e9, 0.005);

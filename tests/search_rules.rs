@@ -188,3 +188,24 @@ fn the_search_finds_every_layout_check_accepts() {
         }
     }
 }
+
+/// `megac plan --emit` keeps Qwen2-MoE's [model.moe] keys (expert and shared-expert sizes,
+/// the unnormalised top-k, dense first layers): the emitted model.toml loads to the same
+/// model.
+#[test]
+fn emitted_model_toml_keeps_the_moe_keys() {
+    let spec = spec(
+        "examples/qwen1.5-moe-a2.7b.toml",
+        &["model.moe.first_dense_layers=2"],
+    );
+    let cluster = Cluster::preset("h100-sxm").unwrap();
+    let layout = ParallelLayout::of_spec(&spec);
+    let text = emit_model_toml(&spec, &layout, &cluster, &[]);
+    let back = megac_frontend::parse_str("emitted.toml", &text, &[])
+        .unwrap_or_else(|e| panic!("{}\n{text}", e.render()));
+    assert_eq!(back.model, spec.model, "{text}");
+    let moe = back.model.moe.unwrap();
+    assert_eq!((moe.ffn_hidden, moe.shared_ffn_hidden), (1408, 5632));
+    assert!(moe.shared_expert_gate && !moe.norm_topk_prob);
+    assert_eq!(moe.first_dense_layers, 2);
+}

@@ -939,6 +939,7 @@ fn analytic_parameter_memory_counts_every_parameter() {
         "parallel.pp=1",
         "parallel.dp=1",
         "parallel.cp=1",
+        "parallel.ep=1",
         "parallel.sequence_parallel=false",
         "parallel.distributed_optimizer=false",
         "train.precision=\"fp32\"",
@@ -948,6 +949,8 @@ fn analytic_parameter_memory_counts_every_parameter() {
         "examples/qwen2-7b.toml",
         "examples/qwen3-8b.toml",
         "examples/mistral-7b.toml",
+        // Routed experts of moe.ffn_hidden, the shared expert and its gate.
+        "examples/qwen1.5-moe-a2.7b.toml",
     ] {
         let s = spec(path, &one);
         let plan = plan_of(&s);

@@ -102,13 +102,14 @@ fn family(c: &Config<'_>) -> Result<(Arch, bool), SpecError> {
         "mistral" => (Arch::Mistral, false),
         "qwen2" => (Arch::Qwen2, false),
         "qwen3" => (Arch::Qwen3, false),
+        "qwen2_moe" => (Arch::Qwen2Moe, true),
         "gpt2" => (Arch::Gpt, false),
         other => {
             return Err(err(
                 c.file,
                 format!(
                     "config key `model_type` = \"{other}\": megac has no such family \
-                     (llama, mixtral, mistral, qwen2, qwen3, gpt2)"
+                     (llama, mixtral, mistral, qwen2, qwen3, qwen2_moe, gpt2)"
                 ),
             ))
         }
@@ -269,8 +270,9 @@ pub fn import_config(file: &str, text: &str) -> Result<String, SpecError> {
                 push("sliding_window", w.to_string());
             }
         }
-        // Qwen2/Qwen3 carry a sliding_window that applies only with use_sliding_window.
-        Arch::Qwen2 | Arch::Qwen3 if c.flag("use_sliding_window")? => {
+        // Qwen2/Qwen3/Qwen2-MoE carry a sliding_window that applies only with
+        // use_sliding_window (Qwen2-MoE even writes `sliding_window: 0`): it is not read.
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe if c.flag("use_sliding_window")? => {
             return Err(c.refuse(
                 "use_sliding_window",
                 "Qwen's sliding window on the layers past max_window_layers",
@@ -306,7 +308,57 @@ pub fn import_config(file: &str, text: &str) -> Result<String, SpecError> {
             }
         }
     }
-    if moe {
+    // Qwen2MoeConfig's qkv_bias (default true, as megac's for qwen2_moe).
+    if arch == Arch::Qwen2Moe && c.get("qkv_bias").is_some() && !c.flag("qkv_bias")? {
+        lines.push("qkv_bias = false".to_string());
+    }
+    if arch == Arch::Qwen2Moe {
+        if c.int("decoder_sparse_step")?.unwrap_or(1) != 1 {
+            return Err(c.refuse(
+                "decoder_sparse_step",
+                "MoE layers other than every layer from the first (megac counts layer_freq from layer 0)",
+            ));
+        }
+        // mlp_only_layers: megac expresses the first k layers dense (0, 1, .., k-1).
+        let dense = match c.get("mlp_only_layers") {
+            None => 0,
+            Some(Value::Array(a)) => {
+                let ok = a
+                    .iter()
+                    .enumerate()
+                    .all(|(i, v)| v.as_u64() == Some(i as u64));
+                if !ok {
+                    return Err(c.refuse(
+                        "mlp_only_layers",
+                        "dense layers other than the first k (0, 1, .., k-1)",
+                    ));
+                }
+                a.len()
+            }
+            Some(_) => return Err(c.refuse("mlp_only_layers", "not a list of layers")),
+        };
+        let experts = c.need_int("num_experts")?;
+        let top_k = c.int("num_experts_per_tok")?.unwrap_or(4);
+        let aux = c.num("router_aux_loss_coef")?.unwrap_or(0.001);
+        lines.push(String::new());
+        lines.push("[model.moe]".to_string());
+        lines.push(format!("experts = {experts}"));
+        lines.push(format!("top_k = {top_k}"));
+        lines.push(format!("aux_loss_coeff = {}", fnum(aux)));
+        lines.push("capacity_factor = 0.0".to_string());
+        lines.push(format!(
+            "ffn_hidden = {}",
+            c.int("moe_intermediate_size")?.unwrap_or(1408)
+        ));
+        lines.push(format!(
+            "shared_ffn_hidden = {}",
+            c.int("shared_expert_intermediate_size")?.unwrap_or(5632)
+        ));
+        lines.push(format!("norm_topk_prob = {}", c.flag("norm_topk_prob")?));
+        if dense > 0 {
+            lines.push(format!("first_dense_layers = {dense}"));
+        }
+    } else if moe {
         let experts = c.need_int("num_local_experts")?;
         let top_k = c.int("num_experts_per_tok")?.unwrap_or(2);
         let aux = c.num("router_aux_loss_coef")?.unwrap_or(0.001);
@@ -420,9 +472,27 @@ pub fn export_config(spec: &ModelSpec) -> String {
                 o.insert("use_sliding_window".into(), json!(false));
                 o.insert("attention_bias".into(), json!(false));
             }
+            Arch::Qwen2Moe => {
+                o.insert("use_sliding_window".into(), json!(false));
+                o.insert("qkv_bias".into(), json!(m.qkv_bias));
+            }
             Arch::Gpt => {}
         }
-        if let Some(x) = &m.moe {
+        if let (Arch::Qwen2Moe, Some(x)) = (m.arch, &m.moe) {
+            o.insert("num_experts".into(), json!(x.experts));
+            o.insert("num_experts_per_tok".into(), json!(x.top_k));
+            o.insert("moe_intermediate_size".into(), json!(x.ffn_hidden));
+            o.insert(
+                "shared_expert_intermediate_size".into(),
+                json!(x.shared_ffn_hidden),
+            );
+            o.insert("norm_topk_prob".into(), json!(x.norm_topk_prob));
+            o.insert("decoder_sparse_step".into(), json!(x.layer_freq));
+            let dense: Vec<u64> = (0..x.first_dense_layers).collect();
+            o.insert("mlp_only_layers".into(), json!(dense));
+            o.insert("router_aux_loss_coef".into(), json!(x.aux_loss_coeff));
+            o.insert("output_router_logits".into(), json!(false));
+        } else if let Some(x) = &m.moe {
             o.insert("num_local_experts".into(), json!(x.experts));
             o.insert("num_experts_per_tok".into(), json!(x.top_k));
             o.insert("router_aux_loss_coef".into(), json!(x.aux_loss_coeff));

@@ -48,6 +48,11 @@ const MOE_KEYS: &[&str] = &[
     "layer_freq",
     "aux_loss_coeff",
     "capacity_factor",
+    "ffn_hidden",
+    "shared_ffn_hidden",
+    "shared_expert_gate",
+    "norm_topk_prob",
+    "first_dense_layers",
 ];
 const TRAIN_KEYS: &[&str] = &[
     "micro_batch",
@@ -531,12 +536,13 @@ fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSectio
                 ("mistral", Arch::Mistral),
                 ("qwen2", Arch::Qwen2),
                 ("qwen3", Arch::Qwen3),
+                ("qwen2_moe", Arch::Qwen2Moe),
             ],
         )?
         .ok_or_else(|| {
             s.missing(
                 "arch",
-                "\"llama\", \"gpt\", \"mistral\", \"qwen2\" or \"qwen3\"",
+                "\"llama\", \"gpt\", \"mistral\", \"qwen2\", \"qwen3\" or \"qwen2_moe\"",
             )
         })?;
     let layers = s.positive("layers", None, "number of transformer layers")?;
@@ -561,7 +567,7 @@ fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSectio
         Some(head_dim_default),
         "size of one attention head",
     )?;
-    let qkv_bias = s.boolean("qkv_bias", arch == Arch::Qwen2)?;
+    let qkv_bias = s.boolean("qkv_bias", matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe))?;
     let qk_norm = s.boolean("qk_norm", arch == Arch::Qwen3)?;
     let sliding_window = match s.table.contains_key("sliding_window") {
         true => Some(s.positive(
@@ -586,8 +592,26 @@ fn read_model(file: &str, t: Table, origins: &mut Origins) -> Result<ModelSectio
             let layer_freq = m.positive("layer_freq", Some(1), "every n-th layer is MoE")?;
             let aux_loss_coeff = m.number("aux_loss_coeff", 0.01, 0.0, false, None)?;
             let capacity_factor = m.number("capacity_factor", 0.0, 0.0, false, None)?;
+            let expert_ffn = m.positive(
+                "ffn_hidden",
+                Some(ffn_hidden),
+                "each routed expert's intermediate size",
+            )?;
+            let shared_ffn_hidden = m.natural("shared_ffn_hidden", 0)?;
+            // Qwen2-MoE's shared expert is always gated; Mixtral has no shared expert.
+            let shared_expert_gate = m.boolean(
+                "shared_expert_gate",
+                shared_ffn_hidden > 0 && arch == Arch::Qwen2Moe,
+            )?;
+            let norm_topk_prob = m.boolean("norm_topk_prob", arch != Arch::Qwen2Moe)?;
+            let first_dense_layers = m.natural("first_dense_layers", 0)?;
             m.finish()?;
             Some(MoeSpec {
+                ffn_hidden: expert_ffn,
+                shared_ffn_hidden,
+                shared_expert_gate,
+                norm_topk_prob,
+                first_dense_layers,
                 experts,
                 top_k,
                 layer_freq,

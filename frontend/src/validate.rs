@@ -145,10 +145,48 @@ fn render(c: &Checker<'_>, spec: &ModelSpec, v: &Violation) -> (String, String) 
         ),
         Violation::MoeNeedsLlama { arch } => (
             format!(
-                "[model.moe] needs arch = \"llama\" (Mixtral), but {}",
+                "[model.moe] needs arch = \"llama\" (Mixtral) or \"qwen2_moe\", but {}",
                 c.show("model.arch", format!("\"{arch}\""))
             ),
-            "set model.arch = \"llama\" or remove [model.moe]".into(),
+            "set model.arch = \"llama\" or \"qwen2_moe\", or remove [model.moe]".into(),
+        ),
+        Violation::Qwen2MoeNeedsMoe => (
+            format!(
+                "{} (Qwen2MoeForCausalLM) needs [model.moe]",
+                c.show("model.arch", "\"qwen2_moe\"")
+            ),
+            "add [model.moe] (experts, top_k, shared_ffn_hidden) or use arch = \"qwen2\"".into(),
+        ),
+        Violation::MoeKeyVsArch {
+            key,
+            ref value,
+            arch,
+            why,
+            help,
+        } => (
+            format!(
+                "{} asks for {why}, but {} ({}) has no such option",
+                c.show(&format!("model.moe.{key}"), value),
+                c.show("model.arch", format!("\"{arch}\"")),
+                arch.hf_class(true)
+            ),
+            help.into(),
+        ),
+        Violation::TpNotDividingExpertFfn { tp, key, value } => (
+            format!(
+                "{} does not divide {}",
+                c.show("parallel.tp", tp),
+                c.show(&format!("model.moe.{key}"), value)
+            ),
+            format!("tp splits every expert's intermediate size: use a tp dividing {value}"),
+        ),
+        Violation::FirstDenseLayersTooMany { first, layers } => (
+            format!(
+                "{} leaves no MoE layer of {}",
+                c.show("model.moe.first_dense_layers", first),
+                c.show("model.layers", layers)
+            ),
+            format!("first_dense_layers must be below {layers}"),
         ),
         Violation::TopKExceedsExperts { top_k, experts } => (
             format!(

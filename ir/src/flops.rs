@@ -52,8 +52,12 @@ pub fn step_flops_at_tp(spec: &ModelSpec, tp: u64) -> StepFlops {
     let Widths { q, kv, gated } = widths(spec);
     let ffn = m.ffn_hidden as f64;
     let moe_layers = (0..m.layers).filter(|&i| m.is_moe_layer(i)).count() as f64;
-    let top_k = m.moe.as_ref().map_or(1.0, |x| x.top_k as f64);
-    let mlp_per_token = (l - moe_layers) * h * ffn * gated + moe_layers * h * ffn * gated * top_k;
+    // An MoE layer's MLP width per token: top_k routed experts of the expert ffn, plus the
+    // shared expert's.
+    let moe_ffn = m.moe.as_ref().map_or(ffn, |x| {
+        x.top_k as f64 * x.ffn_hidden as f64 + x.shared_ffn_hidden as f64
+    });
+    let mlp_per_token = (l - moe_layers) * h * ffn * gated + moe_layers * h * moe_ffn * gated;
     let attn_proj = 6.0 * tokens * l * (h * (q + 2.0 * kv) + q * h);
     let attn_core =
         6.0 * tokens * m.seq_len as f64 * q * l * window_fraction(m.seq_len, m.sliding_window);
@@ -66,7 +70,7 @@ pub fn step_flops_at_tp(spec: &ModelSpec, tp: u64) -> StepFlops {
         mlp,
         logits,
         formula: "6·T·[l·(h·(q+2·kv) + q·h) + l·h·ffn·g·k + h·V] + 6·T·s·q·l  \
-                  (T = tokens/step, g = 3 SwiGLU | 2 GELU, k = top_k on MoE layers, V padded; Megatron)",
+                  (T = tokens/step, g = 3 SwiGLU | 2 GELU, ffn·k = top_k·expert ffn + shared ffn on MoE layers, V padded; Megatron)",
     }
 }
 
@@ -110,14 +114,15 @@ pub fn layer_flops(spec: &ModelSpec, l: u64) -> LayerFlops {
     let m = &spec.model;
     let Widths { q, kv, gated } = widths(spec);
     let h = m.hidden as f64;
-    let experts = if m.is_moe_layer(l) {
-        m.moe.as_ref().map_or(1.0, |x| x.top_k as f64)
-    } else {
-        1.0
+    let width = match &m.moe {
+        Some(x) if m.is_moe_layer(l) => {
+            x.top_k as f64 * x.ffn_hidden as f64 + x.shared_ffn_hidden as f64
+        }
+        _ => m.ffn_hidden as f64,
     };
     let proj = 2.0 * (h * (q + 2.0 * kv) + q * h);
     LayerFlops {
-        matmul: proj + 2.0 * gated * h * m.ffn_hidden as f64 * experts,
+        matmul: proj + 2.0 * gated * h * width,
         core: 2.0 * m.seq_len as f64 * q * window_fraction(m.seq_len, m.sliding_window),
     }
 }

@@ -277,7 +277,7 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(vec![TensorType::scalar(DType::F32)])
         }
-        OpKind::Router { top_k } => {
+        OpKind::Router { top_k, .. } => {
             expect_arity(1)?;
             let logits = ins[0];
             want_rank(logits, 3, "router logits [b, s, experts]")?;
@@ -478,6 +478,27 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
                 k.clone().replicate(),
                 v.clone().replicate(),
             ])
+        }
+        OpKind::SigmoidMul | OpKind::SigmoidMulGrad => {
+            let fwd = matches!(kind, OpKind::SigmoidMul);
+            expect_arity(if fwd { 2 } else { 3 })?;
+            let (g, y) = (ins[0], ins[1]);
+            let lead = |t: &TensorType| t.dims[..t.dims.len().saturating_sub(1)].to_vec();
+            if g.dims.last().map(|d| d.size) != Some(1) || lead(g) != lead(y) {
+                return Err(format!(
+                    "gate {} must be the value's shape {} with a last dim of 1",
+                    g.dtype_shape(),
+                    y.dtype_shape()
+                ));
+            }
+            if !fwd && ins[2].dims != y.dims {
+                return Err("value and gradient differ in shape".into());
+            }
+            Ok(if fwd {
+                vec![y.clone().replicate()]
+            } else {
+                vec![g.clone().replicate(), y.clone().replicate()]
+            })
         }
         OpKind::SwiGluGrad => {
             expect_arity(3)?;

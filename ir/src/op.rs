@@ -108,13 +108,19 @@ pub enum OpKind {
     SwiGlu,
     /// `(x) -> gelu(x)` with the tanh approximation.
     GeluTanh,
+    /// `(gate[.., 1], y[.., h]) -> sigmoid(gate) * y`: Qwen2-MoE's shared-expert gate (one
+    /// logit per token scales that token's row).
+    SigmoidMul,
     /// `(logits[b,s,vocab], labels i32[b,s]) -> f32[]`: mean next-token cross-entropy.
     CrossEntropy,
     /// `(logits[b,s,experts]) -> (weights f32[b,s,top_k], indices i32[b,s,top_k])`:
-    /// softmax in f32, top-k, weights renormalised to sum to one (Mixtral).
+    /// softmax in f32 over all experts, top-k, weights renormalised to sum to one
+    /// (Mixtral) when `renorm`, else the top-k probabilities as they are (Qwen2-MoE's default).
     Router {
         /// Experts per token.
         top_k: u64,
+        /// Renormalise the top-k weights (attribute `renorm = 0` when false).
+        renorm: bool,
     },
     /// `(logits[b,s,experts], indices i32[b,s,top_k]) -> f32[]`: load-balancing loss
     /// `coeff · E · Σ_e f_e · P_e` (Switch Transformer, as Megatron and transformers compute it).
@@ -187,6 +193,8 @@ pub enum OpKind {
     },
     /// `(gate, up, dy) -> (dgate, dup)`.
     SwiGluGrad,
+    /// `(gate, y, dout) -> (dgate, dy)`: backward of [`OpKind::SigmoidMul`].
+    SigmoidMulGrad,
     /// `(x, dy) -> dx`.
     GeluTanhGrad,
     /// `(logits, labels) -> dlogits`: gradient of the mean cross-entropy over all tokens
@@ -198,6 +206,8 @@ pub enum OpKind {
     RouterGrad {
         /// Experts per token.
         top_k: u64,
+        /// As the forward's.
+        renorm: bool,
     },
     /// `(logits, indices) -> dlogits`: gradient of the load-balancing loss.
     MoeAuxLossGrad {
@@ -443,6 +453,7 @@ impl OpKind {
             OpKind::Add => "add",
             OpKind::BiasAdd => "bias_add",
             OpKind::SwiGlu => "swiglu",
+            OpKind::SigmoidMul => "sigmoid_mul",
             OpKind::GeluTanh => "gelu_tanh",
             OpKind::CrossEntropy => "cross_entropy",
             OpKind::Router { .. } => "router",
@@ -464,6 +475,7 @@ impl OpKind {
             OpKind::RopeGrad { .. } => "rope_grad",
             OpKind::AttentionGrad { .. } => "attention_grad",
             OpKind::SwiGluGrad => "swiglu_grad",
+            OpKind::SigmoidMulGrad => "sigmoid_mul_grad",
             OpKind::GeluTanhGrad => "gelu_tanh_grad",
             OpKind::CrossEntropyGrad => "cross_entropy_grad",
             OpKind::GradSum => "grad_sum",
@@ -494,6 +506,7 @@ impl OpKind {
             | OpKind::RopeGrad { .. }
             | OpKind::AttentionGrad { .. }
             | OpKind::SwiGluGrad
+            | OpKind::SigmoidMulGrad
             | OpKind::GeluTanhGrad
             | OpKind::CrossEntropyGrad
             | OpKind::GradSum
@@ -520,6 +533,7 @@ impl OpKind {
             | OpKind::Add
             | OpKind::BiasAdd
             | OpKind::SwiGlu
+            | OpKind::SigmoidMul
             | OpKind::GeluTanh
             | OpKind::CrossEntropy
             | OpKind::Router { .. }
@@ -583,7 +597,9 @@ impl OpKind {
             OpKind::AdamW { master: true, .. } => Arity::exactly(3, 4),
             OpKind::LayerNormGrad { .. } | OpKind::AdamW { .. } => Arity::exactly(3, 3),
             OpKind::CausalAttention { .. } => Arity::exactly(3, 2),
-            OpKind::RmsNormGrad { .. } | OpKind::SwiGluGrad => Arity::exactly(3, 2),
+            OpKind::RmsNormGrad { .. } | OpKind::SwiGluGrad | OpKind::SigmoidMulGrad => {
+                Arity::exactly(3, 2)
+            }
             OpKind::LayerNorm { .. } | OpKind::EmbeddingGrad | OpKind::CombineExperts => {
                 Arity::exactly(3, 1)
             }
@@ -595,6 +611,7 @@ impl OpKind {
             | OpKind::Add
             | OpKind::BiasAdd
             | OpKind::SwiGlu
+            | OpKind::SigmoidMul
             | OpKind::CrossEntropy
             | OpKind::PosEmbeddingGrad
             | OpKind::LinearGradInput { .. }
@@ -694,8 +711,12 @@ impl OpKind {
                 }
                 a
             }
-            OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
-                vec![("top_k", top_k.to_string())]
+            OpKind::Router { top_k, renorm } | OpKind::RouterGrad { top_k, renorm } => {
+                let mut a = vec![("top_k", top_k.to_string())];
+                if !renorm {
+                    a.push(("renorm", "0".to_string()));
+                }
+                a
             }
             OpKind::CausalAttention { window } | OpKind::AttentionGrad { window }
                 if *window > 0 =>
@@ -784,6 +805,13 @@ impl OpKind {
                     .map_err(|_| format!("attribute window={v} is not an unsigned integer")),
             }
         };
+        let renorm = || -> Result<bool, String> {
+            match attr("renorm").as_deref() {
+                None | Some("1") => Ok(true),
+                Some("0") => Ok(false),
+                Some(v) => Err(format!("attribute renorm={v}: expected 0 or 1")),
+            }
+        };
         let rope_scaling = || -> Result<Option<RopeScaling>, String> {
             Ok(match attr("rope_type").as_deref() {
                 None => None,
@@ -830,10 +858,12 @@ impl OpKind {
             "repeat_kv_grad" => OpKind::RepeatKvGrad { n: num("n")? },
             "bias_add" => OpKind::BiasAdd,
             "swiglu" => OpKind::SwiGlu,
+            "sigmoid_mul" => OpKind::SigmoidMul,
             "gelu_tanh" => OpKind::GeluTanh,
             "cross_entropy" => OpKind::CrossEntropy,
             "router" => OpKind::Router {
                 top_k: num("top_k")?,
+                renorm: renorm()?,
             },
             "moe_aux_loss" => OpKind::MoeAuxLoss {
                 coeff: float("coeff")?,
@@ -868,11 +898,13 @@ impl OpKind {
             },
             "attention_grad" => OpKind::AttentionGrad { window: window()? },
             "swiglu_grad" => OpKind::SwiGluGrad,
+            "sigmoid_mul_grad" => OpKind::SigmoidMulGrad,
             "gelu_tanh_grad" => OpKind::GeluTanhGrad,
             "cross_entropy_grad" => OpKind::CrossEntropyGrad,
             "grad_sum" => OpKind::GradSum,
             "router_grad" => OpKind::RouterGrad {
                 top_k: num("top_k")?,
+                renorm: renorm()?,
             },
             "moe_aux_loss_grad" => OpKind::MoeAuxLossGrad {
                 coeff: float("coeff")?,
@@ -1040,6 +1072,7 @@ mod tests {
             OpKind::Add => (false, None),
             OpKind::BiasAdd => (false, None),
             OpKind::SwiGlu => (false, None),
+            OpKind::SigmoidMul => (false, None),
             OpKind::GeluTanh => (false, None),
             OpKind::CrossEntropy => (false, Some((Axis::Tp, SplitDim::Last))),
             OpKind::Router { .. } => (false, None),
@@ -1058,6 +1091,7 @@ mod tests {
             OpKind::RopeGrad { .. } => (true, None),
             OpKind::AttentionGrad { .. } => (true, cp),
             OpKind::SwiGluGrad => (true, None),
+            OpKind::SigmoidMulGrad => (true, None),
             OpKind::GeluTanhGrad => (true, None),
             OpKind::CrossEntropyGrad => (true, Some((Axis::Tp, SplitDim::Last))),
             OpKind::GradSum => (true, None),

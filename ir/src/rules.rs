@@ -102,11 +102,48 @@ pub enum Violation {
         /// What is wrong.
         problem: String,
     },
-    /// `[model.moe]` needs the llama (Mixtral) architecture.
-    #[error("[model.moe] needs arch llama, not {arch}")]
+    /// `[model.moe]` needs the llama (Mixtral) or qwen2_moe architecture.
+    #[error("[model.moe] needs arch llama or qwen2_moe, not {arch}")]
     MoeNeedsLlama {
         /// `model.arch`.
         arch: Arch,
+    },
+    /// tp does not divide an expert's intermediate size (`model.moe.ffn_hidden` or
+    /// `shared_ffn_hidden`).
+    #[error("tp {tp} does not divide model.moe.{key} {value}")]
+    TpNotDividingExpertFfn {
+        /// `parallel.tp`.
+        tp: u64,
+        /// The key under `[model.moe]`.
+        key: &'static str,
+        /// Its value.
+        value: u64,
+    },
+    /// `arch = "qwen2_moe"` without `[model.moe]`.
+    #[error("arch qwen2_moe needs [model.moe]")]
+    Qwen2MoeNeedsMoe,
+    /// A `[model.moe]` key the family's Hugging Face class cannot express (a shared expert
+    /// under Mixtral, an ungated one under Qwen2-MoE, ...).
+    #[error("model.moe.{key} = {value}: {why}")]
+    MoeKeyVsArch {
+        /// The key under `[model.moe]`.
+        key: &'static str,
+        /// Its value, as text.
+        value: String,
+        /// `model.arch`.
+        arch: Arch,
+        /// Why the class cannot express it.
+        why: &'static str,
+        /// What to do instead.
+        help: &'static str,
+    },
+    /// `model.moe.first_dense_layers` leaves no MoE layer.
+    #[error("first_dense_layers {first} leaves no MoE layer of {layers}")]
+    FirstDenseLayersTooMany {
+        /// `model.moe.first_dense_layers`.
+        first: u64,
+        /// `model.layers`.
+        layers: u64,
     },
     /// `model.moe.top_k` exceeds the expert count.
     #[error("top_k {top_k} exceeds experts {experts}")]
@@ -350,6 +387,17 @@ impl Violation {
             RopeScalingWithoutRope { .. } | RopeScalingInvalid { .. } => "model.rope_scaling",
             KvHeadsNotDividingHeads { .. } | GptGroupedQuery { .. } => "model.kv_heads",
             MoeNeedsLlama { .. } => "model.moe",
+            Qwen2MoeNeedsMoe => "model.arch",
+            MoeKeyVsArch { key, .. } => match *key {
+                "ffn_hidden" => "model.moe.ffn_hidden",
+                "shared_ffn_hidden" => "model.moe.shared_ffn_hidden",
+                "shared_expert_gate" => "model.moe.shared_expert_gate",
+                "norm_topk_prob" => "model.moe.norm_topk_prob",
+                "layer_freq" => "model.moe.layer_freq",
+                _ => "model.moe.first_dense_layers",
+            },
+            FirstDenseLayersTooMany { .. } => "model.moe.first_dense_layers",
+            TpNotDividingExpertFfn { .. } => "parallel.tp",
             TopKExceedsExperts { .. } => "model.moe.top_k",
             LayerFreqExceedsLayers { .. } => "model.moe.layer_freq",
             TpNotDividingHeads { .. } | TpVersusKvHeads { .. } | TpNotDividingFfn { .. } => {
@@ -466,7 +514,9 @@ pub fn check(spec: &ModelSpec) -> Vec<Violation> {
         ("qk_norm", m.qk_norm, Arch::Qwen3),
         ("sliding_window", m.sliding_window.is_some(), Arch::Mistral),
     ] {
-        if set && m.arch != needs {
+        // Qwen2-MoE has Qwen2's q/k/v biases.
+        let also = key == "qkv_bias" && m.arch == Arch::Qwen2Moe;
+        if set && m.arch != needs && !also {
             out.push(KeyNeedsArch {
                 key,
                 needs,
@@ -481,9 +531,98 @@ pub fn check(spec: &ModelSpec) -> Vec<Violation> {
             out.push(RopeScalingInvalid { problem });
         }
     }
+    if m.arch == Arch::Qwen2Moe && m.moe.is_none() {
+        out.push(Qwen2MoeNeedsMoe);
+    }
     if let Some(moe) = &m.moe {
-        if m.arch != Arch::Llama {
+        if !matches!(m.arch, Arch::Llama | Arch::Qwen2Moe) {
             out.push(MoeNeedsLlama { arch: m.arch });
+        }
+        let arch = m.arch;
+        let mut bad = |key, value: String, why, help| {
+            out.push(MoeKeyVsArch {
+                key,
+                value,
+                arch,
+                why,
+                help,
+            })
+        };
+        if arch == Arch::Llama {
+            const HELP: &str =
+                "MixtralForCausalLM has none: use arch = \"qwen2_moe\" or remove the key";
+            if moe.shared_ffn_hidden > 0 {
+                bad(
+                    "shared_ffn_hidden",
+                    moe.shared_ffn_hidden.to_string(),
+                    "a shared expert",
+                    HELP,
+                );
+            } else if moe.shared_expert_gate {
+                bad(
+                    "shared_expert_gate",
+                    "true".into(),
+                    "a shared-expert gate",
+                    HELP,
+                );
+            } else if !moe.norm_topk_prob {
+                bad(
+                    "norm_topk_prob",
+                    "false".into(),
+                    "unnormalised top-k weights",
+                    "MixtralForCausalLM always renormalises the top-k weights: remove the key",
+                );
+            } else if moe.first_dense_layers > 0 {
+                bad(
+                    "first_dense_layers",
+                    moe.first_dense_layers.to_string(),
+                    "dense first layers",
+                    HELP,
+                );
+            } else if moe.ffn_hidden != m.ffn_hidden {
+                bad(
+                    "ffn_hidden",
+                    moe.ffn_hidden.to_string(),
+                    "an expert size apart from the dense one",
+                    "MixtralForCausalLM has one intermediate_size: set model.ffn_hidden instead",
+                );
+            }
+        } else if arch == Arch::Qwen2Moe {
+            if moe.layer_freq != 1 {
+                bad(
+                    "layer_freq",
+                    moe.layer_freq.to_string(),
+                    "MoE layers every few layers from layer 0",
+                    "Qwen2MoeForCausalLM's decoder_sparse_step counts from layer 1: use layer_freq = 1 (with first_dense_layers for dense layers)",
+                );
+            } else if moe.shared_ffn_hidden == 0 {
+                bad(
+                    "shared_ffn_hidden",
+                    "0".into(),
+                    "no shared expert",
+                    "Qwen2MoeForCausalLM always has a shared expert: set shared_ffn_hidden (Qwen1.5-MoE-A2.7B: 5632)",
+                );
+            } else if !moe.shared_expert_gate {
+                bad(
+                    "shared_expert_gate",
+                    "false".into(),
+                    "an ungated shared expert",
+                    "Qwen2MoeForCausalLM always gates its shared expert: remove the key",
+                );
+            }
+        } else if moe.shared_expert_gate && moe.shared_ffn_hidden == 0 {
+            bad(
+                "shared_expert_gate",
+                "true".into(),
+                "a gate without a shared expert",
+                "set shared_ffn_hidden or remove shared_expert_gate",
+            );
+        }
+        if moe.first_dense_layers >= m.layers {
+            out.push(FirstDenseLayersTooMany {
+                first: moe.first_dense_layers,
+                layers: m.layers,
+            });
         }
         if moe.top_k > moe.experts {
             out.push(TopKExceedsExperts {
@@ -517,6 +656,20 @@ pub fn check(spec: &ModelSpec) -> Vec<Violation> {
             tp: p.tp,
             ffn_hidden: m.ffn_hidden,
         });
+    }
+    if let Some(moe) = &m.moe {
+        for (key, value) in [
+            ("ffn_hidden", moe.ffn_hidden),
+            ("shared_ffn_hidden", moe.shared_ffn_hidden),
+        ] {
+            if !value.is_multiple_of(p.tp) {
+                out.push(TpNotDividingExpertFfn {
+                    tp: p.tp,
+                    key,
+                    value,
+                });
+            }
+        }
     }
 
     // Pipeline parallelism.

@@ -19,6 +19,9 @@ pub enum Arch {
     Qwen2,
     /// Qwen3ForCausalLM: Llama's layer and names with an RMSNorm over each head's q and k.
     Qwen3,
+    /// Qwen2MoeForCausalLM: Qwen2's attention with MoE MLPs (`mlp.gate`, `mlp.experts.{j}.*`,
+    /// a sigmoid-gated `mlp.shared_expert`); needs `[model.moe]`.
+    Qwen2Moe,
 }
 
 impl Arch {
@@ -30,6 +33,7 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen2Moe => "qwen2_moe",
         }
     }
 
@@ -48,6 +52,7 @@ impl Arch {
             Arch::Mistral => "MistralForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Qwen2Moe => "Qwen2MoeForCausalLM",
         }
     }
 }
@@ -175,9 +180,23 @@ pub fn rope_inv_freq(d: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec
     inv
 }
 
-/// `[model.moe]`: mixture-of-experts MLPs (Mixtral semantics).
+/// `[model.moe]`: mixture-of-experts MLPs (Mixtral's or Qwen2-MoE's semantics).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeSpec {
+    /// Intermediate size of each routed expert (`model.moe.ffn_hidden`, default the dense
+    /// `model.ffn_hidden`).
+    pub ffn_hidden: u64,
+    /// Intermediate size of the shared expert (a dense SwiGLU MLP every token passes
+    /// through); 0: none.
+    pub shared_ffn_hidden: u64,
+    /// Scale the shared expert's output by `sigmoid(x · w)`, `w` of shape `[1, hidden]`
+    /// (Qwen2-MoE's `shared_expert_gate`).
+    pub shared_expert_gate: bool,
+    /// Renormalise the top-k router weights to sum to one (Mixtral; Qwen2-MoE's
+    /// `norm_topk_prob`, default false there).
+    pub norm_topk_prob: bool,
+    /// The first `first_dense_layers` layers have a dense MLP of `model.ffn_hidden`.
+    pub first_dense_layers: u64,
     /// Number of experts per MoE layer.
     pub experts: u64,
     /// Experts each token is routed to.
@@ -236,11 +255,12 @@ impl ModelSection {
         self.head_dim
     }
 
-    /// Whether layer `i` (0-based) has a MoE MLP.
+    /// Whether layer `i` (0-based) has a MoE MLP: every `layer_freq`-th layer from 0, except
+    /// the first `first_dense_layers`.
     pub fn is_moe_layer(&self, i: u64) -> bool {
         self.moe
             .as_ref()
-            .is_some_and(|m| i.is_multiple_of(m.layer_freq))
+            .is_some_and(|m| i >= m.first_dense_layers && i.is_multiple_of(m.layer_freq))
     }
 }
 

@@ -122,3 +122,50 @@ pub fn gelu_tanh_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) {
         .zip(dy.par_chunks(c))
         .for_each(|((dx, x), dy)| gelu_bwd_serial(x, dy, dx));
 }
+
+/// `y[t, :] = sigmoid(gate[t]) * x[t, :]` for `gate` of one logit per row of `x` (`h` wide):
+/// Qwen2-MoE's `F.sigmoid(shared_expert_gate(x)) * shared_expert(x)`. Overwrites `y`.
+pub fn sigmoid_mul_fwd(gate: &[f32], x: &[f32], h: usize, y: &mut [f32]) {
+    assert!(
+        x.len() == y.len() && gate.len() * h == x.len(),
+        "sigmoid_mul_fwd: length mismatch"
+    );
+    for ((y, x), &g) in y.chunks_mut(h).zip(x.chunks(h)).zip(gate) {
+        let s = 1.0 / (1.0 + (-g).exp());
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = s * x;
+        }
+    }
+}
+
+/// Backward of [`sigmoid_mul_fwd`]: `dgate[t] += s(1-s) · Σ_j dy[t,j] x[t,j]`,
+/// `dx += s · dy` with `s = sigmoid(gate[t])`.
+pub fn sigmoid_mul_bwd(
+    gate: &[f32],
+    x: &[f32],
+    dy: &[f32],
+    h: usize,
+    dgate: &mut [f32],
+    dx: &mut [f32],
+) {
+    assert!(
+        x.len() == dy.len() && dx.len() == x.len() && gate.len() * h == x.len(),
+        "sigmoid_mul_bwd: length mismatch"
+    );
+    assert_eq!(dgate.len(), gate.len(), "sigmoid_mul_bwd: length mismatch");
+    for ((((dx, x), dy), &g), dg) in dx
+        .chunks_mut(h)
+        .zip(x.chunks(h))
+        .zip(dy.chunks(h))
+        .zip(gate)
+        .zip(dgate.iter_mut())
+    {
+        let s = 1.0 / (1.0 + (-g).exp());
+        let mut dot = 0.0f64;
+        for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
+            *dx += s * dy;
+            dot += (dy * x) as f64;
+        }
+        *dg += (s * (1.0 - s)) * dot as f32;
+    }
+}

@@ -39,7 +39,9 @@ pub mod rope;
 mod simd;
 mod util;
 
-pub use activation::{gelu_tanh_bwd, gelu_tanh_fwd, swiglu_bwd, swiglu_fwd};
+pub use activation::{
+    gelu_tanh_bwd, gelu_tanh_fwd, sigmoid_mul_bwd, sigmoid_mul_fwd, swiglu_bwd, swiglu_fwd,
+};
 pub use attention::{
     attention_bwd, attention_fwd, masked_attention_bwd, masked_attention_fwd, Mask,
 };
@@ -55,7 +57,7 @@ pub use loss::{cross_entropy_bwd, cross_entropy_fwd};
 pub use moe::{
     combine_bwd, combine_fwd, dispatch_bwd, dispatch_fwd, dispatch_fwd_routed, moe_aux_loss_bwd,
     moe_aux_loss_bwd_from_stats, moe_aux_loss_from_stats, moe_aux_loss_fwd, moe_aux_stats,
-    router_bwd, router_fwd, AuxStats, Routing,
+    router_bwd, router_bwd_with, router_fwd, router_fwd_with, AuxStats, Routing,
 };
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 pub use optim::{adamw_step, AdamW};

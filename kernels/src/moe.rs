@@ -116,6 +116,20 @@ pub fn router_fwd(
     weights: &mut [f32],
     indices: &mut [i32],
 ) {
+    router_fwd_with(logits, t, e, top_k, true, weights, indices)
+}
+
+/// [`router_fwd`], renormalising the top-k weights only when `renorm` (Qwen2-MoE's
+/// `norm_topk_prob`); otherwise `weights` are the chosen experts' softmax probabilities.
+pub fn router_fwd_with(
+    logits: &[f32],
+    t: usize,
+    e: usize,
+    top_k: usize,
+    renorm: bool,
+    weights: &mut [f32],
+    indices: &mut [i32],
+) {
     check_router_shapes("router_fwd", logits, t, e, top_k);
     assert_eq!(
         weights.len(),
@@ -136,9 +150,11 @@ pub fn router_fwd(
         {
             softmax_into(z, &mut p);
             top_k_into(&p, w, ix);
-            let s: f64 = w.iter().map(|&v| v as f64).sum();
-            for w in w.iter_mut() {
-                *w = (*w as f64 / s) as f32;
+            if renorm {
+                let s: f64 = w.iter().map(|&v| v as f64).sum();
+                for w in w.iter_mut() {
+                    *w = (*w as f64 / s) as f32;
+                }
             }
         }
     };
@@ -171,6 +187,23 @@ pub fn router_bwd(
     dweights: &[f32],
     dlogits: &mut [f32],
 ) {
+    router_bwd_with(logits, t, e, top_k, true, indices, dweights, dlogits)
+}
+
+/// Backward of [`router_fwd_with`]. Without `renorm` the weights are the softmax
+/// probabilities themselves (`w_j = p_j`), so with `ḡ = Σ_{j∈C} g_j p_j` every expert's
+/// logit gets `dlogits[i] += p_i (g_i [i∈C] - ḡ)`.
+#[allow(clippy::too_many_arguments)]
+pub fn router_bwd_with(
+    logits: &[f32],
+    t: usize,
+    e: usize,
+    top_k: usize,
+    renorm: bool,
+    indices: &[i32],
+    dweights: &[f32],
+    dlogits: &mut [f32],
+) {
     check_router_shapes("router_bwd", logits, t, e, top_k);
     assert_eq!(
         indices.len(),
@@ -195,6 +228,17 @@ pub fn router_bwd(
             softmax_into(z, &mut p);
             for (w, &j) in w.iter_mut().zip(ix) {
                 *w = p[expert_of(j, e, "router_bwd")] as f64;
+            }
+            if !renorm {
+                let gbar: f64 = w.iter().zip(g).map(|(&w, &g)| w * g as f64).sum();
+                let mut gi = vec![0.0f64; e];
+                for (&g, &j) in g.iter().zip(ix) {
+                    gi[j as usize] += g as f64;
+                }
+                for ((dz, &p), &gi) in dz.iter_mut().zip(p.iter()).zip(&gi) {
+                    *dz += (p as f64 * (gi - gbar)) as f32;
+                }
+                continue;
             }
             let s: f64 = w.iter().sum();
             let mut gbar = 0.0f64;

@@ -873,3 +873,98 @@ fn mixtral_block_matches_transformers_math() {
         );
     }
 }
+
+/// The top-k probabilities as they are (Qwen2-MoE's `norm_topk_prob = false`).
+fn raw_weights_for(logits: &[f64], e: usize, indices: &[i32], k: usize) -> Vec<f64> {
+    let mut w = Vec::new();
+    for (tok, ix) in indices.chunks(k).enumerate() {
+        let p = softmax_ref(&logits[tok * e..(tok + 1) * e]);
+        w.extend(ix.iter().map(|&j| p[j as usize]));
+    }
+    w
+}
+
+/// Without renormalisation the weights are the chosen softmax probabilities (the forward
+/// picks the same experts), and every expert's logit gets a gradient through the softmax.
+#[test]
+fn unnormalised_router_matches_reference_and_finite_differences() {
+    let mut rng = Rng::new(5);
+    for &(t, e, k) in &[(5, 8, 2), (4, 6, 3), (6, 8, 1), (2048, 8, 2)] {
+        let logits = rng.normal(t * e, 1.5);
+        let (mut w, mut ix) = (vec![0.0; t * k], vec![0; t * k]);
+        router_fwd_with(&logits, t, e, k, false, &mut w, &mut ix);
+        let (mut wn, mut ixn) = (vec![0.0; t * k], vec![0; t * k]);
+        router_fwd(&logits, t, e, k, &mut wn, &mut ixn);
+        assert_eq!(ix, ixn, "the same experts with and without renormalisation");
+        let want = raw_weights_for(&to64(&logits), e, &ix, k);
+        for (a, b) in w.iter().zip(&want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "weight {a} vs {b}");
+        }
+        let dw = rng.vec(t * k, -1.0, 1.0);
+        let mut dl = vec![0.0f32; t * e];
+        router_bwd_with(&logits, t, e, k, false, &ix, &dw, &mut dl);
+        let dw64 = to64(&dw);
+        let obj = |x: &[Vec<f64>]| dot(&dw64, &raw_weights_for(&x[0], e, &ix, k));
+        check_grad(
+            &format!("unnormalised router {t}x{e} top{k} dlogits"),
+            &mut rng,
+            &[to64(&logits)],
+            0,
+            &dl,
+            PROBES,
+            RTOL,
+            &obj,
+        );
+    }
+}
+
+/// Qwen2-MoE's shared-expert gate: `sigmoid(g[t]) · x[t, :]` against a float64 reference,
+/// its backward against finite differences, and `+=` into the gradients.
+#[test]
+fn sigmoid_mul_matches_reference_and_finite_differences() {
+    let mut rng = Rng::new(6);
+    let (t, h) = (7, 5);
+    let g = rng.normal(t, 2.0);
+    let x = rng.normal(t * h, 1.0);
+    let mut y = vec![0.0f32; t * h];
+    sigmoid_mul_fwd(&g, &x, h, &mut y);
+    let reference = |g: &[f64], x: &[f64]| -> Vec<f64> {
+        x.iter()
+            .enumerate()
+            .map(|(i, &x)| x / (1.0 + (-g[i / h]).exp()))
+            .collect()
+    };
+    for (a, b) in y.iter().zip(reference(&to64(&g), &to64(&x))) {
+        assert!((*a as f64 - b).abs() < 1e-6, "{a} vs {b}");
+    }
+    let r = rng.vec(t * h, -1.0, 1.0);
+    let (mut dg, mut dx) = (vec![0.0f32; t], vec![0.0f32; t * h]);
+    sigmoid_mul_bwd(&g, &x, &r, h, &mut dg, &mut dx);
+    let r64 = to64(&r);
+    let obj = |v: &[Vec<f64>]| dot(&r64, &reference(&v[0], &v[1]));
+    let inputs = [to64(&g), to64(&x)];
+    check_grad(
+        "sigmoid_mul dgate",
+        &mut rng,
+        &inputs,
+        0,
+        &dg,
+        PROBES,
+        RTOL,
+        &obj,
+    );
+    check_grad(
+        "sigmoid_mul dx",
+        &mut rng,
+        &inputs,
+        1,
+        &dx,
+        PROBES,
+        RTOL,
+        &obj,
+    );
+    check_accumulates("sigmoid_mul_bwd", &[t, t * h], &|o| {
+        let (a, b) = o.split_at_mut(1);
+        sigmoid_mul_bwd(&g, &x, &r, h, &mut a[0], &mut b[0])
+    });
+}

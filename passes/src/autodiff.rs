@@ -135,6 +135,11 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                     op.path
                 )))
             }
+            OpKind::SigmoidMul => {
+                let d = acc.emit(OpKind::SigmoidMulGrad, &[x[0], x[1], need(dy, &op.path)?])?;
+                acc.add(x[0], d[0])?;
+                acc.add(x[1], d[1])?;
+            }
             OpKind::SwiGlu => {
                 let d = acc.emit(OpKind::SwiGluGrad, &[x[0], x[1], need(dy, &op.path)?])?;
                 acc.add(x[0], d[0])?;
@@ -152,9 +157,10 @@ pub fn differentiate(g: &mut Graph) -> Result<(), PassError> {
                 let d = acc.emit(OpKind::MoeAuxLossGrad { coeff: *coeff }, &[x[0], x[1]])?;
                 acc.add(x[0], d[0])?;
             }
-            OpKind::Router { top_k } => {
+            OpKind::Router { top_k, renorm } => {
                 if let Some(dw) = dy {
-                    let d = acc.emit(OpKind::RouterGrad { top_k: *top_k }, &[x[0], dw])?;
+                    let (top_k, renorm) = (*top_k, *renorm);
+                    let d = acc.emit(OpKind::RouterGrad { top_k, renorm }, &[x[0], dw])?;
                     acc.add(x[0], d[0])?;
                 }
             }

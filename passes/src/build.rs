@@ -278,7 +278,15 @@ impl<'a> Builder<'a> {
         let xn = self.norm(&format!("{p}.post_attention_layernorm"), x)?;
         let y = match &m.moe {
             Some(moe) if m.is_moe_layer(i) => {
-                let mp = format!("{p}.block_sparse_moe");
+                // Hugging Face's names: Mixtral's `block_sparse_moe.experts.{j}.w1/w3/w2`,
+                // Qwen2-MoE's `mlp.experts.{j}.gate_proj/up_proj/down_proj`.
+                let qwen = m.arch == Arch::Qwen2Moe;
+                let (mp, w1n, w3n, w2n) = if qwen {
+                    (format!("{p}.mlp"), "gate_proj", "up_proj", "down_proj")
+                } else {
+                    (format!("{p}.block_sparse_moe"), "w1", "w3", "w2")
+                };
+                let ffn = moe.ffn_hidden;
                 let logits = self.linear(
                     &format!("{mp}.gate"),
                     xn,
@@ -286,7 +294,10 @@ impl<'a> Builder<'a> {
                     ("h", h),
                 )?;
                 let routed = self.g.add_op(
-                    OpKind::Router { top_k: moe.top_k },
+                    OpKind::Router {
+                        top_k: moe.top_k,
+                        renorm: moe.norm_topk_prob,
+                    },
                     &[logits],
                     format!("{mp}.router"),
                 )?;
@@ -309,7 +320,7 @@ impl<'a> Builder<'a> {
                 } else {
                     0
                 };
-                if spec.parallel.ep > 1 {
+                let experts_out = if spec.parallel.ep > 1 {
                     // Expert parallelism: every expert's weights stacked along an `experts`
                     // dim (split over ep by the shard pass; Hugging Face's per-expert tensors
                     // on --init and --save-params), tokens dispatched to all experts at once.
@@ -324,16 +335,17 @@ impl<'a> Builder<'a> {
                         format!("{mp}.dispatch"),
                     )?;
                     let xe = routed[0];
-                    let w1 = self.param(&format!("{ep}.w1.weight"), &[ex, ("ffn", ffn), ("h", h)]);
-                    let w3 = self.param(&format!("{ep}.w3.weight"), &[ex, ("ffn", ffn), ("h", h)]);
-                    let w2 = self.param(&format!("{ep}.w2.weight"), &[ex, ("h", h), ("ffn", ffn)]);
+                    let f = ("ffn", ffn);
+                    let w1 = self.param(&format!("{ep}.{w1n}.weight"), &[ex, f, ("h", h)]);
+                    let w3 = self.param(&format!("{ep}.{w3n}.weight"), &[ex, f, ("h", h)]);
+                    let w2 = self.param(&format!("{ep}.{w2n}.weight"), &[ex, ("h", h), f]);
                     let lin = OpKind::Linear {
                         weight: WeightLayout::OutIn,
                     };
-                    let g = self.op(lin.clone(), &[xe, w1], &format!("{ep}.w1"))?;
-                    let u = self.op(lin.clone(), &[xe, w3], &format!("{ep}.w3"))?;
+                    let g = self.op(lin.clone(), &[xe, w1], &format!("{ep}.{w1n}"))?;
+                    let u = self.op(lin.clone(), &[xe, w3], &format!("{ep}.{w3n}"))?;
                     let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{ep}.act"))?;
-                    let y = self.op(lin, &[act, w2], &format!("{ep}.w2"))?;
+                    let y = self.op(lin, &[act, w2], &format!("{ep}.{w2n}"))?;
                     self.op(
                         OpKind::CombineExperts,
                         &[weights, indices, y],
@@ -351,23 +363,42 @@ impl<'a> Builder<'a> {
                             &[xn, indices],
                             &format!("{mp}.dispatch"),
                         )?;
-                        let g = self.linear(&format!("{ep}.w1"), xe, ("ffn", ffn), ("h", h))?;
-                        let u = self.linear(&format!("{ep}.w3"), xe, ("ffn", ffn), ("h", h))?;
+                        let f = ("ffn", ffn);
+                        let g = self.linear(&format!("{ep}.{w1n}"), xe, f, ("h", h))?;
+                        let u = self.linear(&format!("{ep}.{w3n}"), xe, f, ("h", h))?;
                         let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{ep}.act"))?;
-                        outs.push(self.linear(&format!("{ep}.w2"), act, ("h", h), ("ffn", ffn))?);
+                        outs.push(self.linear(&format!("{ep}.{w2n}"), act, ("h", h), f)?);
                     }
                     self.op(OpKind::Combine, &outs, &format!("{mp}.combine"))?
+                };
+                if moe.shared_ffn_hidden == 0 {
+                    experts_out
+                } else {
+                    // Qwen2-MoE's shared expert: a dense SwiGLU MLP every token passes
+                    // through, scaled by sigmoid(x · w) with `shared_expert_gate` `[1, h]`.
+                    let sp = format!("{mp}.shared_expert");
+                    let sf = ("ffn", moe.shared_ffn_hidden);
+                    let mut s = self.dense_mlp(&sp, xn, sf)?;
+                    if moe.shared_expert_gate {
+                        let gp = format!("{mp}.shared_expert_gate");
+                        let gl = self.linear(&gp, xn, ("one", 1), ("h", h))?;
+                        s = self.op(OpKind::SigmoidMul, &[gl, s], &gp)?;
+                    }
+                    self.op(OpKind::Add, &[experts_out, s], &format!("{mp}.shared_add"))?
                 }
             }
-            _ => {
-                let mp = format!("{p}.mlp");
-                let g = self.linear(&format!("{mp}.gate_proj"), xn, ("ffn", ffn), ("h", h))?;
-                let u = self.linear(&format!("{mp}.up_proj"), xn, ("ffn", ffn), ("h", h))?;
-                let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{mp}.act_fn"))?;
-                self.linear(&format!("{mp}.down_proj"), act, ("h", h), ("ffn", ffn))?
-            }
+            _ => self.dense_mlp(&format!("{p}.mlp"), xn, ("ffn", ffn))?,
         };
         self.op(OpKind::Add, &[x, y], &format!("{p}.residual.mlp"))
+    }
+
+    /// Llama's SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`) under `mp`.
+    fn dense_mlp(&mut self, mp: &str, xn: ValueId, ffn: (&str, u64)) -> Result<ValueId, IrError> {
+        let h = self.spec.model.hidden;
+        let g = self.linear(&format!("{mp}.gate_proj"), xn, ffn, ("h", h))?;
+        let u = self.linear(&format!("{mp}.up_proj"), xn, ffn, ("h", h))?;
+        let act = self.op(OpKind::SwiGlu, &[g, u], &format!("{mp}.act_fn"))?;
+        self.linear(&format!("{mp}.down_proj"), act, ("h", h), ffn)
     }
 
     fn gpt_layer(&mut self, p: &str, x: ValueId) -> Result<ValueId, IrError> {

@@ -190,13 +190,15 @@ struct Sharder<'a> {
     tokens_of: HashMap<ValueId, ValueId>,
 }
 
-/// The MoE block of an op's path (`model.layers.0.block_sparse_moe`).
+/// The MoE block of an op's path (`model.layers.0.block_sparse_moe`; Qwen2-MoE's
+/// `model.layers.0.mlp`).
 fn moe_block(path: &str) -> &str {
-    const BLOCK: &str = "block_sparse_moe";
-    match path.find(BLOCK) {
-        Some(i) => &path[..i + BLOCK.len()],
-        None => path,
+    for block in ["block_sparse_moe", ".mlp."] {
+        if let Some(i) = path.find(block) {
+            return &path[..i + block.trim_end_matches('.').len()];
+        }
     }
+    path
 }
 
 impl Sharder<'_> {
@@ -219,7 +221,20 @@ impl Sharder<'_> {
                     None
                 }
             }
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+            // Qwen2-MoE's routed experts, as Mixtral's: gate/up column-, down row-parallel.
+            Arch::Qwen2Moe if name.contains(".mlp.experts.") => {
+                let base = usize::from(stacked);
+                if ends(&[".gate_proj.weight", ".up_proj.weight"]) {
+                    Some(base)
+                } else if ends(&[".down_proj.weight"]) {
+                    Some(base + 1)
+                } else {
+                    None
+                }
+            }
+            // The shared expert is a dense MLP (its `gate_proj`/`up_proj`/`down_proj` split as
+            // the dense one's); the router and the shared-expert gate are replicated.
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe => {
                 // Qwen2's q/k/v biases split with their heads, as the weights' rows.
                 if !self.kv_split
                     && ends(&[
@@ -499,6 +514,7 @@ impl Sharder<'_> {
             OpKind::Combine | OpKind::CombineGrad | OpKind::DispatchGrad { .. } => {
                 self.emit_moe(kind, &ins, path)
             }
+            OpKind::SigmoidMul | OpKind::SigmoidMulGrad => self.emit_row_scale(kind, &ins, path),
             // Everything else (position embeddings, the router, dispatch, collectives,
             // optimizer) runs on whole operands and gives whole results.
             _ => self.emit_whole(kind, &ins, path),
@@ -834,6 +850,33 @@ impl Sharder<'_> {
         } else {
             self.emit_whole(kind, ins, path)
         }
+    }
+
+    /// Qwen2-MoE's shared-expert gate (`sigmoid(gate[t]) · y[t, :]`) and its gradient: a
+    /// token's row scaled by that token's gate, so with sequence parallelism every operand
+    /// goes onto sequence shards (the shared expert's partial output reduce-scattered, as
+    /// the dense MLP's, the gate logits of the replicated `[1, h]` weight sliced) and so do
+    /// the results; otherwise whole.
+    fn emit_row_scale(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        if !(self.sp && ins.iter().all(|&x| self.seq_dim(x).is_some())) {
+            return self.emit_whole(kind, ins, path);
+        }
+        let args: Vec<ValueId> = ins
+            .iter()
+            .map(|&x| self.seq_shard(x, path))
+            .collect::<Result<_, _>>()?;
+        let out = self.tp_state(args[0]);
+        let n_out = if matches!(kind, OpKind::SigmoidMulGrad) {
+            2
+        } else {
+            1
+        };
+        self.op(kind.clone(), &args, path, &vec![out; n_out])
     }
 
     /// Norms and their gradients: on sequence shards with sequence parallelism (the weight

@@ -240,6 +240,7 @@ fn run_kernel(
         | OpKind::BiasAdd
         | OpKind::GradSum
         | OpKind::SwiGlu
+        | OpKind::SigmoidMul
         | OpKind::GeluTanh
         | OpKind::CrossEntropy
         | OpKind::EmbeddingGrad
@@ -250,6 +251,7 @@ fn run_kernel(
         | OpKind::RmsNormGrad { .. }
         | OpKind::LayerNormGrad { .. }
         | OpKind::SwiGluGrad
+        | OpKind::SigmoidMulGrad
         | OpKind::GeluTanhGrad
         | OpKind::CrossEntropyGrad => dense::run(op, ins, outs, env, comm),
         OpKind::Rope { .. }

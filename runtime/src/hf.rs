@@ -224,6 +224,9 @@ pub fn load_params_from_bytes(
 /// rows `ffn..2·ffn` are w3, the up projection) and `mlp.experts.down_proj` `[E, h, ffn]` (w2).
 /// When a file has that layout, rewrite it (in memory, as f32) with the Hub names megac uses
 /// (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{j}.w1/w2/w3.weight`).
+/// Qwen2-MoE's state dict fuses its experts the same way; a file with a shared expert
+/// (`mlp.shared_expert.*`, which Mixtral has not) gets Qwen2-MoE's Hub names instead
+/// (`mlp.experts.{j}.gate_proj/up_proj/down_proj.weight`, the router `mlp.gate.weight` kept).
 fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
     let file = SafeTensors::deserialize(bytes)
         .map_err(|e| format!("not a valid safetensors file: {e}"))?;
@@ -234,6 +237,12 @@ fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
     {
         return Ok(None);
     }
+    let qwen = names.iter().any(|n| n.contains(".mlp.shared_expert."));
+    let (block, w1n, w3n, w2n) = if qwen {
+        ("mlp", "gate_proj", "up_proj", "down_proj")
+    } else {
+        ("block_sparse_moe", "w1", "w3", "w2")
+    };
     // Every tensor of the rewritten file: name, dtype, shape, little-endian bytes. Tensors
     // that are not fused keep their dtype and bytes (the dtype check comes later).
     let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
@@ -272,13 +281,13 @@ fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
                 let w1 = &data[base..base + f * h];
                 let w3 = &data[base + f * h..base + two_f * h];
                 out.push((
-                    format!("{layer}.block_sparse_moe.experts.{j}.w1.weight"),
+                    format!("{layer}.{block}.experts.{j}.{w1n}.weight"),
                     Dtype::F32,
                     vec![f, h],
                     f32_bytes(w1),
                 ));
                 out.push((
-                    format!("{layer}.block_sparse_moe.experts.{j}.w3.weight"),
+                    format!("{layer}.{block}.experts.{j}.{w3n}.weight"),
                     Dtype::F32,
                     vec![f, h],
                     f32_bytes(w3),
@@ -299,16 +308,17 @@ fn unfuse_moe(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
             for j in 0..e {
                 let w2 = &data[j * h * f..(j + 1) * h * f];
                 out.push((
-                    format!("{layer}.block_sparse_moe.experts.{j}.w2.weight"),
+                    format!("{layer}.{block}.experts.{j}.{w2n}.weight"),
                     Dtype::F32,
                     vec![h, f],
                     f32_bytes(w2),
                 ));
             }
         } else if let Some(layer) = name.strip_suffix(".mlp.gate.weight").filter(|l| {
-            names
-                .iter()
-                .any(|n| n == &format!("{l}.mlp.experts.gate_up_proj"))
+            !qwen
+                && names
+                    .iter()
+                    .any(|n| n == &format!("{l}.mlp.experts.gate_up_proj"))
         }) {
             out.push((
                 format!("{layer}.block_sparse_moe.gate.weight"),

@@ -245,6 +245,24 @@ pub fn emit_model_toml(
         o.push_str(&format!("layer_freq = {}\n", x.layer_freq));
         o.push_str(&format!("aux_loss_coeff = {}\n", float(x.aux_loss_coeff)));
         o.push_str(&format!("capacity_factor = {}\n", float(x.capacity_factor)));
+        // The keys of a separate expert size, a shared expert, the top-k normalisation and
+        // dense first layers, where they differ from the family's defaults.
+        let qwen = m.arch == megac_ir::spec::Arch::Qwen2Moe;
+        if x.ffn_hidden != m.ffn_hidden {
+            o.push_str(&format!("ffn_hidden = {}\n", x.ffn_hidden));
+        }
+        if x.shared_ffn_hidden > 0 {
+            o.push_str(&format!("shared_ffn_hidden = {}\n", x.shared_ffn_hidden));
+        }
+        if x.shared_expert_gate != (x.shared_ffn_hidden > 0 && qwen) {
+            o.push_str(&format!("shared_expert_gate = {}\n", x.shared_expert_gate));
+        }
+        if x.norm_topk_prob == qwen {
+            o.push_str(&format!("norm_topk_prob = {}\n", x.norm_topk_prob));
+        }
+        if x.first_dense_layers > 0 {
+            o.push_str(&format!("first_dense_layers = {}\n", x.first_dense_layers));
+        }
     }
     o.push_str("\n[train]\n");
     o.push_str(&format!("micro_batch = {}\n", t.micro_batch));

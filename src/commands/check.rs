@@ -135,6 +135,30 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
                 }
             ),
         );
+        let mut more = vec![format!(
+            "expert ffn {}, top-k weights {}",
+            moe.ffn_hidden,
+            if moe.norm_topk_prob {
+                "renormalised"
+            } else {
+                "as routed (not renormalised)"
+            }
+        )];
+        if moe.shared_ffn_hidden > 0 {
+            more.push(format!(
+                "shared expert ffn {}{}",
+                moe.shared_ffn_hidden,
+                if moe.shared_expert_gate {
+                    " (sigmoid-gated)"
+                } else {
+                    ""
+                }
+            ));
+        }
+        if moe.first_dense_layers > 0 {
+            more.push(format!("first {} layer(s) dense", moe.first_dense_layers));
+        }
+        line("", more.join(", "));
     }
     let params = graph.param_count_unpadded(m.vocab);
     let tensors = graph.params().count();
@@ -149,7 +173,7 @@ pub fn summary(spec: &ModelSpec, graph: &Graph, file: &str) -> String {
     );
     if let Some(moe) = &m.moe {
         let inactive_experts = moe.experts - moe.top_k;
-        let per_expert = 3 * m.hidden * m.ffn_hidden;
+        let per_expert = 3 * m.hidden * moe.ffn_hidden;
         let moe_layers = (0..m.layers).filter(|&i| m.is_moe_layer(i)).count() as u64;
         let active = params - moe_layers * inactive_experts * per_expert;
         line(

@@ -16,7 +16,7 @@ For each model it writes, into tests/golden/<name>/:
     expected.json       per-step loss and global grad norm (before clipping), versions
     final.safetensors   weights after `steps` optimizer steps (HF layout)
 
-and for the MoE model (mixtral) also
+and for the MoE models (mixtral, qwen2_moe) also
 
     init_fused.safetensors  the same initial weights as transformers 5's state_dict holds
                             them (experts fused into 3-D tensors; see hub_from_fused)
@@ -63,6 +63,8 @@ from transformers import (
     MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -234,6 +236,40 @@ MODELS = {
         init_std=0.1,
         grad_clip=1.5,
     ),
+    # Qwen2MoeForCausalLM: Qwen2's attention (q/k/v biases redrawn from N(0, bias_std)), a
+    # dense first layer (mlp_only_layers = [0], first_dense_layers here) with the dense
+    # intermediate size 96, then MoE layers of 4 routed experts of 48 (top 2, weights not
+    # renormalised: norm_topk_prob false) and a shared expert of 80 scaled by
+    # sigmoid(shared_expert_gate(x)). The weights are drawn with std init_std so the gate's
+    # logits spread; the script asserts that renormalising the top-k weights, and replacing
+    # the gate by 1, each move the first loss.
+    "qwen2_moe": dict(
+        arch="qwen2_moe",
+        layers=3,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=96,
+        vocab=128,
+        seq_len=16,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        moe=dict(
+            experts=4,
+            top_k=2,
+            layer_freq=1,
+            aux_loss_coeff=0.0,
+            capacity_factor=0.0,
+            ffn_hidden=48,
+            shared_ffn_hidden=80,
+            norm_topk_prob=False,
+            first_dense_layers=1,
+        ),
+        bias_std=0.5,
+        init_std=0.1,
+        grad_clip=2.0,
+    ),
 }
 
 # A feature's golden must show it: switching the feature off (zero biases, no rope scaling)
@@ -247,7 +283,47 @@ MIN_ROUTER_GAP = 1e-4
 
 
 def build_model(m):
-    if m.get("moe") is not None:
+    if m["arch"] == "qwen2_moe":
+        moe = m["moe"]
+        assert moe["layer_freq"] == 1
+        assert moe["aux_loss_coeff"] == 0.0 and moe["capacity_factor"] == 0.0
+        cfg = Qwen2MoeConfig(
+            vocab_size=m["vocab"],
+            hidden_size=m["hidden"],
+            intermediate_size=m["ffn_hidden"],
+            num_hidden_layers=m["layers"],
+            num_attention_heads=m["heads"],
+            num_key_value_heads=m["kv_heads"],
+            max_position_embeddings=m["seq_len"],
+            rms_norm_eps=m["norm_eps"],
+            rope_parameters=rope_parameters(m),
+            tie_word_embeddings=m["tie_embeddings"],
+            qkv_bias=True,
+            use_sliding_window=False,
+            num_experts=moe["experts"],
+            num_experts_per_tok=moe["top_k"],
+            moe_intermediate_size=moe["ffn_hidden"],
+            shared_expert_intermediate_size=moe["shared_ffn_hidden"],
+            norm_topk_prob=moe["norm_topk_prob"],
+            mlp_only_layers=list(range(moe["first_dense_layers"])),
+            decoder_sparse_step=1,
+            router_aux_loss_coef=0.0,
+            output_router_logits=False,
+            attention_dropout=0.0,
+            hidden_act="silu",
+            initializer_range=m.get("init_std", 0.02),
+            dtype="float32",
+        )
+        cfg._attn_implementation = "eager"
+        # The plain per-expert loop of the experts' forward (not grouped_mm).
+        cfg._experts_implementation = "eager"
+        model = Qwen2MoeForCausalLM(cfg)
+        assert model.config._experts_implementation == "eager"
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if m.get("bias_std") is not None and name.endswith(".bias"):
+                    p.normal_(0.0, m["bias_std"])
+    elif m.get("moe") is not None:
         moe = m["moe"]
         assert m["arch"] == "llama" and moe["layer_freq"] == 1
         assert moe["aux_loss_coeff"] == 0.0 and moe["capacity_factor"] == 0.0
@@ -424,6 +500,23 @@ def feature_effects(model, toks, m):
         off = build_model(plain)
         off.load_state_dict(model.state_dict(), strict=True)
         effects["sliding_window"] = abs(first_loss(off, toks, m) - base) / base
+    if m["arch"] == "qwen2_moe":
+
+        class One(torch.nn.Module):
+            # sigmoid(30) == 1 in float32: the shared expert ungated.
+            def forward(self, x):
+                return torch.full(x.shape[:-1] + (1,), 30.0)
+
+        off = copy.deepcopy(model)
+        for layer in off.model.layers:
+            if hasattr(layer.mlp, "shared_expert_gate"):
+                layer.mlp.shared_expert_gate = One()
+        effects["shared_expert_gate"] = abs(first_loss(off, toks, m) - base) / base
+        off = copy.deepcopy(model)
+        for layer in off.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.norm_topk_prob = not m["moe"]["norm_topk_prob"]
+        effects["norm_topk_prob"] = abs(first_loss(off, toks, m) - base) / base
     if m.get("rope_scaling") is not None:
         plain = dict(m)
         plain.pop("rope_scaling")
@@ -622,8 +715,13 @@ def model_toml(name, m):
             f"layer_freq = {moe['layer_freq']}",
             f"aux_loss_coeff = {fnum(moe['aux_loss_coeff'])}",
             f"capacity_factor = {fnum(moe['capacity_factor'])}",
-            "",
         ]
+        for key in ("ffn_hidden", "shared_ffn_hidden", "first_dense_layers"):
+            if key in moe:
+                lines.append(f"{key} = {moe[key]}")
+        if "norm_topk_prob" in moe:
+            lines.append(f"norm_topk_prob = {'true' if moe['norm_topk_prob'] else 'false'}")
+        lines.append("")
     lines += [
         "[train]",
         f"micro_batch = {t['micro_batch']}",
@@ -653,7 +751,7 @@ def router_gaps(model):
     """Hooks recording, for every MoE router call, each token's gap between its top_k-th
     and (top_k+1)-th router logit. Returns the list they append to."""
     gaps = []
-    if model.config.model_type != "mixtral":
+    if model.config.model_type not in ("mixtral", "qwen2_moe"):
         return gaps
     k = model.config.num_experts_per_tok
 
@@ -663,7 +761,8 @@ def router_gaps(model):
         gaps.append(float((top[:, k - 1] - top[:, k]).min().item()))
 
     for layer in model.model.layers:
-        layer.mlp.gate.register_forward_hook(hook)
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.gate.register_forward_hook(hook)
     return gaps
 
 
@@ -715,8 +814,11 @@ def generate(name, m, outdir):
     torch.manual_seed(seed)
     model = build_model(m)
     is_moe = m.get("moe") is not None
+    # Mixtral's fused experts are written in the Hub layout by hand (save_hub_weights);
+    # Qwen2-MoE's save_pretrained writes mlp.experts.{j}.* itself.
+    hub_by_hand = is_moe and m["arch"] != "qwen2_moe"
     toks = make_tokens(m, seed)
-    if is_moe:
+    if hub_by_hand:
         save_hub_weights(
             model,
             m,
@@ -741,6 +843,14 @@ def generate(name, m, outdir):
             os.path.join(outdir, "init.safetensors"),
             os.path.join(outdir, "init_config.json"),
         )
+    if is_moe and not hub_by_hand:
+        # Qwen2-MoE: the state dict as transformers 5 holds it (experts fused), which
+        # --init also reads.
+        save_file(
+            {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+            os.path.join(outdir, "init_fused.safetensors"),
+            metadata={"format": "pt"},
+        )
     with open(os.path.join(outdir, "tokens.bin"), "wb") as f:
         f.write(toks.tobytes())
     with open(os.path.join(outdir, "model.toml"), "w") as f:
@@ -750,7 +860,8 @@ def generate(name, m, outdir):
     gaps = router_gaps(model)
     losses, norms = train(model, toks, m)
     if is_moe:
-        assert len(gaps) == TRAIN["steps"] * (TRAIN["global_batch"] // TRAIN["micro_batch"]) * m["layers"]
+        moe_layers = m["layers"] - m["moe"].get("first_dense_layers", 0)
+        assert len(gaps) == TRAIN["steps"] * (TRAIN["global_batch"] // TRAIN["micro_batch"]) * moe_layers
         assert min(gaps) > MIN_ROUTER_GAP, f"{name}: router near-tie {min(gaps)}"
     clip = m["grad_clip"]
     clipped = [n > clip for n in norms]
@@ -761,7 +872,7 @@ def generate(name, m, outdir):
     assert any(clipped), f"{name}: no step clipped (norms {norms}, clip {clip})"
     assert all(math.isfinite(x) for x in losses + norms)
 
-    if is_moe:
+    if hub_by_hand:
         save_hub_weights(model, m, os.path.join(outdir, "final.safetensors"))
     else:
         save_weights(model, os.path.join(outdir, "final.safetensors"))

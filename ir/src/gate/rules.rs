@@ -392,6 +392,21 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             eq(ins[1], sh(ins[0]), "the output gradient")?;
             eq(outs[0], sh(ins[0]), "the input gradient")
         }
+        OpKind::SigmoidMul | OpKind::SigmoidMulGrad => {
+            let (g, y) = (sh(ins[0]), sh(ins[1]));
+            if g.last() != Some(&1) || g.len() != y.len() || g[..g.len() - 1] != y[..y.len() - 1] {
+                return Err(format!(
+                    "the gate {g:?} must be the value's {y:?} with a last dim of 1"
+                ));
+            }
+            if matches!(op, OpKind::SigmoidMul) {
+                eq(outs[0], y, "the output")
+            } else {
+                eq(ins[2], y, "the output gradient")?;
+                eq(outs[0], g, "the gate gradient")?;
+                eq(outs[1], y, "the value gradient")
+            }
+        }
         OpKind::SwiGluGrad => {
             eq(ins[1], sh(ins[0]), "up")?;
             eq(ins[2], sh(ins[0]), "the output gradient")?;
@@ -515,7 +530,7 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         OpKind::SplitHeads { .. } | OpKind::MergeHeads => {
             Err("is a view and never an instruction".into())
         }
-        OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
+        OpKind::Router { top_k, .. } | OpKind::RouterGrad { top_k, .. } => {
             let fwd = matches!(op, OpKind::Router { .. });
             rank(ins[0], 3, "the router logits")?;
             let e = sh(ins[0])[2];

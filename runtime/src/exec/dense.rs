@@ -145,6 +145,10 @@ pub(super) fn run(
         OpKind::SwiGlu => {
             k::swiglu_fwd(mem.f32(ins[0]), mem.f32(ins[1]), mem.f32_mut(outs[0]));
         }
+        OpKind::SigmoidMul => {
+            let h = last(mem, ins[1]);
+            k::sigmoid_mul_fwd(mem.f32(ins[0]), mem.f32(ins[1]), h, mem.f32_mut(outs[0]));
+        }
         OpKind::GeluTanh => {
             k::gelu_tanh_fwd(mem.f32(ins[0]), mem.f32_mut(outs[0]));
         }
@@ -281,6 +285,17 @@ pub(super) fn run(
                 mem.f32(ins[0]),
                 mem.f32(ins[1]),
                 mem.f32(ins[2]),
+                mem.f32_mut(outs[0]),
+                mem.f32_mut(outs[1]),
+            );
+        }
+        OpKind::SigmoidMulGrad => {
+            let h = last(mem, ins[1]);
+            k::sigmoid_mul_bwd(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                mem.f32(ins[2]),
+                h,
                 mem.f32_mut(outs[0]),
                 mem.f32_mut(outs[1]),
             );

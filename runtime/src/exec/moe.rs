@@ -14,16 +14,17 @@ pub(super) fn run(
 ) -> Result<(), RuntimeError> {
     let (mem, tokens, mesh) = (env.mem, env.tokens, env.mesh);
     match op {
-        OpKind::Router { top_k } | OpKind::RouterGrad { top_k } => {
+        OpKind::Router { top_k, renorm } | OpKind::RouterGrad { top_k, renorm } => {
             let e = last(mem, ins[0]);
             let t = numel(mem, ins[0]) / e;
-            let k_ = *top_k as usize;
+            let (k_, renorm) = (*top_k as usize, *renorm);
             if matches!(op, OpKind::Router { .. }) {
-                k::router_fwd(
+                k::moe::router_fwd_with(
                     mem.f32(ins[0]),
                     t,
                     e,
                     k_,
+                    renorm,
                     mem.f32_mut(outs[0]),
                     mem.i32_act_mut(outs[1]),
                 );
@@ -31,12 +32,13 @@ pub(super) fn run(
                 // The selection is recomputed from the logits (it is deterministic).
                 let mut w = vec![0f32; t * k_];
                 let mut idx = vec![0i32; t * k_];
-                k::router_fwd(mem.f32(ins[0]), t, e, k_, &mut w, &mut idx);
-                k::router_bwd(
+                k::moe::router_fwd_with(mem.f32(ins[0]), t, e, k_, renorm, &mut w, &mut idx);
+                k::moe::router_bwd_with(
                     mem.f32(ins[0]),
                     t,
                     e,
                     k_,
+                    renorm,
                     &idx,
                     mem.f32(ins[1]),
                     mem.f32_mut(outs[0]),

@@ -304,7 +304,7 @@ fn attention_block(g: &Geo, m: &ModelSection, ph: &mut Phases) -> (f64, f64) {
     let attn = g.attn_f();
     let attn_b = g.attn_b();
     match arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe => {
             f += g.lin(t, g.q_l, h) + 2.0 * g.lin(t, g.kv_l, h);
             if m.qkv_bias {
                 // Qwen2's biases: read with the projections' outputs; their gradients are a
@@ -383,7 +383,7 @@ fn mlp_block(
     f += g.norm_f(norm_params);
     comm_f += g.enter_f();
     match (m.arch, moe) {
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, false) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe, false) => {
             f += 2.0 * g.lin(t, f_l, h) + g.mem(3.0 * t * f_l * a) + g.lin(t, h, f_l);
             b += g.lin_gi(t, h, f_l);
             w += g.lin_gw(t, h, f_l);
@@ -401,8 +401,26 @@ fn mlp_block(
             b += g.lin_gi(t, f_l, h);
             w += g.lin_gw(t, f_l, h) + g.mem(t * f_l * a + 2.0 * f_l * W);
         }
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, true) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
+            // Each routed expert's width on this rank (model.moe.ffn_hidden over tp).
+            let (f_l, s_l) = expert_widths(g, m, x);
+            if x.shared_ffn_hidden > 0 {
+                // The shared expert: a dense SwiGLU MLP on every token; its gate a [1, h]
+                // linear and the sigmoid scaling.
+                f += 2.0 * g.lin(t, s_l, h) + g.mem(3.0 * t * s_l * a) + g.lin(t, h, s_l);
+                b += g.lin_gi(t, h, s_l);
+                w += g.lin_gw(t, h, s_l);
+                b += g.mem(5.0 * t * s_l * a) + 2.0 * g.zero(t * s_l * a);
+                b += 2.0 * g.lin_gi(t, s_l, h) + g.grad_sum(t, h);
+                w += 2.0 * g.lin_gw(t, s_l, h);
+                if x.shared_expert_gate {
+                    f += g.lin(t, 1.0, h) + g.mem(3.0 * t * h * a);
+                    b += g.lin_gi(t, 1.0, h) + g.mem(4.0 * t * h * a);
+                    w += g.lin_gw(t, 1.0, h);
+                }
+                f += g.mem(3.0 * t * h * a);
+            }
             let (e, k) = (x.experts as f64, x.top_k as f64);
             let ep = layout.ep.max(1) as f64;
             let local = e / ep;
@@ -445,6 +463,12 @@ fn mlp_block(
     f + comm_f
 }
 
+/// A routed expert's and the shared expert's intermediate width on a rank (over tp).
+fn expert_widths(g: &Geo, m: &ModelSection, x: &megac_ir::spec::MoeSpec) -> (f64, f64) {
+    let per = g.f_l / m.ffn_hidden as f64;
+    (per * x.ffn_hidden as f64, per * x.shared_ffn_hidden as f64)
+}
+
 /// Rows of expert token buffers a MoE layer's plan reserves on a rank for one micro-batch,
 /// over all its local experts: each of the ep sources may send each expert all of its `t`
 /// tokens (dropless) or the capacity, so `experts · rows per source` on either side of the
@@ -483,7 +507,19 @@ pub(super) fn layer_cost(
             // The plan's static expert buffers hold every row a router could send (the
             // upper bound, or the capacity), not the balanced share the time assumes.
             let rows = reserved_expert_rows(g, x);
-            t * x.experts as f64 * 4.0 + rows * (h + 3.0 * g.f_l) * a + rows * h * a
+            let (e_l, s_l) = expert_widths(g, m, x);
+            // The shared expert keeps what a dense MLP does; its gate the logits and the
+            // shared expert's output.
+            let gate = if x.shared_expert_gate {
+                t * a + t * h * a
+            } else {
+                0.0
+            };
+            t * x.experts as f64 * 4.0
+                + rows * (h + 3.0 * e_l) * a
+                + rows * h * a
+                + 3.0 * t * s_l * a
+                + gate
         }
     };
     let qkv_saved = match m.arch {
@@ -506,7 +542,16 @@ pub(super) fn layer_cost(
         (_, true) => {
             let x = m.moe.as_ref().expect("moe layer has [model.moe]");
             let rows = reserved_expert_rows(g, x);
-            (rows * (h + g.f_l) * a, rows * (2.0 * g.f_l + h) * a)
+            let (e_l, s_l) = expert_widths(g, m, x);
+            let shared = if s_l > 0.0 {
+                (t * s_l * a, (2.0 * t * s_l + t * h) * a)
+            } else {
+                (0.0, 0.0)
+            };
+            (
+                rows * (h + e_l) * a + shared.0,
+                rows * (2.0 * e_l + h) * a + shared.1,
+            )
         }
     };
     // Both norms' (sequence-sharded) outputs and the attention output are linear inputs;

@@ -227,7 +227,7 @@ fn stage_params(
     let (mut dense, mut expert) = (0.0, 0.0);
     for &i in layers {
         match m.arch {
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe => {
                 dense += h * q_l + 2.0 * h * kv_l + q_l * h + 2.0 * h;
                 if m.qkv_bias {
                     dense += q_l + 2.0 * kv_l;
@@ -238,7 +238,13 @@ fn stage_params(
                 if m.is_moe_layer(i) {
                     let x = m.moe.as_ref().expect("moe layer has [model.moe]");
                     dense += h * x.experts as f64;
-                    expert += (x.experts / layout.ep.max(1)) as f64 * 3.0 * h * f_l;
+                    let (e_l, s_l) = (x.ffn_hidden as f64 / tp, x.shared_ffn_hidden as f64 / tp);
+                    expert += (x.experts / layout.ep.max(1)) as f64 * 3.0 * h * e_l;
+                    // The shared expert is a dense MLP (split over tp), its gate replicated.
+                    dense += 3.0 * h * s_l;
+                    if x.shared_expert_gate {
+                        dense += h;
+                    }
                 } else {
                     dense += 3.0 * h * f_l;
                 }
