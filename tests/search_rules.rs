@@ -209,3 +209,56 @@ fn emitted_model_toml_keeps_the_moe_keys() {
     assert!(moe.shared_expert_gate && !moe.norm_topk_prob);
     assert_eq!(moe.first_dense_layers, 2);
 }
+
+/// `megac plan --emit` keeps every model and numerics key of the new families where it
+/// differs from the family's default: Qwen3's head size and q/k norm, Qwen2's biases,
+/// Mistral's sliding window, Llama 3.1's and linear rope scaling, and fp16's loss scaler
+/// (dynamic and static). The emitted model.toml loads to the same model and training job.
+#[test]
+fn emitted_model_toml_keeps_the_family_and_numerics_keys() {
+    let cases: &[(&str, &[&str])] = &[
+        ("examples/qwen3-8b.toml", &["model.head_dim=64"]),
+        ("examples/qwen3-8b.toml", &["model.qk_norm=false"]),
+        ("examples/qwen2-7b.toml", &["model.qkv_bias=false"]),
+        ("examples/mistral-7b.toml", &[]),
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "model.rope_scaling.type=\"llama3\"",
+                "model.rope_scaling.factor=8",
+                "model.rope_scaling.low_freq_factor=1",
+                "model.rope_scaling.high_freq_factor=4",
+                "model.rope_scaling.original_max_position_embeddings=8192",
+            ],
+        ),
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "model.rope_scaling.type=\"linear\"",
+                "model.rope_scaling.factor=2",
+            ],
+        ),
+        (
+            "examples/llama3-8b.toml",
+            &[
+                "train.precision=\"fp16\"",
+                "train.initial_loss_scale=65536",
+                "train.hysteresis=3",
+            ],
+        ),
+        (
+            "examples/llama3-8b.toml",
+            &["train.precision=\"fp16\"", "train.loss_scale=1024"],
+        ),
+    ];
+    let cluster = Cluster::preset("h100-sxm").unwrap();
+    for (file, sets) in cases {
+        let spec = spec(file, sets);
+        let layout = ParallelLayout::of_spec(&spec);
+        let text = emit_model_toml(&spec, &layout, &cluster, &[]);
+        let back = megac_frontend::parse_str("emitted.toml", &text, &[])
+            .unwrap_or_else(|e| panic!("{file} {sets:?}: {}\n{text}", e.render()));
+        assert_eq!(back.model, spec.model, "{file} {sets:?}\n{text}");
+        assert_eq!(back.train, spec.train, "{file} {sets:?}\n{text}");
+    }
+}

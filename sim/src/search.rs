@@ -238,6 +238,50 @@ pub fn emit_model_toml(
     o.push_str(&format!("tie_embeddings = {}\n", m.tie_embeddings));
     o.push_str(&format!("norm_eps = {}\n", float(m.norm_eps)));
     o.push_str(&format!("rope_theta = {}\n", float(m.rope_theta)));
+    // The family keys, where they differ from the family's defaults (as the frontend reads
+    // them: Qwen3's head size is 128, the others' hidden / heads; Qwen2's q/k/v biases;
+    // Qwen3's q/k norm).
+    use megac_ir::spec::{Arch, RopeScaling};
+    let head_dim_default = if m.arch == Arch::Qwen3 {
+        128
+    } else {
+        (m.hidden / m.heads).max(1)
+    };
+    if m.head_dim != head_dim_default {
+        o.push_str(&format!("head_dim = {}\n", m.head_dim));
+    }
+    if m.qkv_bias != matches!(m.arch, Arch::Qwen2 | Arch::Qwen2Moe) {
+        o.push_str(&format!("qkv_bias = {}\n", m.qkv_bias));
+    }
+    if m.qk_norm != (m.arch == Arch::Qwen3) {
+        o.push_str(&format!("qk_norm = {}\n", m.qk_norm));
+    }
+    if let Some(w) = m.sliding_window {
+        o.push_str(&format!("sliding_window = {w}\n"));
+    }
+    if let Some(r) = &m.rope_scaling {
+        o.push_str("\n[model.rope_scaling]\n");
+        o.push_str(&format!("type = \"{}\"\n", r.type_name()));
+        match *r {
+            RopeScaling::Linear { factor } => {
+                o.push_str(&format!("factor = {}\n", float(factor)));
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                o.push_str(&format!("factor = {}\n", float(factor)));
+                o.push_str(&format!("low_freq_factor = {}\n", float(low_freq_factor)));
+                o.push_str(&format!("high_freq_factor = {}\n", float(high_freq_factor)));
+                o.push_str(&format!(
+                    "original_max_position_embeddings = {}\n",
+                    float(original_max_position_embeddings)
+                ));
+            }
+        }
+    }
     if let Some(x) = &m.moe {
         o.push_str("\n[model.moe]\n");
         o.push_str(&format!("experts = {}\n", x.experts));
@@ -280,6 +324,19 @@ pub fn emit_model_toml(
     o.push_str(&format!("weight_decay = {}\n", float(t.weight_decay)));
     o.push_str(&format!("grad_clip = {}\n", float(t.grad_clip)));
     o.push_str(&format!("recompute = \"{}\"\n", t.recompute.as_str()));
+    if let Some(ls) = &t.loss_scaler {
+        if ls.fixed {
+            o.push_str(&format!("loss_scale = {}\n", float(ls.initial_scale)));
+        } else {
+            o.push_str(&format!(
+                "initial_loss_scale = {}\n",
+                float(ls.initial_scale)
+            ));
+            o.push_str(&format!("min_loss_scale = {}\n", float(ls.min_scale)));
+            o.push_str(&format!("loss_scale_window = {}\n", ls.window));
+        }
+        o.push_str(&format!("hysteresis = {}\n", ls.hysteresis));
+    }
     if let Some(c) = &t.lr_schedule {
         o.push_str("lr_schedule = \"cosine\"\n");
         o.push_str(&format!("warmup_steps = {}\n", c.warmup_steps));
