@@ -117,6 +117,26 @@ fn family(c: &Config<'_>) -> Result<(Arch, bool), SpecError> {
 }
 
 /// The rope theta and scaling of a llama-like config (transformers 4 or 5 layout).
+/// The `[model.moe]` header both MoE families share: expert count (under the family's key),
+/// top-k (the family's default when absent), the router's auxiliary loss, no token dropping.
+fn moe_header(
+    lines: &mut Vec<String>,
+    c: &Config<'_>,
+    experts_key: &str,
+    top_k_default: u64,
+) -> Result<(), SpecError> {
+    let experts = c.need_int(experts_key)?;
+    let top_k = c.int("num_experts_per_tok")?.unwrap_or(top_k_default);
+    let aux = c.num("router_aux_loss_coef")?.unwrap_or(0.001);
+    lines.push(String::new());
+    lines.push("[model.moe]".to_string());
+    lines.push(format!("experts = {experts}"));
+    lines.push(format!("top_k = {top_k}"));
+    lines.push(format!("aux_loss_coeff = {}", fnum(aux)));
+    lines.push("capacity_factor = 0.0".to_string());
+    Ok(())
+}
+
 fn rope(c: &Config<'_>) -> Result<(f64, Option<RopeScaling>), SpecError> {
     // transformers 5: `rope_parameters` {rope_type, rope_theta, ...}; 4: `rope_theta` and
     // `rope_scaling` {type | rope_type, ...}.
@@ -337,15 +357,7 @@ pub fn import_config(file: &str, text: &str) -> Result<String, SpecError> {
             }
             Some(_) => return Err(c.refuse("mlp_only_layers", "not a list of layers")),
         };
-        let experts = c.need_int("num_experts")?;
-        let top_k = c.int("num_experts_per_tok")?.unwrap_or(4);
-        let aux = c.num("router_aux_loss_coef")?.unwrap_or(0.001);
-        lines.push(String::new());
-        lines.push("[model.moe]".to_string());
-        lines.push(format!("experts = {experts}"));
-        lines.push(format!("top_k = {top_k}"));
-        lines.push(format!("aux_loss_coeff = {}", fnum(aux)));
-        lines.push("capacity_factor = 0.0".to_string());
+        moe_header(&mut lines, &c, "num_experts", 4)?;
         lines.push(format!(
             "ffn_hidden = {}",
             c.int("moe_intermediate_size")?.unwrap_or(1408)
@@ -359,15 +371,7 @@ pub fn import_config(file: &str, text: &str) -> Result<String, SpecError> {
             lines.push(format!("first_dense_layers = {dense}"));
         }
     } else if moe {
-        let experts = c.need_int("num_local_experts")?;
-        let top_k = c.int("num_experts_per_tok")?.unwrap_or(2);
-        let aux = c.num("router_aux_loss_coef")?.unwrap_or(0.001);
-        lines.push(String::new());
-        lines.push("[model.moe]".to_string());
-        lines.push(format!("experts = {experts}"));
-        lines.push(format!("top_k = {top_k}"));
-        lines.push(format!("aux_loss_coeff = {}", fnum(aux)));
-        lines.push("capacity_factor = 0.0".to_string());
+        moe_header(&mut lines, &c, "num_local_experts", 2)?;
     }
     lines.push(String::new());
     Ok(lines.join("\n"))

@@ -138,21 +138,24 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// `nn.Linear` with bias: weight `[out, in]`, bias `[out]` (Qwen2's q, k, v).
-    fn linear_bias(
+    /// `nn.Linear`: weight `[out, in]` and, with `bias`, bias `[out]` (Qwen2's q, k, v).
+    fn linear_with(
         &mut self,
         path: &str,
         x: ValueId,
         out: (&str, u64),
         inp: (&str, u64),
+        bias: bool,
     ) -> Result<ValueId, IrError> {
-        let w = self.param(&format!("{path}.weight"), &[out, inp]);
-        let b = self.param(&format!("{path}.bias"), &[out]);
+        let mut ins = vec![x, self.param(&format!("{path}.weight"), &[out, inp])];
+        if bias {
+            ins.push(self.param(&format!("{path}.bias"), &[out]));
+        }
         self.op(
             OpKind::Linear {
                 weight: WeightLayout::OutIn,
             },
-            &[x, w, b],
+            &ins,
             path,
         )
     }
@@ -165,14 +168,7 @@ impl<'a> Builder<'a> {
         out: (&str, u64),
         inp: (&str, u64),
     ) -> Result<ValueId, IrError> {
-        let w = self.param(&format!("{path}.weight"), &[out, inp]);
-        self.op(
-            OpKind::Linear {
-                weight: WeightLayout::OutIn,
-            },
-            &[x, w],
-            path,
-        )
+        self.linear_with(path, x, out, inp, false)
     }
 
     /// GPT-2 `Conv1D`: weight `[in, out]` and bias `[out]`.
@@ -258,19 +254,10 @@ impl<'a> Builder<'a> {
 
         let xn = self.norm(&format!("{p}.input_layernorm"), x)?;
         let a = format!("{p}.self_attn");
-        let (q, k, v) = if m.qkv_bias {
-            (
-                self.linear_bias(&format!("{a}.q_proj"), xn, q_dim, ("h", h))?,
-                self.linear_bias(&format!("{a}.k_proj"), xn, kv_dim, ("h", h))?,
-                self.linear_bias(&format!("{a}.v_proj"), xn, kv_dim, ("h", h))?,
-            )
-        } else {
-            (
-                self.linear(&format!("{a}.q_proj"), xn, q_dim, ("h", h))?,
-                self.linear(&format!("{a}.k_proj"), xn, kv_dim, ("h", h))?,
-                self.linear(&format!("{a}.v_proj"), xn, kv_dim, ("h", h))?,
-            )
-        };
+        let bias = m.qkv_bias;
+        let q = self.linear_with(&format!("{a}.q_proj"), xn, q_dim, ("h", h), bias)?;
+        let k = self.linear_with(&format!("{a}.k_proj"), xn, kv_dim, ("h", h), bias)?;
+        let v = self.linear_with(&format!("{a}.v_proj"), xn, kv_dim, ("h", h), bias)?;
         let attn = self.attention_core(&a, q, k, v, true)?;
         let o = self.linear(&format!("{a}.o_proj"), attn, ("h", h), q_dim)?;
         let x = self.op(OpKind::Add, &[x, o], &format!("{p}.residual.attn"))?;
