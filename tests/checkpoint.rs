@@ -499,7 +499,9 @@ fn inspect_and_export_read_a_checkpoint() {
     ] {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
     }
-    let exported = t.path().join("export.safetensors");
+    // The step folder holds the model's Hugging Face config, which export puts beside the
+    // weights: the one --save-params wrote.
+    let exported = t.path().join("export").join("model.safetensors");
     let o = megac(&[
         "checkpoint",
         "export",
@@ -513,6 +515,13 @@ fn inspect_and_export_read_a_checkpoint() {
         std::fs::read(&params).expect("params"),
         "export differs from --save-params of the same run"
     );
+    let config = std::fs::read_to_string(t.path().join("export").join("config.json"))
+        .expect("export writes config.json beside the weights");
+    assert_eq!(
+        config,
+        std::fs::read_to_string(t.path().join("config.json")).expect("--save-params' config"),
+    );
+    assert!(config.contains("\"LlamaForCausalLM\""), "{config}");
 }
 
 /// A model whose checkpoint (26 MiB) takes longer to write than a step to train: a kill

@@ -432,3 +432,144 @@ fn pipelines_over_mpi_match_local_threads() {
         4,
     );
 }
+
+/// Distributed checkpoints across processes: each MPI rank writes its own shard file, and
+/// the checkpoint is the one the local threads write, byte for byte; it resumes bit-exactly
+/// both under MPI and on local threads, and loads into another layout under MPI.
+#[test]
+fn checkpoints_saved_over_mpi_resume_anywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.distributed_optimizer=true",
+        BATCH[0],
+        BATCH[1],
+    ];
+    let plan = compile(dir.path(), &sets);
+    let path = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+    let run = |args: &[&str]| {
+        let o = megac(args);
+        assert!(
+            o.status.success(),
+            "{args:?}: {}{}",
+            text(&o.stdout),
+            text(&o.stderr)
+        );
+    };
+    // The uninterrupted local run of 4 steps.
+    run(&[
+        "run",
+        &plan,
+        "--steps",
+        "4",
+        "--report",
+        &path("whole.json"),
+    ]);
+    // 2 steps over MPI, saved; the same 2 steps on local threads, saved.
+    let (mpi_ckpt, local_ckpt) = (path("mpi-ckpt"), path("local-ckpt"));
+    run(&[
+        "launch", "-n", "4", &plan, "--steps", "2", "--save", &mpi_ckpt,
+    ]);
+    run(&["run", &plan, "--steps", "2", "--save", &local_ckpt]);
+    let step = Path::new(&mpi_ckpt).join("step-000002");
+    let mut files: Vec<String> = std::fs::read_dir(&step)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files.iter().filter(|f| f.starts_with("rank-")).count(),
+        4,
+        "one shard file per rank: {files:?}"
+    );
+    for f in &files {
+        let theirs = Path::new(&local_ckpt).join("step-000002").join(f);
+        assert!(
+            std::fs::read(step.join(f)).unwrap() == std::fs::read(&theirs).unwrap(),
+            "{f} differs between the MPI and the local save"
+        );
+    }
+    // Resume to step 4: under MPI, and on local threads, from the MPI checkpoint.
+    run(&[
+        "launch",
+        "-n",
+        "4",
+        &plan,
+        "--steps",
+        "4",
+        "--load",
+        &mpi_ckpt,
+        "--report",
+        &path("mpi-resumed.json"),
+    ]);
+    run(&[
+        "run",
+        &plan,
+        "--steps",
+        "4",
+        "--load",
+        &mpi_ckpt,
+        "--report",
+        &path("local-resumed.json"),
+    ]);
+    let whole = steps(Path::new(&path("whole.json")));
+    for resumed in ["mpi-resumed.json", "local-resumed.json"] {
+        let got = steps(Path::new(&path(resumed)));
+        assert_eq!(got.len(), 2, "{resumed}: steps 3 and 4");
+        for (x, y) in got.iter().zip(&whole[2..]) {
+            assert_eq!(
+                x.0.to_bits(),
+                y.0.to_bits(),
+                "{resumed}: loss {got:?} vs {whole:?}"
+            );
+            assert_eq!(
+                x.1.to_bits(),
+                y.1.to_bits(),
+                "{resumed}: norm {got:?} vs {whole:?}"
+            );
+        }
+    }
+    // Into another layout (pp2 x dp2) under MPI: within the layout tolerance of that
+    // layout's uninterrupted run.
+    let other = tempfile::tempdir().unwrap();
+    let plan2 = compile(
+        other.path(),
+        &["parallel.pp=2", "parallel.dp=2", BATCH[0], BATCH[1]],
+    );
+    run(&[
+        "run",
+        &plan2,
+        "--steps",
+        "4",
+        "--report",
+        &path("whole2.json"),
+    ]);
+    run(&[
+        "launch",
+        "-n",
+        "4",
+        &plan2,
+        "--steps",
+        "4",
+        "--load",
+        &mpi_ckpt,
+        "--report",
+        &path("resharded.json"),
+    ]);
+    let (got, want) = (
+        steps(Path::new(&path("resharded.json"))),
+        steps(Path::new(&path("whole2.json"))),
+    );
+    assert_eq!(got.len(), 2);
+    for (x, y) in got.iter().zip(&want[2..]) {
+        assert!(
+            (x.0 - y.0).abs() <= 1e-5 * y.0.abs(),
+            "loss {got:?} vs {want:?}"
+        );
+        assert!(
+            (x.1 - y.1).abs() <= 1e-5 * y.1.abs(),
+            "norm {got:?} vs {want:?}"
+        );
+    }
+}

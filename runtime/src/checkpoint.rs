@@ -29,6 +29,8 @@ pub const FORMAT: &str = "megac-checkpoint/1";
 pub const INDEX: &str = "index.json";
 /// The file naming the last complete step folder.
 pub const LATEST: &str = "latest";
+/// The model's Hugging Face config in a step folder (when the run knew it).
+pub const HF_CONFIG: &str = "config.json";
 /// The checksum algorithm of the index's files.
 pub const CHECKSUM: &str = "fnv1a64-u32";
 const MAX_INDEX_BYTES: u64 = 256 << 20;
@@ -422,11 +424,14 @@ pub(crate) struct SaveLayout {
     per_rank: Vec<Vec<(Piece, u64)>>,
     /// Per rank, its file's size.
     bytes: Vec<u64>,
+    /// The model's Hugging Face `config.json`, written into every step folder (rank 0), so
+    /// that `megac checkpoint export` can put it beside the weights.
+    hf_config: Option<String>,
 }
 
 impl SaveLayout {
     /// The layout of `plan`'s checkpoints (the same on every rank).
-    pub(crate) fn new(plan: &Plan) -> Result<SaveLayout, RuntimeError> {
+    pub(crate) fn new(plan: &Plan, hf_config: Option<String>) -> Result<SaveLayout, RuntimeError> {
         let world = plan.mesh.world_size();
         let mut seen = HashSet::new();
         let mut per_rank = Vec::with_capacity(world);
@@ -453,7 +458,11 @@ impl SaveLayout {
             per_rank.push(mine);
             bytes.push(offset);
         }
-        Ok(SaveLayout { per_rank, bytes })
+        Ok(SaveLayout {
+            per_rank,
+            bytes,
+            hf_config,
+        })
     }
 
     fn index(&self, plan: &Plan, step: u64, scaler: Option<ScalerState>, sums: &[u64]) -> Index {
@@ -687,6 +696,10 @@ fn finish_writes(
     let scaler = session.scaler.as_ref().map(|s| s.state());
     let index = layout.index(session.plan, step, scaler, &sums);
     let text = serde_json::to_string_pretty(&index).expect("the index serializes") + "\n";
+    if let Some(config) = &layout.hf_config {
+        let path = tmp.join(HF_CONFIG);
+        megac_ir::file::write_atomic(&path, config).map_err(|e| io_err(&path, e))?;
+    }
     let index_path = tmp.join(INDEX);
     megac_ir::file::write_atomic(&index_path, text).map_err(|e| io_err(&index_path, e))?;
     // Mark complete: the step folder appears whole, then `latest` names it.

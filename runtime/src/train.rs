@@ -45,6 +45,9 @@ pub struct RunOptions {
     pub trace_kernels: bool,
     /// Injected faults (`--inject`): timing only, never numbers.
     pub inject: Vec<crate::scan::Inject>,
+    /// The model's Hugging Face `config.json` text: with `save`, written into every
+    /// checkpoint (for `megac checkpoint export`).
+    pub hf_config: Option<String>,
 }
 
 /// One step of the report.
@@ -793,7 +796,10 @@ fn train_rank(
         None => 0,
     };
     let save_layout = match &opts.save {
-        Some(_) => Some(crate::checkpoint::SaveLayout::new(plan)?),
+        Some(_) => Some(crate::checkpoint::SaveLayout::new(
+            plan,
+            opts.hf_config.clone(),
+        )?),
         None => None,
     };
     let mut checkpoints = Vec::new();

@@ -120,6 +120,28 @@ fn export(dir: &Path, output: &Path) -> Result<(), String> {
         .iter()
         .map(|(n, s, v)| (n.clone(), s.clone(), v.as_slice()))
         .collect();
+    // The config is read (and checked to be JSON) before anything is written.
+    let config_path = ckpt.dir.join(megac_runtime::checkpoint::HF_CONFIG);
+    let config = if config_path.is_file() {
+        let text = megac_ir::file::read_text(&config_path, megac_ir::file::MAX_CONFIG_BYTES)
+            .map_err(|e| format!("error: {}: {e}", config_path.display()))?;
+        serde_json::from_str::<serde_json::Value>(&text)
+            .map_err(|e| format!("error: {}: not JSON: {e}", config_path.display()))?;
+        Some(text)
+    } else {
+        None
+    };
+    let dir = match output.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let config_out = dir.join("config.json");
+    if config.is_some() && config_out.is_dir() {
+        return Err(format!(
+            "error: {}: is a folder; the Hugging Face config goes there",
+            config_out.display()
+        ));
+    }
     megac_runtime::hf::save_params(output, &refs).map_err(|e| format!("error: {e}"))?;
     println!(
         "exported {} tensors of step {} to {}",
@@ -127,5 +149,16 @@ fn export(dir: &Path, output: &Path) -> Result<(), String> {
         ckpt.index.step,
         output.display()
     );
+    match config {
+        Some(text) => {
+            super::output::write_file(&config_out, &text)?;
+            println!("wrote the Hugging Face config to {}", config_out.display());
+        }
+        None => println!(
+            "note: {} holds no config.json (a checkpoint from before megac saved it); \
+             only the weights were exported",
+            ckpt.dir.display()
+        ),
+    }
     Ok(())
 }

@@ -95,6 +95,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         load: args.load.clone(),
         trace_kernels: args.trace_kernels,
         inject,
+        hf_config: None,
     })
 }
 
@@ -108,8 +109,12 @@ fn lead_process() -> bool {
 
 /// `megac train MODEL.toml`: check the options and output paths, compile, run.
 pub fn train_model(model: &crate::ModelArgs, args: &RunArgs) -> Result<(), String> {
-    let opts = options(args)?;
+    let mut opts = options(args)?;
     let plan = super::compile::build_plan(model)?;
+    if opts.save.is_some() {
+        let spec = super::load_spec(model)?;
+        opts.hf_config = Some(megac_frontend::hf::export_config(&spec));
+    }
     // The compiler's own plans pass the same gate as plan files.
     let plan = CheckedPlan::check(plan)
         .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))?;
@@ -235,15 +240,25 @@ pub fn run(dir: &Path, args: &RunArgs) -> Result<(), String> {
             dir.display()
         ));
     }
-    let opts = options(args)?;
+    let mut opts = options(args)?;
     let plan = super::inspect::read_plan(dir)?;
-    execute(&plan, args, &opts)?;
-    // The Hugging Face config `megac compile` wrote beside the plan, beside the weights.
+    // The Hugging Face config `megac compile` wrote beside the plan: beside the saved
+    // weights, and into every checkpoint.
     let config = dir.join("config.json");
-    if let (Some(p), true, true) = (&args.save_params, lead_process(), config.is_file()) {
-        let text = megac_ir::file::read_text(&config, megac_ir::file::MAX_CONFIG_BYTES)
-            .map_err(|e| format!("error: {}: {e}", config.display()))?;
-        write_config_beside(p, &text)?;
+    let hf_config = if config.is_file() && (args.save_params.is_some() || args.save.is_some()) {
+        Some(
+            megac_ir::file::read_text(&config, megac_ir::file::MAX_CONFIG_BYTES)
+                .map_err(|e| format!("error: {}: {e}", config.display()))?,
+        )
+    } else {
+        None
+    };
+    if opts.save.is_some() {
+        opts.hf_config = hf_config.clone();
+    }
+    execute(&plan, args, &opts)?;
+    if let (Some(p), true, Some(text)) = (&args.save_params, lead_process(), &hf_config) {
+        write_config_beside(p, text)?;
     }
     Ok(())
 }
