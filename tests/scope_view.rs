@@ -473,16 +473,305 @@ fn the_viewer_works_in_chromium_offline() {
             _ => {}
         }
     }
-    assert!(errors.is_empty(), "console errors: {errors:#?}");
     assert_eq!(
         requests,
         vec![json!(url)],
         "the page's only request is itself"
     );
+    assert!(errors.is_empty(), "console errors: {errors:#?}");
     eprintln!(
         "viewer test: {:.1} s preparing (train, scope, view), {:.1} s in chromium; page {} bytes",
         prepared.as_secs_f64(),
         (started.elapsed() - prepared).as_secs_f64(),
         html.len()
     );
+}
+
+/// The data the page embeds (the JSON of its `megac-data` script element).
+fn page_data(html: &str) -> Value {
+    let start = html.find(r#"id="megac-data">"#).unwrap() + r#"id="megac-data">"#.len();
+    let end = start + html[start..].find("</script>").unwrap();
+    serde_json::from_str(&html[start..end]).unwrap()
+}
+
+fn megac_fails(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_megac"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "megac {args:?} succeeded");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+/// `megac scope` records its input in the probe file's metadata and the report's top-10
+/// distributions (checked against the softmax of the probed, perturbed logits); `scope view`
+/// embeds what the page needs, cuts long inputs with a note, reads files without the
+/// metadata, and refuses bad input with one error and no output file.
+#[test]
+fn scope_view_data_limits_and_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |f: &str| tmp.path().join(f).display().to_string();
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/llama");
+    let model = golden.join("model.toml").display().to_string();
+    let init = golden.join("init.safetensors").display().to_string();
+    let tokens = [3u32, 14, 15, 92, 65, 35, 89, 79];
+    let ids = "3,14,15,92,65,35,89,79";
+    megac(&[
+        "scope",
+        &model,
+        "--init",
+        &init,
+        "--tokens",
+        ids,
+        "--probe",
+        "*",
+        "--perturb",
+        "layers.0.out:noise(0.5)",
+        "--seed",
+        "7",
+        "--report",
+        &p("r.json"),
+        "-o",
+        &p("probes.safetensors"),
+    ]);
+    let bytes = std::fs::read(p("probes.safetensors")).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone().unwrap();
+    assert_eq!(meta["format"], "pt");
+    assert_eq!(meta["megac.tokens"], ids);
+    assert_eq!(meta["megac.perturb"], "layers.0.out:noise(0.5)");
+    assert_eq!(meta["megac.seed"], "7");
+    assert!(!meta.contains_key("megac.prompt"));
+
+    // The report's distributions: the perturbed run's are the softmax of the probed logits.
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = st.tensor("logits").unwrap();
+    let vocab = logits.shape()[2];
+    let logits: Vec<f32> = logits
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(p("r.json")).unwrap()).unwrap();
+    for key in ["clean_loss", "perturbed_loss", "kl", "top1_agreement"] {
+        assert!(report[key].is_f64(), "{key}");
+    }
+    for (t, pos) in report["per_position"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let row = &logits[t * vocab..(t + 1) * vocab];
+        let max = row.iter().fold(f64::MIN, |m, &x| m.max(f64::from(x)));
+        let z: f64 = row.iter().map(|&x| (f64::from(x) - max).exp()).sum();
+        let prob = |i: usize| (f64::from(row[i]) - max).exp() / z;
+        let ptop = pos["perturbed_top"].as_array().unwrap();
+        let ctop = pos["clean_top"].as_array().unwrap();
+        assert_eq!((ptop.len(), ctop.len()), (10, 10));
+        assert_eq!(ptop[0]["token"], pos["perturbed_top1"]);
+        assert_eq!(ctop[0]["token"], pos["clean_top1"]);
+        let mut last = f64::INFINITY;
+        for e in ptop {
+            let (tok, pp) = (
+                e["token"].as_u64().unwrap() as usize,
+                e["perturbed"].as_f64().unwrap(),
+            );
+            assert!(
+                (pp - prob(tok)).abs() < 1e-9,
+                "position {t} token {tok}: {pp} vs {}",
+                prob(tok)
+            );
+            assert!(pp <= last);
+            last = pp;
+        }
+        // Nothing outside the list is more likely than its last entry.
+        assert!((0..vocab).all(|i| prob(i) <= last + 1e-12 || ptop.iter().any(|e| e["token"] == i)));
+        let mut last = f64::INFINITY;
+        for e in ctop {
+            let pc = e["clean"].as_f64().unwrap();
+            assert!(pc <= last && pc > 0.0);
+            last = pc;
+        }
+    }
+
+    // The page's data: every layer's 4 heads of 8×8 (base64 float32), the lens, the logits'
+    // top 5, the tokens, the report.
+    megac(&[
+        "scope",
+        "view",
+        &p("probes.safetensors"),
+        "--report",
+        &p("r.json"),
+        "-o",
+        &p("view.html"),
+    ]);
+    let data = page_data(&std::fs::read_to_string(p("view.html")).unwrap());
+    assert_eq!(data["tokens"], json!(tokens));
+    assert_eq!(
+        (data["n"].clone(), data["shown"].clone()),
+        (json!(8), json!(8))
+    );
+    assert_eq!(data["bytes"], json!(false));
+    assert_eq!(data["notes"], json!([]));
+    let layers = data["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2);
+    assert_eq!(layers[1]["heads"], json!(4));
+    assert_eq!(
+        layers[1]["attn"].as_str().unwrap().len(),
+        (4 * 8 * 8 * 4usize).div_ceil(3) * 4
+    );
+    assert_eq!(layers[0]["lens"]["tokens"].as_array().unwrap().len(), 8 * 5);
+    assert_eq!(data["logits"]["tokens"].as_array().unwrap().len(), 8 * 5);
+    assert_eq!(
+        data["logits"]["tokens"][0],
+        report["per_position"][0]["perturbed_top1"]
+    );
+    assert_eq!(data["report"]["per_position"].as_array().unwrap().len(), 8);
+
+    // A cut: the first 3 positions, said so on the page; the report follows.
+    megac(&[
+        "scope",
+        "view",
+        &p("probes.safetensors"),
+        "--report",
+        &p("r.json"),
+        "--max-positions",
+        "3",
+        "-o",
+        &p("cut.html"),
+    ]);
+    let data = page_data(&std::fs::read_to_string(p("cut.html")).unwrap());
+    assert_eq!(data["shown"], json!(3));
+    assert_eq!(data["tokens"], json!(tokens[..3]));
+    assert_eq!(
+        data["notes"],
+        json!(["showing positions 0 to 2 of 8 (--max-positions 3)"])
+    );
+    assert_eq!(
+        data["layers"][0]["attn"].as_str().unwrap().len(),
+        (4 * 3 * 3 * 4usize).div_ceil(3) * 4
+    );
+    assert_eq!(data["report"]["per_position"].as_array().unwrap().len(), 3);
+
+    // A probe file of another megac (no metadata), attention only: positions without ids.
+    let attn = st.tensor("layers.1.attn.probs").unwrap();
+    let values: Vec<f32> = attn
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    megac_runtime::hf::save_params(
+        Path::new(&p("old.safetensors")),
+        &[(
+            "layers.1.attn.probs".to_string(),
+            attn.shape().to_vec(),
+            &values,
+        )],
+    )
+    .unwrap();
+    megac(&["scope", "view", &p("old.safetensors"), "-o", &p("old.html")]);
+    let data = page_data(&std::fs::read_to_string(p("old.html")).unwrap());
+    assert_eq!(data["tokens"], Value::Null);
+    assert_eq!(data["layers"][0]["index"], json!(1));
+    assert_eq!(data["report"], Value::Null);
+
+    // Many heads: the positions are cut so that the maps fit the budget of 2^20 values.
+    let (heads, n) = (700usize, 40usize);
+    megac_runtime::hf::save_params(
+        Path::new(&p("wide.safetensors")),
+        &[(
+            "layers.0.attn.probs".to_string(),
+            vec![1, heads, n, n],
+            &vec![0.0; heads * n * n],
+        )],
+    )
+    .unwrap();
+    megac(&[
+        "scope",
+        "view",
+        &p("wide.safetensors"),
+        "-o",
+        &p("wide.html"),
+    ]);
+    let data = page_data(&std::fs::read_to_string(p("wide.html")).unwrap());
+    let shown = ((1usize << 20) as f64 / heads as f64).sqrt().floor() as usize;
+    assert_eq!(data["shown"], json!(shown));
+    assert!(heads * shown * shown <= 1 << 20 && heads * (shown + 1) * (shown + 1) > 1 << 20);
+    let notes = data["notes"].as_array().unwrap();
+    assert_eq!(
+        notes[0],
+        json!(format!(
+            "showing positions 0 to {} of {n} (--max-positions 128)",
+            shown - 1
+        ))
+    );
+    assert!(
+        notes[1]
+            .as_str()
+            .unwrap()
+            .contains("budget of 1048576 values"),
+        "{notes:?}"
+    );
+
+    // Bad input: one error each, no page written.
+    std::fs::write(p("junk.safetensors"), b"not a safetensors file").unwrap();
+    let e = megac_fails(&[
+        "scope",
+        "view",
+        &p("junk.safetensors"),
+        "-o",
+        &p("bad.html"),
+    ]);
+    assert!(e.contains("not a valid safetensors file"), "{e}");
+    let e = megac_fails(&[
+        "scope",
+        "view",
+        &p("missing.safetensors"),
+        "-o",
+        &p("bad.html"),
+    ]);
+    assert!(e.contains("missing.safetensors"), "{e}");
+    std::fs::write(p("short.json"), r#"{"clean_loss": 1, "perturbed_loss": 1, "kl": 0, "top1_agreement": 1, "per_position": []}"#).unwrap();
+    let e = megac_fails(&[
+        "scope",
+        "view",
+        &p("probes.safetensors"),
+        "--report",
+        &p("short.json"),
+        "-o",
+        &p("bad.html"),
+    ]);
+    assert!(
+        e.contains("it has 0 positions but the probe file 8: not the same run"),
+        "{e}"
+    );
+    std::fs::write(p("broken.json"), "{\"kl\": \n").unwrap();
+    let e = megac_fails(&[
+        "scope",
+        "view",
+        &p("probes.safetensors"),
+        "--report",
+        &p("broken.json"),
+        "-o",
+        &p("bad.html"),
+    ]);
+    assert!(e.contains("broken.json:2:"), "{e}");
+    megac_runtime::hf::save_params(
+        Path::new(&p("embed.safetensors")),
+        &[("embed".to_string(), vec![1, 8, 1], &[0.0; 8])],
+    )
+    .unwrap();
+    let e = megac_fails(&[
+        "scope",
+        "view",
+        &p("embed.safetensors"),
+        "-o",
+        &p("bad.html"),
+    ]);
+    assert!(e.contains("nothing to show"), "{e}");
+    assert!(!Path::new(&p("bad.html")).exists());
 }
