@@ -7,7 +7,8 @@
 //! and no exception; no network request but the page's own file; and each interaction (the
 //! layer slider, hovering a query token, clicking a head, selecting a position in the lens
 //! table, clicking the KL strip) changes what the page draws (hashes of every canvas's
-//! pixels, the page's text). Without Chromium the test is skipped with a message, unless
+//! pixels, the page's text). Pages of partial probe files (attention only, lens only) load
+//! too and say what is missing. Without Chromium the test is skipped with a message, unless
 //! MEGAC_REQUIRE_CHROMIUM=1 (scripts/test.sh sets it), where it fails.
 
 use std::fs::File;
@@ -325,6 +326,28 @@ fn the_viewer_works_in_chromium_offline() {
     for remote in ["http://", "https://", "//cdn", "<link", "src="] {
         assert!(!html.contains(remote), "the page mentions {remote}");
     }
+    // Two partial pages: attention only (no lens, no logits, no report), and the lens only.
+    for (name, probe) in [("attn", "layers.*.attn.probs"), ("lens", "layers.*.lens")] {
+        megac(&[
+            "scope",
+            model,
+            "--init",
+            &p("init.safetensors"),
+            "--prompt",
+            "The cat",
+            "--probe",
+            probe,
+            "-o",
+            &p(&format!("{name}.safetensors")),
+        ]);
+        megac(&[
+            "scope",
+            "view",
+            &p(&format!("{name}.safetensors")),
+            "-o",
+            &p(&format!("{name}.html")),
+        ]);
+    }
     let prepared = started.elapsed();
 
     let mut b = Browser::launch(&exe);
@@ -446,7 +469,28 @@ fn the_viewer_works_in_chromium_offline() {
     let after = b.eval("[...document.querySelectorAll('#dists canvas')].map((c) => c.toDataURL())");
     assert_ne!(before, after, "the distributions are redrawn");
 
-    // Nothing went wrong, and nothing was fetched but the page itself.
+    // The partial pages load and say what is missing.
+    let mut urls = vec![json!(url)];
+    for (name, missing, present) in [
+        ("attn", "lens-section", "#heads canvas"),
+        ("lens", "attn-section", "#lens td"),
+    ] {
+        let page = format!("file://{}", p(&format!("{name}.html")));
+        let from = b.events.len();
+        b.call("Page.navigate", json!({ "url": page }));
+        b.wait_event("Page.loadEventFired", from);
+        assert_eq!(b.eval("document.body.dataset.ready"), json!("1"), "{name}");
+        let text = b.eval(&format!("document.getElementById('{missing}').textContent"));
+        assert!(
+            text.as_str().unwrap().contains("the probe file has no"),
+            "{name}: {text}"
+        );
+        let count = b.eval(&format!("document.querySelectorAll('{present}').length"));
+        assert!(count.as_u64().unwrap() > 0, "{name}: {present}");
+        urls.push(json!(page));
+    }
+
+    // Nothing went wrong, and nothing was fetched but the pages themselves.
     b.eval("0");
     let mut errors = Vec::new();
     let mut requests = Vec::new();
@@ -473,11 +517,7 @@ fn the_viewer_works_in_chromium_offline() {
             _ => {}
         }
     }
-    assert_eq!(
-        requests,
-        vec![json!(url)],
-        "the page's only request is itself"
-    );
+    assert_eq!(requests, urls, "each page's only request is itself");
     assert!(errors.is_empty(), "console errors: {errors:#?}");
     eprintln!(
         "viewer test: {:.1} s preparing (train, scope, view), {:.1} s in chromium; page {} bytes",
