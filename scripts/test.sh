@@ -4,7 +4,9 @@
 #
 #   1. System packages for the `mpi` feature and its tests: openmpi-bin (mpirun),
 #      libopenmpi-dev (mpicc and headers, for the `mpi` crate's build script), libclang-dev
-#      (bindgen, in that build script), iproute2 (`ip`, for scripts/two-nodes.sh, as root).
+#      (bindgen, in that build script), iproute2 (`ip`, for scripts/two-nodes.sh, as root),
+#      chromium (as root; the viewer's browser test, tests/scope_view.rs, then fails rather
+#      than skips without it: MEGAC_REQUIRE_CHROMIUM=1).
 #      Only what is missing is installed, with apt-get, and only as root; without root and
 #      with something missing it stops at once and prints the install line.
 #      Then NVRTC for the CUDA kernel test: the PyPI wheel nvidia-cuda-nvrtc, into
@@ -39,6 +41,10 @@ command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
 have_libclang || missing+=(libclang-dev)
 if $root; then
   command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  # Debian's Chromium, for the viewer's browser test (tests/scope_view.rs), which then must
+  # run rather than skip.
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  export MEGAC_REQUIRE_CHROMIUM=1
 fi
 if ((${#missing[@]})); then
   if ! $root; then

@@ -252,11 +252,12 @@ enum Command {
     Generate(commands::generate::GenerateArgs),
     /// Run a model forward on one input and write the activations at named probe points
     /// (residual stream, attention probabilities, attention and MLP outputs, logits) to a
-    /// safetensors file; optionally perturbed, with a clean-vs-perturbed report.
+    /// safetensors file; optionally perturbed, with a clean-vs-perturbed report. `megac scope
+    /// view` renders such a file as one self-contained HTML page.
     #[command(
-        after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe embed --probe 'layers.*.attn.probs' --probe logits -o probes.safetensors\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe logits -o out.safetensors --perturb 'layers.0.out:noise(0.5)' --report r.json"
+        after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe embed --probe 'layers.*.attn.probs' --probe logits -o probes.safetensors\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe logits -o out.safetensors --perturb 'layers.0.out:noise(0.5)' --report r.json\n  megac scope view out.safetensors --report r.json -o view.html"
     )]
-    Scope(commands::scope::ScopeArgs),
+    Scope(commands::scope::ScopeCli),
     /// MegaScan: align the clocks of a traced run's ranks (`--trace DIR`), find slow ranks and
     /// slow links, and merge the ranks into one Perfetto timeline.
     #[command(
@@ -293,7 +294,7 @@ fn main() -> ExitCode {
         Command::Passes => commands::passes::run(),
         Command::ImportHf { config, out } => commands::import_hf::run(&config, &out),
         Command::Generate(args) => commands::generate::run(&args),
-        Command::Scope(args) => commands::scope::run(&args),
+        Command::Scope(cli) => commands::scope::run_cli(&cli),
         Command::CheckPlan { plan } => commands::check_plan::run(&plan),
         Command::Schedule {
             model,

@@ -382,6 +382,17 @@ pub fn save_params(
     path: &Path,
     tensors: &[(String, Vec<usize>, &[f32])],
 ) -> Result<(), RuntimeError> {
+    save_params_with_metadata(path, tensors, &[])
+}
+
+/// [`save_params`] with more string entries in the header's `__metadata__` (after
+/// `"format": "pt"`, which a `"format"` entry here replaces), e.g. the input tokens of a
+/// `megac scope` probe file. safetensors readers ignore entries they do not know.
+pub fn save_params_with_metadata(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, &[f32])],
+    metadata: &[(String, String)],
+) -> Result<(), RuntimeError> {
     let err = |message: String| RuntimeError::Params {
         path: path.display().to_string(),
         message,
@@ -391,10 +402,12 @@ pub fn save_params(
     order.sort_by(|&a, &b| tensors[a].0.cmp(&tensors[b].0));
     let mut seen = HashMap::new();
     let mut header = serde_json::Map::new();
-    header.insert(
-        "__metadata__".to_string(),
-        serde_json::json!({ "format": "pt" }),
-    );
+    let mut meta = serde_json::Map::new();
+    meta.insert("format".to_string(), "pt".into());
+    for (key, value) in metadata {
+        meta.insert(key.clone(), value.clone().into());
+    }
+    header.insert("__metadata__".to_string(), meta.into());
     let mut offset = 0usize;
     for &i in &order {
         let (name, shape, data) = &tensors[i];

@@ -16,6 +16,7 @@ pub mod run;
 pub mod scan;
 pub mod schedule;
 pub mod scope;
+pub mod scope_view;
 pub mod simulate;
 
 use megac_ir::plan::LrSchedule;

@@ -6,11 +6,48 @@ use megac_runtime::infer::{compare, with_ranks, Perturbation};
 
 use crate::ModelArgs;
 
+/// `megac scope`: a probe run, or `megac scope view` (no options may come before `view`).
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct ScopeCli {
+    #[command(subcommand)]
+    pub action: Option<ScopeAction>,
+    #[command(flatten)]
+    pub args: Option<ScopeArgs>,
+}
+
+/// The subcommands of `megac scope`.
+#[derive(clap::Subcommand)]
+pub enum ScopeAction {
+    /// Write one self-contained HTML page (no network access: everything inline) showing a
+    /// probe file: the tokens, attention heads per layer, the logit lens, and with --report
+    /// the clean vs perturbed next-token distributions.
+    #[command(
+        after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --prompt 'Hello, world' --probe '*' -o probes.safetensors\n  megac scope view probes.safetensors -o view.html"
+    )]
+    View(super::scope_view::ViewArgs),
+}
+
+/// `megac scope` or `megac scope view`.
+pub fn run_cli(cli: &ScopeCli) -> Result<(), String> {
+    match (&cli.action, &cli.args) {
+        (Some(ScopeAction::View(view)), _) => super::scope_view::run(view),
+        (None, Some(args)) => run(args),
+        (None, None) => Err("error: megac scope needs MODEL.toml and its options, or `view` (see megac scope --help)".into()),
+    }
+}
+
 /// Options of `megac scope`.
 #[derive(clap::Args)]
 pub struct ScopeArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
+    /// Path to the model description (see docs/model-toml.md).
+    // ModelArgs's fields, not flattened: clap finds an optional flattened group
+    // (ScopeCli::args) only when its own fields are plain arguments.
+    #[arg(value_name = "MODEL.toml")]
+    pub model: PathBuf,
+    /// Override a model.toml key, e.g. `--set parallel.tp=2` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
     /// The weights (a Hugging Face safetensors file, save_pretrained layout).
     #[arg(long, value_name = "FILE.safetensors")]
     pub init: PathBuf,
@@ -62,7 +99,10 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
         super::output::check_file("--report", r)?;
     }
     let tokens = super::generate::prompt_tokens(args.prompt.as_deref(), args.tokens.as_deref())?;
-    let plan = super::generate::compile_forward(&args.model)?;
+    let plan = super::generate::compile_forward(&ModelArgs {
+        model: args.model.clone(),
+        sets: args.sets.clone(),
+    })?;
     let (probes, report) = with_ranks(&plan, &args.init, |inf| {
         if perturbations.is_empty() {
             return Ok((inf.probe(&tokens, &args.probes)?, None));
@@ -72,19 +112,20 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
         inf.set_perturbations(&perturbations, args.seed)?;
         let probes = inf.probe(&tokens, &args.probes)?;
         let perturbed = inf.logits(&tokens)?;
-        Ok((
-            probes,
-            Some(compare(&tokens, &clean, &perturbed, inf.vocab())),
-        ))
+        let report = compare(&tokens, &clean, &perturbed, inf.vocab());
+        let tops = top_k_pairs(&clean, &perturbed, inf.vocab(), REPORT_TOP_K);
+        Ok((probes, Some((report, tops))))
     })
     .map_err(|e| format!("error: {e}"))?;
-    if let (Some(path), Some(r)) = (&args.report, &report) {
+    if let (Some(path), Some((r, tops))) = (&args.report, &report) {
         let per: Vec<serde_json::Value> = r
             .per_position
             .iter()
+            .zip(tops)
             .enumerate()
-            .map(|(t, (kl, a, b))| {
-                serde_json::json!({"position": t, "kl": kl, "clean_top1": a, "perturbed_top1": b})
+            .map(|(t, ((kl, a, b), (clean_top, perturbed_top)))| {
+                serde_json::json!({"position": t, "kl": kl, "clean_top1": a, "perturbed_top1": b,
+                    "clean_top": clean_top, "perturbed_top": perturbed_top})
             })
             .collect();
         let json = serde_json::json!({
@@ -100,7 +141,26 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
         .iter()
         .map(|p| (p.name.clone(), p.shape.clone(), &p.values[..]))
         .collect();
-    megac_runtime::hf::save_params(&args.output, &tensors).map_err(|e| format!("error: {e}"))?;
+    let mut metadata = vec![
+        (
+            "megac.tokens".to_string(),
+            tokens
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
+        ("megac.model".to_string(), args.model.display().to_string()),
+    ];
+    if let Some(prompt) = &args.prompt {
+        metadata.push(("megac.prompt".to_string(), prompt.clone()));
+    }
+    if !args.perturb.is_empty() {
+        metadata.push(("megac.perturb".to_string(), args.perturb.join("\n")));
+        metadata.push(("megac.seed".to_string(), args.seed.to_string()));
+    }
+    megac_runtime::hf::save_params_with_metadata(&args.output, &tensors, &metadata)
+        .map_err(|e| format!("error: {e}"))?;
     println!(
         "wrote {}: {} probe(s) of {} token(s): {}",
         args.output.display(),
@@ -113,4 +173,36 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
             .join(", ")
     );
     Ok(())
+}
+
+/// How many tokens the report lists per position, most likely first (`clean_top`,
+/// `perturbed_top`).
+pub const REPORT_TOP_K: usize = 10;
+
+/// Per position, the `k` most likely next tokens of the clean and of the perturbed logits
+/// (`n` rows of `vocab`; softmax in float64; the lowest id first on a tie), each entry with
+/// both runs' probabilities of that token: `{"token", "clean", "perturbed"}`.
+fn top_k_pairs(
+    clean: &[f32],
+    perturbed: &[f32],
+    vocab: usize,
+    k: usize,
+) -> Vec<(Vec<serde_json::Value>, Vec<serde_json::Value>)> {
+    let rows = clean.len() / vocab.max(1);
+    (0..rows)
+        .map(|t| {
+            let range = t * vocab..(t + 1) * vocab;
+            let (pc, pp) = (
+                super::scope_view::softmax(&clean[range.clone()]),
+                super::scope_view::softmax(&perturbed[range]),
+            );
+            let entries = |by: &[f64]| -> Vec<serde_json::Value> {
+                super::scope_view::top_k(by, k)
+                    .into_iter()
+                    .map(|i| serde_json::json!({"token": i, "clean": pc[i], "perturbed": pp[i]}))
+                    .collect()
+            };
+            (entries(&pc), entries(&pp))
+        })
+        .collect()
 }
