@@ -90,8 +90,7 @@ impl Perturber {
                     .into(),
             ));
         }
-        let (all, _) = segments_of(role);
-        let all: Vec<Segment<'_>> = all;
+        let (all, _): (Vec<Segment<'_>>, _) = segments_of(role);
         let ps: Vec<Perturbation> = perturbations
             .iter()
             .map(|p| p.perturbation.clone())
