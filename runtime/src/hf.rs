@@ -219,6 +219,30 @@ pub fn load_params_from_bytes(
     Ok(values)
 }
 
+/// The tensor `name` of the safetensors file at `path` (F32, F16 or BF16, as f32): its
+/// shape and row-major values (`--perturb POINT:patch(FILE)` reads probe files with it).
+pub fn load_tensor(path: &Path, name: &str) -> Result<(Vec<usize>, Vec<f32>), RuntimeError> {
+    let err = |message: String| RuntimeError::Params {
+        path: path.display().to_string(),
+        message,
+    };
+    let bytes = read_file(path).map_err(err)?;
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| err(format!("not a valid safetensors file: {e}")))?;
+    let view = file.tensor(name).map_err(|_| {
+        let mut names: Vec<String> = file.names().into_iter().map(String::from).collect();
+        names.sort();
+        err(format!("has no tensor `{name}` (it has {})", list(&names)))
+    })?;
+    if !matches!(view.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+        return Err(err(format!(
+            "{name} has dtype {:?} (supported: F32, F16, BF16)",
+            view.dtype()
+        )));
+    }
+    Ok((view.shape().to_vec(), to_f32(view.dtype(), view.data())))
+}
+
 /// transformers 5 stores Mixtral's experts fused per layer: `model.layers.{i}.mlp.gate.weight`
 /// (the router), `mlp.experts.gate_up_proj` `[E, 2·ffn, h]` (rows `0..ffn` are w1, the gate;
 /// rows `ffn..2·ffn` are w3, the up projection) and `mlp.experts.down_proj` `[E, h, ffn]` (w2).

@@ -9,8 +9,8 @@
 //! forward pipeline), and the logits and probed tensors are gathered to their global shape
 //! from the buffers' layouts and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
 //! padded with token 0, which changes no logit at its real positions because attention is
-//! causal (and MoE routing is per token and dropless). Each new token reruns the forward over
-//! the whole prefix: there is no KV cache yet.
+//! causal (and MoE routing is per token and dropless). [`Inference::generate`] reruns the
+//! forward over the whole prefix for each new token; [`crate::kv`] decodes with a KV cache.
 
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::{BufId, Instr};
@@ -21,7 +21,7 @@ use crate::train::Session;
 
 /// A plan loaded with weights, ready to run forward.
 pub struct Inference<'p> {
-    session: Session<'p>,
+    pub(crate) session: Session<'p>,
     /// This rank's forward segments in the order it runs them: (pipeline chunk or None,
     /// instructions); the one with the loss ends at the logits' writer.
     segments: Vec<Segment<'p>>,
@@ -30,8 +30,8 @@ pub struct Inference<'p> {
     logits: BufId,
     /// Whether this rank computes the logits (the last pipeline stage; every tp rank).
     owns_logits: bool,
-    /// Perturbations of activations: (chunk, instruction) after which buffer gets `kind`.
-    act_perturb: Vec<(At, BufId, String, PerturbKind)>,
+    /// Perturbations of activations, each after the instruction that writes its buffer.
+    act_perturb: Vec<ActPerturb>,
     /// Perturbations of weights: parameter buffer, name, kind.
     weight_perturb: Vec<(BufId, String, PerturbKind)>,
     /// Seed of the perturbations.
@@ -43,7 +43,7 @@ pub struct Inference<'p> {
 }
 
 /// A forward segment: the pipeline chunk (None: an unpipelined role) and its instructions.
-type Segment<'p> = (Option<u32>, &'p [Instr]);
+pub(crate) type Segment<'p> = (Option<u32>, &'p [Instr]);
 
 /// A forward program cut after the instruction that writes the logits (the cross-entropy's
 /// first operand), if the program computes the loss: (the cut program, the logits).
@@ -69,7 +69,7 @@ fn cut_at_logits(program: &[Instr]) -> Option<(&[Instr], BufId)> {
 
 /// The forward segments of `role`: its chunks' forward programs by ascending chunk, or the
 /// micro-batch program; the one that computes the loss cut at the logits.
-fn segments_of(role: &megac_ir::plan::Role) -> (Vec<Segment<'_>>, Option<BufId>) {
+pub(crate) fn segments_of(role: &megac_ir::plan::Role) -> (Vec<Segment<'_>>, Option<BufId>) {
     let mut logits = None;
     let mut out = Vec::new();
     match &role.pipeline {
@@ -166,6 +166,69 @@ impl<'p> Inference<'p> {
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
         Self::supports(plan)?;
+        let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
+        Self::from_session(plan, session)
+    }
+
+    /// As [`Inference::with_comm`], with the weights copied from `other`'s session (a plan
+    /// of the same model and layout on the same rank, e.g. compiled for another `seq_len`):
+    /// every parameter of the same name and local size; one `other` does not hold is an
+    /// error, one of another size (GPT-2's position table) is left as initialised.
+    pub fn with_params_of(
+        plan: &'p CheckedPlan,
+        other: &mut Inference<'_>,
+        comm: Box<dyn crate::comm::Communicator>,
+    ) -> Result<Self, RuntimeError> {
+        Self::supports(plan)?;
+        let mut session = Session::with_comm(plan, "synthetic", None, comm)?;
+        let src = &other.session;
+        for p in &plan.params {
+            let held: Vec<BufId> = std::iter::once(p.buffer)
+                .chain(p.tied_copies.iter().copied())
+                .filter(|&b| session.mem.holds(b))
+                .collect();
+            if held.is_empty() {
+                continue;
+            }
+            let from = src
+                .plan
+                .params
+                .iter()
+                .find(|q| q.name == p.name)
+                .and_then(|q| {
+                    std::iter::once(q.buffer)
+                        .chain(q.tied_copies.iter().copied())
+                        .find(|&b| src.mem.holds(b))
+                })
+                .ok_or_else(|| {
+                    RuntimeError::Plan(format!(
+                        "rank {}: the plans place parameter `{}` on different pipeline stages",
+                        session.comm.rank(),
+                        p.name
+                    ))
+                })?;
+            let values = src.mem.read_f32(from);
+            for b in held {
+                if session.mem.buffer(b).len() == values.len() as u64 {
+                    session.mem.write_f32(b, &values);
+                }
+            }
+        }
+        Self::from_session(plan, session)
+    }
+
+    /// This rank's values of parameter `name` (None where it holds none).
+    pub fn param_values(&self, name: &str) -> Option<Vec<f32>> {
+        let p = self.session.plan.params.iter().find(|p| p.name == name)?;
+        std::iter::once(p.buffer)
+            .chain(p.tied_copies.iter().copied())
+            .find(|&b| self.session.mem.holds(b))
+            .map(|b| self.session.mem.read_f32(b))
+    }
+
+    /// An inference over `session`'s memory and weights.
+    fn from_session(plan: &'p CheckedPlan, session: Session<'p>) -> Result<Self, RuntimeError> {
+        let comm = &session.comm;
         let role = plan
             .rank_to_role
             .get(comm.rank())
@@ -198,7 +261,6 @@ impl<'p> Inference<'p> {
                 plan.batch.vocab
             )));
         }
-        let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
         Ok(Inference {
             session,
             segments,
@@ -256,9 +318,21 @@ impl<'p> Inference<'p> {
     pub fn run_with(
         &mut self,
         tokens: &[u32],
+        visit: impl FnMut(Option<u32>, usize, &Instr, &crate::memory::Memory),
+    ) -> Result<(), RuntimeError> {
+        self.run_inner(tokens, None, visit)
+    }
+
+    /// [`Inference::run_with`], with the position-dependent instructions run by `kv` (at its
+    /// offset, through its cache) when given.
+    fn run_inner(
+        &mut self,
+        tokens: &[u32],
+        mut kv: Option<&mut crate::kv::KvCache>,
         mut visit: impl FnMut(Option<u32>, usize, &Instr, &crate::memory::Memory),
     ) -> Result<(), RuntimeError> {
         self.check_tokens(tokens)?;
+        let (plan, rank) = (self.session.plan, self.session.comm.rank());
         let (mb, s) = (self.session.plan.batch.micro_batch as usize, self.context());
         let mut ids = vec![0i32; mb * s];
         for (x, &t) in ids.iter_mut().zip(tokens) {
@@ -285,17 +359,30 @@ impl<'p> Inference<'p> {
                 self.session.mem.set_slot(c, 0);
             }
             for (i, instr) in program.iter().enumerate() {
-                if let Err(e) = self.session.run(std::slice::from_ref(instr), &ctx) {
+                let done = match kv.as_deref_mut() {
+                    Some(kv) => kv.run(instr, &mut self.session.mem, plan, rank),
+                    None => Ok(false),
+                };
+                let done = match done {
+                    Ok(true) => Ok(()),
+                    Ok(false) => self.session.run(std::slice::from_ref(instr), &ctx),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = done {
                     result = Err(e);
                     break 'run;
                 }
-                for (at, b, name, kind) in &self.act_perturb {
-                    if *at == (chunk, i) {
+                for a in &self.act_perturb {
+                    if a.at == (chunk, i) {
                         // The real tokens' rows only (the padding stays as it is).
-                        let n = tokens.len() * row_len(&self.session.mem, *b);
-                        let mut x = self.session.mem.read_f32(*b);
-                        apply(kind, &mut x[..n], stream_seed(self.perturb_seed, name));
-                        self.session.mem.write_f32(*b, &x);
+                        let n = tokens.len() * row_len(&self.session.mem, a.buf);
+                        let mut x = self.session.mem.read_f32(a.buf);
+                        let seed = stream_seed(self.perturb_seed, &a.name);
+                        if let Err(e) = a.action.apply(&mut x[..n], seed) {
+                            result = Err(e);
+                            break 'run;
+                        }
+                        self.session.mem.write_f32(a.buf, &x);
                     }
                 }
                 visit(chunk, i, instr, &self.session.mem);
@@ -428,6 +515,21 @@ impl<'p> Inference<'p> {
     /// The logits of every position of `tokens`: `tokens.len()` rows of `vocab()` values.
     pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
         self.run_with(tokens, |_, _, _, _| {})?;
+        self.read_logits(tokens.len())
+    }
+
+    /// As [`Inference::logits`], the positions starting at `kv`'s offset, through its cache.
+    pub(crate) fn logits_kv(
+        &mut self,
+        tokens: &[u32],
+        kv: &mut crate::kv::KvCache,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        self.run_inner(tokens, Some(kv), |_, _, _, _| {})?;
+        self.read_logits(tokens.len())
+    }
+
+    /// The first `n` rows of the last run's logits, gathered.
+    fn read_logits(&mut self, n: usize) -> Result<Vec<f32>, RuntimeError> {
         let local = if self.owns_logits {
             self.session.mem.read_f32(self.logits)
         } else {
@@ -438,9 +540,23 @@ impl<'p> Inference<'p> {
         let v = self.vocab();
         Ok(all
             .chunks(self.row)
-            .take(tokens.len())
+            .take(n)
             .flat_map(|r| r[..v].iter().copied())
             .collect())
+    }
+
+    /// Check that `prompt` and `max_new` new tokens fit the vocabulary and the context.
+    pub fn check_generation(&self, prompt: &[u32], max_new: usize) -> Result<(), RuntimeError> {
+        self.check_tokens(prompt)?;
+        if prompt.len() + max_new > self.context() {
+            return Err(RuntimeError::Unsupported(format!(
+                "{} prompt tokens + {max_new} new tokens do not fit the model's context of \
+                 seq_len = {} tokens",
+                prompt.len(),
+                self.context()
+            )));
+        }
+        Ok(())
     }
 
     /// Generate up to `max_new` tokens after `prompt` (fewer if the context fills: an error
@@ -451,15 +567,7 @@ impl<'p> Inference<'p> {
         max_new: usize,
         sampling: &Sampling,
     ) -> Result<Generated, RuntimeError> {
-        self.check_tokens(prompt)?;
-        if prompt.len() + max_new > self.context() {
-            return Err(RuntimeError::Unsupported(format!(
-                "{} prompt tokens + {max_new} new tokens do not fit the model's context of \
-                 seq_len = {} tokens",
-                prompt.len(),
-                self.context()
-            )));
-        }
+        self.check_generation(prompt, max_new)?;
         let start = std::time::Instant::now();
         let mut rng = SplitMix64(sampling.seed);
         let mut seq = prompt.to_vec();
@@ -567,7 +675,7 @@ pub struct Probe {
 }
 
 /// Where a probe point is: (pipeline chunk or None, instruction index in its segment).
-type At = (Option<u32>, usize);
+pub(crate) type At = (Option<u32>, usize);
 
 /// What a probe point reads of its instruction, after the instruction has run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -583,6 +691,9 @@ enum Site {
     /// The logit lens of the instruction's result (a layer's output): the final norm and
     /// the output layer applied to it, top-k tokens and probabilities.
     Lens,
+    /// The attention's output per query head `[b, s, heads, head_dim]`, before the heads
+    /// are merged for the output projection (a perturbation point, not a probe).
+    Heads,
 }
 
 /// The transformer layer a provenance path names (`model.layers.3.mlp` or `transformer.h.3.mlp`).
@@ -617,8 +728,20 @@ pub fn glob(pattern: &str, name: &str) -> bool {
 impl Inference<'_> {
     /// Every probe point of the model, in forward order: (name, (chunk, instruction), site).
     fn sites(&self) -> Vec<(String, At, Site)> {
+        sites_of(&self.all)
+            .into_iter()
+            .filter(|(_, _, site)| *site != Site::Heads)
+            .collect()
+    }
+}
+
+/// Every point of the forward `all` (its chunks' segments), in forward order: (name,
+/// (chunk, instruction), site); the probe points and `layers.{i}.attn`, the attention's
+/// per-head output (a perturbation point only).
+fn sites_of(all: &[Segment<'_>]) -> Vec<(String, At, Site)> {
+    {
         let mut out = Vec::new();
-        for (chunk, program) in &self.all {
+        for (chunk, program) in all {
             for (i, instr) in program.iter().enumerate() {
                 let i = (*chunk, i);
                 let Instr::Kernel { op, path, .. } = instr else {
@@ -639,6 +762,7 @@ impl Inference<'_> {
                     }
                     (OpKind::CausalAttention { .. }, Some(l)) => {
                         out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
+                        out.push((format!("layers.{l}.attn"), i, Site::Heads));
                     }
                     (OpKind::Linear { .. }, Some(l))
                         if path.ends_with(".block_sparse_moe.gate") =>
@@ -649,7 +773,7 @@ impl Inference<'_> {
                 }
             }
         }
-        if let Some((chunk, program)) = self.all.last() {
+        if let Some((chunk, program)) = all.last() {
             out.push((
                 "logits".to_string(),
                 (*chunk, program.len() - 1),
@@ -660,7 +784,9 @@ impl Inference<'_> {
         out.sort_by_key(|(name, _, _)| name != "embed");
         out
     }
+}
 
+impl Inference<'_> {
     /// The names of every probe point, in forward order.
     pub fn probe_names(&self) -> Vec<String> {
         self.sites().into_iter().map(|(n, _, _)| n).collect()
@@ -704,7 +830,7 @@ impl Inference<'_> {
                 let buf = match site {
                     Site::Input(k) => inputs[*k],
                     Site::Output(k) => outputs[*k],
-                    Site::Softmax | Site::Lens => outputs[0],
+                    Site::Softmax | Site::Lens | Site::Heads => outputs[0],
                     Site::Probs => {
                         let q = &plan.buffers[inputs[0] as usize];
                         let k = &plan.buffers[inputs[1] as usize];
@@ -740,7 +866,7 @@ impl Inference<'_> {
             let buf = match site {
                 Site::Input(k) => inputs[*k],
                 Site::Output(k) => outputs[*k],
-                Site::Softmax | Site::Lens => outputs[0],
+                Site::Softmax | Site::Lens | Site::Heads => outputs[0],
                 Site::Probs => {
                     // [1, heads, n, n], the heads split as q's.
                     let q = &plan.buffers[inputs[0] as usize];
@@ -900,6 +1026,11 @@ pub enum PerturbKind {
     Scale(f64),
     /// Flip one random bit of the field in each element with probability `rate`.
     Bitflip(BitField, f64),
+    /// Zero one query head's output (`layers.{i}.attn` only): attention knockout.
+    ZeroHead(u64),
+    /// Replace the activation by the tensor of the point's name in a probe file (`megac
+    /// scope -o`) of another input of the same length: activation patching.
+    Patch(std::path::PathBuf),
 }
 
 /// The bits of an IEEE-754 float32 a bit flip picks from.
@@ -924,19 +1055,32 @@ pub struct Perturbation {
 
 impl Perturbation {
     /// Parse `POINT:KIND`, KIND one of `noise(SIGMA)`, `scale(X)`,
-    /// `bitflip(sign|exponent|mantissa, RATE)`.
+    /// `bitflip(sign|exponent|mantissa, RATE)`, `zero-head(HEAD)`, `patch(FILE)`.
     pub fn parse(text: &str) -> Result<Perturbation, String> {
         let bad = |why: &str| {
             format!(
                 "--perturb {text}: {why} (expected POINT:KIND, KIND one of noise(SIGMA), \
-                 scale(X), bitflip(sign|exponent|mantissa, RATE))"
+                 scale(X), bitflip(sign|exponent|mantissa, RATE), zero-head(HEAD), \
+                 patch(FILE))"
             )
         };
-        let (point, kind) = text.rsplit_once(':').ok_or_else(|| bad("no `:`"))?;
+        let (point, kind) = text.split_once(':').ok_or_else(|| bad("no `:`"))?;
         let (name, args) = kind
             .strip_suffix(')')
             .and_then(|k| k.split_once('('))
             .ok_or_else(|| bad(&format!("`{kind}` is not KIND(ARGS)")))?;
+        if name.trim() == "patch" {
+            if args.trim().is_empty() {
+                return Err(bad("patch needs a FILE"));
+            }
+            if point.is_empty() {
+                return Err(bad("no point"));
+            }
+            return Ok(Perturbation {
+                point: point.to_string(),
+                kind: PerturbKind::Patch(args.trim().into()),
+            });
+        }
         let args: Vec<&str> = args.split(',').map(str::trim).collect();
         let num = |s: &str| -> Result<f64, String> {
             s.parse::<f64>()
@@ -953,6 +1097,10 @@ impl Perturbation {
                 PerturbKind::Noise(s)
             }
             ("scale", [x]) => PerturbKind::Scale(num(x)?),
+            ("zero-head", [h]) => PerturbKind::ZeroHead(
+                h.parse::<u64>()
+                    .map_err(|_| bad(&format!("`{h}` is not a head index")))?,
+            ),
             ("bitflip", [field, rate]) => {
                 let field = match *field {
                     "sign" => BitField::Sign,
@@ -990,7 +1138,7 @@ impl Perturbation {
 /// The random stream of a perturbation: a function of the seed and the point's name only,
 /// so the same perturbation draws the same numbers (twice the same bit flip restores the
 /// tensor).
-fn stream_seed(seed: u64, name: &str) -> u64 {
+pub(crate) fn stream_seed(seed: u64, name: &str) -> u64 {
     let mut h = SplitMix64(seed);
     let mut x = h.next_u64();
     for b in name.bytes() {
@@ -999,10 +1147,12 @@ fn stream_seed(seed: u64, name: &str) -> u64 {
     x
 }
 
-/// Apply `kind` to `x` with the random stream `seed`.
+/// Apply `kind` to `x` with the random stream `seed` (`zero-head` and `patch` need the
+/// point's shape or a file, and change nothing here: the runner applies them).
 pub fn apply(kind: &PerturbKind, x: &mut [f32], seed: u64) {
     let mut rng = SplitMix64(seed);
     match *kind {
+        PerturbKind::ZeroHead(_) | PerturbKind::Patch(_) => {}
         PerturbKind::Scale(f) => x.iter_mut().for_each(|v| *v = (f64::from(*v) * f) as f32),
         PerturbKind::Noise(sigma) => {
             let n = x.len().max(1) as f64;
@@ -1101,6 +1251,173 @@ pub fn compare(tokens: &[u32], clean: &[f32], perturbed: &[f32], vocab: usize) -
     }
 }
 
+/// A perturbation of an activation, resolved against a plan's forward.
+pub(crate) struct ActPerturb {
+    /// The instruction after which it applies (the writer of `buf`).
+    pub(crate) at: At,
+    /// The buffer it changes.
+    pub(crate) buf: BufId,
+    /// The point's name (seeds its random stream).
+    pub(crate) name: String,
+    /// What it does.
+    pub(crate) action: Action,
+}
+
+/// What a resolved perturbation does to the values of its buffer.
+pub(crate) enum Action {
+    /// `noise`, `scale`, `bitflip`: [`apply`].
+    Apply(PerturbKind),
+    /// Zero query head `head` (of `heads`, each `d` wide) in every row.
+    ZeroHead { head: usize, heads: usize, d: usize },
+    /// Replace the values by a probe file's tensor: the file and name (for messages), its
+    /// shape and values.
+    Patch {
+        file: String,
+        shape: Vec<usize>,
+        values: Vec<f32>,
+    },
+}
+
+impl Action {
+    /// Apply to `x` (the perturbed rows) with the random stream `seed`.
+    pub(crate) fn apply(&self, x: &mut [f32], seed: u64) -> Result<(), RuntimeError> {
+        match self {
+            Action::Apply(kind) => apply(kind, x, seed),
+            Action::ZeroHead { head, heads, d } => {
+                for row in x.chunks_mut(heads * d) {
+                    row[head * d..(head + 1) * d].fill(0.0);
+                }
+            }
+            Action::Patch {
+                file,
+                shape,
+                values,
+            } => {
+                if values.len() != x.len() {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "patch({file}): the file's tensor has shape {shape:?} ({} values), \
+                         this run's point has {} values: patch from a probe file of an \
+                         input of the same length",
+                        values.len(),
+                        x.len()
+                    )));
+                }
+                x.copy_from_slice(values);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Resolve `perturbations` against the forward segments `all` of `plan`: activations
+/// (perturbed right after the instruction that writes them) and weights (parameter
+/// buffer, point, kind).
+#[allow(clippy::type_complexity)]
+pub(crate) fn resolve(
+    plan: &CheckedPlan,
+    all: &[Segment<'_>],
+    perturbations: &[Perturbation],
+) -> Result<(Vec<ActPerturb>, Vec<(BufId, String, PerturbKind)>), RuntimeError> {
+    let sites = sites_of(all);
+    let (mut acts, mut weights) = (Vec::new(), Vec::new());
+    for p in perturbations {
+        if let Some(name) = p.point.strip_prefix("weights.") {
+            let param = plan.params.iter().find(|q| q.name == name).ok_or_else(|| {
+                RuntimeError::Unsupported(format!(
+                    "--perturb {}: the model has no parameter `{name}` (the names are \
+                     Hugging Face's, e.g. `weights.{}`)",
+                    p.point,
+                    plan.params.first().map_or("", |q| q.name.as_str())
+                ))
+            })?;
+            if matches!(p.kind, PerturbKind::ZeroHead(_) | PerturbKind::Patch(_)) {
+                return Err(RuntimeError::Unsupported(format!(
+                    "--perturb {}: zero-head and patch change activations, not weights",
+                    p.point
+                )));
+            }
+            weights.push((param.buffer, p.point.clone(), p.kind.clone()));
+            continue;
+        }
+        let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
+        let Some((_, at, site)) = sites.iter().find(|(n, _, _)| *n == p.point) else {
+            return Err(RuntimeError::Unsupported(format!(
+                "--perturb {}: no such point; the points are {} and weights.PARAMETER",
+                p.point,
+                names.join(", ")
+            )));
+        };
+        let program = all
+            .iter()
+            .find(|(c, _)| *c == at.0)
+            .map_or(&[][..], |(_, p)| *p);
+        let Some(Instr::Kernel {
+            inputs, outputs, ..
+        }) = program.get(at.1)
+        else {
+            continue;
+        };
+        let buf = match site {
+            Site::Input(k) => inputs[*k],
+            Site::Output(k) => outputs[*k],
+            Site::Heads => outputs[0],
+            Site::Probs | Site::Softmax | Site::Lens => {
+                return Err(RuntimeError::Unsupported(format!(
+                    "--perturb {}: attention and router probabilities are computed for \
+                     probing, not tensors of the forward; perturb layers.N.attn (the heads' \
+                     outputs), layers.N.attn.out or layers.N.mlp.out instead",
+                    p.point
+                )))
+            }
+        };
+        let action = match &p.kind {
+            PerturbKind::ZeroHead(h) => {
+                let shape = &plan.buffers[buf as usize].shape;
+                if *site != Site::Heads {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "--perturb {}:zero-head({h}): zero-head applies to layers.N.attn, \
+                         the attention's per-head output",
+                        p.point
+                    )));
+                }
+                let (heads, d) = (shape[2] as usize, shape[3] as usize);
+                if *h as usize >= heads {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "--perturb {}:zero-head({h}): the layer has heads 0..{heads}",
+                        p.point
+                    )));
+                }
+                Action::ZeroHead {
+                    head: *h as usize,
+                    heads,
+                    d,
+                }
+            }
+            PerturbKind::Patch(file) => {
+                let (shape, values) = crate::hf::load_tensor(file, &p.point)?;
+                Action::Patch {
+                    file: file.display().to_string(),
+                    shape,
+                    values,
+                }
+            }
+            kind => Action::Apply(kind.clone()),
+        };
+        // Right after the instruction that writes it.
+        let def = program[..=at.1]
+            .iter()
+            .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&buf)))
+            .ok_or_else(|| RuntimeError::Plan(format!("no instruction writes {}", p.point)))?;
+        acts.push(ActPerturb {
+            at: (at.0, def),
+            buf,
+            name: p.point.clone(),
+            action,
+        });
+    }
+    Ok((acts, weights))
+}
+
 impl Inference<'_> {
     /// Set the perturbations of the following runs (none: clean runs). Activations are
     /// perturbed right after the instruction that writes them, weights for the run only.
@@ -1116,59 +1433,7 @@ impl Inference<'_> {
                 "--perturb supports one-device layouts only so far".into(),
             ));
         }
-        let sites = self.sites();
-        let (mut acts, mut weights) = (Vec::new(), Vec::new());
-        for p in perturbations {
-            if let Some(name) = p.point.strip_prefix("weights.") {
-                let param = plan.params.iter().find(|q| q.name == name).ok_or_else(|| {
-                    RuntimeError::Unsupported(format!(
-                        "--perturb {}: the model has no parameter `{name}` (the names are \
-                         Hugging Face's, e.g. `weights.{}`)",
-                        p.point,
-                        plan.params.first().map_or("", |q| q.name.as_str())
-                    ))
-                })?;
-                weights.push((param.buffer, p.point.clone(), p.kind.clone()));
-                continue;
-            }
-            let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
-            let Some((_, at, site)) = sites.iter().find(|(n, _, _)| *n == p.point) else {
-                return Err(RuntimeError::Unsupported(format!(
-                    "--perturb {}: no such point; the points are {} and weights.PARAMETER",
-                    p.point,
-                    names.join(", ")
-                )));
-            };
-            let program = self
-                .all
-                .iter()
-                .find(|(c, _)| *c == at.0)
-                .map_or(&[][..], |(_, p)| *p);
-            let Some(Instr::Kernel {
-                inputs, outputs, ..
-            }) = program.get(at.1)
-            else {
-                continue;
-            };
-            let buf = match site {
-                Site::Input(k) => inputs[*k],
-                Site::Output(k) => outputs[*k],
-                Site::Probs | Site::Softmax | Site::Lens => {
-                    return Err(RuntimeError::Unsupported(format!(
-                        "--perturb {}: attention and router probabilities are computed for \
-                         probing, not tensors of the forward; perturb layers.N.attn.out or \
-                         layers.N.mlp.out instead",
-                        p.point
-                    )))
-                }
-            };
-            // Right after the instruction that writes it.
-            let def = program[..=at.1]
-                .iter()
-                .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&buf)))
-                .ok_or_else(|| RuntimeError::Plan(format!("no instruction writes {}", p.point)))?;
-            acts.push(((at.0, def), buf, p.point.clone(), p.kind.clone()));
-        }
+        let (acts, weights) = resolve(plan, &self.all, perturbations)?;
         self.act_perturb = acts;
         self.weight_perturb = weights;
         self.perturb_seed = seed;

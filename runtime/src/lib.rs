@@ -12,7 +12,9 @@
 //!   [`checkpoint`]: distributed checkpoints (save, resume, resharding).
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
-//! - [`infer`]: forward-only runs of a plan: logits, probes, generation.
+//! - [`infer`]: forward-only runs of a plan: logits, probes, generation; [`kv`]: generation
+//!   with a KV cache (a window plan for the prompt, a block plan per new token);
+//!   [`perturb`]: perturbations during training.
 //!
 //! The cpu backend is the only one (`--device cuda` is refused with an error), and there is no
 //! NCCL communicator; a communicator implements [`comm::Communicator`].
@@ -30,10 +32,12 @@ pub mod hf;
 pub mod hostfile;
 pub mod infer;
 pub mod init;
+pub mod kv;
 pub mod local_comm;
 pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi_comm;
+pub mod perturb;
 mod pipeline;
 pub mod profile;
 pub mod scaler;

@@ -48,6 +48,10 @@ pub struct RunOptions {
     /// The model's Hugging Face `config.json` text: with `save`, written into every
     /// checkpoint (for `megac checkpoint export`).
     pub hf_config: Option<String>,
+    /// Perturbations of activations or weights (`--perturb`; `crate::perturb`).
+    pub perturb: Vec<crate::perturb::TrainPerturbation>,
+    /// Seed of the perturbations' random numbers.
+    pub perturb_seed: u64,
 }
 
 /// One step of the report.
@@ -195,6 +199,8 @@ pub struct Session<'p> {
     pub executed: Vec<megac_ir::plan::PipeAction>,
     /// fp16's loss scaler (None in other precisions).
     pub scaler: Option<crate::scaler::Scaler>,
+    /// `--perturb`'s perturbations (None: a clean run).
+    pub(crate) perturber: Option<crate::perturb::Perturber>,
 }
 
 impl<'p> Session<'p> {
@@ -267,6 +273,7 @@ impl<'p> Session<'p> {
             comm,
             executed: Vec::new(),
             scaler: plan.train.loss_scaler.map(crate::scaler::Scaler::new),
+            perturber: None,
         };
         let mut session = session;
         session.init_params(init)?;
@@ -399,7 +406,14 @@ impl<'p> Session<'p> {
         self.write_inputs(&tokens, &labels);
         let ctx = self.context(step);
         let t0 = Instant::now();
-        self.run(&self.role().microbatch, &ctx)?;
+        match self.perturber.take() {
+            None => self.run(&self.role().microbatch, &ctx)?,
+            Some(p) => {
+                let done = p.microbatch(self, step, mb, &ctx);
+                self.perturber = Some(p);
+                done?
+            }
+        }
         self.record(crate::scan::Kind::Microbatch, t0, 0, mb as u32);
         Ok(self.scalar(self.loss_buf))
     }
@@ -504,6 +518,9 @@ impl<'p> Session<'p> {
 
     fn step_untimed(&mut self, step: u64) -> Result<(f64, f64), RuntimeError> {
         self.mem.zero_grads();
+        if let Some(p) = &self.perturber {
+            p.weights(&mut self.mem, step);
+        }
         let mut loss = 0.0;
         if self.role().pipeline.is_some() {
             loss = crate::pipeline::run_step(self, step)?;
@@ -781,6 +798,7 @@ fn train_rank(
         comm
     };
     let mut session = Session::with_comm(plan, &opts.data, opts.init.as_deref(), comm)?;
+    session.perturber = crate::perturb::Perturber::new(plan, &opts.perturb, opts.perturb_seed)?;
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);
     // Resume: the state after step `first - 1`; the data and the lr schedule continue from

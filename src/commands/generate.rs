@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use megac_ir::gate::CheckedPlan;
 use megac_runtime::infer::{with_ranks, Sampling};
+use megac_runtime::kv::with_ranks_kv;
 
 use crate::ModelArgs;
 
@@ -45,6 +46,10 @@ pub struct GenerateArgs {
     /// (`{"prompt_tokens", "tokens", "text", "tokens_per_s"}`).
     #[arg(long, default_value = "text", value_name = "text|json")]
     pub format: String,
+    /// Recompute the whole prefix for every new token instead of decoding with a KV cache
+    /// (the default: the prompt once, then one token per step; docs/generate.md).
+    #[arg(long)]
+    pub no_kv_cache: bool,
 }
 
 /// Parse `--tokens 1,2,3`.
@@ -83,11 +88,17 @@ pub fn decode(tokens: &[u32]) -> String {
 
 /// Compile `model` as a one-sample forward (micro and global batch 1) and load `init`.
 pub fn compile_forward(model: &ModelArgs) -> Result<CheckedPlan, String> {
+    compile_with(model, &[])
+}
+
+/// As [`compile_forward`], with `after` set after the user's `--set`s.
+fn compile_with(model: &ModelArgs, after: &[String]) -> Result<CheckedPlan, String> {
     let mut sets = vec![
         "train.micro_batch=1".to_string(),
         "train.global_batch=1".to_string(),
     ];
     sets.extend(model.sets.iter().cloned());
+    sets.extend(after.iter().cloned());
     let args = ModelArgs {
         model: model.model.clone(),
         sets,
@@ -95,6 +106,16 @@ pub fn compile_forward(model: &ModelArgs) -> Result<CheckedPlan, String> {
     let plan = super::compile::build_plan(&args)?;
     CheckedPlan::check(plan)
         .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))
+}
+
+/// The block plan of KV-cache decoding: the model of `window` (its one-sample forward)
+/// compiled with `model.seq_len` = one token per tensor-parallel rank (sequence parallelism
+/// splits the block's tokens over tp; the first is the real one).
+pub fn compile_block(model: &ModelArgs, window: &CheckedPlan) -> Result<CheckedPlan, String> {
+    let tp = window.mesh.size(megac_ir::Axis::Tp);
+    compile_with(model, &[format!("model.seq_len={tp}")]).map_err(|e| {
+        format!("{e}\n(while compiling the KV cache's one-token plan; --no-kv-cache avoids it)")
+    })
 }
 
 /// `megac generate`.
@@ -122,9 +143,18 @@ pub fn run(args: &GenerateArgs) -> Result<(), String> {
     };
     // Tensor-parallel plans: every rank runs the forward; the logits are gathered, so each
     // chooses the same tokens.
-    let out = with_ranks(&plan, &args.init, |inf| {
-        inf.generate(&prompt, args.max_new_tokens, &sampling)
-    })
+    let out = if args.no_kv_cache {
+        with_ranks(&plan, &args.init, |inf| {
+            inf.generate(&prompt, args.max_new_tokens, &sampling)
+        })
+    } else {
+        // The layout's own error first (the block plan may not compile where it is refused).
+        megac_runtime::infer::Inference::supports(&plan).map_err(|e| format!("error: {e}"))?;
+        let block = compile_block(&args.model, &plan)?;
+        with_ranks_kv(&plan, &block, &args.init, |dec| {
+            dec.generate(&prompt, args.max_new_tokens, &sampling)
+        })
+    }
     .map_err(|e| format!("error: {e}"))?;
     let text = decode(&out.tokens);
     let tokens_per_s = if out.seconds > 0.0 {

@@ -55,6 +55,13 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         .iter()
         .map(|s| megac_runtime::scan::Inject::parse(s).map_err(|e| format!("error: {e}")))
         .collect::<Result<Vec<_>, _>>()?;
+    let perturb = args
+        .perturb
+        .iter()
+        .map(|s| {
+            megac_runtime::perturb::TrainPerturbation::parse(s).map_err(|e| format!("error: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     if args.steps == Some(0) {
         return Err("error: --steps 0: run at least one step".into());
     }
@@ -96,6 +103,8 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         trace_kernels: args.trace_kernels,
         inject,
         hf_config: None,
+        perturb,
+        perturb_seed: args.perturb_seed,
     })
 }
 

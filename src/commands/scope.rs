@@ -72,10 +72,13 @@ pub struct ScopeArgs {
     /// with --perturb, the perturbed run's).
     #[arg(short = 'o', long = "output", value_name = "OUT.safetensors")]
     pub output: PathBuf,
-    /// Perturb a point or a weight: `POINT:KIND`, POINT a probe point (not attn.probs) or
+    /// Perturb a point or a weight: `POINT:KIND`, POINT a probe point (not attn.probs),
+    /// `layers.{i}.attn` (the attention's per-head output, before the output projection) or
     /// `weights.NAME` (a parameter's Hugging Face name), KIND `noise(SIGMA)` (Gaussian,
-    /// SIGMA times the tensor's RMS), `scale(X)` or `bitflip(sign|exponent|mantissa, RATE)`
-    /// (repeatable; one-device layouts; docs/scope.md).
+    /// SIGMA times the tensor's RMS), `scale(X)`, `bitflip(sign|exponent|mantissa, RATE)`,
+    /// `zero-head(HEAD)` (on layers.{i}.attn: attention knockout) or `patch(FILE)` (the
+    /// point's tensor from a probe file of another input of the same length) (repeatable;
+    /// one-device layouts; docs/scope.md).
     #[arg(long = "perturb", value_name = "POINT:KIND")]
     pub perturb: Vec<String>,
     /// Seed of the perturbations (the same seed gives the same bits).

@@ -1,0 +1,333 @@
+//! Perturbations beyond noise, scale and bitflip (tests/scope.rs checks those):
+//! `zero-head` against an independent edit of the weights (zeroing a head's output before
+//! the output projection equals zeroing that head's input columns of the projection),
+//! `patch` (from a probe file of the same input: nothing changes, KL exactly 0; of another
+//! input: every later point becomes that input's), and `megac train --perturb` (noise(0) is
+//! bit-identical to no perturbation; a weight bit flip at a step changes the run from that
+//! step on; seeded runs repeat).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use megac_runtime::infer::{Inference, PerturbKind, Perturbation, Probe};
+use megac_runtime::perturb::TrainPerturbation;
+use megac_runtime::train::{train, RunOptions};
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name)
+}
+
+fn plan(name: &str, sets: &[&str]) -> megac_ir::gate::CheckedPlan {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let spec = megac_frontend::load(&fixture(name).join("model.toml"), &sets)
+        .unwrap_or_else(|e| panic!("{}", e.render()));
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let plan =
+        megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+    megac_ir::gate::CheckedPlan::check(plan).unwrap()
+}
+
+fn forward_plan(name: &str) -> megac_ir::gate::CheckedPlan {
+    plan(name, &["train.micro_batch=1", "train.global_batch=1"])
+}
+
+const A: [u32; 8] = [3, 14, 15, 92, 65, 35, 89, 79];
+const B: [u32; 8] = [27, 18, 28, 18, 28, 45, 90, 45];
+
+fn perturb(text: &str) -> Perturbation {
+    Perturbation::parse(text).unwrap()
+}
+
+/// Every tensor of a safetensors file.
+fn read_all(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let v = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, t.shape().to_vec(), v)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn save(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let refs: Vec<(String, Vec<usize>, &[f32])> = tensors
+        .iter()
+        .map(|(n, s, v)| (n.clone(), s.clone(), &v[..]))
+        .collect();
+    megac_runtime::hf::save_params(path, &refs).unwrap();
+}
+
+/// zero-head(h) on `layers.{l}.attn` equals the clean run of weights whose output
+/// projection ignores head h: its input columns zeroed (`o_proj`, [hidden, heads·d]) or,
+/// for GPT-2's Conv1D `c_proj` ([heads·d, hidden]), its input rows.
+fn zero_head_matches_weights(name: &str, o_proj: &str, conv1d: bool, head: usize) {
+    let plan = forward_plan(name);
+    let init = fixture(name).join("init.safetensors");
+    let mut inf = Inference::new(&plan, &init).unwrap();
+    let clean = inf.logits(&A).unwrap();
+    inf.set_perturbations(&[perturb(&format!("layers.1.attn:zero-head({head})"))], 0)
+        .unwrap();
+    let knocked = inf.logits(&A).unwrap();
+    let d = 16; // hidden 64 over 4 heads
+    let mut weights = read_all(&init);
+    let (_, shape, w) = weights.iter_mut().find(|(n, _, _)| n == o_proj).unwrap();
+    for r in 0..shape[0] {
+        for c in 0..shape[1] {
+            let zero = if conv1d { r / d == head } else { c / d == head };
+            if zero {
+                w[r * shape[1] + c] = 0.0;
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let edited = dir.path().join("edited.safetensors");
+    save(&edited, &weights);
+    let want = Inference::new(&plan, &edited).unwrap().logits(&A).unwrap();
+    let diff = knocked
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("{name}: zero-head({head}) vs zeroed weights: max diff {diff:e}");
+    assert!(
+        diff <= 1e-6,
+        "{name}: zero-head differs from the edited weights by {diff}"
+    );
+    assert!(clean != knocked, "{name}: zero-head changed nothing");
+}
+
+#[test]
+fn zero_head_equals_zeroed_output_projection() {
+    zero_head_matches_weights("llama", "model.layers.1.self_attn.o_proj.weight", false, 2);
+    zero_head_matches_weights("gpt", "transformer.h.1.attn.c_proj.weight", true, 1);
+    zero_head_matches_weights(
+        "mixtral",
+        "model.layers.1.self_attn.o_proj.weight",
+        false,
+        3,
+    );
+}
+
+#[test]
+fn zero_head_rejects_bad_heads_and_points() {
+    let plan = forward_plan("llama");
+    let init = fixture("llama").join("init.safetensors");
+    let mut inf = Inference::new(&plan, &init).unwrap();
+    for (p, want) in [
+        ("layers.0.attn:zero-head(4)", "the layer has heads 0..4"),
+        (
+            "layers.0.out:zero-head(0)",
+            "zero-head applies to layers.N.attn",
+        ),
+        (
+            "weights.model.norm.weight:zero-head(0)",
+            "change activations, not weights",
+        ),
+    ] {
+        let err = inf
+            .set_perturbations(&[perturb(p)], 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{p}: {err}");
+    }
+    assert!(Perturbation::parse("layers.0.attn:zero-head(x)").is_err());
+    assert_eq!(
+        perturb("layers.0.out:patch(/tmp/a:b.safetensors)").kind,
+        PerturbKind::Patch("/tmp/a:b.safetensors".into())
+    );
+}
+
+fn probe_all(inf: &mut Inference, tokens: &[u32]) -> Vec<Probe> {
+    inf.probe(tokens, &["*".to_string()]).unwrap()
+}
+
+fn write_probes(path: &Path, probes: &[Probe]) {
+    let t: Vec<(String, Vec<usize>, Vec<f32>)> = probes
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.clone(), p.values.clone()))
+        .collect();
+    save(path, &t);
+}
+
+/// patch(FILE of input B) at `layers.0.out` on input A: points before it are A's, it and
+/// every later point B's, bit for bit (the residual stream after layer 0 is all the later
+/// layers read, at every position); patching from A's own file changes nothing.
+#[test]
+fn patch_replaces_activations() {
+    for name in ["llama", "gpt"] {
+        let plan = forward_plan(name);
+        let init = fixture(name).join("init.safetensors");
+        let mut inf = Inference::new(&plan, &init).unwrap();
+        let (pa, pb) = (probe_all(&mut inf, &A), probe_all(&mut inf, &B));
+        let dir = tempfile::tempdir().unwrap();
+        let (fa, fb) = (
+            dir.path().join("a.safetensors"),
+            dir.path().join("b.safetensors"),
+        );
+        write_probes(&fa, &pa);
+        write_probes(&fb, &pb);
+        let spec = |f: &Path| perturb(&format!("layers.0.out:patch({})", f.display()));
+        inf.set_perturbations(&[spec(&fa)], 0).unwrap();
+        assert_eq!(
+            probe_all(&mut inf, &A),
+            pa,
+            "{name}: patched with A's own values"
+        );
+        inf.set_perturbations(&[spec(&fb)], 0).unwrap();
+        let got = probe_all(&mut inf, &A);
+        for ((g, a), b) in got.iter().zip(&pa).zip(&pb) {
+            let later = g.name.starts_with("layers.1.") || g.name == "logits";
+            let want = if later || g.name == "layers.0.out" || g.name.starts_with("layers.0.lens") {
+                b
+            } else {
+                a
+            };
+            assert_eq!(g, want, "{name}: {}", g.name);
+        }
+        // Another length: one error naming both shapes.
+        let err = inf
+            .probe(&A[..5], &["logits".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("shape [1, 8, 64]"), "{err}");
+    }
+}
+
+fn megac(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_megac"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap()
+}
+
+/// `megac scope --perturb POINT:patch(own probe file) --report`: kl exactly 0, agreement 1.
+#[test]
+fn scope_patch_from_own_probes_has_zero_kl() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("llama").join("model.toml");
+    let init = fixture("llama").join("init.safetensors");
+    let probes = dir.path().join("p.safetensors");
+    let report = dir.path().join("r.json");
+    let base = [
+        "scope",
+        model.to_str().unwrap(),
+        "--init",
+        init.to_str().unwrap(),
+        "--tokens",
+        "3,14,15,92,65,35,89,79",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--probe", "layers.*.out", "-o", probes.to_str().unwrap()]);
+    let out = megac(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let patch = format!("layers.1.out:patch({})", probes.display());
+    let out2 = dir.path().join("q.safetensors");
+    let mut args = base.to_vec();
+    args.extend([
+        "--probe",
+        "logits",
+        "-o",
+        out2.to_str().unwrap(),
+        "--perturb",
+        &patch,
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    let out = megac(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["kl"].as_f64(), Some(0.0));
+    assert_eq!(r["top1_agreement"].as_f64(), Some(1.0));
+    assert_eq!(r["clean_loss"], r["perturbed_loss"]);
+}
+
+fn train_with(perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
+    let plan = plan("llama", &[]);
+    let opts = RunOptions {
+        steps: Some(3),
+        data: "synthetic".into(),
+        init: Some(fixture("llama").join("init.safetensors")),
+        progress: Some(false),
+        perturb: perturb
+            .iter()
+            .map(|p| TrainPerturbation::parse(p).unwrap())
+            .collect(),
+        perturb_seed: seed,
+        ..Default::default()
+    };
+    let report = train(&plan, &opts).unwrap();
+    report.steps.iter().map(|s| (s.loss, s.grad_norm)).collect()
+}
+
+#[test]
+fn train_perturbations() {
+    let clean = train_with(&[], 0);
+    let bits = |r: &[(f64, f64)]| -> Vec<(u64, u64)> {
+        r.iter().map(|(a, b)| (a.to_bits(), b.to_bits())).collect()
+    };
+    // noise(0) on an activation every micro-batch, and on a weight: bit-identical.
+    let zero = train_with(
+        &[
+            "layers.0.out:noise(0)",
+            "weights.model.norm.weight:noise(0)",
+        ],
+        5,
+    );
+    assert_eq!(bits(&zero), bits(&clean));
+    // Noise on activations every step: every step differs, and the seed repeats it.
+    let noisy = train_with(&["layers.0.mlp.out:noise(0.5)"], 1);
+    assert!(noisy.iter().zip(&clean).all(|(a, b)| a != b), "{noisy:?}");
+    assert_eq!(
+        bits(&noisy),
+        bits(&train_with(&["layers.0.mlp.out:noise(0.5)"], 1))
+    );
+    assert_ne!(
+        bits(&noisy),
+        bits(&train_with(&["layers.0.mlp.out:noise(0.5)"], 2))
+    );
+    // A weight fault at step 2: step 1 as clean, steps 2 and 3 not.
+    let flip = train_with(
+        &["weights.model.layers.0.mlp.down_proj.weight:bitflip(exponent, 0.05)@2"],
+        0,
+    );
+    assert_eq!(bits(&flip[..1]), bits(&clean[..1]));
+    assert!(
+        flip[1..].iter().zip(&clean[1..]).all(|(a, b)| a != b),
+        "{flip:?}"
+    );
+    // Head knockout during step 3 only.
+    let knock = train_with(&["layers.1.attn:zero-head(0)@3"], 0);
+    assert_eq!(bits(&knock[..2]), bits(&clean[..2]));
+    assert_ne!(knock[2], clean[2]);
+    // Bad input: one error each.
+    for (p, want) in [
+        ("layers.0.out:noise(0)@0", "is not a step"),
+        ("layers.0.out:patch(x.safetensors)", "for megac scope"),
+    ] {
+        let err = TrainPerturbation::parse(p).unwrap_err();
+        assert!(err.contains(want), "{p}: {err}");
+    }
+}
