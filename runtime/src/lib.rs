@@ -13,6 +13,8 @@
 //! - [`data`]: synthetic data and token files; [`hf`]: Hugging Face safetensors;
 //!   [`init`]: deterministic per-element initialisation.
 //! - [`infer`]: forward-only runs of a plan: logits, probes, generation.
+//! - [`eval`]: held-out evaluation (the forward segments of the training plan) and
+//!   `megac eval`; [`log`]: log lines and `--log FILE.jsonl` for unattended runs.
 //!
 //! The cpu backend is the only one (`--device cuda` is refused with an error), and there is no
 //! NCCL communicator; a communicator implements [`comm::Communicator`].
@@ -25,12 +27,14 @@ pub mod comm;
 pub mod cuda;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod exec;
 pub mod hf;
 pub mod hostfile;
 pub mod infer;
 pub mod init;
 pub mod local_comm;
+pub mod log;
 pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi_comm;
