@@ -199,6 +199,26 @@ fn eval_in_pipeline_schedules() {
     );
 }
 
+/// GPT-2's tied word embeddings (a copy on the last stage) and MoE layers split over stages.
+#[test]
+fn eval_in_pipelines_with_tied_embeddings_and_moe() {
+    assert_layouts(
+        "gpt-tiny.toml",
+        BASE,
+        &[&["parallel.pp=2"], &["parallel.pp=2", "parallel.fbd=true"]],
+        FP32,
+    );
+    assert_layouts(
+        "moe-tiny.toml",
+        BASE,
+        &[
+            &["parallel.pp=2"],
+            &["parallel.pp=2", "parallel.schedule=zb-h1"],
+        ],
+        FP32,
+    );
+}
+
 /// MegaDPP picks its order at run time (so its training is compared within tolerance in
 /// tests/layouts.rs, not bit for bit across runs); its evaluation follows the reference
 /// order.
