@@ -280,7 +280,7 @@ enum Command {
     /// Evaluate weights on a data file: the mean loss (and perplexity) of the model's forward
     /// over global batches of it, in any layout.
     #[command(
-        after_help = "Example:\n  megac train examples/llama-tiny.toml --steps 20 --data examples/data/corpus.txt --save-params /tmp/llama-20/model.safetensors\n  megac eval examples/llama-tiny.toml --init /tmp/llama-20/model.safetensors --data examples/data/corpus.txt --iters 4\n  megac eval examples/llama-tiny.toml --init /tmp/llama-20/model.safetensors --data examples/data/corpus.txt --set parallel.tp=2 --format json"
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --steps 20 --data examples/data/corpus.txt --save-params /tmp/llama-20/model.safetensors\n  megac eval examples/llama-tiny.toml --init /tmp/llama-20/model.safetensors --data examples/data/corpus.txt --iters 4\n  megac eval examples/llama-tiny.toml --init /tmp/llama-20/model.safetensors --data examples/data/corpus.txt --iters 2 --set parallel.tp=2 --format json"
     )]
     Eval(commands::eval::EvalArgs),
     /// MegaScan: align the clocks of a traced run's ranks (`--trace DIR`), find slow ranks and
