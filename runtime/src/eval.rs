@@ -15,9 +15,10 @@
 //! schedule, in the schedule's order (for MegaDPP its reference order), with one slot per
 //! chunk (nothing is kept for a backward). Of a forward segment's sends, those no forward
 //! segment of any role receives (activations whose first reader is a backward) are left out,
-//! so that no message outlives the evaluation. Cheaper alternatives were rejected: running
-//! the whole step on scratch gradients costs the backward (about twice the forward) and
-//! touches the gradient arena; a separate forward-only plan would change the plan bytes.
+//! so that no message outlives the evaluation. The alternatives: running the whole step on
+//! scratch gradients without the optimizer is as simple but costs the backward (about twice
+//! the forward) and overwrites the gradient arena; a separate forward-only plan would change
+//! the plan bytes and need a second compilation.
 //!
 //! Why this changes no state: forward instructions write activations (rewritten before any
 //! later read by the next forward) and the loss; the gradients, the optimizer state, the
@@ -26,7 +27,8 @@
 //! the kept instructions of every rank are a subsequence of its training program, keeping
 //! every send together with its receive and every collective on all members of its group
 //! (all ranks of one role keep the same instructions), so the plan gate's proof that the
-//! training order completes carries over to the subsequence; sends are buffered
+//! training order completes (for MegaDPP: its reference order, which the gate checks)
+//! carries over to the subsequence; sends are buffered
 //! (`local_comm`, `mpi_comm`), and tags are matched in order, so the next training step's
 //! messages never meet an evaluation's. The trace (`--trace`) and the profile leave
 //! evaluations out.

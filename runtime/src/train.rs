@@ -873,8 +873,9 @@ fn train_rank(
             .progress
             .unwrap_or_else(|| std::io::stderr().is_terminal());
     let mut records = Vec::new();
-    let mut log = match lead {
-        true => Some(crate::log::RunLog::new(
+    // Rank 0 logs (log lines, `--log`).
+    let mut log = if lead {
+        Some(crate::log::RunLog::new(
             opts.log_interval
                 .unwrap_or(crate::log::DEFAULT_LOG_INTERVAL),
             opts.log_lines
@@ -882,8 +883,9 @@ fn train_rank(
             opts.log.as_deref(),
             steps,
             b.tokens_per_step,
-        )?),
-        false => None,
+        )?)
+    } else {
+        None
     };
     let mut evals = Vec::new();
     // Seconds spent evaluating: not training time (tokens/s, ETA).
