@@ -14,8 +14,9 @@
 //! which is checked); a pipeline stage the forward segment of each `F` action of its
 //! schedule, in the schedule's order (for MegaDPP its reference order), with one slot per
 //! chunk (nothing is kept for a backward). Of a forward segment's sends, those no forward
-//! segment of any role receives (activations whose first reader is a backward) are left out,
-//! so that no message outlives the evaluation. The alternatives: running the whole step on
+//! segment of any role receives (activations whose first reader is another chunk's backward,
+//! which codegen allows; no layout compiled today has one) are left out, so that no message
+//! outlives the evaluation. The alternatives: running the whole step on
 //! scratch gradients without the optimizer is as simple but costs the backward (about twice
 //! the forward) and overwrites the gradient arena; a separate forward-only plan would change
 //! the plan bytes and need a second compilation.
