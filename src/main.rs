@@ -105,6 +105,26 @@ pub struct RunArgs {
     /// Seed of --perturb's random numbers (the same seed gives the same run).
     #[arg(long, default_value_t = 0, value_name = "S")]
     pub perturb_seed: u64,
+    /// Held-out data (the kinds --data takes): the mean loss over --eval-iters global batches
+    /// of it (its samples from 0), forward only, after every --eval-interval steps and after
+    /// the last; in the progress output, the log and the report (`evals`). See docs/eval.md.
+    #[arg(long, value_name = "synthetic|FILE")]
+    pub eval_data: Option<String>,
+    /// Evaluate after every N steps (steps N, 2N, ...) as well as after the last.
+    #[arg(long, value_name = "N", requires = "eval_data")]
+    pub eval_interval: Option<u64>,
+    /// Global batches per evaluation [default: 10].
+    #[arg(long, value_name = "K", requires = "eval_data")]
+    pub eval_iters: Option<u64>,
+    /// When stdout is not a terminal (Slurm, nohup, a pipe): print a log line every N steps
+    /// (step, loss averaged over the N steps, grad norm, lr, tokens/s, elapsed, ETA); the
+    /// summary's final loss is the mean of the last N steps [default: 10].
+    #[arg(long, value_name = "N")]
+    pub log_interval: Option<u64>,
+    /// Write one JSON object per step and per evaluation to FILE (JSON lines, flushed per
+    /// line: `tail -f` it); created or truncated when the run starts.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub log: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -268,6 +288,12 @@ enum Command {
         after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe embed --probe 'layers.*.attn.probs' --probe logits -o probes.safetensors\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --tokens 3,14,15,92 --probe logits -o out.safetensors --perturb 'layers.0.out:noise(0.5)' --report r.json\n  megac scope view out.safetensors --report r.json -o view.html"
     )]
     Scope(commands::scope::ScopeCli),
+    /// Evaluate weights on a data file: the mean loss (and perplexity) of the model's forward
+    /// over global batches of it, in any layout.
+    #[command(
+        after_help = "Example:\n  megac train examples/llama-tiny.toml --steps 20 --data examples/data/corpus.txt --save-params /tmp/llama-20/model.safetensors\n  megac eval examples/llama-tiny.toml --init /tmp/llama-20/model.safetensors --data examples/data/corpus.txt --iters 4\n  megac eval examples/llama-tiny.toml --init /tmp/llama-20/model.safetensors --data examples/data/corpus.txt --iters 2 --set parallel.tp=2 --format json"
+    )]
+    Eval(commands::eval::EvalArgs),
     /// MegaScan: align the clocks of a traced run's ranks (`--trace DIR`), find slow ranks and
     /// slow links, and merge the ranks into one Perfetto timeline.
     #[command(
@@ -305,6 +331,7 @@ fn main() -> ExitCode {
         Command::ImportHf { config, out } => commands::import_hf::run(&config, &out),
         Command::Generate(args) => commands::generate::run(&args),
         Command::Scope(cli) => commands::scope::run_cli(&cli),
+        Command::Eval(args) => commands::eval::run(&args),
         Command::CheckPlan { plan } => commands::check_plan::run(&plan),
         Command::Schedule {
             model,

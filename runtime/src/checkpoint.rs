@@ -893,9 +893,9 @@ impl Checkpoint {
             .any(|t| t.pieces.get(kind.name()).is_some_and(|p| !p.is_empty()))
     }
 
-    /// Check that it can continue a run of `plan` for `steps` steps in total: the same
-    /// model (tensor names and Hugging Face shapes), batch geometry and optimizer state.
-    pub fn check(&self, plan: &Plan, steps: u64) -> Result<(), CheckpointError> {
+    /// Check that the checkpoint holds this model's tensors, every one in the model's shape
+    /// (for evaluating its weights; [`Checkpoint::check`] adds what resuming needs).
+    pub fn check_model(&self, plan: &Plan) -> Result<(), CheckpointError> {
         let mismatch = |message: String| CheckpointError::Mismatch {
             path: self.index_path(),
             message,
@@ -931,6 +931,18 @@ impl Checkpoint {
                 "not a checkpoint of this model: it holds tensor `{extra}`, which the model does not have"
             )));
         }
+        Ok(())
+    }
+
+    /// Check that it can continue a run of `plan` for `steps` steps in total: the same
+    /// model (tensor names and Hugging Face shapes), batch geometry and optimizer state.
+    pub fn check(&self, plan: &Plan, steps: u64) -> Result<(), CheckpointError> {
+        let mismatch = |message: String| CheckpointError::Mismatch {
+            path: self.index_path(),
+            message,
+        };
+        let ix = &self.index;
+        self.check_model(plan)?;
         if (ix.global_batch, ix.seq_len) != (plan.batch.global_batch, plan.batch.seq_len) {
             return Err(mismatch(format!(
                 "saved with global_batch {} and seq_len {}, this run has {} and {}: the data position (sample {}) would not continue",

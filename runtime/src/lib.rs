@@ -15,6 +15,8 @@
 //! - [`infer`]: forward-only runs of a plan: logits, probes, generation; [`kv`]: generation
 //!   with a KV cache (a window plan for the prompt, a block plan per new token);
 //!   [`perturb`]: perturbations during training.
+//! - [`eval`]: held-out evaluation (the forward segments of the training plan) and
+//!   `megac eval`; [`log`]: log lines and `--log FILE.jsonl` for unattended runs.
 //!
 //! The cpu backend is the only one (`--device cuda` is refused with an error), and there is no
 //! NCCL communicator; a communicator implements [`comm::Communicator`].
@@ -27,6 +29,7 @@ pub mod comm;
 pub mod cuda;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod exec;
 pub mod hf;
 pub mod hostfile;
@@ -34,6 +37,7 @@ pub mod infer;
 pub mod init;
 pub mod kv;
 pub mod local_comm;
+pub mod log;
 pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi_comm;

@@ -52,6 +52,15 @@ pub struct RunOptions {
     pub perturb: Vec<crate::perturb::TrainPerturbation>,
     /// Seed of the perturbations' random numbers.
     pub perturb_seed: u64,
+    /// Held-out evaluation (`--eval-data`, `--eval-interval`, `--eval-iters`).
+    pub eval: Option<crate::eval::EvalOptions>,
+    /// Steps per log line and per interval of the summary's mean loss (None: 10).
+    pub log_interval: Option<u64>,
+    /// Print a log line every `log_interval` steps on stdout (None: when stdout is not a
+    /// terminal).
+    pub log_lines: Option<bool>,
+    /// Write one JSON object per step and per evaluation to this file (`--log FILE.jsonl`).
+    pub log: Option<PathBuf>,
 }
 
 /// One step of the report.
@@ -96,6 +105,8 @@ pub struct RunReport {
     /// `--load`: the step resumed after, the step folder, and the seconds this rank took to
     /// load its shards (after the checkpoint was verified).
     pub resumed: Option<(u64, PathBuf, f64)>,
+    /// The evaluations (`--eval-data`), in order.
+    pub evals: Vec<crate::eval::EvalRecord>,
 }
 
 impl RunReport {
@@ -157,6 +168,19 @@ impl RunReport {
                 .collect();
             v["checkpoints"] = serde_json::json!(saved);
         }
+        if !self.evals.is_empty() {
+            let evals: Vec<serde_json::Value> = self
+                .evals
+                .iter()
+                .map(|e| {
+                    serde_json::json!({
+                        "step": e.step, "loss": e.loss, "perplexity": e.perplexity(),
+                        "batches": e.batches, "seconds": e.seconds,
+                    })
+                })
+                .collect();
+            v["evals"] = serde_json::json!(evals);
+        }
         let mut s = serde_json::to_string_pretty(&v).expect("report serializes");
         s.push('\n');
         s
@@ -201,6 +225,8 @@ pub struct Session<'p> {
     pub scaler: Option<crate::scaler::Scaler>,
     /// `--perturb`'s perturbations (None: a clean run).
     pub(crate) perturber: Option<crate::perturb::Perturber>,
+    /// Held-out data for [`crate::eval`] (None: no evaluation).
+    pub(crate) eval_data: Option<DataSource>,
 }
 
 impl<'p> Session<'p> {
@@ -274,6 +300,7 @@ impl<'p> Session<'p> {
             executed: Vec::new(),
             scaler: plan.train.loss_scaler.map(crate::scaler::Scaler::new),
             perturber: None,
+            eval_data: None,
         };
         let mut session = session;
         session.init_params(init)?;
@@ -472,14 +499,29 @@ impl<'p> Session<'p> {
         out
     }
 
+    /// As [`Session::load`] for batch `k` (from 0) of the eval data (untimed).
+    pub(crate) fn load_eval(&mut self, k: u64, mb: u64) -> (Vec<i32>, Vec<i32>) {
+        self.load_from(true, k + 1, mb)
+    }
+
     fn load_untimed(&mut self, step: u64, mb: u64) -> (Vec<i32>, Vec<i32>) {
+        self.load_from(false, step, mb)
+    }
+
+    /// This rank's part of micro-batch `mb` of 1-based `step` of the training data, or of
+    /// the eval data (`eval`).
+    fn load_from(&mut self, eval: bool, step: u64, mb: u64) -> (Vec<i32>, Vec<i32>) {
         let b = &self.plan.batch;
         // Micro-batch k of data-parallel rank r holds global samples (k·dp + r)·mb ..
         // (k·dp + r + 1)·mb - 1 of the step, as Megatron's sampler does.
         let dp = self.plan.mesh.size(megac_ir::Axis::Dp);
         let r = self.plan.mesh.coord(self.comm.rank(), megac_ir::Axis::Dp) as u64;
         let first = (step - 1) * b.global_batch + (mb * dp + r) * b.micro_batch;
-        self.data.fill_batch(
+        let data = match &self.eval_data {
+            Some(d) if eval => d,
+            _ => &self.data,
+        };
+        data.fill_batch(
             first,
             b.seq_len as usize,
             &mut self.inputs,
@@ -529,19 +571,25 @@ impl<'p> Session<'p> {
                 loss += self.microbatch(step, mb)?;
             }
         }
-        // The loss of data-parallel ranks is a pending sum: add it up for the report.
-        if let Some(axes) = self.role().result_axes.get("loss") {
-            let group = self.plan.mesh.group(self.comm.rank(), axes);
-            let mut total = [loss];
-            self.comm.all_reduce_sum_f64(&group, &mut total)?;
-            loss = total[0];
-        }
+        loss = self.reduce_loss(loss)?;
         let norm = self.optimizer_step(step)?;
         // fp16: every rank sees the same global norm, so every scaler moves alike.
         if let Some(s) = &mut self.scaler {
             s.update(!norm.is_finite());
         }
         Ok((loss, norm))
+    }
+
+    /// The step loss from this rank's share: the loss of data-parallel ranks (and pipeline
+    /// stages) is a pending sum; add it up for the report (a collective over those ranks).
+    pub(crate) fn reduce_loss(&mut self, loss: f64) -> Result<f64, RuntimeError> {
+        let Some(axes) = self.role().result_axes.get("loss") else {
+            return Ok(loss);
+        };
+        let group = self.plan.mesh.group(self.comm.rank(), axes);
+        let mut total = [loss];
+        self.comm.all_reduce_sum_f64(&group, &mut total)?;
+        Ok(total[0])
     }
 
     /// This rank's role.
@@ -656,11 +704,14 @@ pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Runtime
     let world = plan.mesh.world_size();
     let ckpt = open_checkpoint(plan, opts)?;
     let ckpt = ckpt.as_ref();
+    let eval = open_eval_data(plan, opts)?;
+    let eval = eval.as_ref();
     if world == 1 {
-        return train_rank(plan, opts, ckpt, Box::new(crate::comm::SingleRank));
+        return train_rank(plan, opts, ckpt, eval, Box::new(crate::comm::SingleRank));
     }
-    let mut reports =
-        crate::local_comm::run_ranks(world, |comm| train_rank(plan, opts, ckpt, Box::new(comm)))?;
+    let mut reports = crate::local_comm::run_ranks(world, |comm| {
+        train_rank(plan, opts, ckpt, eval, Box::new(comm))
+    })?;
     Ok(reports.swap_remove(0))
 }
 
@@ -676,6 +727,20 @@ fn open_checkpoint(
     let ckpt = crate::checkpoint::Checkpoint::open(path)?;
     ckpt.check(plan, opts.steps.unwrap_or(plan.train.steps))?;
     Ok(Some(ckpt))
+}
+
+/// `--eval-data`: open the held-out data before any rank starts (one error naming the file).
+fn open_eval_data(
+    plan: &CheckedPlan,
+    opts: &RunOptions,
+) -> Result<Option<DataSource>, RuntimeError> {
+    match &opts.eval {
+        Some(e) if e.iters == 0 => Err(RuntimeError::Unsupported(
+            "--eval-iters 0: evaluate at least one batch".into(),
+        )),
+        Some(e) => crate::eval::open_data(plan, &e.data).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// Train with `plan` as one process of an MPI job (`mpirun -np N megac run PLAN --comm mpi`):
@@ -718,7 +783,10 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
         let ckpt = open_checkpoint(plan, opts).inspect_err(|_| {
             crate::mpi_comm::set_error_on_every_rank();
         })?;
-        train_rank(plan, opts, ckpt.as_ref(), Box::new(comm)).inspect_err(|e| {
+        let eval = open_eval_data(plan, opts).inspect_err(|_| {
+            crate::mpi_comm::set_error_on_every_rank();
+        })?;
+        train_rank(plan, opts, ckpt.as_ref(), eval.as_ref(), Box::new(comm)).inspect_err(|e| {
             // The loss and the norm are reduced over the world: every rank stops at the same
             // step with the same values, and rank 0's message is enough.
             if matches!(e, RuntimeError::NonFinite(_)) {
@@ -776,6 +844,7 @@ fn train_rank(
     plan: &CheckedPlan,
     opts: &RunOptions,
     ckpt: Option<&crate::checkpoint::Checkpoint>,
+    eval_data: Option<&DataSource>,
     comm: Box<dyn crate::comm::Communicator>,
 ) -> Result<RunReport, RuntimeError> {
     let lead = comm.rank() == 0;
@@ -799,6 +868,7 @@ fn train_rank(
     };
     let mut session = Session::with_comm(plan, &opts.data, opts.init.as_deref(), comm)?;
     session.perturber = crate::perturb::Perturber::new(plan, &opts.perturb, opts.perturb_seed)?;
+    session.eval_data = eval_data.cloned();
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);
     // Resume: the state after step `first - 1`; the data and the lr schedule continue from
@@ -827,6 +897,23 @@ fn train_rank(
             .progress
             .unwrap_or_else(|| std::io::stderr().is_terminal());
     let mut records = Vec::new();
+    // Rank 0 logs (log lines, `--log`).
+    let mut log = if lead {
+        Some(crate::log::RunLog::new(
+            opts.log_interval
+                .unwrap_or(crate::log::DEFAULT_LOG_INTERVAL),
+            opts.log_lines
+                .unwrap_or_else(|| !std::io::stdout().is_terminal()),
+            opts.log.as_deref(),
+            steps,
+            b.tokens_per_step,
+        )?)
+    } else {
+        None
+    };
+    let mut evals = Vec::new();
+    // Seconds spent evaluating: not training time (tokens/s, ETA).
+    let mut paused = 0.0;
     let start = Instant::now();
     let mut step_times = Vec::new();
     if opts.trace.is_some() && opts.trace_kernels {
@@ -876,7 +963,7 @@ fn train_rank(
             skipped,
         });
         if progress {
-            let elapsed = start.elapsed().as_secs_f64();
+            let elapsed = start.elapsed().as_secs_f64() - paused;
             let tok_s = ((step - done) * b.tokens_per_step) as f64 / elapsed.max(1e-9);
             let eta = elapsed / (step - done) as f64 * (steps - step) as f64;
             let mut err = std::io::stderr().lock();
@@ -892,8 +979,35 @@ fn train_rank(
                 err,
                 "step {step:>5}/{steps}  loss {loss:.4}  grad norm {grad_norm:.3}  lr {:.3e}  {tok_s:>9.0} tok/s  ETA {}{scale}",
                 plan.train.lr_schedule.lr_at(plan.train.lr, step),
-                fmt_duration(eta)
+                crate::log::fmt_duration(eta)
             );
+        }
+        if let (Some(log), Some(r)) = (&mut log, records.last()) {
+            log.step(r, start.elapsed().as_secs_f64() - paused, step - done)?;
+        }
+        if let Some(e) = &opts.eval {
+            if step % e.interval.unwrap_or(u64::MAX).max(1) == 0 || step == steps {
+                let t0 = Instant::now();
+                let losses = session.evaluate(e.iters, step)?;
+                let rec = crate::eval::EvalRecord {
+                    step,
+                    loss: losses.iter().sum::<f64>() / losses.len().max(1) as f64,
+                    batches: e.iters,
+                    seconds: t0.elapsed().as_secs_f64(),
+                };
+                paused += rec.seconds;
+                if progress {
+                    let _ = writeln!(
+                        std::io::stderr().lock(),
+                        "{}",
+                        crate::log::eval_line(&rec, steps)
+                    );
+                }
+                if let Some(log) = &mut log {
+                    log.eval(&rec)?;
+                }
+                evals.push(rec);
+            }
         }
         if let (Some(dir), Some(layout)) = (&opts.save, &save_layout) {
             let every = opts.save_interval.unwrap_or(u64::MAX).max(1);
@@ -916,7 +1030,7 @@ fn train_rank(
             }
         }
     }
-    let elapsed = start.elapsed().as_secs_f64();
+    let elapsed = start.elapsed().as_secs_f64() - paused;
     if let Some(path) = &opts.save_params {
         session.save_params(path)?;
     }
@@ -947,6 +1061,7 @@ fn train_rank(
             .collect(),
         checkpoints,
         resumed,
+        evals,
     })
 }
 
@@ -1045,9 +1160,4 @@ fn grad_clip(plan: &Plan) -> Option<f64> {
             } => Some(*max_norm),
             _ => None,
         })
-}
-
-fn fmt_duration(s: f64) -> String {
-    let s = s.round() as u64;
-    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }

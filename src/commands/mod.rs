@@ -5,6 +5,7 @@ pub mod check_plan;
 pub mod checkpoint;
 pub mod compile;
 pub mod dump;
+pub mod eval;
 pub mod generate;
 pub mod import_hf;
 pub mod inspect;

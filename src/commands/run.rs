@@ -81,6 +81,18 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         if let Some(d) = &args.save {
             check_dir("--save", d)?;
         }
+        if let Some(p) = &args.log {
+            check_file("--log", p)?;
+        }
+    }
+    if args.eval_interval == Some(0) {
+        return Err("error: --eval-interval 0: evaluate every N >= 1 steps".into());
+    }
+    if args.eval_iters == Some(0) {
+        return Err("error: --eval-iters 0: evaluate at least one batch".into());
+    }
+    if args.log_interval == Some(0) {
+        return Err("error: --log-interval 0: log every N >= 1 steps".into());
     }
     if args.save_interval == Some(0) {
         return Err("error: --save-interval 0: checkpoint every N >= 1 steps".into());
@@ -91,9 +103,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         init: args.init.clone(),
         save_params: args.save_params.clone(),
         // `megac launch` asks for progress lines (the ranks' stderr is a pipe to mpirun).
-        progress: (args.comm == "mpi"
-            && std::env::var_os("MEGAC_PROGRESS").is_some_and(|v| v == "1"))
-        .then_some(true),
+        progress: progress_requested(args).then_some(true),
         profile: args.profile,
         trace: args.trace.clone(),
         save: args.save.clone(),
@@ -105,7 +115,28 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         hf_config: None,
         perturb,
         perturb_seed: args.perturb_seed,
+        eval: args
+            .eval_data
+            .as_ref()
+            .map(|data| megac_runtime::eval::EvalOptions {
+                data: data.clone(),
+                interval: args.eval_interval,
+                iters: args.eval_iters.unwrap_or(DEFAULT_EVAL_ITERS),
+            }),
+        log_interval: args.log_interval,
+        // Under `megac launch` with a terminal, rank 0 prints progress lines already (its
+        // stdout is a pipe to mpirun, which would otherwise ask for log lines as well).
+        log_lines: progress_requested(args).then_some(false),
+        log: args.log.clone(),
     })
+}
+
+/// Global batches per evaluation without `--eval-iters`.
+const DEFAULT_EVAL_ITERS: u64 = 10;
+
+/// Whether `megac launch` asked this rank for progress lines.
+fn progress_requested(args: &RunArgs) -> bool {
+    args.comm == "mpi" && std::env::var_os("MEGAC_PROGRESS").is_some_and(|v| v == "1")
 }
 
 /// Whether this process is rank 0 of an MPI job (as mpirun tells it), or not in one.
@@ -175,13 +206,23 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
         );
     }
     let (first, last) = (report.steps.first(), report.steps.last());
-    if let (Some(a), Some(z)) = (first, last) {
+    let interval = args
+        .log_interval
+        .unwrap_or(megac_runtime::log::DEFAULT_LOG_INTERVAL);
+    let tail = megac_runtime::log::last_interval(&report.steps, interval);
+    if let (Some(a), Some(z), Some((from, to, mean))) = (first, last, tail) {
+        // The final loss is the mean of the last log interval, not one step's.
+        let over = if from == to {
+            format!("step {to}")
+        } else {
+            format!("mean of steps {from}-{to}")
+        };
         println!(
-            "trained {} steps of {}: loss {:.4} -> {:.4}, grad norm {:.3}, {:.0} tokens/s, peak RSS {:.1} MiB",
+            "trained {} steps of {}: loss {:.4} -> {:.4} ({over}), grad norm {:.3}, {:.0} tokens/s, peak RSS {:.1} MiB",
             report.steps.len(),
             plan.model,
             a.loss,
-            z.loss,
+            mean,
             z.grad_norm,
             report.tokens_per_s,
             report.peak_rss_bytes as f64 / (1u64 << 20) as f64
@@ -194,6 +235,19 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
                 report.steps.len()
             );
         }
+    }
+    if let Some(e) = report.evals.last() {
+        println!(
+            "eval loss {:.4} (perplexity {:.3}) after step {} on {} ({} batch{}; {} evaluation{})",
+            e.loss,
+            e.perplexity(),
+            e.step,
+            args.eval_data.as_deref().unwrap_or(""),
+            e.batches,
+            if e.batches == 1 { "" } else { "es" },
+            report.evals.len(),
+            if report.evals.len() == 1 { "" } else { "s" },
+        );
     }
     if let (true, Some(profile)) = (args.profile, &report.profile) {
         print!("{}", profile.render());
