@@ -81,6 +81,12 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     Ok(RunOptions {
         steps: args.steps,
         data: args.data.clone(),
+        data_options: megac_runtime::data::DataOptions {
+            tokenizer: args.tokenizer.clone(),
+            eos: args.eos.clone(),
+            split: args.split.clone(),
+            ..Default::default()
+        },
         init: args.init.clone(),
         save_params: args.save_params.clone(),
         // `megac launch` asks for progress lines (the ranks' stderr is a pipe to mpirun).
