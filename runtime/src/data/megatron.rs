@@ -474,14 +474,18 @@ impl GptDataset {
         let lengths = dataset.lengths();
         let tokens_per_epoch: i64 = (begin..end).map(|d| i64::from(lengths[d as usize])).sum();
         let seq = seq_len as i64;
-        if tokens_per_epoch < seq + 1 {
-            return Err(format!(
-                "the {} split (sequences {begin}..{end} of {}) holds {tokens_per_epoch} tokens; \
-                 one sample needs seq_len + 1 = {}",
+        let too_few = |what: &str| {
+            format!(
+                "the {} split (sequences {begin}..{end} of {}) holds {tokens_per_epoch} tokens, \
+                 {what} (a sample is seq_len + 1 = {} tokens)",
                 which.name(),
                 dataset.sequences(),
                 seq + 1
-            ));
+            )
+        };
+        // helpers.cpp asserts more than one token per epoch.
+        if tokens_per_epoch < 2 {
+            return Err(too_few("too few for any sample"));
         }
         // _get_num_epochs
         let mut num_epochs: i64 = 1;
@@ -505,6 +509,11 @@ impl GptDataset {
         let sample_index =
             build_sample_index(lengths, &document_index, seq, num_epochs * tokens_per_epoch);
         let total = sample_index.len() as u64 - 1;
+        if total == 0 {
+            return Err(too_few(
+                "not one sample's worth in the epochs it is read for",
+            ));
+        }
         let first = if separate_final_epoch {
             ((num_epochs - 1) * tokens_per_epoch - 1) as u64 / seq as u64
         } else {
@@ -749,8 +758,11 @@ impl MegatronData {
 
     /// Open a weighted blend (`spec` as [`parse_blend`] reads it), as
     /// `BlendedMegatronDatasetBuilder` builds it for a `size` of `o.num_samples`.
-    pub fn open_blend(spec: &str, o: &MegatronOptions) -> Result<MegatronData, FileError> {
-        let pairs = parse_blend(spec).map_err(|m| file_err(spec, m))?;
+    pub fn open_blend(blend: &str, o: &MegatronOptions) -> Result<MegatronData, FileError> {
+        // Messages about the blend as a whole quote it.
+        let quoted = format!("\"{blend}\"");
+        let spec = quoted.as_str();
+        let pairs = parse_blend(blend).map_err(|m| file_err(spec, m))?;
         let Some(size) = o.num_samples else {
             return Err(file_err(
                 spec,

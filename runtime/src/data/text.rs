@@ -40,8 +40,12 @@ pub fn jsonl_documents(text: &str) -> Result<Vec<String>, String> {
             continue;
         }
         let n = i + 1;
-        let value: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| format!("line {n}, column {}: not JSON: {e}", e.column()))?;
+        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+            // serde_json's message ends with its own (single-line) position.
+            let msg = e.to_string();
+            let msg = msg.find(" at line ").map_or(msg.as_str(), |i| &msg[..i]);
+            format!("line {n}, column {}: not JSON: {msg}", e.column())
+        })?;
         let Some(obj) = value.as_object() else {
             return Err(format!(
                 "line {n}: expected a JSON object with a \"text\" field"

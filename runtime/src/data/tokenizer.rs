@@ -43,8 +43,8 @@ pub struct TokenizerError {
 }
 
 impl TextTokenizer {
-    /// Load `path` (a `tokenizer.json`). The end-of-document token is `eos` when given (a
-    /// token of the vocabulary, e.g. `<|endoftext|>`, or an id); otherwise the `eos_token` of
+    /// Load `path` (a `tokenizer.json`). The end-of-document token is `eos` when given (an
+    /// id, i.e. a decimal number, or a token's text, e.g. `<|endoftext|>`); otherwise the `eos_token` of
     /// a `tokenizer_config.json` in the same folder; otherwise the first special added token
     /// named in [`EOS_NAMES`]; otherwise there is none ([`TextTokenizer::eos`] says so).
     pub fn open(path: &Path, eos: Option<&str>) -> Result<TextTokenizer, TokenizerError> {
@@ -71,8 +71,8 @@ impl TextTokenizer {
         tok.eos = match eos {
             Some(e) => Some(tok.resolve(e).ok_or_else(|| {
                 err(format!(
-                    "--eos {e}: not a token of the tokenizer (give its text, e.g. \
-                     <|endoftext|>, or its id below {vocab})"
+                    "--eos {e}: not a token of the tokenizer (give its id below {vocab}, or \
+                     its text, e.g. <|endoftext|>)"
                 ))
             })?),
             None => tok.config_eos(path).or_else(|| tok.named_eos()),
@@ -80,13 +80,15 @@ impl TextTokenizer {
         Ok(tok)
     }
 
-    /// A token by text, or by id.
+    /// A token by id (a decimal number) or by text.
     fn resolve(&self, token: &str) -> Option<(u32, String)> {
-        if let Some(id) = self.inner.token_to_id(token) {
-            return Some((id, token.to_string()));
+        match token.parse::<u32>() {
+            Ok(id) => self.inner.id_to_token(id).map(|t| (id, t)),
+            Err(_) => self
+                .inner
+                .token_to_id(token)
+                .map(|id| (id, token.to_string())),
         }
-        let id: u32 = token.parse().ok()?;
-        self.inner.id_to_token(id).map(|t| (id, t))
     }
 
     /// `eos_token` of `tokenizer_config.json` beside the tokenizer (a string or
