@@ -355,3 +355,136 @@ fn train_runs_on_megatron_data_and_tokenized_text() {
         }
     }
 }
+
+/// `megac generate --tokenizer` encodes the prompt as the Python tokenizer does and decodes
+/// the new tokens with it; `megac scope --tokenizer` reads the same ids; a tokenizer larger
+/// than the model's vocab is one error.
+#[test]
+fn generate_and_scope_use_the_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("w.safetensors");
+    let tok = tokenizer_path();
+    let tok = tok.to_str().unwrap();
+    let sets = ["--set", "model.vocab=384", "--set", "model.seq_len=16"];
+    let megac = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_megac"))
+            .current_dir(root())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = megac(
+        &[
+            &["train", "examples/llama-tiny.toml", "--steps", "1"][..],
+            &sets,
+            &["--save-params", init.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g = golden("tests/golden/tokenizer/ids.json");
+    let hello = &g["encode"][0];
+    assert_eq!(hello["text"], "Hello world");
+    let base = [
+        &[
+            "generate",
+            "examples/llama-tiny.toml",
+            "--init",
+            init.to_str().unwrap(),
+        ][..],
+        &sets,
+        &[
+            "--prompt",
+            "Hello world",
+            "--max-new-tokens",
+            "3",
+            "--format",
+            "json",
+        ],
+    ]
+    .concat();
+    let out = megac(&[&base[..], &["--tokenizer", tok]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ids(&v["prompt_tokens"]), ids(&hello["ids"]));
+    let new = ids(&v["tokens"]);
+    assert_eq!(new.len(), 3);
+    let t = TextTokenizer::open(&tokenizer_path(), None).unwrap();
+    assert_eq!(v["text"].as_str().unwrap(), t.decode(&new).unwrap());
+    // Without it, the prompt is its bytes.
+    let out = megac(&base);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ids(&v["prompt_tokens"]).len(), "Hello world".len());
+    // scope: one position per tokenizer id.
+    let probe = dir.path().join("p.safetensors");
+    let out = megac(
+        &[
+            &[
+                "scope",
+                "examples/llama-tiny.toml",
+                "--init",
+                init.to_str().unwrap(),
+            ][..],
+            &sets,
+            &[
+                "--prompt",
+                "Hello world",
+                "--tokenizer",
+                tok,
+                "--probe",
+                "embed",
+            ],
+            &["-o", probe.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("of {} token(s)", ids(&hello["ids"]).len())),
+        "{stdout}"
+    );
+    // The model's vocab (256 here) must hold the tokenizer's 384 ids.
+    let small = dir.path().join("small.safetensors");
+    let out = megac(&[
+        "train",
+        "examples/llama-tiny.toml",
+        "--steps",
+        "1",
+        "--set",
+        "model.seq_len=16",
+        "--save-params",
+        small.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let out = megac(&[
+        "generate",
+        "examples/llama-tiny.toml",
+        "--set",
+        "model.seq_len=16",
+        "--init",
+        small.to_str().unwrap(),
+        "--prompt",
+        "Hello",
+        "--tokenizer",
+        tok,
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("error: tokenizer ") && err.contains("more than the model's vocab 256"),
+        "{err}"
+    );
+}
