@@ -32,6 +32,36 @@ pub struct ModelArgs {
 }
 
 /// Options of `megac run` and `megac train`.
+
+/// How `--data` and `--eval-data` files are read (`megac run|train|eval`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct DataReadArgs {
+    /// A Hugging Face tokenizer.json for .txt and .jsonl data (documents separated by its EOS
+    /// token); its vocabulary must fit model.vocab.
+    #[arg(long, value_name = "tokenizer.json")]
+    pub tokenizer: Option<PathBuf>,
+    /// The tokenizer's end-of-document token (its text or id), when neither a
+    /// tokenizer_config.json beside it nor a special token's name tells it.
+    #[arg(long, value_name = "TOKEN", requires = "tokenizer")]
+    pub eos: Option<String>,
+    /// Megatron data: the train,valid,test split of each dataset's documents, as Megatron's
+    /// --split (training reads the first part, evaluation the second).
+    #[arg(long, default_value = "969,30,1", value_name = "TRAIN,VALID,TEST")]
+    pub split: String,
+}
+
+impl DataReadArgs {
+    /// The runtime's data options.
+    pub fn options(&self) -> megac_runtime::data::DataOptions {
+        megac_runtime::data::DataOptions {
+            tokenizer: self.tokenizer.clone(),
+            eos: self.eos.clone(),
+            split: self.split.clone(),
+            ..Default::default()
+        }
+    }
+}
+
 #[derive(clap::Args)]
 pub struct RunArgs {
     /// Communicator: `local` (threads in this process) or `mpi`.
@@ -43,10 +73,19 @@ pub struct RunArgs {
     /// Optimizer steps to run (default: train.steps of the model).
     #[arg(long, value_name = "N")]
     pub steps: Option<u64>,
-    /// Training data: `synthetic`, a `.bin` file of little-endian u32 token ids, or a `.txt`
-    /// file (byte-level tokens); see docs/data.md.
-    #[arg(long, default_value = "synthetic", value_name = "synthetic|FILE")]
+    /// Training data: `synthetic`, a `.bin` file of little-endian u32 token ids, a `.txt` file
+    /// (byte-level tokens, or paragraphs with --tokenizer), a `.jsonl` file (a "text" field per
+    /// line, with --tokenizer), a Megatron dataset PREFIX (PREFIX.bin + PREFIX.idx) or a blend
+    /// "0.3 PREFIX_A 0.7 PREFIX_B"; see docs/data.md.
+    #[arg(
+        long,
+        default_value = "synthetic",
+        value_name = "synthetic|FILE|PREFIX|BLEND"
+    )]
     pub data: String,
+    /// How data files are read (tokenizer, EOS, Megatron split).
+    #[command(flatten)]
+    pub reading: DataReadArgs,
     /// Initial weights from a Hugging Face safetensors file (save_pretrained layout).
     #[arg(long, value_name = "FILE.safetensors")]
     pub init: Option<PathBuf>,

@@ -10,18 +10,31 @@
 //! Kinds of data (the `--data` argument, see docs/data.md):
 //! - `synthetic`: a deterministic, learnable generator (see [`DataSource::Synthetic`]).
 //! - `FILE.bin`: raw little-endian `u32` token ids, back to back.
-//! - `FILE.txt`: UTF-8 (or any) text, tokenized byte by byte: token id = byte value (0..=255).
+//! - `FILE.txt`: UTF-8 (or any) text, tokenized byte by byte: token id = byte value (0..=255);
+//!   with a Hugging Face tokenizer ([`DataOptions::tokenizer`]), one document per paragraph.
+//! - `FILE.jsonl` (needs a tokenizer): one document per line, its `text` field ([`text`]).
+//! - `PREFIX` (`PREFIX.bin` + `PREFIX.idx`) or a blend `"W1 PREFIX1 W2 PREFIX2"`: Megatron's
+//!   indexed datasets, sampled as megatron-core's GPTDataset / BlendedDataset ([`megatron`]).
 //!
 //! Sample `i` of a token file is the window `tokens[w*(S+1) .. (w+1)*(S+1)]` with
 //! `w = i mod floor(len / (S+1))`: the inputs are its first `S` tokens, the labels its last
 //! `S` (the inputs shifted by one). Tokens after the last whole window are never used.
+//! Tokenized text is a token file too: the documents' ids, each followed by the EOS id.
+//! Megatron data has its own samples (document-spanning, shuffled; see [`megatron`]).
+
+pub mod megatron;
+mod numpy_rng;
+pub mod text;
+pub mod tokenizer;
 
 use std::fs::File;
 use std::io::{ErrorKind, Read};
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::RuntimeError;
+pub use megatron::DataSplit;
 
 /// The vocabulary the byte-level tokenizer of `.txt` files needs: one id per byte value.
 pub const BYTE_VOCAB: u32 = 256;
@@ -61,6 +74,48 @@ pub enum DataSource {
         /// The file path as the user gave it (for messages and reports).
         name: String,
     },
+    /// A Megatron indexed dataset's split or a blend of several, with megatron-core's
+    /// indices (shared, read-only: clones are cheap).
+    Megatron {
+        /// The samples.
+        data: Arc<megatron::MegatronData>,
+        /// The spec as the user gave it.
+        name: String,
+    },
+}
+
+/// How to read a data spec besides the model's sizes: the tokenizer for text, and Megatron's
+/// split and sample count. `Default` is plain `--data` (no tokenizer, Megatron's legacy split
+/// `969,30,1`, its train part, one epoch).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataOptions {
+    /// A Hugging Face `tokenizer.json` for `.txt` and `.jsonl` data (and, when given, checked
+    /// against the model's vocab whatever the data).
+    pub tokenizer: Option<PathBuf>,
+    /// The end-of-document token (text or id) when the tokenizer does not say.
+    pub eos: Option<String>,
+    /// Megatron's split string (train,valid,test weights).
+    pub split: String,
+    /// Which part of the split Megatron data is read from.
+    pub split_part: DataSplit,
+    /// How many samples the run reads (global samples `0..n`; Megatron's `train_samples`),
+    /// which decides how many epochs Megatron's indices hold. None: one epoch.
+    pub samples: Option<u64>,
+}
+
+/// Megatron-LM's default `--split` when none is given (its legacy default).
+pub const DEFAULT_SPLIT: &str = "969,30,1";
+
+impl Default for DataOptions {
+    fn default() -> Self {
+        DataOptions {
+            tokenizer: None,
+            eos: None,
+            split: DEFAULT_SPLIT.to_string(),
+            split_part: DataSplit::Train,
+            samples: None,
+        }
+    }
 }
 
 impl DataSource {
@@ -75,13 +130,59 @@ impl DataSource {
         vocab: u32,
         seed: u64,
     ) -> Result<DataSource, RuntimeError> {
+        DataSource::open_with(spec, &DataOptions::default(), seq_len, vocab, seed)
+    }
+
+    /// Open the data named by `spec` with `opts` (see the module documentation and
+    /// docs/data.md): besides [`DataSource::open`]'s kinds, `.txt` and `.jsonl` text for a
+    /// tokenizer, a Megatron `PREFIX` (`PREFIX.idx` exists) and a Megatron blend
+    /// (`"W1 PREFIX1 W2 PREFIX2 ..."`). Everything is checked here, before any training: a
+    /// tokenizer larger than `vocab`, a token id `>= vocab`, a malformed index or blend.
+    pub fn open_with(
+        spec: &str,
+        opts: &DataOptions,
+        seq_len: usize,
+        vocab: u32,
+        seed: u64,
+    ) -> Result<DataSource, RuntimeError> {
         let err = |message: String| RuntimeError::Data {
             source_name: spec.to_string(),
             message,
         };
         check_sizes(seq_len, vocab).map_err(err)?;
+        let tokenizer = match &opts.tokenizer {
+            Some(p) => {
+                let t = tokenizer::TextTokenizer::open(p, opts.eos.as_deref())?;
+                t.check_vocab(vocab)?;
+                Some(t)
+            }
+            None => None,
+        };
         if spec == "synthetic" {
             return Ok(DataSource::Synthetic { seed, vocab });
+        }
+        if spec.split_whitespace().count() > 1 || megatron::is_prefix(spec) {
+            let mopts = megatron::MegatronOptions {
+                split: &opts.split,
+                which: opts.split_part,
+                num_samples: opts.samples,
+                seq_len,
+                seed: u32::try_from(seed).map_err(|_| {
+                    err(format!(
+                        "Megatron datasets are shuffled with numpy's RandomState, which takes a                          32-bit seed; the run's seed is {seed}"
+                    ))
+                })?,
+                vocab,
+            };
+            let data = if spec.split_whitespace().count() > 1 {
+                megatron::MegatronData::open_blend(spec, &mopts)?
+            } else {
+                megatron::MegatronData::open_single(spec, &mopts)?
+            };
+            return Ok(DataSource::Megatron {
+                data: Arc::new(data),
+                name: spec.to_string(),
+            });
         }
         let path = Path::new(spec);
         if path.is_dir() {
@@ -98,14 +199,34 @@ impl DataSource {
         let format = match ext.as_deref() {
             Some("bin") => TokenFormat::Bin,
             Some("txt") => TokenFormat::Txt,
+            Some("jsonl") => TokenFormat::Jsonl,
             _ => {
-                return Err(err(
+                return Err(err(format!(
                     "unknown kind of data: expected `synthetic`, a `.bin` file (little-endian \
-                     u32 token ids) or a `.txt` file (text, byte-level tokens)"
-                        .to_string(),
-                ))
+                     u32 token ids), a `.txt` file (text), a `.jsonl` file (a \"text\" field \
+                     per line, with --tokenizer), a Megatron dataset prefix (no {spec}.idx \
+                     found) or a blend \"W1 PREFIX1 W2 PREFIX2\""
+                )))
             }
         };
+        if format == TokenFormat::Bin {
+            if let Some(prefix) = spec.strip_suffix(".bin").filter(|p| megatron::is_prefix(p)) {
+                return Err(err(format!(
+                    "{prefix}.idx is beside it: a Megatron dataset is named by its prefix, \
+                     --data {prefix} (a .bin file alone is read as raw u32 token ids)"
+                )));
+            }
+        }
+        if let Some(tok) = &tokenizer {
+            if format != TokenFormat::Bin {
+                return DataSource::open_text(spec, format, tok, seq_len);
+            }
+        } else if format == TokenFormat::Jsonl {
+            return Err(err(
+                "a .jsonl file is text: give its tokenizer with --tokenizer tokenizer.json"
+                    .to_string(),
+            ));
+        }
         let kind = format.extension();
         let file = File::open(path).map_err(|e| err(format!("cannot open {kind} file: {e}")))?;
         let size = file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -141,6 +262,12 @@ impl DataSource {
                 }
                 read_txt(reader, size_hint).map_err(err)?
             }
+            TokenFormat::Jsonl => {
+                return Err(err(
+                    "a .jsonl file is text: give its tokenizer with --tokenizer tokenizer.json"
+                        .to_string(),
+                ))
+            }
         };
         // `check_sizes` bounds seq_len, so the window cannot overflow.
         let window = seq_len as u64 + 1;
@@ -163,19 +290,73 @@ impl DataSource {
         })
     }
 
+    /// Read `.txt` or `.jsonl` text and tokenize it with `tok` (see [`text`]).
+    fn open_text(
+        spec: &str,
+        format: TokenFormat,
+        tok: &tokenizer::TextTokenizer,
+        seq_len: usize,
+    ) -> Result<DataSource, RuntimeError> {
+        let err = |message: String| RuntimeError::Data {
+            source_name: spec.to_string(),
+            message,
+        };
+        let kind = format.extension();
+        let bytes =
+            std::fs::read(spec).map_err(|e| err(format!("cannot read {kind} file: {e}")))?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| {
+            let at = e.valid_up_to();
+            let line = bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1;
+            err(format!(
+                "line {line}: not UTF-8 (byte {at}); a tokenizer reads UTF-8 text"
+            ))
+        })?;
+        let docs = match format {
+            TokenFormat::Jsonl => text::jsonl_documents(text).map_err(err)?,
+            _ => text::txt_documents(text),
+        };
+        let Some((eos, _)) = tok.eos() else {
+            return Err(RuntimeError::Tokenizer {
+                path: tok.path().to_string(),
+                message: format!(
+                    "cannot tell its end-of-document token (no tokenizer_config.json eos_token \
+                     beside it, no special token named {}): give it with --eos TOKEN",
+                    tokenizer::EOS_NAMES.join(", ")
+                ),
+            });
+        };
+        let tokens = text::token_stream(tok, &docs, eos)?;
+        let window = seq_len as u64 + 1;
+        if (tokens.len() as u64) < window {
+            return Err(err(format!(
+                "needs at least {window} tokens for one sample (seq_len {seq_len} + 1), its {} \
+                 document(s) make {} with {}",
+                docs.len(),
+                tokens.len(),
+                tok.path()
+            )));
+        }
+        Ok(DataSource::Tokens {
+            tokens,
+            name: spec.to_string(),
+        })
+    }
+
     /// The source's name for messages and reports: `synthetic` or the file path.
     pub fn name(&self) -> &str {
         match self {
             DataSource::Synthetic { .. } => "synthetic",
-            DataSource::Tokens { name, .. } => name,
+            DataSource::Tokens { name, .. } | DataSource::Megatron { name, .. } => name,
         }
     }
 
     /// How many distinct samples of `seq_len` a token file holds (`floor(len / (seq_len+1))`;
     /// sample indices wrap around modulo this), or `None` for synthetic data (unbounded).
+    /// Megatron data: the samples its indices hold (for the `seq_len` it was opened with).
     pub fn samples_in_file(&self, seq_len: usize) -> Option<u64> {
         match self {
             DataSource::Synthetic { .. } => None,
+            DataSource::Megatron { data, .. } => Some(data.len()),
             DataSource::Tokens { tokens, .. } => {
                 Some(tokens.len() as u64 / (seq_len as u64).saturating_add(1))
             }
@@ -214,6 +395,21 @@ impl DataSource {
                 );
                 let start = (index % count) as usize * (seq_len + 1);
                 let window = &tokens[start..start + seq_len + 1];
+                for (dst, &src) in inputs.iter_mut().zip(&window[..seq_len]) {
+                    *dst = src as i32;
+                }
+                for (dst, &src) in labels.iter_mut().zip(&window[1..]) {
+                    *dst = src as i32;
+                }
+            }
+            DataSource::Megatron { data, .. } => {
+                let mut window = Vec::with_capacity(seq_len + 1);
+                data.sample_into(index, &mut window);
+                assert_eq!(
+                    window.len(),
+                    seq_len + 1,
+                    "Megatron data opened for another seq_len"
+                );
                 for (dst, &src) in inputs.iter_mut().zip(&window[..seq_len]) {
                     *dst = src as i32;
                 }
@@ -307,8 +503,10 @@ fn synthetic_sample(seed: u64, vocab: u32, index: u64, inputs: &mut [i32], label
 pub enum TokenFormat {
     /// `.bin`: little-endian `u32` token ids, back to back.
     Bin,
-    /// `.txt`: bytes, one token per byte.
+    /// `.txt`: bytes, one token per byte (with a tokenizer: paragraphs of text).
     Txt,
+    /// `.jsonl`: one JSON object per line, its `text` field a document (needs a tokenizer).
+    Jsonl,
 }
 
 impl TokenFormat {
@@ -317,6 +515,7 @@ impl TokenFormat {
         match self {
             TokenFormat::Bin => ".bin",
             TokenFormat::Txt => ".txt",
+            TokenFormat::Jsonl => ".jsonl",
         }
     }
 }

@@ -13,6 +13,15 @@ pub enum RuntimeError {
         /// What is wrong, with the numbers involved.
         message: String,
     },
+    /// A Hugging Face tokenizer (`--tokenizer tokenizer.json`) could not be read or does not
+    /// fit the model or the data.
+    #[error("tokenizer {path}: {message}")]
+    Tokenizer {
+        /// The tokenizer file as the user gave it.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
     /// A parameter file (safetensors, `--init` / `--save-params`) could not be read,
     /// does not match the model, or could not be written.
     #[error("parameters {path}: {message}")]
@@ -44,4 +53,22 @@ pub enum RuntimeError {
     /// used: the file and what is wrong with it.
     #[error("checkpoint {0}")]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+}
+
+impl From<crate::data::tokenizer::TokenizerError> for RuntimeError {
+    fn from(e: crate::data::tokenizer::TokenizerError) -> Self {
+        RuntimeError::Tokenizer {
+            path: e.path,
+            message: e.message,
+        }
+    }
+}
+
+impl From<crate::data::megatron::FileError> for RuntimeError {
+    fn from(e: crate::data::megatron::FileError) -> Self {
+        RuntimeError::Data {
+            source_name: e.file,
+            message: e.message,
+        }
+    }
 }

@@ -41,7 +41,7 @@ use std::time::Instant;
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::{BufId, Instr, PipeKind, Plan, Role};
 
-use crate::data::DataSource;
+use crate::data::{DataOptions, DataSource, DataSplit};
 use crate::error::RuntimeError;
 use crate::train::Session;
 
@@ -95,6 +95,9 @@ pub struct EvalRun {
     pub data: String,
     /// Global batches; None: every whole global batch of a token file (at least one).
     pub iters: Option<u64>,
+    /// How to read the data (tokenizer, EOS, Megatron split; Megatron data is read from its
+    /// validation part).
+    pub data_options: DataOptions,
 }
 
 /// What `megac eval` measured.
@@ -313,17 +316,36 @@ fn batches(data: &DataSource, plan: &Plan, iters: Option<u64>) -> Result<u64, Ru
     }
 }
 
-/// Open held-out data for `plan` (once, before the ranks start: one error naming the file).
-pub(crate) fn open_data(plan: &Plan, spec: &str) -> Result<DataSource, RuntimeError> {
+/// Open held-out data for `plan` (once, before the ranks start: one error naming the file),
+/// read as the run's data is (`options`: its tokenizer, EOS, Megatron split), except that
+/// a Megatron dataset or blend is read from its validation part, as Megatron evaluates, with
+/// indices for `iters` global batches (None: one epoch).
+pub(crate) fn open_data(
+    plan: &Plan,
+    spec: &str,
+    options: &DataOptions,
+    iters: Option<u64>,
+) -> Result<DataSource, RuntimeError> {
     let b = &plan.batch;
-    DataSource::open(spec, b.seq_len as usize, b.vocab as u32, plan.train.seed)
+    let options = DataOptions {
+        split_part: DataSplit::Valid,
+        samples: iters.map(|k| k.saturating_mul(b.global_batch)),
+        ..options.clone()
+    };
+    DataSource::open_with(
+        spec,
+        &options,
+        b.seq_len as usize,
+        b.vocab as u32,
+        plan.train.seed,
+    )
 }
 
 /// `megac eval`: the loss of `run.weights` on `run.data` with `plan` (any layout: one rank,
 /// or one thread per rank on the local communicator). Rank 0's report is returned (every
 /// rank computes the same losses).
 pub fn evaluate(plan: &CheckedPlan, run: &EvalRun) -> Result<EvalReport, RuntimeError> {
-    let data = open_data(plan, &run.data)?;
+    let data = open_data(plan, &run.data, &run.data_options, run.iters)?;
     let iters = batches(&data, plan, run.iters)?;
     let ckpt = match &run.weights {
         Weights::Checkpoint(dir) => {

@@ -18,8 +18,11 @@ use crate::{hf, init};
 pub struct RunOptions {
     /// Steps to run; the plan's `train.steps` when None.
     pub steps: Option<u64>,
-    /// `synthetic` or a `.bin` / `.txt` file.
+    /// `synthetic`, a `.bin` / `.txt` / `.jsonl` file, a Megatron prefix or blend.
     pub data: String,
+    /// How to read `data`: the tokenizer, Megatron's split (`samples` is set by [`train`]:
+    /// the run's steps times the global batch).
+    pub data_options: crate::data::DataOptions,
     /// Initial weights (Hugging Face safetensors).
     pub init: Option<PathBuf>,
     /// Where to write the trained weights (Hugging Face safetensors).
@@ -247,6 +250,18 @@ impl<'p> Session<'p> {
         init: Option<&std::path::Path>,
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
+        let b = &plan.batch;
+        let data = DataSource::open(data, b.seq_len as usize, b.vocab as u32, plan.train.seed)?;
+        Self::with_source(plan, data, init, comm)
+    }
+
+    /// As [`Session::with_comm`], with data already opened (for `plan`'s seq_len and vocab).
+    pub fn with_source(
+        plan: &'p CheckedPlan,
+        data: DataSource,
+        init: Option<&std::path::Path>,
+        comm: Box<dyn crate::comm::Communicator>,
+    ) -> Result<Self, RuntimeError> {
         let world = plan.mesh.world_size();
         let bad_role = plan
             .rank_to_role
@@ -265,7 +280,6 @@ impl<'p> Session<'p> {
         let plan: &'p Plan = plan;
         let role = &plan.roles[plan.rank_to_role[comm.rank()] as usize];
         let b = &plan.batch;
-        let data = DataSource::open(data, b.seq_len as usize, b.vocab as u32, plan.train.seed)?;
         let get = |name: &str| {
             role.results.get(name).copied().ok_or_else(|| {
                 RuntimeError::Plan(format!("the plan does not say where its `{name}` is"))
@@ -704,15 +718,41 @@ pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Runtime
     let world = plan.mesh.world_size();
     let ckpt = open_checkpoint(plan, opts)?;
     let ckpt = ckpt.as_ref();
+    let data = open_data(plan, opts)?;
+    let data = &data;
     let eval = open_eval_data(plan, opts)?;
     let eval = eval.as_ref();
     if world == 1 {
-        return train_rank(plan, opts, ckpt, eval, Box::new(crate::comm::SingleRank));
+        return train_rank(
+            plan,
+            opts,
+            ckpt,
+            data,
+            eval,
+            Box::new(crate::comm::SingleRank),
+        );
     }
     let mut reports = crate::local_comm::run_ranks(world, |comm| {
-        train_rank(plan, opts, ckpt, eval, Box::new(comm))
+        train_rank(plan, opts, ckpt, data, eval, Box::new(comm))
     })?;
     Ok(reports.swap_remove(0))
+}
+
+/// Open and check the training data once, before any rank starts (one error naming the
+/// file). Megatron data is indexed for the run's samples: `steps` (the total, resumed or
+/// not) times the global batch, as Megatron's `train_samples = train_iters * global_batch`.
+fn open_data(plan: &CheckedPlan, opts: &RunOptions) -> Result<DataSource, RuntimeError> {
+    let b = &plan.batch;
+    let steps = opts.steps.unwrap_or(plan.train.steps);
+    let mut data_opts = opts.data_options.clone();
+    data_opts.samples = Some(steps.saturating_mul(b.global_batch));
+    DataSource::open_with(
+        &opts.data,
+        &data_opts,
+        b.seq_len as usize,
+        b.vocab as u32,
+        plan.train.seed,
+    )
 }
 
 /// `--load`: open and verify the checkpoint and check it against the plan, before any rank
@@ -738,7 +778,9 @@ fn open_eval_data(
         Some(e) if e.iters == 0 => Err(RuntimeError::Unsupported(
             "--eval-iters 0: evaluate at least one batch".into(),
         )),
-        Some(e) => crate::eval::open_data(plan, &e.data).map(Some),
+        Some(e) => {
+            crate::eval::open_data(plan, &e.data, &opts.data_options, Some(e.iters)).map(Some)
+        }
         None => Ok(None),
     }
 }
@@ -783,10 +825,21 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
         let ckpt = open_checkpoint(plan, opts).inspect_err(|_| {
             crate::mpi_comm::set_error_on_every_rank();
         })?;
+        let data = open_data(plan, opts).inspect_err(|_| {
+            crate::mpi_comm::set_error_on_every_rank();
+        })?;
         let eval = open_eval_data(plan, opts).inspect_err(|_| {
             crate::mpi_comm::set_error_on_every_rank();
         })?;
-        train_rank(plan, opts, ckpt.as_ref(), eval.as_ref(), Box::new(comm)).inspect_err(|e| {
+        train_rank(
+            plan,
+            opts,
+            ckpt.as_ref(),
+            &data,
+            eval.as_ref(),
+            Box::new(comm),
+        )
+        .inspect_err(|e| {
             // The loss and the norm are reduced over the world: every rank stops at the same
             // step with the same values, and rank 0's message is enough.
             if matches!(e, RuntimeError::NonFinite(_)) {
@@ -844,6 +897,7 @@ fn train_rank(
     plan: &CheckedPlan,
     opts: &RunOptions,
     ckpt: Option<&crate::checkpoint::Checkpoint>,
+    data: &DataSource,
     eval_data: Option<&DataSource>,
     comm: Box<dyn crate::comm::Communicator>,
 ) -> Result<RunReport, RuntimeError> {
@@ -866,7 +920,7 @@ fn train_rank(
     } else {
         comm
     };
-    let mut session = Session::with_comm(plan, &opts.data, opts.init.as_deref(), comm)?;
+    let mut session = Session::with_source(plan, data.clone(), opts.init.as_deref(), comm)?;
     session.perturber = crate::perturb::Perturber::new(plan, &opts.perturb, opts.perturb_seed)?;
     session.eval_data = eval_data.cloned();
     let b = &plan.batch;

@@ -21,10 +21,15 @@ pub struct EvalArgs {
     /// (its folder, for the latest complete step, or a step folder), saved in any layout.
     #[arg(long, value_name = "FILE.safetensors|CHECKPOINT")]
     pub init: PathBuf,
-    /// The data: `synthetic`, a `.bin` file of little-endian u32 token ids, or a `.txt` file
-    /// (byte-level tokens); see docs/data.md.
-    #[arg(long, value_name = "synthetic|FILE")]
+    /// The data: `synthetic`, a `.bin` file of little-endian u32 token ids, a `.txt` file
+    /// (byte-level tokens, or paragraphs with --tokenizer), a `.jsonl` file (with
+    /// --tokenizer), or a Megatron dataset PREFIX or blend (its validation split); see
+    /// docs/data.md.
+    #[arg(long, value_name = "synthetic|FILE|PREFIX|BLEND")]
     pub data: String,
+    /// How the data is read (tokenizer, EOS, Megatron split).
+    #[command(flatten)]
+    pub reading: crate::DataReadArgs,
     /// Global batches to evaluate (samples 0 .. K·global_batch - 1) [default: every whole
     /// global batch of the file; needed with synthetic data].
     #[arg(long, value_name = "K")]
@@ -72,6 +77,7 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         weights,
         data: args.data.clone(),
         iters: args.iters,
+        data_options: args.reading.options(),
     };
     let report = evaluate(&plan, &run).map_err(|e| format!("error: {e}"))?;
     let batches = report.losses.len();

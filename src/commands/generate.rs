@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use megac_ir::gate::CheckedPlan;
+use megac_runtime::data::tokenizer::TextTokenizer;
 use megac_runtime::infer::{with_ranks, Sampling};
 use megac_runtime::kv::with_ranks_kv;
 
@@ -16,7 +17,8 @@ pub struct GenerateArgs {
     /// The weights (a Hugging Face safetensors file, save_pretrained layout).
     #[arg(long, value_name = "FILE.safetensors")]
     pub init: PathBuf,
-    /// The prompt as text, tokenized byte by byte as `.txt` data is (docs/data.md).
+    /// The prompt as text, tokenized byte by byte as `.txt` data is (docs/data.md), or with
+    /// --tokenizer.
     #[arg(
         long,
         value_name = "TEXT",
@@ -27,6 +29,10 @@ pub struct GenerateArgs {
     /// The prompt as token ids, comma-separated (`1,2,3`).
     #[arg(long, value_name = "IDS")]
     pub tokens: Option<String>,
+    /// A Hugging Face tokenizer.json: encodes --prompt (with its special tokens) and decodes
+    /// the new tokens (special tokens shown); its vocabulary must fit model.vocab.
+    #[arg(long, value_name = "tokenizer.json")]
+    pub tokenizer: Option<PathBuf>,
     /// How many tokens to generate (prompt + new tokens must fit model.seq_len).
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub max_new_tokens: usize,
@@ -42,7 +48,7 @@ pub struct GenerateArgs {
     /// Seed of the sampler (the same seed gives the same tokens).
     #[arg(long, default_value_t = 0, value_name = "S")]
     pub seed: u64,
-    /// `text` (the new text, byte-level decoded) or `json`
+    /// `text` (the new text, byte-level decoded or with --tokenizer) or `json`
     /// (`{"prompt_tokens", "tokens", "text", "tokens_per_s"}`).
     #[arg(long, default_value = "text", value_name = "text|json")]
     pub format: String,
@@ -74,6 +80,48 @@ pub fn prompt_tokens(prompt: Option<&str>, tokens: Option<&str>) -> Result<Vec<u
         (_, Some(t)) => parse_tokens(t),
         (Some(p), None) => Ok(p.bytes().map(u32::from).collect()),
         (None, None) => Err("error: give the prompt with --prompt TEXT or --tokens IDS".into()),
+    }
+}
+
+fn render_tokenizer_error(e: megac_runtime::data::tokenizer::TokenizerError) -> String {
+    format!("error: {}", megac_runtime::error::RuntimeError::from(e))
+}
+
+/// Load `--tokenizer` (None without one).
+pub fn open_tokenizer(path: Option<&std::path::Path>) -> Result<Option<TextTokenizer>, String> {
+    path.map(|p| TextTokenizer::open(p, None).map_err(render_tokenizer_error))
+        .transpose()
+}
+
+/// Check `--tokenizer` against the model's vocab: every id it produces must be an id of the
+/// model.
+pub fn check_tokenizer(tok: Option<&TextTokenizer>, plan: &CheckedPlan) -> Result<(), String> {
+    match tok {
+        Some(t) => t
+            .check_vocab(plan.batch.vocab as u32)
+            .map_err(render_tokenizer_error),
+        None => Ok(()),
+    }
+}
+
+/// The prompt's token ids as [`prompt_tokens`] reads them, `--prompt` encoded with `tok`
+/// when there is one.
+pub fn prompt_tokens_with(
+    prompt: Option<&str>,
+    tokens: Option<&str>,
+    tok: Option<&TextTokenizer>,
+) -> Result<Vec<u32>, String> {
+    match (prompt, tokens, tok) {
+        (Some(p), None, Some(t)) => t.encode(p).map_err(render_tokenizer_error),
+        _ => prompt_tokens(prompt, tokens),
+    }
+}
+
+/// Decode generated ids with `tok`, or byte by byte ([`decode`]) without one.
+pub fn decode_with(tokens: &[u32], tok: Option<&TextTokenizer>) -> Result<String, String> {
+    match tok {
+        Some(t) => t.decode(tokens).map_err(render_tokenizer_error),
+        None => Ok(decode(tokens)),
     }
 }
 
@@ -133,8 +181,10 @@ pub fn run(args: &GenerateArgs) -> Result<(), String> {
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         return bad("--top-p", args.top_p, "expected a number in (0, 1]");
     }
-    let prompt = prompt_tokens(args.prompt.as_deref(), args.tokens.as_deref())?;
+    let tok = open_tokenizer(args.tokenizer.as_deref())?;
+    let prompt = prompt_tokens_with(args.prompt.as_deref(), args.tokens.as_deref(), tok.as_ref())?;
     let plan = compile_forward(&args.model)?;
+    check_tokenizer(tok.as_ref(), &plan)?;
     let sampling = Sampling {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -156,7 +206,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), String> {
         })
     }
     .map_err(|e| format!("error: {e}"))?;
-    let text = decode(&out.tokens);
+    let text = decode_with(&out.tokens, tok.as_ref())?;
     let tokens_per_s = if out.seconds > 0.0 {
         out.tokens.len() as f64 / out.seconds
     } else {

@@ -100,6 +100,7 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     Ok(RunOptions {
         steps: args.steps,
         data: args.data.clone(),
+        data_options: args.reading.options(),
         init: args.init.clone(),
         save_params: args.save_params.clone(),
         // `megac launch` asks for progress lines (the ranks' stderr is a pipe to mpirun).

@@ -51,7 +51,8 @@ pub struct ScopeArgs {
     /// The weights (a Hugging Face safetensors file, save_pretrained layout).
     #[arg(long, value_name = "FILE.safetensors")]
     pub init: PathBuf,
-    /// The input as text, tokenized byte by byte as `.txt` data is (docs/data.md).
+    /// The input as text, tokenized byte by byte as `.txt` data is (docs/data.md), or with
+    /// --tokenizer.
     #[arg(
         long,
         value_name = "TEXT",
@@ -62,6 +63,10 @@ pub struct ScopeArgs {
     /// The input as token ids, comma-separated (`1,2,3`).
     #[arg(long, value_name = "IDS")]
     pub tokens: Option<String>,
+    /// A Hugging Face tokenizer.json that encodes --prompt (with its special tokens); its
+    /// vocabulary must fit model.vocab.
+    #[arg(long, value_name = "tokenizer.json")]
+    pub tokenizer: Option<PathBuf>,
     /// A probe point or pattern (`*` matches any run of characters): `embed`,
     /// `layers.{i}.out`, `layers.{i}.attn.probs`, `layers.{i}.attn.out`, `layers.{i}.mlp.out`,
     /// `layers.{i}.moe.router`, `layers.{i}.lens` (the logit lens: `.tokens` and `.probs`, top
@@ -101,11 +106,17 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
     if let Some(r) = &args.report {
         super::output::check_file("--report", r)?;
     }
-    let tokens = super::generate::prompt_tokens(args.prompt.as_deref(), args.tokens.as_deref())?;
+    let tok = super::generate::open_tokenizer(args.tokenizer.as_deref())?;
+    let tokens = super::generate::prompt_tokens_with(
+        args.prompt.as_deref(),
+        args.tokens.as_deref(),
+        tok.as_ref(),
+    )?;
     let plan = super::generate::compile_forward(&ModelArgs {
         model: args.model.clone(),
         sets: args.sets.clone(),
     })?;
+    super::generate::check_tokenizer(tok.as_ref(), &plan)?;
     let (probes, report) = with_ranks(&plan, &args.init, |inf| {
         if perturbations.is_empty() {
             return Ok((inf.probe(&tokens, &args.probes)?, None));
