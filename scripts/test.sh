@@ -17,8 +17,8 @@
 #      the default build (no MPI, no LLVM), then with --features mpi,mlir (the MPI tests:
 #      tests/mpi.rs, runtime/tests/mpi_collectives.rs; MLIR emission: tests/mlir.rs). The
 #      two opt-in features share one build, so MLIR costs no third build of the workspace,
-#      only melior's crates and the link of MLIR's static libraries. Both builds keep their own artifacts in target/,
-#      so a rerun recompiles nothing; but the second build compiles most of the workspace
+#      only melior's crates and the link of MLIR's static libraries. Both builds keep their
+#      own artifacts in target/, so a rerun recompiles nothing; but the second build compiles most of the workspace
 #      again: bindgen (the `mpi` crate's build script) turns on features of crates that every
 #      proc-macro uses (syn), so the crates above them are different builds.
 #   4. scripts/two-nodes.sh (root only: network namespaces) with the MPI binary the tests
