@@ -7,15 +7,20 @@
 #      (bindgen, in that build script), iproute2 (`ip`, for scripts/two-nodes.sh, as root),
 #      chromium (as root; the viewer's browser test, tests/scope_view.rs, then fails rather
 #      than skips without it: MEGAC_REQUIRE_CHROMIUM=1).
+#      LLVM/MLIR 22 for the `mlir` feature (melior's build scripts; see .cargo/config.toml):
+#      llvm-22-dev, libmlir-22-dev, mlir-22-tools (mlir-opt-22, which tests/mlir.rs runs),
+#      libclang-22-dev, libpolly-22-dev and libzstd-dev (llvm-config's static link lists).
 #      Only what is missing is installed, with apt-get, and only as root; without root and
 #      with something missing it stops at once and prints the install line.
 #      Then NVRTC for the CUDA kernel test: the PyPI wheel nvidia-cuda-nvrtc, into
 #      target/nvrtc, put on LD_LIBRARY_PATH (pip itself is installed with apt-get if missing).
 #   2. The rustfmt and clippy components (rustup component add, when missing).
 #   3. cargo fmt --check; then clippy -D warnings and every test of the workspace, first for
-#      the default build (no MPI), then with --features mpi (the MPI tests: tests/mpi.rs,
-#      runtime/tests/mpi_collectives.rs). Both builds keep their own artifacts in target/,
-#      so a rerun recompiles nothing; but the second build compiles most of the workspace
+#      the default build (no MPI, no LLVM), then with --features mpi,mlir (the MPI tests:
+#      tests/mpi.rs, runtime/tests/mpi_collectives.rs; MLIR emission: tests/mlir.rs). The
+#      two opt-in features share one build, so MLIR costs no third build of the workspace,
+#      only melior's crates and the link of MLIR's static libraries. Both builds keep their
+#      own artifacts in target/, so a rerun recompiles nothing; but the second build compiles most of the workspace
 #      again: bindgen (the `mpi` crate's build script) turns on features of crates that every
 #      proc-macro uses (syn), so the crates above them are different builds.
 #   4. scripts/two-nodes.sh (root only: network namespaces) with the MPI binary the tests
@@ -46,6 +51,14 @@ if $root; then
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   export MEGAC_REQUIRE_CHROMIUM=1
 fi
+# LLVM/MLIR 22 (feature `mlir`), each package by a file it installs.
+llvm22=/usr/lib/llvm-22
+[[ -x $llvm22/bin/llvm-config ]] || missing+=(llvm-22-dev)
+[[ -e $llvm22/include/mlir-c/IR.h ]] || missing+=(libmlir-22-dev)
+[[ -x $llvm22/bin/mlir-opt ]] || missing+=(mlir-22-tools)
+[[ -e $llvm22/include/clang-c/Index.h ]] || missing+=(libclang-22-dev)
+[[ -e $llvm22/lib/libPolly.a ]] || missing+=(libpolly-22-dev)
+[[ -e /usr/include/zstd.h ]] || missing+=(libzstd-dev)
 if ((${#missing[@]})); then
   if ! $root; then
     echo "scripts/test.sh: the tests need these packages, which are missing: ${missing[*]}" >&2
@@ -103,13 +116,13 @@ step "default build (no MPI): cargo clippy --workspace --all-targets -- -D warni
 cargo clippy --workspace --all-targets -- -D warnings
 step "default build (no MPI): cargo test --workspace"
 cargo test --workspace
-step "--features mpi: cargo clippy --workspace --all-targets --features mpi -- -D warnings"
-cargo clippy --workspace --all-targets --features mpi -- -D warnings
-step "--features mpi: cargo test --workspace --features mpi"
-cargo test --workspace --features mpi
+step "--features mpi,mlir: cargo clippy --workspace --all-targets --features mpi,mlir -- -D warnings"
+cargo clippy --workspace --all-targets --features mpi,mlir -- -D warnings
+step "--features mpi,mlir: cargo test --workspace --features mpi,mlir"
+cargo test --workspace --features mpi,mlir
 
 # 4. Two "nodes" (network namespaces): a tp2 x dp2 run across them matches the local-thread
-# run bit for bit. Uses the binary `cargo test --features mpi` just built (test profile).
+# run bit for bit. Uses the binary `cargo test --features mpi,mlir` just built (test profile).
 if $root; then
   step "scripts/two-nodes.sh"
   MEGAC=${CARGO_TARGET_DIR:-target}/debug/megac bash scripts/two-nodes.sh

@@ -201,6 +201,10 @@ enum Command {
         /// the plan is written).
         #[arg(short = 'o', long = "out", value_name = "PLAN_DIR")]
         out: PathBuf,
+        /// Also write `mlir`: one MLIR module per role beside plan.json
+        /// (`role-<name>.mlir`, verified by MLIR; needs a build with the `mlir` feature).
+        #[arg(long, value_enum, value_name = "FORMAT")]
+        emit: Option<commands::compile::Emit>,
     },
     /// Print a plan's memory by class (parameters, gradients, optimizer state, activations) and
     /// FLOPs, or the whole plan as text (`--program`).
@@ -392,7 +396,7 @@ fn main() -> ExitCode {
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Scan(args) => commands::scan::run(&args),
         Command::Plan(args) => commands::plan::run(&args),
-        Command::Compile { model, out } => commands::compile::run(&model, &out),
+        Command::Compile { model, out, emit } => commands::compile::run(&model, &out, emit),
         Command::Inspect {
             plan,
             json,

@@ -1055,3 +1055,25 @@ fn run_report(plan: &std::path::Path, steps: u32, report: &std::path::Path) -> s
     assert!(o.status.success(), "{}", stderr(&o));
     serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap()
 }
+
+/// A build without the `mlir` feature answers `--emit mlir` with one error naming the
+/// feature, before compiling or writing anything.
+#[cfg(not(feature = "mlir"))]
+#[test]
+fn emit_mlir_without_the_feature_is_one_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan");
+    let o = megac(&[
+        "compile",
+        "examples/llama-tiny.toml",
+        "--emit",
+        "mlir",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("`mlir` feature"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(!out.exists(), "nothing written");
+}

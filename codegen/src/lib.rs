@@ -15,6 +15,8 @@
 
 mod bucket;
 mod memory;
+#[cfg(feature = "mlir")]
+pub mod mlir;
 pub mod pipeline;
 mod zero1;
 

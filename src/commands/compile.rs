@@ -23,12 +23,46 @@ pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
     megac_codegen::emit_plan(&module.spec, graph, flops).map_err(|e| format!("error: {e}"))
 }
 
+/// What `--emit` adds beside plan.json.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Emit {
+    /// One MLIR module per role, `role-<name>.mlir` (feature `mlir`).
+    Mlir,
+}
+
+/// The MLIR modules of `plan` (file name, text), verified; only in a build with `mlir`.
+#[cfg(feature = "mlir")]
+fn mlir_modules(plan: &Plan) -> Result<Vec<(String, String)>, String> {
+    megac_codegen::mlir::emit_modules(plan).map_err(|e| format!("error: {e}"))
+}
+
+#[cfg(not(feature = "mlir"))]
+fn mlir_modules(_: &Plan) -> Result<Vec<(String, String)>, String> {
+    Err(NO_MLIR.to_string())
+}
+
+/// The answer to `--emit mlir` in a build without the feature.
+#[cfg(not(feature = "mlir"))]
+const NO_MLIR: &str = "error: --emit mlir needs megac built with the `mlir` feature (LLVM/MLIR 22: see the README's setup, then `cargo build --release --features mlir`)";
+
 /// Compile and write `out/plan.json`, and beside it `out/config.json`, the model's Hugging
-/// Face config (`megac run --save-params` copies it beside the saved weights).
-pub fn run(args: &ModelArgs, out: &Path) -> Result<(), String> {
+/// Face config (`megac run --save-params` copies it beside the saved weights); with
+/// `--emit mlir` also each role's MLIR module, all verified before anything is written.
+pub fn run(args: &ModelArgs, out: &Path, emit: Option<Emit>) -> Result<(), String> {
+    #[cfg(not(feature = "mlir"))]
+    if emit == Some(Emit::Mlir) {
+        return Err(NO_MLIR.to_string());
+    }
     super::output::check_dir("-o", out)?;
     let plan = build_plan(args)?;
+    let modules = match emit {
+        Some(Emit::Mlir) => mlir_modules(&plan)?,
+        None => Vec::new(),
+    };
     megac_codegen::write_plan(&plan, out).map_err(|e| format!("error: {e}"))?;
+    for (name, text) in &modules {
+        super::output::write_file(&out.join(name), text)?;
+    }
     let spec = super::load_spec(args)?;
     super::output::write_file(
         &out.join("config.json"),
@@ -56,5 +90,17 @@ pub fn run(args: &ModelArgs, out: &Path) -> Result<(), String> {
         plan.memory.total() as f64 / (1u64 << 20) as f64,
         out.display()
     );
+    if !modules.is_empty() {
+        println!(
+            "wrote {} MLIR module(s) in {}: {}",
+            modules.len(),
+            out.display(),
+            modules
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     Ok(())
 }

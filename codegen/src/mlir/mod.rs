@@ -1,0 +1,271 @@
+//! MLIR emission (feature `mlir`): one module per role of a [`Plan`], verified by MLIR.
+//!
+//! Each role becomes a module with a `func.func` per program: `@microbatch`, `@optimizer`,
+//! and per pipeline chunk `@chunk<c>_forward`, `@chunk<c>_backward`, `@chunk<c>_weight`.
+//! A function takes one byte arena per buffer class (`memref<Nxi8>`, N the role's arena
+//! bytes; `megac.arena` names the class), then `index` arguments for what depends on the
+//! rank (its position in a group, `megac.rank_index`) and on the micro-batch (a pipeline
+//! chunk's slot, `megac.slot`). Every buffer is a `memref.view` of its arena at the plan's
+//! offset with its static shape; kernels are `linalg.generic` ops with `arith`/`math`
+//! bodies ([`lower`]), collectives, transfers and the kernels without a lowering are
+//! `func.call`s of declared runtime symbols carrying `megac.group`, `megac.bytes` and
+//! `megac.tag`.
+//!
+//! The text is built here ([`text`], [`lower`]) and then parsed, verified and printed by
+//! MLIR itself through melior ([`verify`]): what is written is MLIR's own printed form of
+//! a module that passed its verifier.
+
+pub mod jit;
+mod lower;
+mod text;
+pub mod verify;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use megac_ir::plan::{Instr, Plan, Role};
+
+pub use lower::lowered;
+use text::{arena_arg, memref_ty, str_attr, Extra, Func, CLASSES};
+
+/// Why MLIR emission failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MlirError {
+    /// The emitted text did not parse or verify: a bug in the emitter, with MLIR's message.
+    #[error("the MLIR module of role `{role}` does not {stage}: {message}")]
+    Invalid {
+        /// The role.
+        role: String,
+        /// `parse` or `verify`.
+        stage: &'static str,
+        /// MLIR's diagnostics.
+        message: String,
+    },
+    /// Writing a module failed.
+    #[error("cannot write {path}: {message}")]
+    Write {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+}
+
+/// The file name of role `name`'s module: `role-<name>.mlir`.
+pub fn file_name(role: &str) -> String {
+    format!("role-{role}.mlir")
+}
+
+/// The programs of a role: (function name, instructions).
+fn programs(role: &Role) -> Vec<(String, &[Instr])> {
+    let mut out: Vec<(String, &[Instr])> = vec![
+        ("microbatch".into(), &role.microbatch[..]),
+        ("optimizer".into(), &role.optimizer[..]),
+    ];
+    if let Some(p) = &role.pipeline {
+        for c in &p.chunks {
+            out.push((format!("chunk{}_forward", c.chunk), &c.forward[..]));
+            out.push((format!("chunk{}_backward", c.chunk), &c.backward[..]));
+            out.push((format!("chunk{}_weight", c.chunk), &c.weight[..]));
+        }
+    }
+    out
+}
+
+/// The role's arena sizes in bytes, by class index.
+fn arena_bytes(plan: &Plan, role: usize) -> [u64; 5] {
+    let r = &plan.roles[role];
+    let mem = r.memory.as_ref().unwrap_or(&plan.memory);
+    [
+        mem.param_bytes,
+        mem.grad_bytes,
+        mem.opt_state_bytes,
+        mem.activation_bytes,
+        mem.input_bytes,
+    ]
+}
+
+/// The text of one function `name` running `instrs`; with `c_interface`, MLIR also emits
+/// its C interface (what the JIT calls).
+fn function_text(
+    plan: &Plan,
+    arena_bytes: [u64; 5],
+    name: &str,
+    instrs: &[Instr],
+    c_interface: bool,
+    decls: &mut BTreeMap<String, Vec<String>>,
+    collectives: &mut u64,
+) -> (String, Vec<Extra>) {
+    let mut f = Func::new(plan, arena_bytes, decls, collectives);
+    for i in instrs {
+        lower::instr(&mut f, i);
+    }
+    let mut args: Vec<String> = CLASSES
+        .iter()
+        .map(|&c| {
+            format!(
+                "{}: {} {{megac.arena = {}}}",
+                arena_arg(c),
+                memref_ty(&[arena_bytes[c.index()]], "i8"),
+                str_attr(c.name())
+            )
+        })
+        .collect();
+    let mut extras = Vec::new();
+    let mut by_name: Vec<(&String, &Extra)> = f.extras.iter().map(|(e, n)| (n, e)).collect();
+    by_name.sort_by_key(|(n, _)| n[2..].parse::<usize>().unwrap_or(0));
+    for (n, e) in by_name {
+        let attr = match e {
+            Extra::RankIndex(axes) => format!("megac.rank_index = {}", str_attr(axes)),
+            Extra::Slot(c) => format!("megac.slot = {c} : i64"),
+        };
+        args.push(format!("{n}: index {{{attr}}}"));
+        extras.push(e.clone());
+    }
+    let mut text = String::new();
+    let ciface = if c_interface {
+        ", llvm.emit_c_interface"
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        text,
+        "  func.func @{name}({}) attributes {{megac.program = {}{ciface}}} {{",
+        args.join(", "),
+        str_attr(name)
+    );
+    for l in &f.lines {
+        let _ = writeln!(text, "    {l}");
+    }
+    let _ = writeln!(text, "    return\n  }}");
+    (text, extras)
+}
+
+/// A module of `funcs` (text) with the attributes of role `role` and the declarations.
+fn module_text(
+    plan: &Plan,
+    role: usize,
+    decls: &BTreeMap<String, Vec<String>>,
+    funcs: &str,
+) -> String {
+    let r = &plan.roles[role];
+    let ranks: Vec<String> = plan
+        .rank_to_role
+        .iter()
+        .enumerate()
+        .filter(|(_, &x)| x as usize == role)
+        .map(|(i, _)| i.to_string())
+        .collect();
+    let mut out = String::new();
+    let mesh: Vec<String> = plan
+        .mesh
+        .axes
+        .iter()
+        .map(|(a, n)| format!("{}={n}", a.as_str()))
+        .collect();
+    let _ = writeln!(
+        out,
+        "module attributes {{megac.model = {}, megac.role = {}, megac.ranks = {}, megac.mesh = {}}} {{",
+        str_attr(&plan.model),
+        str_attr(&r.name),
+        str_attr(&ranks.join(",")),
+        str_attr(&mesh.join(","))
+    );
+    for (name, tys) in decls {
+        let _ = writeln!(
+            out,
+            "  func.func private @{}({})",
+            str_attr(name),
+            tys.join(", ")
+        );
+    }
+    out.push_str(funcs);
+    out.push_str("}\n");
+    out
+}
+
+/// The MLIR source of role `role` of `plan`, as the emitter writes it (not yet verified;
+/// [`emit_role`] returns MLIR's verified, printed form).
+pub fn role_source(plan: &Plan, role: usize) -> String {
+    let bytes = arena_bytes(plan, role);
+    let mut decls = BTreeMap::new();
+    let mut collectives = 0u64;
+    let mut funcs = String::new();
+    for (name, instrs) in programs(&plan.roles[role]) {
+        let (text, _) = function_text(
+            plan,
+            bytes,
+            &name,
+            instrs,
+            false,
+            &mut decls,
+            &mut collectives,
+        );
+        funcs.push_str(&text);
+    }
+    module_text(plan, role, &decls, &funcs)
+}
+
+/// A module of one function `name` running `instrs` on role `role`'s arenas, with its C
+/// interface (for [`jit`]): the arena sizes and the extra `index` arguments it takes.
+pub fn function_source(
+    plan: &Plan,
+    role: usize,
+    name: &str,
+    instrs: &[Instr],
+) -> (String, [u64; 5], Vec<String>) {
+    let bytes = arena_bytes(plan, role);
+    let mut decls = BTreeMap::new();
+    let mut collectives = 0u64;
+    let (text, extras) = function_text(
+        plan,
+        bytes,
+        name,
+        instrs,
+        true,
+        &mut decls,
+        &mut collectives,
+    );
+    let extras = extras
+        .iter()
+        .map(|e| match e {
+            Extra::RankIndex(a) => format!("rank_index:{a}"),
+            Extra::Slot(c) => format!("slot:{c}"),
+        })
+        .collect();
+    (module_text(plan, role, &decls, &text), bytes, extras)
+}
+
+/// Role `role`'s module, verified and printed by MLIR.
+pub fn emit_role(plan: &Plan, role: usize) -> Result<String, MlirError> {
+    let source = role_source(plan, role);
+    verify::canonical(&source).map_err(|(stage, message)| MlirError::Invalid {
+        role: plan.roles[role].name.clone(),
+        stage,
+        message,
+    })
+}
+
+/// Every role's module: (file name, text), in role order.
+pub fn emit_modules(plan: &Plan) -> Result<Vec<(String, String)>, MlirError> {
+    (0..plan.roles.len())
+        .map(|i| Ok((file_name(&plan.roles[i].name), emit_role(plan, i)?)))
+        .collect()
+}
+
+/// Write every role's module into `dir` (each through a temporary file, renamed), after
+/// all of them verified: an error writes nothing. Returns the paths written.
+pub fn write_modules(plan: &Plan, dir: &Path) -> Result<Vec<PathBuf>, MlirError> {
+    let modules = emit_modules(plan)?;
+    let mut paths = Vec::new();
+    for (name, text) in modules {
+        let path = dir.join(name);
+        megac_ir::file::write_atomic(&path, text).map_err(|e| MlirError::Write {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        paths.push(path);
+    }
+    Ok(paths)
+}
