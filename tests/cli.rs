@@ -1055,3 +1055,34 @@ fn run_report(plan: &std::path::Path, steps: u32, report: &std::path::Path) -> s
     assert!(o.status.success(), "{}", stderr(&o));
     serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap()
 }
+
+/// `--deterministic` only changes MPI runs: local threads reduce in group order anyway, so
+/// a local run with it reports the same losses and norms, bit for bit.
+#[test]
+fn deterministic_changes_nothing_on_local_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let reports: Vec<_> = [false, true]
+        .iter()
+        .map(|&det| {
+            let report = dir.path().join(format!("r{det}.json"));
+            let mut args = vec![
+                "train",
+                "examples/llama-tiny.toml",
+                "--set",
+                "parallel.dp=2",
+                "--steps",
+                "2",
+                "--report",
+                report.to_str().unwrap(),
+            ];
+            if det {
+                args.push("--deterministic");
+            }
+            let o = megac(&args);
+            assert!(o.status.success(), "{}", stderr(&o));
+            read_report(&report)
+        })
+        .collect();
+    assert_eq!(reports[0].len(), 2);
+    assert_eq!(reports[0], reports[1]);
+}

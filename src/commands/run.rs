@@ -96,6 +96,8 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         trace_kernels: args.trace_kernels,
         inject,
         hf_config: None,
+        deterministic: args.deterministic,
+        scan: args.scan,
     })
 }
 
