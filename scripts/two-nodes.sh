@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two "nodes" on one machine: a tp2×dp2 plan of examples/llama-tiny.toml on 4 ranks, 2 per node,
-# through `megac launch --hostfile`, must give the same losses and gradient norms, bit for bit,
-# as the local-thread run of the same plan.
+# through `megac launch --hostfile ... --deterministic`, must give the same losses and gradient
+# norms, bit for bit, as the local-thread run of the same plan.
 #
 # Each node is a network namespace with its own hostname (a UTS namespace), joined to the
 # other by a veth pair (10.231.7.1 and 10.231.7.2 on the veth only, nothing else is used);
@@ -99,7 +99,7 @@ echo "== megac launch -n 4 across the two nodes ($steps steps)"
 # mpirun runs in node A; node B's daemon is started through the stand-in. TCP between the
 # nodes, on the veth only; ranks waiting in MPI yield their core (4 ranks may share few).
 launch="$(printf '%q ' "$MEGAC" launch -n 4 --hostfile "$tmp/hostfile" "$plan" \
-  --steps "$steps" --report "$tmp/mpi.json")"
+  --steps "$steps" --report "$tmp/mpi.json" --deterministic)"
 env OMPI_MCA_plm_rsh_agent="$tmp/nsrsh.sh" \
   OMPI_MCA_btl_tcp_if_include=10.231.7.0/24 OMPI_MCA_oob_tcp_if_include=10.231.7.0/24 \
   OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_rmaps_base_display_map=1 \

@@ -164,6 +164,17 @@ pub struct RunArgs {
     /// line: `tail -f` it); created or truncated when the run starts.
     #[arg(long, value_name = "FILE.jsonl")]
     pub log: Option<PathBuf>,
+    /// With --comm mpi: reduce sums in group order, so the run is bit-identical to the
+    /// local-thread run of the plan (slower); by default MPI's own collectives
+    /// (MPI_Allreduce, MPI_Reduce_scatter_block), equal to local threads to rounding. The
+    /// local communicator is deterministic anyway: there it changes nothing.
+    #[arg(long)]
+    pub deterministic: bool,
+    /// Watch for slow ranks and slow links while training: after every step rank 0 runs
+    /// `megac scan`'s detector over the last steps and prints one warning line per new
+    /// finding (the rank or link, the step, the score) on stderr; see docs/scan.md.
+    #[arg(long)]
+    pub scan: bool,
 }
 
 #[derive(Subcommand)]

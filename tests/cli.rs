@@ -1077,3 +1077,34 @@ fn emit_mlir_without_the_feature_is_one_error() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(!out.exists(), "nothing written");
 }
+
+/// `--deterministic` only changes MPI runs: local threads reduce in group order anyway, so
+/// a local run with it reports the same losses and norms, bit for bit.
+#[test]
+fn deterministic_changes_nothing_on_local_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let reports: Vec<_> = [false, true]
+        .iter()
+        .map(|&det| {
+            let report = dir.path().join(format!("r{det}.json"));
+            let mut args = vec![
+                "train",
+                "examples/llama-tiny.toml",
+                "--set",
+                "parallel.dp=2",
+                "--steps",
+                "2",
+                "--report",
+                report.to_str().unwrap(),
+            ];
+            if det {
+                args.push("--deterministic");
+            }
+            let o = megac(&args);
+            assert!(o.status.success(), "{}", stderr(&o));
+            read_report(&report)
+        })
+        .collect();
+    assert_eq!(reports[0].len(), 2);
+    assert_eq!(reports[0], reports[1]);
+}

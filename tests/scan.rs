@@ -397,3 +397,67 @@ fn bad_inject_specs_and_trace_folders_are_one_clear_error() {
     );
     assert!(!stderr(&o).contains("panicked"));
 }
+
+/// Train llama-tiny tp2 x dp2 for 20 steps with `extra` options; (losses, stderr).
+fn train_online(dir: &Path, extra: &[&str]) -> (Vec<(u64, u64)>, String) {
+    let report = dir.join("report.json");
+    let mut args = vec![
+        "train",
+        "examples/llama-tiny.toml",
+        "--set",
+        TP2DP2[0],
+        "--set",
+        TP2DP2[1],
+        "--steps",
+        "20",
+        "--report",
+        report.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    let o = megac(&args);
+    ok(&o);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    (losses(&v), stderr(&o))
+}
+
+/// `--scan`: a 1.5× slow rank is named on one warning line (the rank, the step, the score)
+/// within 10 steps; a healthy run prints no warning; losses are bit-identical with and
+/// without `--scan`.
+#[test]
+fn scan_during_training_warns_of_a_slow_rank_within_ten_steps() {
+    retry(attempt_scan_during_training_warns_of_a_slow_rank_within_ten_steps);
+}
+
+fn attempt_scan_during_training_warns_of_a_slow_rank_within_ten_steps() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, _) = train_online(dir.path(), &[]);
+    let (healthy, err) = train_online(dir.path(), &["--scan"]);
+    assert_eq!(plain, healthy, "--scan changes no number");
+    assert!(!err.contains("warning: --scan"), "a healthy run: {err}");
+    let (slow, err) = train_online(dir.path(), &["--scan", "--inject", "slow-rank:2:1.5"]);
+    assert_eq!(plain, slow, "injection changes no number");
+    let warnings: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("warning: --scan: "))
+        .collect();
+    assert!(!warnings.is_empty(), "no warning: {err}");
+    let first = warnings[0];
+    assert!(
+        first.contains("slow-rank rank 2 (tp0 dp1 pp0): score "),
+        "{err}"
+    );
+    let step: u64 = first["warning: --scan: step ".len()..]
+        .split(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(step <= 10, "named at step {step}: {err}");
+    // Nothing else is named.
+    assert!(
+        warnings.iter().all(|w| w.contains("slow-rank rank 2 (")),
+        "{err}"
+    );
+}

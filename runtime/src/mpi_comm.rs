@@ -9,14 +9,26 @@
 //!   over the group's members only, which are exactly the ranks making that first call) and
 //!   caches it, keyed by the rank list; member i of the group is rank i of the
 //!   sub-communicator. The whole world uses `MPI_COMM_WORLD`; a group of one is a local copy.
-//! - **Deterministic reductions.** Sums and maxima do not use `MPI_Allreduce`, whose reduction
-//!   order is the library's choice (it may change with the algorithm, the message size and the
-//!   number of ranks). Instead every element is reduced in group order, the first member's
-//!   value first, exactly as the `local` communicator does: an all-reduce is an
-//!   `MPI_Alltoallv` (member j receives chunk j of every member's data), a local reduction of
-//!   the chunk in group order, and an `MPI_Allgatherv` of the reduced chunks. That moves
-//!   2·(n-1)/n of the data per rank, like a ring all-reduce, and makes MPI and local-thread
-//!   runs of a plan bit-identical. A reduce-scatter is the first two steps (an `MPI_Alltoall`).
+//! - **Native or deterministic reductions.** By default sums use MPI's own collectives:
+//!   `MPI_Allreduce` (in place: `MPI_IN_PLACE` for Open MPI and MPICH, which this module
+//!   recognises by `MPI_Get_library_version`; a copy through a kept scratch buffer for any
+//!   other library) and `MPI_Reduce_scatter_block`. Their reduction order is the library's
+//!   choice (it may change with the algorithm, the message size and the number of ranks),
+//!   so a run agrees with the local-thread run of its plan to rounding only (fp32 layout
+//!   tolerance), not bit for bit. Every member gets the same result (Open MPI's and MPICH's
+//!   algorithms reduce each element once and broadcast it, or combine pairs symmetrically;
+//!   `runtime/tests/mpi_collectives.rs` checks it), so replicas of a parameter stay equal.
+//!   With [`MpiComm::set_deterministic`] (`--deterministic`) every element is instead reduced
+//!   in group order, the first member's value first, exactly as the `local` communicator
+//!   does: an all-reduce is an `MPI_Alltoallv` (member j receives chunk j of every member's
+//!   data), a local reduction of the chunk in group order, and an `MPI_Allgatherv` of the
+//!   reduced chunks. That moves 2·(n-1)/n of the data per rank, like a ring all-reduce, and
+//!   makes MPI and local-thread runs of a plan bit-identical. A reduce-scatter is the first
+//!   two steps (an `MPI_Alltoall`). The exchange buffers are kept between calls (no fresh
+//!   pages per call). Maxima always take the in-order path: a maximum is exact in any order,
+//!   but `MPI_MAX` may drop a NaN that the local communicator (and torch) propagate; they
+//!   are small (one value per row of logits). All-gathers (`MPI_Allgather`) and all-to-alls
+//!   reduce nothing and are the same in both modes.
 //! - **All-to-all** with per-pair split sizes is `MPI_Alltoallv`; the split sizes are first
 //!   checked against the peers' (a small `MPI_Alltoall` of counts), so a mismatch is a clear
 //!   error rather than a truncated message.
@@ -45,9 +57,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, Partition, PartitionMut};
 use mpi::environment::Threading;
 use mpi::point_to_point::{Destination, Source};
+use mpi::raw::AsRaw;
 use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator as _, Group as _, SimpleCommunicator};
 use mpi::traits::CommunicatorCollectives;
@@ -117,8 +131,43 @@ pub fn comm_timeout() -> Result<Option<Duration>, RuntimeError> {
 }
 
 /// The operation this process's communicator is blocked in, and since when (for the
-/// watchdog).
-static WAITING: Mutex<Option<(Instant, String)>> = Mutex::new(None);
+/// watchdog). The message is formatted only when the watchdog reports it, so marking an
+/// operation costs a lock and a copy of the group's ranks into a kept vector.
+struct WaitState {
+    since: Option<Instant>,
+    what: &'static str,
+    group: Vec<usize>,
+    rank: usize,
+}
+
+impl WaitState {
+    /// "all_reduce_sum on group [0, 1] (waiting for rank 1)".
+    fn describe(&self) -> String {
+        if self.group.is_empty() {
+            return self.what.to_string();
+        }
+        let peers: Vec<String> = self
+            .group
+            .iter()
+            .filter(|&&r| r != self.rank)
+            .map(|r| r.to_string())
+            .collect();
+        format!(
+            "{} on group {:?} (waiting for rank{} {})",
+            self.what,
+            self.group,
+            if peers.len() == 1 { "" } else { "s" },
+            peers.join(", ")
+        )
+    }
+}
+
+static WAITING: Mutex<WaitState> = Mutex::new(WaitState {
+    since: None,
+    what: "",
+    group: Vec::new(),
+    rank: 0,
+});
 
 /// Whether the watchdog thread has been started (once per process).
 static WATCHDOG: OnceLock<()> = OnceLock::new();
@@ -127,15 +176,20 @@ static WATCHDOG: OnceLock<()> = OnceLock::new();
 struct Waiting;
 
 impl Waiting {
-    fn start(what: String) -> Self {
-        *WAITING.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), what));
+    fn start(what: &'static str, group: &[usize], rank: usize) -> Self {
+        let mut w = WAITING.lock().unwrap_or_else(|e| e.into_inner());
+        w.since = Some(Instant::now());
+        w.what = what;
+        w.group.clear();
+        w.group.extend_from_slice(group);
+        w.rank = rank;
         Waiting
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        *WAITING.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        WAITING.lock().unwrap_or_else(|e| e.into_inner()).since = None;
     }
 }
 
@@ -148,12 +202,12 @@ fn start_watchdog(rank: usize, timeout: Duration) {
             .name("megac-comm-watchdog".to_string())
             .spawn(move || loop {
                 std::thread::sleep(tick);
-                let late = WAITING
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .as_ref()
-                    .filter(|(since, _)| since.elapsed() > timeout)
-                    .map(|(_, what)| what.clone());
+                let late = {
+                    let w = WAITING.lock().unwrap_or_else(|e| e.into_inner());
+                    w.since
+                        .filter(|since| since.elapsed() > timeout)
+                        .map(|_| w.describe())
+                };
                 if let Some(what) = late {
                     eprintln!(
                         "error: rank {rank}: {what} did not complete within {} s \
@@ -216,6 +270,14 @@ pub struct MpiComm {
     calls: u64,
     /// Injected failure (tests): at which call, and how.
     fail: Option<(u64, String)>,
+    /// Reduce in group order, bit-identical to the local communicator (`--deterministic`);
+    /// otherwise MPI's native collectives.
+    deterministic: bool,
+    /// This library's `MPI_IN_PLACE` (see [`in_place_marker`]).
+    in_place: Option<isize>,
+    /// Exchange buffers kept between collectives.
+    scratch_f32: Vec<f32>,
+    scratch_f64: Vec<f64>,
 }
 
 // SAFETY: the MPI handles inside are plain pointers into the MPI library, which is thread
@@ -272,12 +334,14 @@ fn partition(bounds: &[usize], what: &str) -> Result<(Vec<Count>, Vec<Count>), R
 
 /// Reduce `data` element-wise over the members of `comm` (this process is member `me` of
 /// `n`), every element in member order: `combine(acc, x)` folds member k's value `x` into the
-/// accumulator, which starts as member 0's value.
+/// accumulator, which starts as member 0's value. `scratch` holds the exchanged chunks (kept
+/// between calls, so large reductions do not fault in fresh pages every time).
 fn reduce_in_order<T: Equivalence + Copy + Default>(
     comm: &SimpleCommunicator,
     n: usize,
     me: usize,
     data: &mut [T],
+    scratch: &mut Vec<T>,
     what: &str,
     combine: impl Fn(&mut T, T),
 ) -> Result<(), RuntimeError> {
@@ -289,21 +353,70 @@ fn reduce_in_order<T: Equivalence + Copy + Default>(
     let mine = bounds[me + 1] - bounds[me];
     let recv_bounds: Vec<usize> = (0..=n).map(|k| k * mine).collect();
     let (recv_counts, recv_displs) = partition(&recv_bounds, what)?;
-    let mut gathered = vec![T::default(); n * mine];
+    scratch.clear();
+    scratch.resize(n * mine, T::default());
     {
         let send = Partition::new(&data[..], &counts[..], &displs[..]);
-        let mut recv = PartitionMut::new(&mut gathered[..], &recv_counts[..], &recv_displs[..]);
+        let mut recv = PartitionMut::new(&mut scratch[..], &recv_counts[..], &recv_displs[..]);
         comm.all_to_all_varcount_into(&send, &mut recv);
     }
-    let mut acc = gathered[..mine].to_vec();
+    let (acc, rest) = scratch.split_at_mut(mine);
     for k in 1..n {
-        for (a, &x) in acc.iter_mut().zip(&gathered[k * mine..(k + 1) * mine]) {
+        for (a, &x) in acc.iter_mut().zip(&rest[(k - 1) * mine..k * mine]) {
             combine(a, x);
         }
     }
     let mut out = PartitionMut::new(data, &counts[..], &displs[..]);
     comm.all_gather_varcount_into(&acc[..], &mut out);
     Ok(())
+}
+
+/// `MPI_Allreduce` with `MPI_SUM` of `data` over `comm`, in place when the library's
+/// `MPI_IN_PLACE` is known (`in_place`), else through `scratch`.
+fn native_sum<T: Equivalence + Copy>(
+    comm: &SimpleCommunicator,
+    data: &mut [T],
+    in_place: Option<isize>,
+    scratch: &mut Vec<T>,
+    what: &str,
+) -> Result<(), RuntimeError> {
+    let len = count(data.len(), what)?;
+    match in_place {
+        Some(marker) => {
+            // SAFETY: `marker` is this MPI library's MPI_IN_PLACE (see `in_place_marker`);
+            // `data` is a valid buffer of `len` elements of T's MPI datatype, which MPI reads
+            // and overwrites before returning; `comm` is a live communicator.
+            unsafe {
+                mpi::ffi::MPI_Allreduce(
+                    marker as *const std::ffi::c_void,
+                    data.as_mut_ptr() as *mut std::ffi::c_void,
+                    len,
+                    T::equivalent_datatype().as_raw(),
+                    mpi::ffi::RSMPI_SUM,
+                    comm.as_raw(),
+                );
+            }
+        }
+        None => {
+            scratch.clear();
+            scratch.extend_from_slice(data);
+            comm.all_reduce_into(&scratch[..], data, SystemOperation::sum());
+        }
+    }
+    Ok(())
+}
+
+/// The value of `MPI_IN_PLACE` for the MPI library this process runs (the bindings do not
+/// export it): `(void *) 1` in Open MPI, `(void *) -1` in MPICH; None for others.
+fn in_place_marker() -> Option<isize> {
+    let version = mpi::environment::library_version().unwrap_or_default();
+    if version.contains("Open MPI") {
+        Some(1)
+    } else if version.contains("MPICH") {
+        Some(-1)
+    } else {
+        None
+    }
 }
 
 fn add_f32(a: &mut f32, x: f32) {
@@ -354,7 +467,7 @@ impl MpiComm {
             start_watchdog(rank, t);
         }
         let p2p = {
-            let _w = Waiting::start("creating the point-to-point communicator".to_string());
+            let _w = Waiting::start("creating the point-to-point communicator", &[], rank);
             world.duplicate()
         };
         Ok(MpiComm {
@@ -366,12 +479,28 @@ impl MpiComm {
             pending: Vec::new(),
             calls: 0,
             fail: test_failure(rank),
+            deterministic: false,
+            in_place: in_place_marker(),
+            scratch_f32: Vec::new(),
+            scratch_f64: Vec::new(),
         })
+    }
+
+    /// Reduce sums in group order, bit-identical to the local communicator (`true`,
+    /// `--deterministic`), or with MPI's native collectives (`false`, the default); see the
+    /// module documentation. Every rank of a job must choose the same.
+    pub fn set_deterministic(&mut self, on: bool) {
+        self.deterministic = on;
+    }
+
+    /// Whether sums are reduced in group order ([`MpiComm::set_deterministic`]).
+    pub fn deterministic(&self) -> bool {
+        self.deterministic
     }
 
     /// Count an operation, apply an injected failure, and mark the operation as waiting
     /// for the watchdog (`what` names it; `peers` are the ranks it waits for).
-    fn begin(&mut self, what: &str, group: &[usize]) -> Waiting {
+    fn begin(&mut self, what: &'static str, group: &[usize]) -> Waiting {
         self.calls += 1;
         if let Some((call, mode)) = &self.fail {
             if *call == self.calls {
@@ -393,16 +522,7 @@ impl MpiComm {
                 }
             }
         }
-        let peers: Vec<usize> = group.iter().copied().filter(|&r| r != self.rank).collect();
-        Waiting::start(format!(
-            "{what} on group {group:?} (waiting for rank{} {})",
-            if peers.len() == 1 { "" } else { "s" },
-            peers
-                .iter()
-                .map(|r| r.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))
+        Waiting::start(what, group, self.rank)
     }
 
     /// This rank's position in `group`, after [`crate::comm::group_position`]'s checks.
@@ -412,8 +532,14 @@ impl MpiComm {
 
     /// The communicator of `group` (of at least two ranks), created on first use.
     fn comm(&mut self, group: &[usize]) -> Result<&SimpleCommunicator, RuntimeError> {
+        self.ensure_comm(group)?;
+        Ok(sub_comm(&self.world, &self.groups, group))
+    }
+
+    /// Create the communicator of `group` unless it exists (cached per group).
+    fn ensure_comm(&mut self, group: &[usize]) -> Result<(), RuntimeError> {
         if group.len() == self.size {
-            return Ok(&self.world);
+            return Ok(());
         }
         if !self.groups.contains_key(group) {
             let ranks: Vec<Rank> = group.iter().map(|&r| r as Rank).collect();
@@ -434,7 +560,7 @@ impl MpiComm {
                 })?;
             self.groups.insert(group.to_vec(), sub);
         }
-        Ok(&self.groups[group])
+        Ok(())
     }
 
     fn check_offsets(
@@ -457,6 +583,20 @@ impl MpiComm {
             }
         }
         self.pending = still;
+    }
+}
+
+/// The communicator of `group` once [`MpiComm::ensure_comm`] made it: the world's for the
+/// whole world.
+fn sub_comm<'a>(
+    world: &'a SimpleCommunicator,
+    groups: &'a HashMap<Vec<usize>, SimpleCommunicator>,
+    group: &[usize],
+) -> &'a SimpleCommunicator {
+    if group.len() == world.size() as usize {
+        world
+    } else {
+        &groups[group]
     }
 }
 
@@ -504,8 +644,14 @@ impl Communicator for MpiComm {
         }
         let _w = self.begin("all_reduce_sum", group);
         let n = group.len();
-        let comm = self.comm(group)?;
-        reduce_in_order(comm, n, me, data, "all_reduce_sum", add_f32)
+        self.ensure_comm(group)?;
+        let comm = sub_comm(&self.world, &self.groups, group);
+        let scratch = &mut self.scratch_f32;
+        if self.deterministic {
+            reduce_in_order(comm, n, me, data, scratch, "all_reduce_sum", add_f32)
+        } else {
+            native_sum(comm, data, self.in_place, scratch, "all_reduce_sum")
+        }
     }
 
     fn all_reduce_max(&mut self, group: &[usize], data: &mut [f32]) -> Result<(), RuntimeError> {
@@ -515,8 +661,18 @@ impl Communicator for MpiComm {
         }
         let _w = self.begin("all_reduce_max", group);
         let n = group.len();
-        let comm = self.comm(group)?;
-        reduce_in_order(comm, n, me, data, "all_reduce_max", max_f32)
+        self.ensure_comm(group)?;
+        let comm = sub_comm(&self.world, &self.groups, group);
+        // In group order in both modes (see the module documentation: NaN).
+        reduce_in_order(
+            comm,
+            n,
+            me,
+            data,
+            &mut self.scratch_f32,
+            "all_reduce_max",
+            max_f32,
+        )
     }
 
     fn all_reduce_sum_f64(
@@ -530,8 +686,14 @@ impl Communicator for MpiComm {
         }
         let _w = self.begin("all_reduce_sum_f64", group);
         let n = group.len();
-        let comm = self.comm(group)?;
-        reduce_in_order(comm, n, me, data, "all_reduce_sum_f64", add_f64)
+        self.ensure_comm(group)?;
+        let comm = sub_comm(&self.world, &self.groups, group);
+        let scratch = &mut self.scratch_f64;
+        if self.deterministic {
+            reduce_in_order(comm, n, me, data, scratch, "all_reduce_sum_f64", add_f64)
+        } else {
+            native_sum(comm, data, self.in_place, scratch, "all_reduce_sum_f64")
+        }
     }
 
     fn all_gather(
@@ -587,10 +749,17 @@ impl Communicator for MpiComm {
             return Ok(());
         }
         let _w = self.begin("reduce_scatter_sum", group);
-        let comm = self.comm(group)?;
+        self.ensure_comm(group)?;
+        let comm = sub_comm(&self.world, &self.groups, group);
+        if !self.deterministic {
+            comm.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+            return Ok(());
+        }
         // Member j gets chunk j of every member, then sums them in group order.
         let c = recv.len();
-        let mut gathered = vec![0f32; n * c];
+        let gathered = &mut self.scratch_f32;
+        gathered.clear();
+        gathered.resize(n * c, 0.0);
         comm.all_to_all_into(send, &mut gathered[..]);
         recv.copy_from_slice(&gathered[..c]);
         for k in 1..n {

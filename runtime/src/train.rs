@@ -64,6 +64,12 @@ pub struct RunOptions {
     pub log_lines: Option<bool>,
     /// Write one JSON object per step and per evaluation to this file (`--log FILE.jsonl`).
     pub log: Option<PathBuf>,
+    /// `--deterministic`: over MPI, reduce in group order, bit-identical to local threads
+    /// (otherwise MPI's native collectives). The local communicator is deterministic anyway.
+    pub deterministic: bool,
+    /// `--scan`: detect slow ranks and links while training (rank 0 prints a warning line
+    /// per finding; see [`crate::scan::online`]).
+    pub scan: bool,
 }
 
 /// One step of the report.
@@ -811,7 +817,8 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
                     .to_string(),
             )
         })?;
-    let result = crate::mpi_comm::MpiComm::new(universe.world()).and_then(|comm| {
+    let result = crate::mpi_comm::MpiComm::new(universe.world()).and_then(|mut comm| {
+        comm.set_deterministic(opts.deterministic);
         let started = crate::comm::Communicator::size(&comm);
         if started != world {
             crate::mpi_comm::set_error_on_every_rank();
@@ -904,22 +911,36 @@ fn train_rank(
     let lead = comm.rank() == 0;
     let steps = opts.steps.unwrap_or(plan.train.steps);
     let rank = comm.rank();
-    let comm: Box<dyn crate::comm::Communicator> = if opts.trace.is_some()
-        || !opts.inject.is_empty()
-    {
-        let faults = crate::scan::RankFaults::of(&opts.inject, rank);
-        let role = plan.rank_to_role.get(rank).map_or(0, |&r| r as usize);
-        let rec = opts.trace.is_some().then(|| {
-            crate::scan::Recorder::new(
-                crate::scan::capacity(plan, role.min(plan.roles.len().saturating_sub(1)), steps),
-                faults.offset_ns,
-                faults.drift,
-            )
-        });
-        Box::new(crate::scan::ScanComm::new(comm, rec, faults))
-    } else {
-        comm
-    };
+    let comm: Box<dyn crate::comm::Communicator> =
+        if opts.trace.is_some() || !opts.inject.is_empty() || opts.scan {
+            let faults = crate::scan::RankFaults::of(&opts.inject, rank);
+            let role = plan.rank_to_role.get(rank).map_or(0, |&r| r as usize);
+            // `--scan` alone keeps one step's events at a time.
+            let kept = if opts.trace.is_some() { steps } else { 2 };
+            let rec = (opts.trace.is_some() || opts.scan).then(|| {
+                crate::scan::Recorder::new(
+                    crate::scan::capacity(plan, role.min(plan.roles.len().saturating_sub(1)), kept),
+                    faults.offset_ns,
+                    faults.drift,
+                )
+            });
+            let mut scan = crate::scan::ScanComm::new(comm, rec, faults);
+            if opts.scan {
+                let world = plan.mesh.world_size();
+                let roles = (0..world)
+                    .map(|r| plan.rank_to_role.get(r).map_or(0, |&x| x as usize))
+                    .collect();
+                let labels = (0..world)
+                    .map(|r| crate::scan::analyze::label(&rank_header(plan, r, steps)))
+                    .collect();
+                let first = ckpt.map_or(0, |c| c.index.step) + 1;
+                let online = crate::scan::online::Online::new(rank, roles, labels, first);
+                scan.watch(online, opts.trace.is_some());
+            }
+            Box::new(scan)
+        } else {
+            comm
+        };
     let mut session = Session::with_source(plan, data.clone(), opts.init.as_deref(), comm)?;
     session.perturber = crate::perturb::Perturber::new(plan, &opts.perturb, opts.perturb_seed)?;
     session.eval_data = eval_data.cloned();
@@ -983,6 +1004,15 @@ fn train_rank(
         let t0 = Instant::now();
         let loss_scale = session.scaler.as_ref().map(|s| s.scale());
         let (loss, grad_norm) = session.step(step)?;
+        if opts.scan {
+            let warnings = match session.comm.scan() {
+                Some(s) => s.end_step(step)?,
+                None => Vec::new(),
+            };
+            for w in warnings {
+                let _ = writeln!(std::io::stderr().lock(), "{w}");
+            }
+        }
         // fp16: a non-finite gradient norm with a finite loss is an overflow of the scaled
         // gradients: the update was skipped and the scale halves, unless it cannot go lower.
         // A non-finite loss stops the run in every precision (as Megatron's
@@ -1137,15 +1167,9 @@ fn announce(
     saved
 }
 
-/// Write this rank's event record, `DIR/rank-N.json`.
-fn write_rank_record(
-    session: &mut Session<'_>,
-    dir: &std::path::Path,
-    steps: u64,
-) -> Result<(), RuntimeError> {
-    let plan = session.plan;
-    let rank = session.comm.rank();
-    let header = crate::scan::RankHeader {
+/// Who rank `rank` of `plan` is, for its event record and `--scan`'s warnings.
+fn rank_header(plan: &Plan, rank: usize, steps: u64) -> crate::scan::RankHeader {
+    crate::scan::RankHeader {
         rank,
         world: plan.mesh.world_size(),
         role: plan.rank_to_role[rank] as usize,
@@ -1160,7 +1184,18 @@ fn write_rank_record(
             })
             .collect(),
         steps,
-    };
+    }
+}
+
+/// Write this rank's event record, `DIR/rank-N.json`.
+fn write_rank_record(
+    session: &mut Session<'_>,
+    dir: &std::path::Path,
+    steps: u64,
+) -> Result<(), RuntimeError> {
+    let plan = session.plan;
+    let rank = session.comm.rank();
+    let header = rank_header(plan, rank, steps);
     let Some(rec) = session.comm.scan().and_then(|s| s.rec.as_ref()) else {
         return Ok(());
     };

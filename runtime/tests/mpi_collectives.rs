@@ -1,10 +1,14 @@
-//! The MPI communicator against the local one, bit for bit, on 4 processes.
+//! The MPI communicator against the local one on 4 processes: bit for bit when
+//! deterministic, to fp32 rounding with MPI's native collectives.
 //!
 //! This test runs without the libtest harness: started by `cargo test`, it starts itself
-//! under `mpirun -np 4`; each of those processes runs every scenario once on the
-//! [`MpiComm`] and once on an in-process local world of 4 threads, and checks that its rank's
-//! results are identical (sub-groups, uneven lengths, NaN in max, all-to-all with uneven
-//! splits, point-to-point order, errors).
+//! under `mpirun -np 4`; each of those processes runs every scenario on the [`MpiComm`]
+//! with `set_deterministic(true)`, once more with MPI's native collectives, and once on an
+//! in-process local world of 4 threads, and checks that its rank's deterministic results are
+//! identical to the local ones (sub-groups, uneven lengths, NaN in max, all-to-all with
+//! uneven splits, point-to-point order, errors), and that the native ones are identical
+//! where nothing is summed and within the rounding bound of a reordered sum where something
+//! is, with every member of a group holding the same bits of each all-reduced sum.
 
 use std::process::Command;
 
@@ -163,6 +167,104 @@ fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> Result<(), String> {
     Ok(())
 }
 
+/// The results of [`scenarios`] that are sums: (index, group, length, salt of the values,
+/// reduce-scatter or all-reduce). Index 8 (the f64 sum's bits) is left out: a reordered sum
+/// may differ in its last bits.
+fn sums(r: usize) -> Vec<(usize, Vec<usize>, usize, usize, bool)> {
+    let world: Vec<usize> = (0..RANKS).collect();
+    let pairs = if r.is_multiple_of(2) {
+        vec![0, 2]
+    } else {
+        vec![1, 3]
+    };
+    let halves = if r < 2 { vec![0, 1] } else { vec![2, 3] };
+    vec![
+        (0, world.clone(), 37, 1, false),
+        (1, world.clone(), 2, 2, false),
+        (2, world.clone(), 0, 3, false),
+        (3, world.clone(), 1000, 4, false),
+        (4, pairs, 29, 5, false),
+        (5, halves.clone(), 31, 6, false),
+        (9, world.clone(), 13, 9, false),
+        (12, world, 4 * 6, 11, true),
+        (13, halves, 2 * 7, 12, true),
+    ]
+}
+
+/// Compare rank `r`'s native results with the local ones: exact where nothing is summed;
+/// within 2·members·ε·Σ|terms| (the bound of a sum in any order) where something is.
+fn close_enough(r: usize, native: &[Vec<f32>], local: &[Vec<f32>]) -> Result<(), String> {
+    if native.len() != local.len() {
+        return Err(format!("{} results against {}", native.len(), local.len()));
+    }
+    let sums = sums(r);
+    for (k, (x, y)) in native.iter().zip(local).enumerate() {
+        if k == 8 {
+            continue;
+        }
+        let Some((_, group, len, salt, scatter)) = sums.iter().find(|s| s.0 == k) else {
+            same_bits(&native[k..=k], &local[k..=k]).map_err(|e| format!("#{k}: {e}"))?;
+            continue;
+        };
+        let scale = if k == 9 { 1e7 } else { 1.0 };
+        let mut bound = vec![0f64; *len];
+        for &m in group {
+            for (b, v) in bound.iter_mut().zip(values(m, *len, *salt)) {
+                *b += f64::from(v.abs()) * scale;
+            }
+        }
+        if *scatter {
+            let me = group.iter().position(|&m| m == r).unwrap();
+            let c = len / group.len();
+            bound = bound[me * c..(me + 1) * c].to_vec();
+        }
+        if x.len() != y.len() || x.len() != bound.len() {
+            return Err(format!(
+                "result #{k}: lengths {} {} {}",
+                x.len(),
+                y.len(),
+                bound.len()
+            ));
+        }
+        for (i, ((a, b), s)) in x.iter().zip(y).zip(&bound).enumerate() {
+            let tol = 2.0 * group.len() as f64 * f64::from(f32::EPSILON) * s;
+            if (f64::from(*a) - f64::from(*b)).abs() > tol {
+                return Err(format!(
+                    "result #{k}[{i}]: native {a} against local {b} (bound {tol})"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every member of each all-reduce's group holds the same bits of its result (an
+/// all-gather of them over the group).
+fn replicas_agree(comm: &mut dyn Communicator, native: &[Vec<f32>]) -> Result<(), String> {
+    let r = comm.rank();
+    for (k, group, ..) in sums(r).into_iter().filter(|s| !s.4) {
+        let mine = &native[k];
+        let mut all = vec![0f32; mine.len() * group.len()];
+        comm.all_gather(&group, mine, &mut all)
+            .map_err(|e| e.to_string())?;
+        for (m, theirs) in group.iter().zip(all.chunks_exact(mine.len().max(1))) {
+            if mine.is_empty() {
+                break;
+            }
+            let (a, b): (Vec<u32>, Vec<u32>) = (
+                mine.iter().map(|v| v.to_bits()).collect(),
+                theirs.iter().map(|v| v.to_bits()).collect(),
+            );
+            if a != b {
+                return Err(format!(
+                    "rank {r}: result #{k} differs from rank {m}'s on group {group:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn child() -> Result<(), String> {
     let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Serialized)
         .ok_or("MPI is already initialised")?;
@@ -174,11 +276,19 @@ fn child() -> Result<(), String> {
     if comm.size() != RANKS {
         return Err(format!("started on {} processes", comm.size()));
     }
+    if comm.deterministic() {
+        return Err("the communicator is deterministic by default".to_string());
+    }
+    comm.set_deterministic(true);
     let got = scenarios(&mut comm).map_err(|e| format!("mpi: {e}"))?;
+    comm.set_deterministic(false);
+    let native = scenarios(&mut comm).map_err(|e| format!("mpi native: {e}"))?;
+    replicas_agree(&mut comm, &native)?;
     let mut local =
         run_ranks(RANKS, |mut c| scenarios(&mut c)).map_err(|e| format!("local: {e}"))?;
     let want = local.swap_remove(rank);
     same_bits(&got, &want).map_err(|e| format!("rank {rank}: {e}"))?;
+    close_enough(rank, &native, &want).map_err(|e| format!("rank {rank}: native: {e}"))?;
     let flags = got.last().unwrap();
     if flags != &[1.0, 1.0] {
         return Err(format!("rank {rank}: expected both errors, got {flags:?}"));

@@ -129,6 +129,8 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
         // stdout is a pipe to mpirun, which would otherwise ask for log lines as well).
         log_lines: progress_requested(args).then_some(false),
         log: args.log.clone(),
+        deterministic: args.deterministic,
+        scan: args.scan,
     })
 }
 

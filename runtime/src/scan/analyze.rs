@@ -57,15 +57,19 @@ pub struct RankTrace {
 impl RankTrace {
     /// "rank 5 (tp1 dp0 pp1)": tp, dp and pp always, other axes when larger than 1.
     pub fn label(&self) -> String {
-        let coords: Vec<String> = self
-            .header
-            .coords
-            .iter()
-            .filter(|(a, _, n)| *n > 1 || matches!(a.as_str(), "tp" | "dp" | "pp"))
-            .map(|(a, c, _)| format!("{a}{c}"))
-            .collect();
-        format!("rank {} ({})", self.header.rank, coords.join(" "))
+        label(&self.header)
     }
+}
+
+/// "rank 5 (tp1 dp0 pp1)": tp, dp and pp always, other axes when larger than 1.
+pub fn label(header: &RankHeader) -> String {
+    let coords: Vec<String> = header
+        .coords
+        .iter()
+        .filter(|(a, _, n)| *n > 1 || matches!(a.as_str(), "tp" | "dp" | "pp"))
+        .map(|(a, c, _)| format!("{a}{c}"))
+        .collect();
+    format!("rank {} ({})", header.rank, coords.join(" "))
 }
 
 /// The largest rank file `read_dir` reads (1 GiB).
@@ -621,11 +625,42 @@ fn analysed(steps: u64) -> std::ops::RangeInclusive<u64> {
 }
 
 /// Slow-rank findings, and per rank (compute ratio, late share).
-type SlowRanks = (Vec<Finding>, Vec<(Option<f64>, Option<f64>)>);
+pub type SlowRanks = (Vec<Finding>, Vec<(Option<f64>, Option<f64>)>);
+
+/// A rank's collective-wait tally: the collectives it arrived last at (waited the least),
+/// the collectives it took part in, and the number of last arrivals an even split would give
+/// it (the sum of 1/members).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Late {
+    /// Collectives it arrived last at.
+    pub last: usize,
+    /// Collectives it took part in.
+    pub total: usize,
+    /// The last arrivals an even split would give.
+    pub expected: f64,
+}
+
+/// Add collective instances to `late` (indexed by rank): each instance is its members'
+/// (rank, wait in ns); the member that waited the least arrived last. Instances of fewer than
+/// two members are skipped.
+pub fn tally_late<'a>(late: &mut [Late], instances: impl IntoIterator<Item = &'a [(usize, i64)]>) {
+    for members in instances {
+        if members.len() < 2 {
+            continue;
+        }
+        let last = members.iter().min_by_key(|m| m.1).map(|m| m.0).unwrap_or(0);
+        for m in members {
+            late[m.0].total += 1;
+            late[m.0].expected += 1.0 / members.len() as f64;
+            if m.0 == last {
+                late[m.0].last += 1;
+            }
+        }
+    }
+}
 
 fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
     let n = ranks.len();
-    let range = analysed(steps);
     // compute[r][s]: rank r's compute ns in step s.
     let compute: Vec<BTreeMap<u64, f64>> = ranks
         .iter()
@@ -637,33 +672,39 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
             m
         })
         .collect();
-    // Collective-wait inversion: per rank, (last arrivals, instances, expected share).
-    let mut late = vec![(0usize, 0usize, 0.0f64); n];
-    for members in instances(ranks).values() {
-        if members.len() < 2 {
-            continue;
-        }
-        let last = members
-            .iter()
-            .min_by_key(|m| m.2 - m.1)
-            .map(|m| m.0)
-            .unwrap_or(0);
-        for m in members {
-            late[m.0].1 += 1;
-            late[m.0].2 += 1.0 / members.len() as f64;
-            if m.0 == last {
-                late[m.0].0 += 1;
-            }
-        }
-    }
+    let mut late = vec![Late::default(); n];
+    let waits: Vec<Vec<(usize, i64)>> = instances(ranks)
+        .into_values()
+        .map(|m| m.iter().map(|&(r, t0, t1)| (r, t1 - t0)).collect())
+        .collect();
+    tally_late(&mut late, waits.iter().map(Vec::as_slice));
+    let roles: Vec<usize> = ranks.iter().map(|r| r.header.role).collect();
+    detect_slow_ranks(&roles, &compute, analysed(steps), &late)
+}
+
+/// The slow-rank detector `megac scan` and `--scan` share. `roles[r]` is rank r's role,
+/// `compute[r]` its compute ns per step, `late[r]` its collective-wait tally; the steps
+/// judged are `range`. Per step, a rank's compute is divided by the median of its peers'
+/// (the other ranks of its role); its score is the median of those ratios. A rank scoring at
+/// least [`SLOW_RANK`] is a finding when the collective-wait inversion agrees (it arrived
+/// last at least 1.5× as often as an even split gives, or took part in no collectives).
+pub fn detect_slow_ranks(
+    roles: &[usize],
+    compute: &[BTreeMap<u64, f64>],
+    range: std::ops::RangeInclusive<u64>,
+    late: &[Late],
+) -> SlowRanks {
+    let n = roles.len();
     let mut out = Vec::new();
     let mut evidence = Vec::with_capacity(n);
     for r in 0..n {
-        let role = ranks[r].header.role;
-        let peers: Vec<usize> = (0..n)
-            .filter(|&p| p != r && ranks[p].header.role == role)
-            .collect();
-        let (last, total, _) = late[r];
+        let role = roles[r];
+        let peers: Vec<usize> = (0..n).filter(|&p| p != r && roles[p] == role).collect();
+        let Late {
+            last,
+            total,
+            expected,
+        } = late[r];
         let late_share = (total > 0).then(|| last as f64 / total as f64);
         evidence.push((None, late_share));
         if peers.is_empty() {
@@ -696,7 +737,6 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
         if score.is_nan() || score < SLOW_RANK {
             continue;
         }
-        let expected = late[r].2;
         let inverted = total == 0 || last as f64 >= 1.5 * expected;
         if inverted {
             out.push(Finding {
@@ -713,11 +753,13 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
 }
 
 /// A pair of ranks (lower first) and a message size.
-type PairSize = ((usize, usize), u64);
+pub type PairSize = ((usize, usize), u64);
+
+/// Send durations per pair of ranks and message size: (step, ns) of every send.
+pub type Sends = BTreeMap<PairSize, Vec<(u64, f64)>>;
 
 fn slow_links(ranks: &[RankTrace], slow_ranks: &[usize]) -> Vec<Finding> {
-    // (pair, bytes) -> (send durations, first step seen slow is computed later).
-    let mut sends: BTreeMap<PairSize, Vec<(u64, f64)>> = BTreeMap::new();
+    let mut sends: Sends = BTreeMap::new();
     for r in ranks {
         let me = r.header.rank;
         for e in r.events.iter().filter(|e| e.kind == Kind::Send) {
@@ -729,6 +771,14 @@ fn slow_links(ranks: &[RankTrace], slow_ranks: &[usize]) -> Vec<Finding> {
                 .push((u64::from(e.step), (e.t1 - e.t0) as f64));
         }
     }
+    detect_slow_links(&sends, slow_ranks)
+}
+
+/// The slow-link detector `megac scan` and `--scan` share: per pair and message size, the
+/// lower quartile of its send times (a slow link delays every send, a preempted sender only
+/// some) against the median of the other pairs' for that size; a pair whose median ratio is
+/// at least [`SLOW_LINK`], neither of whose ranks is in `slow_ranks`, is a finding.
+pub fn detect_slow_links(sends: &Sends, slow_ranks: &[usize]) -> Vec<Finding> {
     let medians: BTreeMap<((usize, usize), u64), f64> = sends
         .iter()
         .map(|(k, v)| {

@@ -13,6 +13,7 @@
 
 pub mod analyze;
 pub mod inject;
+pub mod online;
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -144,6 +145,8 @@ pub struct Recorder {
     /// The current step.
     pub step: u32,
     segment: u32,
+    /// Index of the current step's first event.
+    step_start: usize,
 }
 
 impl Recorder {
@@ -158,6 +161,7 @@ impl Recorder {
             drift,
             step: 0,
             segment: 0,
+            step_start: 0,
         }
     }
 
@@ -200,6 +204,24 @@ impl Recorder {
     pub fn begin_step(&mut self, step: u64) {
         self.step = step as u32;
         self.segment = 0;
+        self.step_start = self.events.len();
+    }
+
+    /// The events of the current step so far.
+    pub fn step_events(&self) -> &[Event] {
+        &self.events[self.step_start.min(self.events.len())..]
+    }
+
+    /// The members of the group with id `id` (an event's `a` for collectives).
+    pub fn group(&self, id: u32) -> &[usize] {
+        &self.groups[id as usize].0
+    }
+
+    /// Forget the events recorded so far (`--scan` without `--trace` keeps one step's);
+    /// groups and their call numbers stay.
+    pub fn clear_events(&mut self) {
+        self.events.clear();
+        self.step_start = 0;
     }
 
     /// The group's id and its next call number (a group's first use allocates, once).
@@ -309,6 +331,11 @@ pub struct ScanComm {
     faults: RankFaults,
     /// Start of the compute segment in progress.
     segment: Option<Instant>,
+    /// `--scan`: the online detector (needs `rec`).
+    online: Option<online::Online>,
+    /// Whether the events are written at the end (`--trace`); else each step's are dropped
+    /// once `--scan` has summarised them.
+    keep_events: bool,
 }
 
 impl ScanComm {
@@ -323,7 +350,31 @@ impl ScanComm {
             rec,
             faults,
             segment: None,
+            online: None,
+            keep_events: true,
         }
+    }
+
+    /// Turn on online detection (`--scan`; the recorder must be on): every rank summarises
+    /// each step ([`ScanComm::end_step`]), rank 0 judges. `keep_events` false (no `--trace`)
+    /// drops each step's events once summarised.
+    pub fn watch(&mut self, online: online::Online, keep_events: bool) {
+        self.online = Some(online);
+        self.keep_events = keep_events;
+    }
+
+    /// A step is done: with `--scan`, exchange this rank's summary of it (one fixed-size
+    /// all-reduce on the world, not recorded) and, on rank 0, run the detector; returns the
+    /// warning lines of the findings new at this step (empty on other ranks).
+    pub fn end_step(&mut self, step: u64) -> Result<Vec<String>, RuntimeError> {
+        let (Some(online), Some(rec)) = (&mut self.online, &mut self.rec) else {
+            return Ok(Vec::new());
+        };
+        let warnings = online.end_step(step, rec, self.inner.as_mut())?;
+        if !self.keep_events {
+            rec.clear_events();
+        }
+        Ok(warnings)
     }
 
     /// A program starts running kernels.
