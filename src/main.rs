@@ -31,8 +31,6 @@ pub struct ModelArgs {
     pub sets: Vec<String>,
 }
 
-/// Options of `megac run` and `megac train`.
-
 /// How `--data` and `--eval-data` files are read (`megac run|train|eval`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct DataReadArgs {
@@ -62,6 +60,7 @@ impl DataReadArgs {
     }
 }
 
+/// Options of `megac run` and `megac train`.
 #[derive(clap::Args)]
 pub struct RunArgs {
     /// Communicator: `local` (threads in this process) or `mpi`.

@@ -638,3 +638,80 @@ fn checkpoints_saved_over_mpi_resume_anywhere() {
         );
     }
 }
+
+/// `(step, loss)` of every evaluation in a `--report` file.
+fn evals(report: &Path) -> Vec<(u64, f64)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report).expect("report")).unwrap();
+    v["evals"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no evals: {v}"))
+        .iter()
+        .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// Held-out evaluation across processes: with `--deterministic` the evaluations (and the
+/// training) of a pipelined, tensor-parallel plan over MPI are the local threads', bit for
+/// bit; with MPI's native collectives they agree to rounding.
+#[test]
+fn evaluation_over_mpi_matches_local_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(
+        dir.path(),
+        &["parallel.pp=2", "parallel.tp=2", BATCH[0], BATCH[1]],
+    );
+    let path = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+    let eval = [
+        "--steps",
+        "3",
+        "--eval-data",
+        "examples/data/corpus.txt",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "2",
+    ];
+    let run = |launcher: &[&str], extra: &[&str], report: &str| {
+        let mut args: Vec<&str> = launcher.to_vec();
+        args.push(&plan);
+        args.extend(eval);
+        args.extend(extra);
+        args.extend(["--report", report]);
+        let o = megac(&args);
+        assert!(
+            o.status.success(),
+            "{args:?}: {}{}",
+            text(&o.stdout),
+            text(&o.stderr)
+        );
+    };
+    let (local, det, native) = (path("local.json"), path("det.json"), path("native.json"));
+    run(&["run"], &[], &local);
+    run(&["launch", "-n", "4"], &["--deterministic"], &det);
+    run(&["launch", "-n", "4"], &[], &native);
+    let want = evals(Path::new(&local));
+    assert_eq!(
+        want.iter().map(|e| e.0).collect::<Vec<_>>(),
+        [2, 3],
+        "{want:?}"
+    );
+    let got = evals(Path::new(&det));
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.0, w.0);
+        assert_eq!(
+            g.1.to_bits(),
+            w.1.to_bits(),
+            "deterministic {got:?} vs local {want:?}"
+        );
+    }
+    let got = evals(Path::new(&native));
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            (g.1 - w.1).abs() <= 1e-5 * w.1.abs(),
+            "native {got:?} vs local {want:?}"
+        );
+    }
+}
