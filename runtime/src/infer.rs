@@ -568,26 +568,40 @@ impl<'p> Inference<'p> {
         sampling: &Sampling,
     ) -> Result<Generated, RuntimeError> {
         self.check_generation(prompt, max_new)?;
-        let start = std::time::Instant::now();
-        let mut rng = SplitMix64(sampling.seed);
-        let mut seq = prompt.to_vec();
         let v = self.vocab();
-        for _ in 0..max_new {
-            let logits = self.logits(&seq)?;
-            let last = &logits[(seq.len() - 1) * v..seq.len() * v];
-            if let Some(x) = last.iter().find(|x| !x.is_finite()) {
-                return Err(RuntimeError::NonFinite(format!(
-                    "a logit at position {} is {x}: the weights give no distribution",
-                    seq.len() - 1
-                )));
-            }
-            seq.push(choose(last, sampling, &mut rng));
-        }
-        Ok(Generated {
-            tokens: seq[prompt.len()..].to_vec(),
-            seconds: start.elapsed().as_secs_f64(),
+        decode(prompt, max_new, sampling, |seq, _| {
+            let logits = self.logits(seq)?;
+            Ok(logits[(seq.len() - 1) * v..seq.len() * v].to_vec())
         })
     }
+}
+
+/// The decoding loop of both generation paths: `next(seq, i)` gives the logits of the token
+/// after `seq` (one row of the vocabulary) at new token `i`; each row is checked finite and
+/// a token chosen from it by `sampling`.
+pub(crate) fn decode(
+    prompt: &[u32],
+    max_new: usize,
+    sampling: &Sampling,
+    mut next: impl FnMut(&[u32], usize) -> Result<Vec<f32>, RuntimeError>,
+) -> Result<Generated, RuntimeError> {
+    let start = std::time::Instant::now();
+    let mut rng = SplitMix64(sampling.seed);
+    let mut seq = prompt.to_vec();
+    for i in 0..max_new {
+        let last = next(&seq, i)?;
+        if let Some(x) = last.iter().find(|x| !x.is_finite()) {
+            return Err(RuntimeError::NonFinite(format!(
+                "a logit at position {} is {x}: the weights give no distribution",
+                seq.len() - 1
+            )));
+        }
+        seq.push(choose(&last, sampling, &mut rng));
+    }
+    Ok(Generated {
+        tokens: seq[prompt.len()..].to_vec(),
+        seconds: start.elapsed().as_secs_f64(),
+    })
 }
 
 /// The next token from one position's logits.

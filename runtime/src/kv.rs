@@ -24,7 +24,7 @@ use megac_kernels as k;
 
 use crate::comm::Communicator;
 use crate::error::RuntimeError;
-use crate::infer::{choose, Generated, Inference, Sampling, SplitMix64};
+use crate::infer::{Generated, Inference, Sampling};
 use crate::memory::Memory;
 
 /// The K/V cache of one rank: per attention instruction (by its provenance path, which the
@@ -353,28 +353,16 @@ impl<'p> KvDecoder<'p> {
         sampling: &Sampling,
     ) -> Result<Generated, RuntimeError> {
         self.window.check_generation(prompt, max_new)?;
-        let start = std::time::Instant::now();
-        let mut rng = SplitMix64(sampling.seed);
-        let mut seq = prompt.to_vec();
         let v = self.vocab();
-        for i in 0..max_new {
-            let (logits, row) = if i == 0 {
-                (self.prefill(prompt)?, (prompt.len() - 1) * v)
+        crate::infer::decode(prompt, max_new, sampling, |seq, i| {
+            if i == 0 {
+                let logits = self.prefill(prompt)?;
+                Ok(logits[(prompt.len() - 1) * v..prompt.len() * v].to_vec())
             } else {
-                (self.step(seq[seq.len() - 1], seq.len() - 1)?, 0)
-            };
-            let last = &logits[row..row + v];
-            if let Some(x) = last.iter().find(|x| !x.is_finite()) {
-                return Err(RuntimeError::NonFinite(format!(
-                    "a logit at position {} is {x}: the weights give no distribution",
-                    seq.len() - 1
-                )));
+                let mut logits = self.step(seq[seq.len() - 1], seq.len() - 1)?;
+                logits.truncate(v);
+                Ok(logits)
             }
-            seq.push(choose(last, sampling, &mut rng));
-        }
-        Ok(Generated {
-            tokens: seq[prompt.len()..].to_vec(),
-            seconds: start.elapsed().as_secs_f64(),
         })
     }
 }
