@@ -102,6 +102,10 @@ pub struct RunReport {
     pub peak_rss_bytes: u64,
     /// Peak resident memory of every rank's process in an MPI run (empty otherwise).
     pub peak_rss_bytes_per_rank: Vec<u64>,
+    /// Resident memory of this process when the run started, before any rank allocated its
+    /// arenas (the binary, its libraries, the plan): `peak_rss_bytes` less this is what the
+    /// run itself took.
+    pub start_rss_bytes: u64,
     /// Bytes of each arena: params, grads, optimizer state, activations, inputs.
     pub arena_bytes: [u64; 5],
     /// Per-op timings (with `profile`).
@@ -140,6 +144,7 @@ impl RunReport {
             "steps": steps,
             "tokens_per_s": self.tokens_per_s,
             "peak_rss_bytes": self.peak_rss_bytes,
+            "start_rss_bytes": self.start_rss_bytes,
             "memory_bytes": {
                 "parameters": self.arena_bytes[0],
                 "gradients": self.arena_bytes[1],
@@ -198,10 +203,20 @@ impl RunReport {
 
 /// Peak resident set size of this process (VmHWM), 0 where /proc is unavailable.
 pub fn peak_rss_bytes() -> u64 {
+    proc_status_bytes("VmHWM:")
+}
+
+/// Resident set size of this process now (VmRSS), 0 where /proc is unavailable.
+pub fn rss_bytes() -> u64 {
+    proc_status_bytes("VmRSS:")
+}
+
+/// A `kB` line of /proc/self/status, in bytes (0 where it cannot be read).
+fn proc_status_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+            s.lines().find(|l| l.starts_with(key)).and_then(|l| {
                 l.split_whitespace()
                     .nth(1)
                     .and_then(|kb| kb.parse::<u64>().ok())
@@ -721,6 +736,7 @@ fn local_tokens(
 /// communicator. Rank 0 prints progress, saves parameters and writes the trace; its report
 /// is returned (every rank computes the same losses and norms).
 pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    let start_rss = rss_bytes();
     let world = plan.mesh.world_size();
     let ckpt = open_checkpoint(plan, opts)?;
     let ckpt = ckpt.as_ref();
@@ -728,20 +744,23 @@ pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Runtime
     let data = &data;
     let eval = open_eval_data(plan, opts)?;
     let eval = eval.as_ref();
-    if world == 1 {
-        return train_rank(
+    let mut report = if world == 1 {
+        train_rank(
             plan,
             opts,
             ckpt,
             data,
             eval,
             Box::new(crate::comm::SingleRank),
-        );
-    }
-    let mut reports = crate::local_comm::run_ranks(world, |comm| {
-        train_rank(plan, opts, ckpt, data, eval, Box::new(comm))
-    })?;
-    Ok(reports.swap_remove(0))
+        )?
+    } else {
+        let mut reports = crate::local_comm::run_ranks(world, |comm| {
+            train_rank(plan, opts, ckpt, data, eval, Box::new(comm))
+        })?;
+        reports.swap_remove(0)
+    };
+    report.start_rss_bytes = start_rss;
+    Ok(report)
 }
 
 /// Open and check the training data once, before any rank starts (one error naming the
@@ -803,6 +822,7 @@ fn open_eval_data(
 /// this one in a collective (finalising would wait for them).
 #[cfg(feature = "mpi")]
 pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    let start_rss = rss_bytes();
     let world = plan.mesh.world_size();
     if world > 1 && !crate::mpi_comm::started_by_launcher() {
         return Err(RuntimeError::Unsupported(format!(
@@ -858,6 +878,7 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
     // the same on every rank: they are reduced over the world).
     let result = result.and_then(|mut report| {
         use crate::comm::Communicator as _;
+        report.start_rss_bytes = start_rss;
         let mut comm = crate::mpi_comm::MpiComm::new(universe.world())?;
         let (rank, n) = (comm.rank(), comm.size());
         let steps = report.steps.len();
@@ -1135,6 +1156,7 @@ fn train_rank(
         tokens_per_s: ((steps - done) * b.tokens_per_step) as f64 / elapsed.max(1e-9),
         steps: records,
         peak_rss_bytes: peak_rss_bytes(),
+        start_rss_bytes: 0,
         peak_rss_bytes_per_rank: Vec::new(),
         arena_bytes: session.mem.bytes(),
         profile: session.profile.take(),
