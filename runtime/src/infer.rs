@@ -658,24 +658,8 @@ pub fn choose(logits: &[f32], s: &Sampling, rng: &mut SplitMix64) -> u32 {
     order[order.len() - 1] as u32
 }
 
-/// The sampler's generator (SplitMix64: a seed gives the same tokens on every machine).
-pub struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+/// The sampler's generator (a seed gives the same tokens on every machine).
+pub use crate::rng::SplitMix64;
 
 /// A probed tensor at its global shape (batch 1, the real tokens only).
 #[derive(Clone, Debug, PartialEq)]

@@ -3,7 +3,7 @@
 //! - [`memory`]: the rank's arenas, laid out by the plan's static memory plan.
 //! - [`exec`]: one kernel call per instruction (cpu backend); `sharded` holds the helpers
 //!   of kernels that communicate (context-parallel K/V exchange, vocab-parallel loss);
-//!   [`profile`]: per-op timings and the Chrome trace.
+//!   [`profile`]: per-op timings and the Chrome trace; [`rng`]: the one seeded random stream.
 //! - [`comm`]: the communicator trait and the single-rank world; `local_comm`: one thread
 //!   per rank in this process; `mpi_comm` (feature `mpi`): one process per rank over MPI.
 //! - [`scan`]: per-rank event records (`--trace`), fault injection (`--inject`) and their
@@ -44,6 +44,7 @@ pub mod mpi_comm;
 pub mod perturb;
 mod pipeline;
 pub mod profile;
+pub mod rng;
 pub mod scaler;
 pub mod scan;
 mod sharded;
