@@ -331,7 +331,10 @@ fn wire(bytes: u64) -> Duration {
     Duration::from_nanos(5_000 + bytes)
 }
 
-/// Wait until `until` (sleep for the long part, spin the last stretch).
+/// Wait until `until`: sleep all but the last 100 µs (a sleep overshoots by tens of µs),
+/// yield the rest. An injected slowdown is a slow device, which takes no CPU from the other
+/// ranks: spinning through it would, on a machine with more ranks than cores, slow the
+/// healthy ranks too and hide the fault.
 fn wait_until(until: Instant) {
     loop {
         let now = Instant::now();
@@ -339,8 +342,8 @@ fn wait_until(until: Instant) {
             return;
         }
         let left = until - now;
-        if left > Duration::from_micros(1500) {
-            std::thread::sleep(left - Duration::from_millis(1));
+        if left > Duration::from_micros(200) {
+            std::thread::sleep(left - Duration::from_micros(100));
         } else {
             std::thread::yield_now();
         }
