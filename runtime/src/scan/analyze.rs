@@ -12,7 +12,8 @@
 //! rank's score is the median of that ratio over the steps (the first, warm-up step is left
 //! out when there are more). A rank scoring at least [`SLOW_RANK`] is named only when the
 //! collective-wait inversion agrees: it waits the least (arrives last) in at least [`LATE`]× the
-//! share of its collectives an even split would give. **Slow link.** Sends never wait for their
+//! share of its collectives an even split would give, or its mean wait is at most
+//! [`WAITS_LESS`] of its peers' median. **Slow link.** Sends never wait for their
 //! receiver, so a send's duration is the link's: per pair of ranks and message size, the
 //! lower quartile of its send times (a slow link delays every send, a preempted sender only
 //! some) is compared with the median of the other pairs' that send messages of that size;
@@ -30,6 +31,9 @@ pub const SLOW_RANK: f64 = 1.3;
 /// an even split of last arrivals gives (1.25: two slow ranks sharing two-member groups each
 /// arrive last at about 70% of their collectives, not 100%).
 pub const LATE: f64 = 1.25;
+/// Or it is named when its mean collective wait is at most this fraction of its peers'
+/// median.
+pub const WAITS_LESS: f64 = 0.5;
 /// A pair scoring at least this transfer-time ratio against the other pairs is a slow link.
 pub const SLOW_LINK: f64 = 3.0;
 
@@ -705,6 +709,19 @@ pub struct Late {
     pub total: usize,
     /// The last arrivals an even split would give.
     pub expected: f64,
+    /// Its waits in those collectives, summed (ns).
+    pub wait: f64,
+}
+
+impl Late {
+    /// Its mean wait per collective (NaN without collectives).
+    pub fn mean_wait(&self) -> f64 {
+        if self.total == 0 {
+            f64::NAN
+        } else {
+            self.wait / self.total as f64
+        }
+    }
 }
 
 /// Add collective instances to `late` (indexed by rank): each instance is its members'
@@ -719,6 +736,7 @@ pub fn tally_late<'a>(late: &mut [Late], instances: impl IntoIterator<Item = &'a
         for m in members {
             late[m.0].total += 1;
             late[m.0].expected += 1.0 / members.len() as f64;
+            late[m.0].wait += m.1 as f64;
             if m.0 == last {
                 late[m.0].last += 1;
             }
@@ -771,6 +789,7 @@ pub fn detect_slow_ranks(
             last,
             total,
             expected,
+            ..
         } = late[r];
         let late_share = (total > 0).then(|| last as f64 / total as f64);
         evidence.push((None, late_share));
@@ -804,7 +823,17 @@ pub fn detect_slow_ranks(
         if score.is_nan() || score < SLOW_RANK {
             continue;
         }
-        let inverted = total == 0 || last as f64 >= LATE * expected;
+        // A straggler arrives last, or (several stragglers sharing groups take turns at
+        // arriving last, and collectives with no compute before them are won at random) it
+        // waits at most half as long as its peers do, on the median.
+        let mut peer_waits: Vec<f64> = peers
+            .iter()
+            .map(|&p| late[p].mean_wait())
+            .filter(|w| w.is_finite())
+            .collect();
+        let m = median(&mut peer_waits);
+        let waits_less = m > 0.0 && late[r].mean_wait() <= WAITS_LESS * m;
+        let inverted = total == 0 || last as f64 >= LATE * expected || waits_less;
         if inverted {
             out.push(Finding {
                 kind: "slow-rank",
