@@ -472,12 +472,12 @@ pub fn align(ranks: &[RankTrace]) -> Clock {
         clock.method[0] = "reference";
     }
     // Ranks that played ping-pong with rank 0 are aligned by it; the others by bounds.
-    for r in 1..n {
+    for (r, done) in aligned.iter_mut().enumerate().skip(1) {
         if let Some((o, d)) = sync_fit(ranks, r) {
             clock.offset_ns[r] = o;
             clock.drift[r] = d;
             clock.method[r] = "ping-pong";
-            aligned[r] = true;
+            *done = true;
         }
     }
     let bounds_of = |r: usize, aligned: &[bool], clock: &Clock| {
