@@ -1131,6 +1131,60 @@ mod tests {
         assert!(fit_bounds(&bounds[..0]).is_none());
     }
 
+    /// Ping-pongs at two ends of a run, rank 1's clock 50 ms ahead and 200 ppm fast: the
+    /// round with the shortest turnaround (ping 5 µs, pong 6 µs) decides, within half its
+    /// asymmetry (0.5 µs), at both ends, and so the drift.
+    #[test]
+    fn the_shortest_ping_pong_gives_offset_and_drift() {
+        let skew = |t: f64| (t * (1.0 + 200e-6) + 50e6) as i64;
+        let header = |rank| RankHeader {
+            rank,
+            world: 2,
+            role: 0,
+            coords: vec![],
+            steps: 1,
+        };
+        let mut ranks: Vec<RankTrace> = (0..2)
+            .map(|r| RankTrace {
+                header: header(r),
+                dropped: 0,
+                groups: vec![],
+                events: vec![],
+            })
+            .collect();
+        for (phase, start) in [(0u32, 1e6), (1, 2e9)] {
+            for i in 0..16u64 {
+                let t0 = start + i as f64 * 1e5;
+                let (ping, pong) = if i == 7 {
+                    (5_000.0, 6_000.0)
+                } else {
+                    (5_000.0 + (i * 37 % 11) as f64 * 4_000.0, 30_000.0)
+                };
+                let at = t0 + ping;
+                let ev = |t0: i64, t1: i64, peer: u32| Event {
+                    kind: Kind::Sync,
+                    t0,
+                    t1,
+                    step: 0,
+                    a: peer,
+                    b: phase,
+                    seq: i,
+                    bytes: 0,
+                };
+                ranks[0].events.push(ev(t0 as i64, (at + pong) as i64, 1));
+                ranks[1].events.push(ev(skew(at), skew(at), 0));
+            }
+        }
+        let (o, d) = sync_fit(&ranks, 1).unwrap();
+        for t in [1e6, 2e9] {
+            let err = (o + (1.0 + d) * t) - (50e6 + (1.0 + 200e-6) * t);
+            assert!(err.abs() < 1_000.0, "at {t}: {err} ns");
+        }
+        let c = align(&ranks);
+        assert_eq!(c.method, ["reference", "ping-pong"]);
+        assert!(sync_fit(&ranks[..1], 1).is_none());
+    }
+
     #[test]
     fn bad_rank_files_say_what_is_wrong() {
         let e = |t: &str| parse_rank(t, 0).unwrap_err();
