@@ -715,3 +715,47 @@ fn evaluation_over_mpi_matches_local_threads() {
         );
     }
 }
+
+/// `--scan` over MPI processes (tp2 × dp2, `megac launch -n 4`): rank 2's compute made 2×
+/// slower is named on rank 0's warning line within 10 steps, and no other rank or link is.
+/// Timing on a shared machine: up to three attempts.
+#[test]
+fn scan_over_mpi_warns_of_a_slow_rank_within_ten_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = compile(dir.path(), &["parallel.tp=2", "parallel.dp=2"]);
+    let mut last = String::new();
+    for _ in 0..3 {
+        let o = megac(&[
+            "launch",
+            "-n",
+            "4",
+            &plan,
+            "--steps",
+            "12",
+            "--scan",
+            "--inject",
+            "slow-rank:2:2",
+        ]);
+        let err = text(&o.stderr);
+        assert!(o.status.success(), "{}{err}", text(&o.stdout));
+        let warnings: Vec<&str> = err
+            .lines()
+            .filter(|l| l.starts_with("warning: --scan: "))
+            .collect();
+        let named_at = warnings.first().and_then(|w| {
+            w["warning: --scan: step ".len()..]
+                .split(':')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        });
+        let only_rank_2 = warnings
+            .iter()
+            .all(|w| w.contains("slow-rank rank 2 (tp0 dp1 pp0)"));
+        if named_at.is_some_and(|s| s <= 10) && only_rank_2 {
+            return;
+        }
+        last = err;
+    }
+    panic!("no warning naming rank 2 alone within 10 steps in 3 attempts: {last}");
+}

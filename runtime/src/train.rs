@@ -940,7 +940,8 @@ fn train_rank(
             let kept = if opts.trace.is_some() { steps } else { 2 };
             let rec = (opts.trace.is_some() || opts.scan).then(|| {
                 crate::scan::Recorder::new(
-                    crate::scan::capacity(plan, role.min(plan.roles.len().saturating_sub(1)), kept),
+                    crate::scan::capacity(plan, role.min(plan.roles.len().saturating_sub(1)), kept)
+                        + 2 * crate::scan::SYNC_ROUNDS as usize * plan.mesh.world_size(),
                     faults.offset_ns,
                     faults.drift,
                 )
@@ -1010,6 +1011,10 @@ fn train_rank(
     let mut evals = Vec::new();
     // Seconds spent evaluating: not training time (tokens/s, ETA).
     let mut paused = 0.0;
+    // `--trace`: ping-pongs at both ends of the run for `megac scan`'s clock alignment.
+    if let (Some(_), Some(s)) = (&opts.trace, session.comm.scan()) {
+        s.sync_clocks(0)?;
+    }
     let start = Instant::now();
     let mut step_times = Vec::new();
     if opts.trace.is_some() && opts.trace_kernels {
@@ -1140,6 +1145,9 @@ fn train_rank(
         session.save_params(path)?;
     }
     if let Some(dir) = &opts.trace {
+        if let Some(s) = session.comm.scan() {
+            s.sync_clocks(1)?;
+        }
         write_rank_record(&mut session, dir, steps)?;
     }
     if let (true, Some(dir), Some(p)) = (lead, &opts.trace, &session.profile) {

@@ -12,7 +12,7 @@ pub struct ScanArgs {
     pub dir: PathBuf,
     /// Report format on standard output: `text` or `json` ({"steps", "ranks", "findings":
     /// [{"kind": "slow-rank"|"slow-link", "ranks", "score", "first_step"}], "clock":
-    /// {"offsets_us", "drift_ppm"}}).
+    /// {"offsets_us", "drift_ppm", "method"}}).
     #[arg(long, default_value = "text", value_name = "text|json")]
     pub format: String,
     /// Write the merged, clock-aligned timeline of every rank as a Chrome trace (opens in

@@ -8,12 +8,15 @@ use megac_runtime::scan::Kind;
 pub fn render_svg(ranks: &[RankTrace], scan: &Scan) -> String {
     let clock = &scan.clock;
     let times = ranks.iter().flat_map(|r| {
-        r.events.iter().flat_map(move |e| {
-            [
-                clock.align(r.header.rank, e.t0),
-                clock.align(r.header.rank, e.t1),
-            ]
-        })
+        r.events
+            .iter()
+            .filter(|e| e.kind != Kind::Sync)
+            .flat_map(move |e| {
+                [
+                    clock.align(r.header.rank, e.t0),
+                    clock.align(r.header.rank, e.t1),
+                ]
+            })
     });
     let (t0, t1) = times.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), t| {
         (a.min(t), b.max(t))

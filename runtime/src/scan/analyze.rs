@@ -1,20 +1,19 @@
 //! `megac scan`: read a trace directory's rank files, align their clocks, merge them into one
 //! Chrome/Perfetto timeline, and find slow ranks and slow links.
 //!
-//! **Alignment.** Members of a collective leave it nearly together (none can leave before
-//! the last has arrived, and all then compute the same result), so each collective gives one
-//! equation per member: `exit_r = (1 + d_r)·t + o_r` with `t` the exit on rank 0's clock.
-//! Each rank is fitted by least squares against a rank already aligned (rank 0 first, then
-//! the rank it shares most collectives with), four times, each time dropping the exits more
-//! than 5 robust standard deviations (1.4826·MAD, at least 2 µs) from the fit, so a rank
-//! preempted inside one collective does not move the line.
+//! **Alignment.** A traced run plays [`SYNC_ROUNDS`](super::SYNC_ROUNDS) ping-pongs between
+//! rank 0 and every other rank before its first step and after its last; per end, the round
+//! with the shortest turnaround gives the rank's offset (within half that turnaround), and the
+//! two ends its drift ([`sync_fit`]). Ranks without ping-pongs (older traces) are fitted to
+//! the causal bounds of their collectives and messages ([`align`], [`fit_bounds`]).
 //!
 //! **Slow rank.** Per step, a rank's compute time (the sum of its compute segments) is
 //! compared with the median of its peers, the ranks that run the same role program; the
 //! rank's score is the median of that ratio over the steps (the first, warm-up step is left
 //! out when there are more). A rank scoring at least [`SLOW_RANK`] is named only when the
-//! collective-wait inversion agrees: it waits the least (arrives last) in at least 1.5× the
-//! share of its collectives an even split would give. **Slow link.** Sends never wait for their
+//! collective-wait inversion agrees: it waits the least (arrives last) in at least [`LATE`]× the
+//! share of its collectives an even split would give, or its mean wait is at most
+//! [`WAITS_LESS`] of its peers' median. **Slow link.** Sends never wait for their
 //! receiver, so a send's duration is the link's: per pair of ranks and message size, the
 //! lower quartile of its send times (a slow link delays every send, a preempted sender only
 //! some) is compared with the median of the other pairs' that send messages of that size;
@@ -28,6 +27,13 @@ use super::{Event, Kind, RankHeader, COLLECTIVES, FORMAT};
 
 /// A rank scoring at least this compute ratio against its peers is a slow-rank candidate.
 pub const SLOW_RANK: f64 = 1.3;
+/// A slow-rank candidate is named when it arrived last at least this many times as often as
+/// an even split of last arrivals gives (1.25: two slow ranks sharing two-member groups each
+/// arrive last at about 70% of their collectives, not 100%).
+pub const LATE: f64 = 1.25;
+/// Or it is named when its mean collective wait is at most this fraction of its peers'
+/// median.
+pub const WAITS_LESS: f64 = 0.5;
 /// A pair scoring at least this transfer-time ratio against the other pairs is a slow link.
 pub const SLOW_LINK: f64 = 3.0;
 
@@ -264,8 +270,12 @@ pub struct Clock {
     pub offset_ns: Vec<f64>,
     /// Drifts (fractions).
     pub drift: Vec<f64>,
-    /// Per rank, the collectives its fit used (0 for rank 0 and unaligned ranks).
+    /// Per rank, the bounds its fit used (collectives and messages; 0 for rank 0, ranks
+    /// aligned by ping-pong and unaligned ranks).
     pub anchors: Vec<usize>,
+    /// Per rank, how it was aligned: `reference` (rank 0), `ping-pong` ([`sync_fit`]),
+    /// `bounds` (collectives and messages, [`fit_bounds`]) or `none`.
+    pub method: Vec<&'static str>,
 }
 
 impl Clock {
@@ -360,6 +370,55 @@ fn fit_bounds(bounds: &[Bound]) -> Option<(f64, f64)> {
     Some((0.5 * (lo + hi) - d * tm, d))
 }
 
+/// Rank `r`'s clock against rank 0's from the ping-pongs of
+/// [`super::ScanComm::sync_clocks`]: per phase, the round with the shortest turnaround (rank
+/// 0's round trip less the peer's hold) gives one point, rank 0's midpoint against the
+/// peer's, off by at most half that turnaround (the round trip's asymmetry). The two phases'
+/// points (before the first step, after the last) give the offset and the drift; one phase
+/// gives the offset only. None without ping-pongs.
+pub fn sync_fit(ranks: &[RankTrace], r: usize) -> Option<(f64, f64)> {
+    if r == 0 || r >= ranks.len() {
+        return None;
+    }
+    let zero: BTreeMap<(u32, u64), (i64, i64)> = ranks[0]
+        .events
+        .iter()
+        .filter(|e| e.kind == Kind::Sync && e.a as usize == r)
+        .map(|e| ((e.b, e.seq), (e.t0, e.t1)))
+        .collect();
+    // Per phase: (turnaround, rank 0's midpoint, the peer's midpoint) of the best round.
+    let mut best: BTreeMap<u32, (f64, f64, f64)> = BTreeMap::new();
+    for e in ranks[r]
+        .events
+        .iter()
+        .filter(|e| e.kind == Kind::Sync && e.a == 0)
+    {
+        let Some(&(a0, a1)) = zero.get(&(e.b, e.seq)) else {
+            continue;
+        };
+        let turn = (a1 - a0) as f64 - (e.t1 - e.t0) as f64;
+        let point = (
+            turn,
+            0.5 * (a0 as f64 + a1 as f64),
+            0.5 * (e.t0 as f64 + e.t1 as f64),
+        );
+        let b = best.entry(e.b).or_insert(point);
+        if turn < b.0 {
+            *b = point;
+        }
+    }
+    let points: Vec<(f64, f64)> = best.values().map(|p| (p.1, p.2)).collect();
+    match points.as_slice() {
+        [] => None,
+        [(t, x)] => Some((x - t, 0.0)),
+        [(t0, x0), .., (t1, x1)] if t1 - t0 > 0.0 => {
+            let rate = (x1 - x0) / (t1 - t0);
+            Some((x0 - rate * t0, rate - 1.0))
+        }
+        [(t, x), ..] => Some((x - t, 0.0)),
+    }
+}
+
 /// Sends matched to receives: (from, to, send enter, recv exit), by (from, to, tag, order).
 fn messages(ranks: &[RankTrace]) -> Vec<(usize, usize, i64, i64)> {
     let mut sends: BTreeMap<(usize, usize, u64), Vec<i64>> = BTreeMap::new();
@@ -405,10 +464,21 @@ pub fn align(ranks: &[RankTrace]) -> Clock {
         offset_ns: vec![0.0; n],
         drift: vec![0.0; n],
         anchors: vec![0; n],
+        method: vec!["none"; n],
     };
     let mut aligned = vec![false; n];
     if n > 0 {
         aligned[0] = true;
+        clock.method[0] = "reference";
+    }
+    // Ranks that played ping-pong with rank 0 are aligned by it; the others by bounds.
+    for (r, done) in aligned.iter_mut().enumerate().skip(1) {
+        if let Some((o, d)) = sync_fit(ranks, r) {
+            clock.offset_ns[r] = o;
+            clock.drift[r] = d;
+            clock.method[r] = "ping-pong";
+            *done = true;
+        }
     }
     let bounds_of = |r: usize, aligned: &[bool], clock: &Clock| {
         let mut out = Vec::new();
@@ -464,6 +534,7 @@ pub fn align(ranks: &[RankTrace]) -> Clock {
         if let Some((o, d)) = fit_bounds(&bounds) {
             clock.offset_ns[r] = o;
             clock.drift[r] = d;
+            clock.method[r] = "bounds";
         }
         clock.anchors[r] = bounds.len();
         aligned[r] = true;
@@ -638,6 +709,19 @@ pub struct Late {
     pub total: usize,
     /// The last arrivals an even split would give.
     pub expected: f64,
+    /// Its waits in those collectives, summed (ns).
+    pub wait: f64,
+}
+
+impl Late {
+    /// Its mean wait per collective (NaN without collectives).
+    pub fn mean_wait(&self) -> f64 {
+        if self.total == 0 {
+            f64::NAN
+        } else {
+            self.wait / self.total as f64
+        }
+    }
 }
 
 /// Add collective instances to `late` (indexed by rank): each instance is its members'
@@ -652,6 +736,7 @@ pub fn tally_late<'a>(late: &mut [Late], instances: impl IntoIterator<Item = &'a
         for m in members {
             late[m.0].total += 1;
             late[m.0].expected += 1.0 / members.len() as f64;
+            late[m.0].wait += m.1 as f64;
             if m.0 == last {
                 late[m.0].last += 1;
             }
@@ -687,7 +772,7 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
 /// judged are `range`. Per step, a rank's compute is divided by the median of its peers'
 /// (the other ranks of its role); its score is the median of those ratios. A rank scoring at
 /// least [`SLOW_RANK`] is a finding when the collective-wait inversion agrees (it arrived
-/// last at least 1.5× as often as an even split gives, or took part in no collectives).
+/// last at least [`LATE`]× as often as an even split gives, or took part in no collectives).
 pub fn detect_slow_ranks(
     roles: &[usize],
     compute: &[BTreeMap<u64, f64>],
@@ -704,6 +789,7 @@ pub fn detect_slow_ranks(
             last,
             total,
             expected,
+            ..
         } = late[r];
         let late_share = (total > 0).then(|| last as f64 / total as f64);
         evidence.push((None, late_share));
@@ -737,7 +823,17 @@ pub fn detect_slow_ranks(
         if score.is_nan() || score < SLOW_RANK {
             continue;
         }
-        let inverted = total == 0 || last as f64 >= 1.5 * expected;
+        // A straggler arrives last, or (several stragglers sharing groups take turns at
+        // arriving last, and collectives with no compute before them are won at random) it
+        // waits at most half as long as its peers do, on the median.
+        let mut peer_waits: Vec<f64> = peers
+            .iter()
+            .map(|&p| late[p].mean_wait())
+            .filter(|w| w.is_finite())
+            .collect();
+        let m = median(&mut peer_waits);
+        let waits_less = m > 0.0 && late[r].mean_wait() <= WAITS_LESS * m;
+        let inverted = total == 0 || last as f64 >= LATE * expected || waits_less;
         if inverted {
             out.push(Finding {
                 kind: "slow-rank",
@@ -853,6 +949,7 @@ impl Scan {
                 "offsets_us": self.clock.offset_ns.iter().map(|o| round(o / 1e3, 1000.0)).collect::<Vec<_>>(),
                 "drift_ppm": self.clock.drift.iter().map(|d| round(d * 1e6, 1000.0)).collect::<Vec<_>>(),
                 "anchors": self.clock.anchors,
+                "method": self.clock.method,
             },
             "dropped_events": self.dropped,
             "baseline_megatronapp": self.baseline,
@@ -896,11 +993,14 @@ impl Scan {
         }
         s.push_str("clock (against rank 0):\n");
         for (r, label) in self.labels.iter().enumerate().skip(1) {
+            let how = match self.clock.method[r] {
+                "bounds" => format!("{} bounds", self.clock.anchors[r]),
+                m => m.to_string(),
+            };
             s.push_str(&format!(
-                "  {label}: offset {:+.1} us, drift {:+.2} ppm ({} collectives)\n",
+                "  {label}: offset {:+.1} us, drift {:+.2} ppm ({how})\n",
                 self.clock.offset_ns[r] / 1e3,
                 self.clock.drift[r] * 1e6,
-                self.clock.anchors[r]
             ));
         }
         let dropped: u64 = self.dropped.iter().sum();
@@ -1029,6 +1129,60 @@ mod tests {
         );
         assert!((d - 200e-6).abs() < 2e-6, "drift {d}");
         assert!(fit_bounds(&bounds[..0]).is_none());
+    }
+
+    /// Ping-pongs at two ends of a run, rank 1's clock 50 ms ahead and 200 ppm fast: the
+    /// round with the shortest turnaround (ping 5 µs, pong 6 µs) decides, within half its
+    /// asymmetry (0.5 µs), at both ends, and so the drift.
+    #[test]
+    fn the_shortest_ping_pong_gives_offset_and_drift() {
+        let skew = |t: f64| (t * (1.0 + 200e-6) + 50e6) as i64;
+        let header = |rank| RankHeader {
+            rank,
+            world: 2,
+            role: 0,
+            coords: vec![],
+            steps: 1,
+        };
+        let mut ranks: Vec<RankTrace> = (0..2)
+            .map(|r| RankTrace {
+                header: header(r),
+                dropped: 0,
+                groups: vec![],
+                events: vec![],
+            })
+            .collect();
+        for (phase, start) in [(0u32, 1e6), (1, 2e9)] {
+            for i in 0..16u64 {
+                let t0 = start + i as f64 * 1e5;
+                let (ping, pong) = if i == 7 {
+                    (5_000.0, 6_000.0)
+                } else {
+                    (5_000.0 + (i * 37 % 11) as f64 * 4_000.0, 30_000.0)
+                };
+                let at = t0 + ping;
+                let ev = |t0: i64, t1: i64, peer: u32| Event {
+                    kind: Kind::Sync,
+                    t0,
+                    t1,
+                    step: 0,
+                    a: peer,
+                    b: phase,
+                    seq: i,
+                    bytes: 0,
+                };
+                ranks[0].events.push(ev(t0 as i64, (at + pong) as i64, 1));
+                ranks[1].events.push(ev(skew(at), skew(at), 0));
+            }
+        }
+        let (o, d) = sync_fit(&ranks, 1).unwrap();
+        for t in [1e6, 2e9] {
+            let err = (o + (1.0 + d) * t) - (50e6 + (1.0 + 200e-6) * t);
+            assert!(err.abs() < 1_000.0, "at {t}: {err} ns");
+        }
+        let c = align(&ranks);
+        assert_eq!(c.method, ["reference", "ping-pong"]);
+        assert!(sync_fit(&ranks[..1], 1).is_none());
     }
 
     #[test]

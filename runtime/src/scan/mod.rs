@@ -49,10 +49,14 @@ pub enum Kind {
     Send,
     /// A receive (`a` = peer, `seq` = tag).
     Recv,
+    /// One clock-sync ping-pong ([`ScanComm::sync_clocks`]; `a` = peer, `b` = phase, `seq` =
+    /// round): on rank 0 from sending the ping to receiving the pong, on the peer from
+    /// receiving the ping to sending the pong.
+    Sync,
 }
 
 impl Kind {
-    const ALL: [Kind; 12] = [
+    const ALL: [Kind; 13] = [
         Kind::Step,
         Kind::Data,
         Kind::Microbatch,
@@ -65,6 +69,7 @@ impl Kind {
         Kind::Collective,
         Kind::Send,
         Kind::Recv,
+        Kind::Sync,
     ];
 
     /// The name in rank files.
@@ -82,6 +87,7 @@ impl Kind {
             Kind::Collective => "coll",
             Kind::Send => "send",
             Kind::Recv => "recv",
+            Kind::Sync => "sync",
         }
     }
 
@@ -92,7 +98,10 @@ impl Kind {
 
     /// Whether the event sits on the communication thread of the merged timeline.
     pub fn is_comm(self) -> bool {
-        matches!(self, Kind::Collective | Kind::Send | Kind::Recv)
+        matches!(
+            self,
+            Kind::Collective | Kind::Send | Kind::Recv | Kind::Sync
+        )
     }
 }
 
@@ -127,10 +136,21 @@ pub struct Event {
     pub bytes: u64,
 }
 
+/// The process's time zero, and the wall-clock time (ns since the Unix epoch) read with it.
+fn epoch_pair() -> (Instant, i128) {
+    static EPOCH: OnceLock<(Instant, i128)> = OnceLock::new();
+    *EPOCH.get_or_init(|| {
+        let t = Instant::now();
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i128);
+        (t, wall)
+    })
+}
+
 /// The process's time zero.
 fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
+    epoch_pair().0
 }
 
 /// A rank's preallocated event buffer and its recorded clock.
@@ -255,13 +275,17 @@ impl Recorder {
         let _ = write!(
             s,
             "{{\"format\":\"{FORMAT}\",\"rank\":{},\"world\":{},\"role\":{},\"coords\":[{}],\
-             \"steps\":{},\"dropped\":{},\"groups\":[{}],\"events\":[",
+             \"steps\":{},\"dropped\":{},\"true_clock\":{{\"epoch_unix_ns\":{},\
+             \"offset_ns\":{},\"drift\":{}}},\"groups\":[{}],\"events\":[",
             header.rank,
             header.world,
             header.role,
             coords.join(","),
             header.steps,
             self.dropped,
+            epoch_pair().1,
+            self.offset_ns,
+            self.drift,
             groups.join(",")
         );
         for (i, e) in self.events.iter().enumerate() {
@@ -307,7 +331,10 @@ fn wire(bytes: u64) -> Duration {
     Duration::from_nanos(5_000 + bytes)
 }
 
-/// Wait until `until` (sleep for the long part, spin the last stretch).
+/// Wait until `until`: sleep all but the last 100 µs (a sleep overshoots by tens of µs),
+/// yield the rest. An injected slowdown is a slow device, which takes no CPU from the other
+/// ranks: spinning through it would, on a machine with more ranks than cores, slow the
+/// healthy ranks too and hide the fault.
 fn wait_until(until: Instant) {
     loop {
         let now = Instant::now();
@@ -315,8 +342,8 @@ fn wait_until(until: Instant) {
             return;
         }
         let left = until - now;
-        if left > Duration::from_micros(1500) {
-            std::thread::sleep(left - Duration::from_millis(1));
+        if left > Duration::from_micros(200) {
+            std::thread::sleep(left - Duration::from_micros(100));
         } else {
             std::thread::yield_now();
         }
@@ -375,6 +402,42 @@ impl ScanComm {
             rec.clear_events();
         }
         Ok(warnings)
+    }
+
+    /// Clock sync for `megac scan`'s alignment, called by every rank at the same point (phase
+    /// 0 before the first step, phase 1 after the last; a no-op when not recording): rank 0
+    /// plays [`SYNC_ROUNDS`] ping-pongs with each other rank in turn, each side recording
+    /// every round as a [`Kind::Sync`] event (rank 0: ping sent to pong received; the peer:
+    /// ping received to pong sent). The round with the shortest turnaround bounds the
+    /// offset most tightly (`analyze::align`). Not recorded as transfers, never injected.
+    pub fn sync_clocks(&mut self, phase: u32) -> Result<(), RuntimeError> {
+        if self.rec.is_none() {
+            return Ok(());
+        }
+        let (me, n) = (self.inner.rank(), self.inner.size());
+        let mut buf = [0f32; 1];
+        for peer in 1..n {
+            if me != 0 && me != peer {
+                continue;
+            }
+            for round in 0..SYNC_ROUNDS {
+                let (t0, t1, other) = if me == 0 {
+                    let t0 = Instant::now();
+                    self.inner.send_tagged(peer, SYNC_TAG, &buf)?;
+                    self.inner.recv_tagged(peer, SYNC_TAG, &mut buf)?;
+                    (t0, Instant::now(), peer)
+                } else {
+                    self.inner.recv_tagged(0, SYNC_TAG, &mut buf)?;
+                    let t0 = Instant::now();
+                    self.inner.send_tagged(0, SYNC_TAG, &buf)?;
+                    (t0, t0, 0)
+                };
+                if let Some(r) = &mut self.rec {
+                    r.push(Kind::Sync, t0, t1, other as u32, phase, round, 0);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A program starts running kernels.
@@ -472,6 +535,12 @@ impl ScanComm {
         out
     }
 }
+
+/// The tag of [`ScanComm::sync_clocks`]' messages (no plan transfer uses it).
+pub const SYNC_TAG: u64 = u64::MAX - 1;
+
+/// Ping-pong rounds per rank and phase of [`ScanComm::sync_clocks`].
+pub const SYNC_ROUNDS: u64 = 16;
 
 /// The tag of untagged sends and receives in rank files.
 pub const UNTAGGED: u64 = u64::MAX;

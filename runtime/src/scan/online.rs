@@ -189,6 +189,7 @@ impl Online {
                 late[r].last += s.late[r].last;
                 late[r].total += s.late[r].total;
                 late[r].expected += s.late[r].expected;
+                late[r].wait += s.late[r].wait;
             }
             for &(pair, bytes, d) in &s.sends {
                 sends.entry((pair, bytes)).or_default().push((s.step, d));

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""MegaScan detection benchmark (docs/scan.md, issue 17 section 3).
+
+RUNS seeded runs per cell of llama-tiny (STEPS steps, 4 ranks, `jitter:0.05:SEED` on every
+run so that healthy runs vary too), on local threads and on MPI processes (`megac launch`,
+needs target/release/megac built with --features mpi); layouts dp4, tp2 dp2, pp2 dp2 and
+cp2 dp2; faults: none, a slow rank at 1.2x and at 1.1x (rank SEED mod 4), two slow ranks at
+1.5x in different groups, and on pp2 dp2 (the only layout here with point-to-point sends) a
+slow link at half bandwidth (2x) between the stages of one pipeline and a slow rank 1.5x
+beside a slow link 2x. Each trace is scored for megac scan's findings and for MegatronApp's
+three-stage heuristic (`baseline_megatronapp`, ranks only) on the same run:
+
+  recall       runs in which every injected fault was found (a link as a slow-link)
+  exact        runs whose findings are exactly the injected faults
+  false alarm  runs with any finding that was not injected (on healthy cells: any finding)
+
+Usage: python3 bench/scan_detect.py [RUNS] [STEPS] [local,mpi]   (defaults 200 8 local,mpi)
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+RUNS = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+COMMS = (sys.argv[3] if len(sys.argv) > 3 else "local,mpi").split(",")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+M = os.path.join(ROOT, "target/release/megac")
+ENV = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
+
+LAYOUTS = {
+    "dp4": ["parallel.dp=4", "train.global_batch=16"],
+    "tp2 dp2": ["parallel.tp=2", "parallel.dp=2"],
+    "pp2 dp2": ["parallel.pp=2", "parallel.dp=2"],
+    "cp2 dp2": ["parallel.cp=2", "parallel.dp=2"],
+}
+
+
+def faults(cell, seed):
+    """(inject specs, expected findings) of `cell` for run `seed`."""
+    r = seed % 4
+    # Two slow ranks sharing no group on any layout here: 0 and 3, or 1 and 2.
+    a, b = (0, 3) if seed % 2 == 0 else (1, 2)
+    return {
+        "healthy": ([], set()),
+        "slow-rank 1.2x": ([f"slow-rank:{r}:1.2"], {("slow-rank", (r,))}),
+        "slow-rank 1.1x": ([f"slow-rank:{r}:1.1"], {("slow-rank", (r,))}),
+        "two slow ranks 1.5x": (
+            [f"slow-rank:{a}:1.5", f"slow-rank:{b}:1.5"],
+            {("slow-rank", (a,)), ("slow-rank", (b,))},
+        ),
+        # pp2 dp2: ranks 0 and 2 are the two stages of one pipeline, 1 and 3 of the other.
+        "slow link 2x": (
+            [f"slow-link:{seed % 2}-{seed % 2 + 2}:2"],
+            {("slow-link", (seed % 2, seed % 2 + 2))},
+        ),
+        "slow rank 1.5x + link 2x": (
+            [f"slow-rank:{1 - seed % 2}:1.5", f"slow-link:{seed % 2}-{seed % 2 + 2}:2"],
+            {("slow-rank", (1 - seed % 2,)), ("slow-link", (seed % 2, seed % 2 + 2))},
+        ),
+    }[cell]
+
+
+def run(comm, layout, plan, seed, inject, trace):
+    shutil.rmtree(trace, ignore_errors=True)
+    specs = [f"jitter:0.05:{seed}"] + inject
+    inj = [x for s in specs for x in ("--inject", s)]
+    common = ["--steps", str(STEPS), "--trace", trace] + inj
+    if comm == "mpi":
+        cmd = [M, "launch", "-n", "4", plan] + common
+    else:
+        sets = [x for s in LAYOUTS[layout] for x in ("--set", s)]
+        cmd = [M, "train", "examples/llama-tiny.toml"] + sets + common
+    subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    out = subprocess.run([M, "scan", trace, "--format", "json"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    v = json.loads(out)
+    found = {(f["kind"], tuple(f["ranks"])) for f in v["findings"]}
+    base = {("slow-rank", (r,)) for r in v["baseline_megatronapp"]}
+    return found, base
+
+
+def main():
+    tmp = tempfile.mkdtemp()
+    trace = os.path.join(tmp, "trace")
+    print(f"{RUNS} runs per cell, llama-tiny, {STEPS} steps, 4 ranks, jitter:0.05:SEED on every run")
+    print("| comm | layout | fault | runs | megac recall | megac exact | megac false alarm "
+          "| MegatronApp recall | MegatronApp exact | MegatronApp false alarm | s/run |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    try:
+        for comm in COMMS:
+            for layout, sets in LAYOUTS.items():
+                plan = os.path.join(tmp, "plan")
+                if comm == "mpi":
+                    shutil.rmtree(plan, ignore_errors=True)
+                    subprocess.run([M, "compile", "examples/llama-tiny.toml"]
+                                   + [x for s in sets for x in ("--set", s)] + ["-o", plan],
+                                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                cells = ["healthy", "slow-rank 1.2x", "slow-rank 1.1x", "two slow ranks 1.5x"]
+                if layout == "pp2 dp2":
+                    cells += ["slow link 2x", "slow rank 1.5x + link 2x"]
+                for cell in cells:
+                    score = {"m": [0, 0, 0], "b": [0, 0, 0]}
+                    t0 = time.time()
+                    for seed in range(1, RUNS + 1):
+                        inject, want = faults(cell, seed)
+                        found, base = run(comm, layout, plan, seed, inject, trace)
+                        for k, got in (("m", found), ("b", base)):
+                            score[k][0] += want <= got
+                            score[k][1] += want == got
+                            score[k][2] += bool(got - want)
+                    dt = (time.time() - t0) / RUNS
+
+                    def pct(k, i, none_if_healthy=False):
+                        if none_if_healthy and cell == "healthy":
+                            return "-"
+                        return f"{100 * score[k][i] / RUNS:.1f}%"
+
+                    print(f"| {comm} | {layout} | {cell} | {RUNS} | {pct('m', 0, True)} | "
+                          f"{pct('m', 1)} | {pct('m', 2)} | {pct('b', 0, True)} | {pct('b', 1)} | "
+                          f"{pct('b', 2)} | {dt:.2f} |", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
