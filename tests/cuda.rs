@@ -246,7 +246,7 @@ fn kernel_signatures() -> std::collections::BTreeMap<String, Vec<String>> {
                 .split(',')
                 .map(|p| {
                     let p = p.trim();
-                    let (ty, _name) = p.rsplit_once(|c: char| c == ' ' || c == '*').unwrap();
+                    let (ty, _name) = p.rsplit_once([' ', '*']).unwrap();
                     if p.contains('*') {
                         "ptr".to_string()
                     } else {

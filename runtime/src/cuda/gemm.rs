@@ -148,9 +148,9 @@ fn call(
     }
 }
 
-/// `linear` (`inputs = [x, w, bias?]`, `outputs = [y]`): `y = x·W`. With a bias, the executor
-/// first broadcasts it into `y` and the GEMM accumulates (`beta = 1`).
-pub fn linear_fwd(s: MatmulShape, bias: bool) -> GemmCall {
+/// `linear` (`inputs = [x, w, bias?]`, `outputs = [y]`): `y = x·W`; `accumulate` adds into
+/// what `y` holds (`beta = 1`, e.g. a bias put there first) instead of overwriting it.
+pub fn linear_fwd(s: MatmulShape, accumulate: bool) -> GemmCall {
     let MatmulShape { m, k, n, g, layout } = s;
     // Cᵀ[n×m] = Wᵀ[n×k] · xᵀ[k×m]; x row-major is xᵀ column-major with ld k.
     let (ta, lda) = match layout {
@@ -165,7 +165,7 @@ pub fn linear_fwd(s: MatmulShape, bias: bool) -> GemmCall {
         (Operand::Input(1), lda),
         (Operand::Input(0), k),
         (Operand::Output(0), n),
-        if bias { 1.0 } else { 0.0 },
+        if accumulate { 1.0 } else { 0.0 },
         g,
         (n * k, m * k, m * n),
     )

@@ -539,11 +539,12 @@ impl Lowerer<'_> {
             }
             OpKind::Linear { weight } => {
                 let s = self.matmul(ins[0], ins[1], outs[0], *weight);
+                // y = x·W (beta = 0), then y += bias: the one addition the cpu kernel makes
+                // (bias + x·W), in the other operand order, which rounds the same.
+                c.gemm(gemm::linear_fwd(s, false));
                 if let Some(&bias) = ins.get(2) {
                     let n = self.numel(outs[0]);
                     let l = elem(c, n)?;
-                    // y = 0 + bias, then the GEMM accumulates (beta = 1).
-                    c.ops.push(DeviceOp::Zero(outs[0]));
                     c.kernel(
                         "bias_add",
                         l,
@@ -556,7 +557,6 @@ impl Lowerer<'_> {
                         ],
                     );
                 }
-                c.gemm(gemm::linear_fwd(s, ins.len() > 2));
             }
             OpKind::LinearGradInput { weight } => {
                 let s = self.matmul(outs[0], ins[1], ins[0], *weight);
