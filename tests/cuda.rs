@@ -94,3 +94,289 @@ fn every_kernel_loads_on_the_device() {
         check.device.name, check.device.count, check.kernels_loaded, check.arch
     );
 }
+
+// ---- host-side logic of the cuda backend, against the cpu backend's meaning ----
+
+use megac_ir::gate::CheckedPlan;
+use megac_ir::plan::{BufferClass, Plan};
+use megac_runtime::cuda::lower::{self, Arg, DeviceOp};
+use megac_runtime::cuda::nccl::Communicators;
+use megac_runtime::cuda::slab::{SlabLayout, SLAB_ALIGN};
+
+/// The plan of examples/`file` with `sets` (a small batch), gated.
+fn plan(file: &str, sets: &[&str]) -> CheckedPlan {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(file);
+    let mut all = vec![
+        "train.micro_batch=2",
+        "train.global_batch=4",
+        "model.seq_len=16",
+    ];
+    all.extend_from_slice(sets);
+    let all: Vec<String> = all.iter().map(|s| s.to_string()).collect();
+    let spec = megac_frontend::load(&path, &all).unwrap_or_else(|e| panic!("{}", e.render()));
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let p = megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
+        .unwrap_or_else(|e| panic!("{file} {sets:?}: {e}"));
+    Plan::from_json(&p.to_json()).unwrap()
+}
+
+/// The layouts the host-side tests cover.
+fn layouts() -> Vec<(&'static str, Vec<&'static str>)> {
+    vec![
+        ("llama-tiny.toml", vec![]),
+        ("llama-tiny.toml", vec!["train.precision=\"bf16\""]),
+        ("gpt-tiny.toml", vec![]),
+        ("moe-tiny.toml", vec![]),
+        ("llama-tiny.toml", vec!["parallel.tp=2", "parallel.dp=2"]),
+        (
+            "llama-tiny.toml",
+            vec!["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ),
+        (
+            "llama-tiny.toml",
+            vec!["parallel.dp=2", "parallel.distributed_optimizer=true"],
+        ),
+    ]
+}
+
+#[test]
+fn device_slabs_hold_every_buffer_at_the_cpu_backends_offset() {
+    for (file, sets) in layouts() {
+        let plan = plan(file, &sets);
+        for rank in 0..plan.mesh.world_size() {
+            let slab = SlabLayout::new(&plan, rank, 1000).unwrap();
+            let mem = megac_runtime::memory::Memory::new(&plan, rank).unwrap();
+            let what = format!("{file} {sets:?} rank {rank}");
+            // Slabs and regions: 256-aligned, in order, disjoint, inside the allocation.
+            let mut regions: Vec<_> = slab.slabs.to_vec();
+            regions.extend([slab.staging, slab.workspace]);
+            let mut end = 0;
+            for r in &regions {
+                assert_eq!(r.start % SLAB_ALIGN, 0, "{what}");
+                assert!(r.start >= end, "{what}: regions overlap");
+                end = r.start + r.bytes;
+            }
+            assert!(end <= slab.total_bytes, "{what}");
+            assert_eq!(slab.workspace.bytes, 1000);
+            // Each arena's slab is the cpu arena's size (the cpu rounds up to 4-byte words).
+            for (class, bytes) in mem.bytes().iter().enumerate() {
+                let s = slab.slabs[class].bytes;
+                assert_eq!(s.div_ceil(4) * 4, *bytes, "{what}: arena {class}");
+            }
+            // Every held buffer at its plan offset (bytes) inside its class's slab.
+            for (id, b) in plan.buffers.iter().enumerate() {
+                let Some(at) = slab.offset(id as u32) else {
+                    assert!(
+                        !mem.holds(id as u32),
+                        "{what}: buffer {id} held on the cpu only"
+                    );
+                    continue;
+                };
+                assert!(mem.holds(id as u32), "{what}: buffer {id}");
+                let region = slab.slabs[b.class.index()];
+                let within = at - region.start;
+                let bytes = b.len() * b.dtype.size_bytes();
+                assert!(
+                    within + bytes <= region.bytes,
+                    "{what}: buffer {id} outside its slab"
+                );
+                if b.rank_offset.is_none() && b.chunk.is_none() {
+                    assert_eq!(
+                        within,
+                        b.offset * b.dtype.size_bytes(),
+                        "{what}: buffer {id}"
+                    );
+                }
+            }
+            let (aligned, held) = slab.aligned(SLAB_ALIGN);
+            assert!(held > 0 && aligned <= held);
+        }
+    }
+}
+
+#[test]
+fn nccl_communicators_are_the_plans_groups_in_group_order() {
+    let p = plan("llama-tiny.toml", &["parallel.tp=2", "parallel.dp=2"]);
+    let comms = Communicators::of_plan(&p);
+    assert_eq!(comms.world, 4);
+    let sets: Vec<_> = comms.splits.iter().map(|(a, _)| a.clone()).collect();
+    use megac_ir::Axis;
+    assert!(sets.contains(&vec![Axis::Tp]), "{sets:?}");
+    assert!(sets.contains(&vec![Axis::Dp]), "{sets:?}");
+    for (axes, groups) in &comms.splits {
+        // A partition of the ranks, coloured in order, members sorted.
+        let mut seen = vec![0; comms.world];
+        for (i, g) in groups.iter().enumerate() {
+            assert_eq!(g.color, i as i32);
+            assert!(g.members.windows(2).all(|w| w[0] < w[1]), "{g:?}");
+            for &m in &g.members {
+                seen[m] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{axes:?}: {seen:?}");
+        // Each rank's communicator is the cpu backend's group (Mesh::group), NCCL rank =
+        // position (the order local_comm and mpi_comm reduce in).
+        for r in 0..comms.world {
+            let g = comms.group_of(r, axes).unwrap();
+            assert_eq!(g.members, p.mesh.group(r, axes), "{axes:?} rank {r}");
+            assert_eq!(g.members[g.key(r).unwrap() as usize], r);
+        }
+    }
+    // tp pairs neighbouring ranks, dp strides over them (tp is the fastest axis).
+    assert_eq!(comms.group_of(0, &[Axis::Tp]).unwrap().members, vec![0, 1]);
+    assert_eq!(comms.group_of(1, &[Axis::Dp]).unwrap().members, vec![1, 3]);
+    // One rank: no communicator over a group larger than itself is needed.
+    let single = Communicators::of_plan(&plan("llama-tiny.toml", &[]));
+    for (_, groups) in &single.splits {
+        assert!(groups.iter().all(|g| g.members.len() == 1));
+    }
+}
+
+/// The parameters of every `extern "C"` kernel, as (name, C types).
+fn kernel_signatures() -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for s in megac_kernels::cuda::SOURCES {
+        for part in s.source.split("extern \"C\" __global__ void ").skip(1) {
+            let name = part.split('(').next().unwrap().trim().to_string();
+            let params = part.split_once('(').unwrap().1.split_once(')').unwrap().0;
+            let types = params
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    let (ty, _name) = p.rsplit_once([' ', '*']).unwrap();
+                    if p.contains('*') {
+                        "ptr".to_string()
+                    } else {
+                        ty.trim().to_string()
+                    }
+                })
+                .collect();
+            out.insert(name, types);
+        }
+    }
+    out
+}
+
+/// Whether a lowered argument passes as a kernel parameter of C type `ty`.
+fn fits(a: &Arg, ty: &str) -> bool {
+    match a {
+        Arg::Buf(_) | Arg::Raw(_) | Arg::Work(_) | Arg::Const(_) | Arg::Null => ty == "ptr",
+        Arg::U32(_) => ty == "unsigned int",
+        Arg::U64(_) => ty == "unsigned long long",
+        Arg::I32(_) => ty == "int",
+        Arg::I64(_) => ty == "long long",
+        Arg::F32(_) | Arg::LossGradScale => ty == "float",
+        Arg::F64(_) | Arg::LossScale => ty == "double",
+    }
+}
+
+#[test]
+fn lowered_programs_call_kernels_with_their_declared_parameters() {
+    let sigs = kernel_signatures();
+    // adamw_step is issued by the executor from DeviceOp::AdamW with 14 arguments.
+    assert_eq!(sigs["adamw_step"].len(), 14);
+    for (file, sets) in [
+        ("llama-tiny.toml", vec![]),
+        ("llama-tiny.toml", vec!["train.precision=\"bf16\""]),
+        ("gpt-tiny.toml", vec![]),
+        ("llama-tiny.toml", vec!["parallel.tp=2", "parallel.dp=2"]),
+    ] {
+        let plan = plan(file, &sets);
+        let what = format!("{file} {sets:?}");
+        let l = lower::lower_role(&plan, 0).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (mut kernels, mut gemms, mut stages) = (0, 0, 0);
+        for op in l.microbatch.iter().chain(&l.optimizer) {
+            match op {
+                DeviceOp::Kernel { name, launch, args } => {
+                    kernels += 1;
+                    let sig = sigs
+                        .get(*name)
+                        .unwrap_or_else(|| panic!("{what}: no kernel {name} in kernels/cuda"));
+                    assert_eq!(args.len(), sig.len(), "{what}: {name}: {args:?}");
+                    for (i, (a, ty)) in args.iter().zip(sig).enumerate() {
+                        assert!(
+                            fits(a, ty),
+                            "{what}: {name} parameter {i} is {ty}, given {a:?}"
+                        );
+                    }
+                    assert!(launch.block >= 1 && launch.block <= 1024, "{name}");
+                    if launch.block > 1 {
+                        assert_eq!(launch.block % 32, 0, "{name}");
+                    }
+                }
+                DeviceOp::Gemm { call, .. } => {
+                    gemms += 1;
+                    assert!(call.valid(), "{what}: {call:?}");
+                }
+                DeviceOp::Stage(_) => stages += 1,
+                _ => {}
+            }
+        }
+        assert!(
+            kernels > 20 && gemms > 20,
+            "{what}: {kernels} kernels, {gemms} GEMMs"
+        );
+        let bf16 = sets.iter().any(|s| s.contains("bf16"));
+        assert_eq!(stages > 0, bf16, "{what}: 16-bit operands are staged");
+        // The slab holds the workspace and constants the lowering asks for.
+        let slab = SlabLayout::new(&plan, 0, l.workspace_bytes + l.constants.len() as u64).unwrap();
+        assert!(slab.total_bytes >= slab.slabs[BufferClass::Param.index()].bytes);
+    }
+}
+
+#[test]
+fn what_is_not_lowered_is_one_error_naming_the_op() {
+    let moe = plan("moe-tiny.toml", &[]);
+    let err = lower::lower_role(&moe, 0).unwrap_err().to_string();
+    assert!(
+        err.contains("`router`") && err.contains("no cuda lowering yet"),
+        "{err}"
+    );
+    let pp = plan("llama-tiny.toml", &["parallel.pp=2"]);
+    let err = lower::lower_role(&pp, 0).unwrap_err().to_string();
+    assert!(err.contains("pipelined plans"), "{err}");
+}
+
+/// On a GPU (`bench/gpu/check.sh`): steps of a tiny model on the cuda executor against the
+/// cpu backend, same plan, same data, same initial parameters. Prints both loss curves.
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/check.sh"]
+fn cuda_training_matches_the_cpu_backend() {
+    let steps: u64 = std::env::var("MEGAC_GPU_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    for (file, sets, tol) in [
+        ("llama-tiny.toml", vec![], 1e-4),
+        ("gpt-tiny.toml", vec![], 1e-4),
+        ("llama-tiny.toml", vec!["train.precision=\"bf16\""], 2e-2),
+    ] {
+        let plan = plan(file, &sets);
+        let mut cpu = megac_runtime::train::Session::new(&plan, "synthetic", None).unwrap();
+        let mut gpu = megac_runtime::cuda::session::CudaSession::new(&plan, "synthetic", 0)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (free, total) = gpu.gpu.mem_info().unwrap();
+        println!(
+            "{file} {sets:?}: device allocation {} bytes (plan arenas {:?}); cudaMemGetInfo free {free} of {total}",
+            gpu.gpu.device_bytes(),
+            plan.memory,
+        );
+        let mut worst = 0.0f64;
+        for step in 1..=steps {
+            let (lc, nc) = cpu.step(step).unwrap();
+            let t0 = std::time::Instant::now();
+            let (lg, ng) = gpu.step(step).unwrap_or_else(|e| panic!("{e}"));
+            let secs = t0.elapsed().as_secs_f64();
+            let rel = ((lg - lc) / lc).abs();
+            worst = worst.max(rel);
+            println!(
+                "step {step}: loss cpu {lc:.6} cuda {lg:.6} (rel {rel:.2e}); norm cpu {nc:.5} cuda {ng:.5}; cuda step {secs:.4} s"
+            );
+        }
+        println!("{file} {sets:?}: worst relative loss difference {worst:.2e} over {steps} steps");
+        assert!(worst < tol, "{file} {sets:?}: {worst} >= {tol}");
+    }
+}

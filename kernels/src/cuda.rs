@@ -46,7 +46,13 @@ pub const SOURCES: &[CudaSource] = &[
     CudaSource {
         name: "norm.cu",
         source: include_str!("../cuda/norm.cu"),
-        kernels: &["rms_norm_fwd", "layer_norm_fwd"],
+        kernels: &[
+            "rms_norm_fwd",
+            "layer_norm_fwd",
+            "rms_norm_bwd_dx",
+            "layer_norm_bwd_dx",
+            "norm_dw",
+        ],
     },
     CudaSource {
         name: "rope.cu",
@@ -56,12 +62,72 @@ pub const SOURCES: &[CudaSource] = &[
     CudaSource {
         name: "optim.cu",
         source: include_str!("../cuda/optim.cu"),
-        kernels: &["adamw_step", "sum_squares"],
+        kernels: &[
+            "adamw_step",
+            "sum_squares",
+            "sum_partials",
+            "grad_norm_finish",
+            "adamw_multi",
+        ],
     },
     CudaSource {
         name: "loss.cu",
         source: include_str!("../cuda/loss.cu"),
-        kernels: &["cross_entropy_fwd", "cross_entropy_bwd"],
+        kernels: &[
+            "cross_entropy_fwd",
+            "cross_entropy_bwd",
+            "ce_row_max",
+            "ce_row_sumexp",
+            "ce_rows_loss",
+            "ce_mean",
+            "ce_vp_bwd",
+        ],
+    },
+    CudaSource {
+        name: "embedding.cu",
+        source: include_str!("../cuda/embedding.cu"),
+        kernels: &[
+            "embedding_fwd",
+            "embedding_bwd",
+            "pos_embedding_fwd",
+            "pos_embedding_bwd",
+        ],
+    },
+    CudaSource {
+        name: "softmax.cu",
+        source: include_str!("../cuda/softmax.cu"),
+        kernels: &["masked_softmax_fwd", "masked_softmax_bwd"],
+    },
+    CudaSource {
+        name: "elementwise.cu",
+        source: include_str!("../cuda/elementwise.cu"),
+        kernels: &[
+            "add_fwd",
+            "accumulate",
+            "scale_in_place",
+            "bias_add",
+            "column_sum_acc",
+            "gelu_tanh_fwd",
+            "gelu_tanh_bwd",
+            "sigmoid_mul_fwd",
+            "sigmoid_mul_bwd",
+            "copy_columns",
+            "repeat_kv_fwd",
+            "repeat_kv_bwd",
+            "transpose_heads",
+        ],
+    },
+    CudaSource {
+        name: "moe.cu",
+        source: include_str!("../cuda/moe.cu"),
+        kernels: &[
+            "router_fwd",
+            "router_bwd",
+            "moe_gather_rows",
+            "moe_scatter_add_rows",
+            "moe_combine_fwd",
+            "moe_combine_bwd",
+        ],
     },
 ];
 

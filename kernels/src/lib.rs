@@ -60,6 +60,6 @@ pub use moe::{
     router_bwd, router_bwd_with, router_fwd, router_fwd_with, AuxStats, Routing,
 };
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
-pub use optim::{adamw_step, AdamW};
+pub use optim::{adamw_step, step_scalars, AdamW, StepScalars};
 pub use precision::Half;
 pub use rope::{default_inv_freq, rope_bwd, rope_freq, rope_fwd};

@@ -20,18 +20,28 @@ pub struct AdamW {
     pub weight_decay: f32,
 }
 
-/// The f32 scalars of one step, derived in f64 like Python derives them from floats.
-#[derive(Clone, Copy)]
-struct StepScalars {
-    decay: f32,
-    apply_decay: bool,
-    w1: f32,
-    w1_small: bool,
-    beta2: f32,
-    w2: f32,
-    bc2_sqrt: f32,
-    eps: f32,
-    neg_step_size: f32,
+/// The f32 scalars of one step, derived in f64 like Python derives them from floats
+/// ([`step_scalars`]; the cuda backend passes them to its AdamW kernel).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepScalars {
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// Whether weight decay applies (`weight_decay != 0`).
+    pub apply_decay: bool,
+    /// `1 - beta1`, the lerp weight of the first moment.
+    pub w1: f32,
+    /// `|w1| < 0.5` (which of ATen's two lerp forms).
+    pub w1_small: bool,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub w2: f32,
+    /// `sqrt(1 - beta2^step)`.
+    pub bc2_sqrt: f32,
+    /// `eps`.
+    pub eps: f32,
+    /// `-lr / (1 - beta1^step)`.
+    pub neg_step_size: f32,
 }
 
 simd_dispatch! {
@@ -84,6 +94,20 @@ pub fn adamw_step(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: &A
         "adamw_step: length mismatch"
     );
     assert!(step >= 1, "adamw_step: step counts from 1");
+    let k = step_scalars(hp, step);
+    if n < PAR_MIN_ELEMS {
+        return adamw_serial(p, g, m, v, k);
+    }
+    let c = elem_chunk(n);
+    p.par_chunks_mut(c)
+        .zip(g.par_chunks(c))
+        .zip(m.par_chunks_mut(c))
+        .zip(v.par_chunks_mut(c))
+        .for_each(|(((p, g), m), v)| adamw_serial(p, g, m, v, k));
+}
+
+/// The scalars of AdamW step `step` (from 1) with hyperparameters `hp`.
+pub fn step_scalars(hp: &AdamW, step: u64) -> StepScalars {
     let (lr, b1, b2, wd) = (
         hp.lr as f64,
         hp.beta1 as f64,
@@ -94,7 +118,7 @@ pub fn adamw_step(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: &A
     let bias_correction1 = 1.0 - b1.powf(step);
     let bias_correction2 = 1.0 - b2.powf(step);
     let step_size = lr / bias_correction1;
-    let k = StepScalars {
+    StepScalars {
         decay: (1.0 - lr * wd) as f32,
         apply_decay: wd != 0.0,
         w1: (1.0 - b1) as f32,
@@ -104,14 +128,5 @@ pub fn adamw_step(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: &A
         bc2_sqrt: bias_correction2.powf(0.5) as f32,
         eps: hp.eps,
         neg_step_size: (-step_size) as f32,
-    };
-    if n < PAR_MIN_ELEMS {
-        return adamw_serial(p, g, m, v, k);
     }
-    let c = elem_chunk(n);
-    p.par_chunks_mut(c)
-        .zip(g.par_chunks(c))
-        .zip(m.par_chunks_mut(c))
-        .zip(v.par_chunks_mut(c))
-        .for_each(|(((p, g), m), v)| adamw_serial(p, g, m, v, k));
 }

@@ -1,11 +1,23 @@
-//! The CUDA side of the runtime, as far as it goes today: finding the CUDA driver and a
-//! device ([`probe`]) and compiling megac's CUDA kernels (`megac_kernels::cuda`) to PTX with
-//! NVRTC ([`compile_kernels`]). No plan executes on a GPU yet: `--device cuda` probes the
-//! device and then says so.
+//! The cuda backend: finding the CUDA driver and a device ([`probe`]), compiling megac's
+//! CUDA kernels (`megac_kernels::cuda`) to PTX with NVRTC ([`compile_kernels`]), and the
+//! executor of one rank's plan on a GPU, built from host-side pieces tested without one:
+//! [`slab`] (the device memory layout from the plan's buffer table), [`launch`] (launch
+//! configurations), [`gemm`] (the cuBLAS mapping of the row-major matmuls), [`nccl`] (the
+//! communicators of the plan's groups), [`lower`] (instructions to device operations), and
+//! [`device`] (the executor that issues them) with [`session`] (a single-rank training loop
+//! around it). None of it has run on a GPU yet.
 //!
 //! The libraries are loaded at run time (cudarc's dynamic loading), so this builds without a
 //! CUDA toolkit. cudarc panics when a library is missing, so every entry point checks
 //! `is_culib_present()` first and returns [`CudaError`] instead.
+
+pub mod device;
+pub mod gemm;
+pub mod launch;
+pub mod lower;
+pub mod nccl;
+pub mod session;
+pub mod slab;
 
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions};
 
@@ -25,6 +37,9 @@ pub enum CudaError {
     /// The driver loaded but reported an error (no device, a driver too old ...).
     #[error("CUDA driver: {0}")]
     Driver(String),
+    /// The plan needs something the cuda backend does not do yet.
+    #[error("{0}")]
+    Unsupported(String),
     /// NVRTC rejected a kernel file.
     #[error("NVRTC could not compile kernels/cuda/{file} for {arch}: {log}")]
     Compile {

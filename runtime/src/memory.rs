@@ -19,45 +19,28 @@ use megac_kernels::precision::{self, Half};
 
 use crate::error::RuntimeError;
 
-/// The arenas of one rank.
-pub struct Memory {
-    buffers: Vec<Buffer>,
-    /// Each buffer's byte offset in its arena for this rank (the plan's offset plus any
-    /// rank-dependent part, plus the chunk slot's start for pipeline activations).
-    offsets: Vec<u64>,
+/// Where rank `rank`'s buffers lie: each buffer's byte offset in its class's arena (the
+/// plan's offset plus any rank-dependent part, pipeline activations in their chunk's first
+/// slot) and each arena's size. The one computation of a rank's layout: the cpu backend's
+/// arenas ([`Memory::new`]) and the cuda backend's device slabs use it.
+#[derive(Clone, Debug)]
+pub struct RankLayout {
+    /// Byte offset of every buffer in its arena; `u64::MAX` for the buffers this rank does
+    /// not hold (another stage's, or one its role never touches).
+    pub offsets: Vec<u64>,
     /// Pipeline chunks: chunk -> (first slot's byte offset, bytes per slot, its buffers).
-    slots: BTreeMap<u32, (u64, u64, Vec<BufId>)>,
-    param: Vec<f32>,
-    grad: Vec<f32>,
-    opt: Vec<f32>,
-    act: Vec<f32>,
-    input: Vec<i32>,
-    /// The widened copies of the 16-bit operands of the kernel being run.
-    staging: UnsafeCell<Staging>,
+    pub slots: BTreeMap<u32, (u64, u64, Vec<BufId>)>,
+    /// Bytes each arena needs, indexed by [`BufferClass::index`].
+    pub arena_bytes: [u64; 5],
 }
 
-/// f32 copies of 16-bit buffers, made for one kernel call.
-struct Staging {
-    /// Sized once by `Memory::new` to the largest instruction's 16-bit operands.
-    scratch: Vec<f32>,
-    /// (buffer, start in `scratch`) of each staged buffer.
-    entries: Vec<(BufId, usize)>,
-}
-
-/// The 16-bit format of a dtype, if it is one.
-fn half_of(d: DType) -> Option<Half> {
-    match d {
-        DType::Bf16 => Some(Half::Bf16),
-        DType::F16 => Some(Half::F16),
-        _ => None,
-    }
-}
-
-impl Memory {
-    /// Allocate rank `rank`'s arenas of `plan` (zeroed) and check every buffer it holds lies
-    /// inside its arena. In a pipelined plan the rank holds only its stage's buffers, and each
-    /// of its chunks' activations once per slot.
-    pub fn new(plan: &megac_ir::gate::CheckedPlan, rank: usize) -> Result<Memory, RuntimeError> {
+impl RankLayout {
+    /// Lay out rank `rank`'s buffers of `plan`, checking that each lies inside its arena,
+    /// aligned to its element size, in a class that can hold its dtype.
+    pub fn new(
+        plan: &megac_ir::gate::CheckedPlan,
+        rank: usize,
+    ) -> Result<RankLayout, RuntimeError> {
         let plan: &Plan = plan;
         let stage = plan.mesh.coord(rank, megac_ir::Axis::Pp) as u32;
         let role = plan
@@ -169,8 +152,8 @@ impl Memory {
                 let held = offsets.get(b as usize).is_some_and(|&o| o != u64::MAX);
                 if !held {
                     return Err(RuntimeError::Plan(format!(
-                        "rank {rank} (pipeline stage {stage}) runs an instruction on buffer {b}, which it does not hold"
-                    )));
+                            "rank {rank} (pipeline stage {stage}) runs an instruction on buffer {b}, which it does not hold"
+                        )));
                 }
             }
         }
@@ -181,6 +164,60 @@ impl Memory {
                 need[BufferClass::Activation.index()],
             )));
         }
+        Ok(RankLayout {
+            offsets,
+            slots,
+            arena_bytes: need,
+        })
+    }
+}
+
+/// The arenas of one rank.
+pub struct Memory {
+    buffers: Vec<Buffer>,
+    /// Each buffer's byte offset in its arena for this rank (the plan's offset plus any
+    /// rank-dependent part, plus the chunk slot's start for pipeline activations).
+    offsets: Vec<u64>,
+    /// Pipeline chunks: chunk -> (first slot's byte offset, bytes per slot, its buffers).
+    slots: BTreeMap<u32, (u64, u64, Vec<BufId>)>,
+    param: Vec<f32>,
+    grad: Vec<f32>,
+    opt: Vec<f32>,
+    act: Vec<f32>,
+    input: Vec<i32>,
+    /// The widened copies of the 16-bit operands of the kernel being run.
+    staging: UnsafeCell<Staging>,
+}
+
+/// f32 copies of 16-bit buffers, made for one kernel call.
+struct Staging {
+    /// Sized once by `Memory::new` to the largest instruction's 16-bit operands.
+    scratch: Vec<f32>,
+    /// (buffer, start in `scratch`) of each staged buffer.
+    entries: Vec<(BufId, usize)>,
+}
+
+/// The 16-bit format of a dtype, if it is one.
+fn half_of(d: DType) -> Option<Half> {
+    match d {
+        DType::Bf16 => Some(Half::Bf16),
+        DType::F16 => Some(Half::F16),
+        _ => None,
+    }
+}
+
+impl Memory {
+    /// Allocate rank `rank`'s arenas of `plan` (zeroed) and check every buffer it holds lies
+    /// inside its arena. In a pipelined plan the rank holds only its stage's buffers, and each
+    /// of its chunks' activations once per slot.
+    pub fn new(plan: &megac_ir::gate::CheckedPlan, rank: usize) -> Result<Memory, RuntimeError> {
+        let RankLayout {
+            offsets,
+            slots,
+            arena_bytes: need,
+        } = RankLayout::new(plan, rank)?;
+        let plan: &Plan = plan;
+        let role = &plan.roles[plan.rank_to_role[rank] as usize];
         // Scratch for the widest instruction's 16-bit operands (each distinct buffer once).
         let scratch = plan.staging_elements(role);
         let words = |bytes: u64| bytes.div_ceil(4);
@@ -466,6 +503,21 @@ impl Memory {
             self.act.len() as u64 * 4,
             self.input.len() as u64 * 4,
         ]
+    }
+
+    /// The raw bytes of arena `class` (the cuda backend uploads them into its slabs).
+    pub fn arena_bytes(&self, class: BufferClass) -> &[u8] {
+        fn bytes<T>(v: &[T]) -> &[u8] {
+            // SAFETY: f32 and i32 arenas: plain 4-byte words, every byte initialised.
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+        }
+        match class {
+            BufferClass::Param => bytes(&self.param),
+            BufferClass::Grad => bytes(&self.grad),
+            BufferClass::OptState => bytes(&self.opt),
+            BufferClass::Activation => bytes(&self.act),
+            BufferClass::Input => bytes(&self.input),
+        }
     }
 }
 

@@ -12,14 +12,18 @@ use crate::RunArgs;
 const NO_MPI_ALTERNATIVE: &str =
     "without MPI, --comm local runs every rank of the plan as a thread of this process";
 
-/// `--device cuda`'s answer: what the CUDA probe found, and that no plan runs on a GPU yet.
+/// `--device cuda`'s answer: the first CUDA library or device that is missing, or that the
+/// command line does not drive the cuda executor yet.
 #[cfg(feature = "cuda")]
 fn no_cuda_backend() -> String {
-    match megac_runtime::cuda::probe(0) {
+    let found = megac_runtime::cuda::device::check_libraries(false)
+        .and_then(|()| megac_runtime::cuda::probe(0));
+    match found {
         Err(e) => format!("error: --device cuda: {e}"),
         Ok(d) => format!(
-            "error: --device cuda: found {} ({} device(s)), but executing plans on a GPU is not \
-             built yet (the kernels of kernels/cuda/ compile with NVRTC); use --device cpu",
+            "error: --device cuda: found {} ({} device(s)), but `megac run`/`train` do not drive \
+             the cuda executor yet (it has not run on a GPU; bench/gpu/check.sh runs it through \
+             tests/cuda.rs); use --device cpu",
             d.name, d.count
         ),
     }

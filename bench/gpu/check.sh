@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The device check of the cuda backend (issue 14), for a machine lent with an NVIDIA GPU,
+# its driver and the CUDA 13 Python wheels (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl).
+# NOT RUN ON HARDWARE YET: no GPU was available when it was written.
+#
+# It runs tests/cuda.rs's GPU tests (the `--device cuda` command line does not drive the
+# cuda executor yet):
+#   - every_kernel_loads_on_the_device: NVRTC compiles every kernel of kernels/cuda/ for the
+#     device's architecture and the driver loads each one;
+#   - cuda_training_matches_the_cpu_backend: MEGAC_GPU_STEPS (20) steps of llama-tiny and
+#     gpt-tiny (fp32) and llama-tiny (bf16) on the cuda executor and on the cpu backend, same
+#     plan, data and initial parameters; prints both losses per step, the worst relative
+#     difference, the device allocation against cudaMemGetInfo, and the GPU's step time.
+# Figures go to $OUT (default /tmp/megac-gpu-check): gpu.txt, check.log, figures.txt.
+#
+#   bash bench/gpu/check.sh                       # builds the test binary with cargo
+#   MEGAC_CUDA_TEST_BIN=path/to/cuda-HASH bash bench/gpu/check.sh   # a binary built elsewhere
+#     (cargo test --release --test cuda --no-run prints its path)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/megac-gpu-check}
+mkdir -p "$OUT"
+
+# CUDA 13 libraries from the Python wheels (cudarc opens libnvrtc.so.13, libcublas.so.13,
+# libnccl.so, libcuda.so.1).
+libs=$(mktemp -d)
+dirs=$(python3 - <<'PY' 2>/dev/null || true
+import glob, os
+try:
+    import nvidia
+    roots = list(nvidia.__path__)
+except Exception:
+    roots = []
+seen = []
+for r in roots:
+    for d in glob.glob(os.path.join(r, "**", "lib"), recursive=True):
+        if d not in seen:
+            seen.append(d)
+print(":".join(seen))
+PY
+)
+nccl=$(find ${dirs//:/ } -name 'libnccl.so.2' 2>/dev/null | head -1 || true)
+if [ -n "$nccl" ]; then ln -sf "$nccl" "$libs/libnccl.so"; fi
+export LD_LIBRARY_PATH="$libs${dirs:+:$dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/gpu.txt" || true
+
+bin=${MEGAC_CUDA_TEST_BIN:-}
+if [ -z "$bin" ]; then
+    if ! command -v cargo >/dev/null; then
+        echo "error: no cargo here; build the test binary elsewhere (cargo test --release --test cuda --no-run) and set MEGAC_CUDA_TEST_BIN" >&2
+        exit 1
+    fi
+    bin=$(cargo test --release --test cuda --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])' | tail -1)
+fi
+echo "test binary: $bin" | tee -a "$OUT/gpu.txt"
+
+start=$(date +%s)
+status=0
+MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 420 "$bin" \
+    --include-ignored --nocapture --test-threads 1 \
+    every_kernel_loads_on_the_device cuda_training_matches_the_cpu_backend \
+    2>&1 | tee "$OUT/check.log" || status=$?
+end=$(date +%s)
+{
+    grep -E 'kernels loaded|device allocation|worst relative|test result|panicked' "$OUT/check.log" || true
+    echo "wall: $((end - start)) s, exit status $status"
+} | tee "$OUT/figures.txt"
+exit "$status"

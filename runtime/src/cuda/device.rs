@@ -1,0 +1,542 @@
+//! The cuda executor: runs one rank's lowered programs ([`super::lower`]) on a GPU. It owns
+//! the CUDA context and stream, the one device allocation ([`super::slab::SlabLayout`]),
+//! the kernels compiled by NVRTC and loaded by the driver, and a cuBLAS handle; every
+//! decision (which kernel, launch shape, GEMM arguments, staging) was made by the tested
+//! host-side lowering, so this only resolves addresses and issues calls.
+//!
+//! Not run on a GPU yet (no machine was available); without a driver it is never reached:
+//! [`check_libraries`] fails first with the library names it looked for. Multi-rank plans
+//! need the NCCL bootstrap over MPI ([`super::nccl`] describes it), which is not built:
+//! [`CudaExecutor::new`] refuses them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use megac_ir::gate::CheckedPlan;
+use megac_ir::plan::{BufId, BufferClass, Plan};
+
+use super::gemm::Operand;
+use super::lower::{self, Arg, DeviceOp, Lowered};
+use super::slab::SlabLayout;
+use super::CudaError;
+use crate::exec::StepContext;
+use crate::memory::Memory;
+
+/// Check, before any call into them, that the CUDA driver, NVRTC and cuBLAS (and NCCL when
+/// `nccl`) can be loaded; cudarc panics on a missing library, so this is the only way to a
+/// clear error.
+pub fn check_libraries(nccl: bool) -> Result<(), CudaError> {
+    // SAFETY: each only tries to open its library.
+    let present = [
+        ("CUDA driver", "cuda", unsafe { cudarc::driver::sys::is_culib_present() }, "install the NVIDIA driver (libcuda.so.1), or run with --device cpu"),
+        ("NVRTC", "nvrtc", unsafe { cudarc::nvrtc::sys::is_culib_present() }, "pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH"),
+        ("cuBLAS", "cublas", unsafe { cublas_sys::is_culib_present() }, "pip install nvidia-cublas (CUDA 13) and put its lib folder on LD_LIBRARY_PATH"),
+        ("NCCL", "nccl", !nccl || unsafe { cudarc::nccl::sys::is_culib_present() }, "pip install nvidia-nccl-cu13 and link libnccl.so -> libnccl.so.2 in a folder on LD_LIBRARY_PATH"),
+    ];
+    for (what, name, ok, hint) in present {
+        if !ok {
+            return Err(CudaError::Missing {
+                what,
+                looked_for: super::candidates(name),
+                hint,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn driver(e: cudarc::driver::DriverError) -> CudaError {
+    CudaError::Driver(e.to_string())
+}
+
+fn cublas(e: cudarc::cublas::result::CublasError) -> CudaError {
+    CudaError::Driver(format!("cuBLAS: {e:?}"))
+}
+
+/// Which program to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Program {
+    /// Forward and backward of one micro-batch.
+    Microbatch,
+    /// The optimizer step.
+    Optimizer,
+}
+
+/// A resolved kernel argument.
+enum Val {
+    U64(u64),
+    U32(u32),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+}
+
+/// One rank's GPU state.
+pub struct CudaExecutor {
+    plan: Plan,
+    stream: Arc<CudaStream>,
+    // Kept alive for the stream, the allocation and the functions.
+    _ctx: Arc<CudaContext>,
+    functions: HashMap<&'static str, CudaFunction>,
+    handle: cublas_sys::cublasHandle_t,
+    alloc: CudaSlice<u8>,
+    slab: SlabLayout,
+    lowered: Lowered,
+    staging: Vec<(BufId, u64)>,
+    norm_cache: Option<(BufId, f32)>,
+}
+
+impl CudaExecutor {
+    /// Set up rank `rank` of `plan` on device `ordinal`: check the libraries, lower the
+    /// role, allocate its slabs once, upload the constant tables, compile and load the
+    /// kernels, make a cuBLAS handle on the stream.
+    pub fn new(plan: &CheckedPlan, rank: usize, ordinal: usize) -> Result<Self, CudaError> {
+        let world = plan.mesh.world_size();
+        check_libraries(world > 1)?;
+        if world > 1 {
+            return Err(CudaError::Unsupported(format!(
+                "a plan of {world} ranks needs NCCL communicators bootstrapped over MPI, which \
+                 the cuda backend does not build yet; run it with --device cpu"
+            )));
+        }
+        let lowered =
+            lower::lower_role(plan, rank).map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        let slab = SlabLayout::new(
+            plan,
+            rank,
+            lowered.workspace_bytes + lowered.constants.len() as u64,
+        )
+        .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        super::probe(ordinal)?;
+        let ctx = CudaContext::new(ordinal).map_err(driver)?;
+        let stream = ctx.default_stream();
+        let alloc = stream
+            .alloc_zeros::<u8>(slab.total_bytes.max(1) as usize)
+            .map_err(driver)?;
+        let (major, minor) = ctx.compute_capability().map_err(driver)?;
+        let arch = super::arch_for(major, minor);
+        let mut functions = HashMap::new();
+        for c in super::compile_kernels(arch)? {
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(c.ptx))
+                .map_err(driver)?;
+            for &k in c.kernels {
+                let f = module
+                    .load_function(k)
+                    .map_err(|e| CudaError::Driver(format!("{}: {k}: {e}", c.file)))?;
+                functions.insert(k, f);
+            }
+        }
+        let handle = cudarc::cublas::result::create_handle().map_err(cublas)?;
+        // SAFETY: a live handle and this context's stream.
+        unsafe {
+            cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _).map_err(cublas)?;
+        }
+        let exec = CudaExecutor {
+            plan: (**plan).clone(),
+            stream,
+            _ctx: ctx,
+            functions,
+            handle,
+            alloc,
+            slab,
+            lowered,
+            staging: Vec::new(),
+            norm_cache: None,
+        };
+        let constants = exec.lowered.constants.clone();
+        if !constants.is_empty() {
+            let at = exec.constants_base();
+            // SAFETY: the constants region lies inside the allocation (SlabLayout sized it).
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(at, &constants, exec.stream.cu_stream())
+                    .map_err(driver)?;
+            }
+        }
+        Ok(exec)
+    }
+
+    /// Bytes of the device allocation.
+    pub fn device_bytes(&self) -> u64 {
+        self.slab.total_bytes
+    }
+
+    fn base(&self) -> u64 {
+        let (ptr, _sync) = self.alloc.device_ptr(&self.stream);
+        ptr
+    }
+
+    fn workspace_base(&self) -> u64 {
+        self.base() + self.slab.workspace.start
+    }
+
+    fn constants_base(&self) -> u64 {
+        self.workspace_base() + self.lowered.workspace_bytes
+    }
+
+    /// The storage address of buffer `b`.
+    fn raw(&self, b: BufId) -> Result<u64, CudaError> {
+        self.slab
+            .offset(b)
+            .map(|o| self.base() + o)
+            .ok_or_else(|| CudaError::Unsupported(format!("buffer {b} is not held by this rank")))
+    }
+
+    /// The f32 view of buffer `b`: its staged copy if the current instruction staged it.
+    fn f32_addr(&self, b: BufId) -> Result<u64, CudaError> {
+        match self.staging.iter().find(|(id, _)| *id == b) {
+            Some(&(_, at)) => Ok(self.base() + self.slab.staging.start + at * 4),
+            None => self.raw(b),
+        }
+    }
+
+    fn operand(&self, o: Operand, ins: &[BufId], outs: &[BufId]) -> Result<u64, CudaError> {
+        match o {
+            Operand::Input(i) => self.f32_addr(ins[i]),
+            Operand::Output(i) => self.f32_addr(outs[i]),
+            Operand::Workspace(e) => Ok(self.workspace_base() + e as u64 * 4),
+        }
+    }
+
+    fn resolve(&self, a: &Arg, ctx: &StepContext) -> Result<Val, CudaError> {
+        Ok(match a {
+            Arg::Buf(b) => Val::U64(self.f32_addr(*b)?),
+            Arg::Raw(b) => Val::U64(self.raw(*b)?),
+            Arg::Work(o) => Val::U64(self.workspace_base() + o),
+            Arg::Const(o) => Val::U64(self.constants_base() + o),
+            Arg::Null => Val::U64(0),
+            Arg::U32(x) => Val::U32(*x),
+            Arg::U64(x) => Val::U64(*x),
+            Arg::I32(x) => Val::I32(*x),
+            Arg::I64(x) => Val::I64(*x),
+            Arg::F32(x) => Val::F32(*x),
+            Arg::F64(x) => Val::F64(*x),
+            Arg::LossGradScale => {
+                Val::F32((ctx.loss_scale / self.plan.batch.tokens_per_step as f64) as f32)
+            }
+            Arg::LossScale => Val::F64(ctx.loss_scale),
+        })
+    }
+
+    fn launch(&self, name: &str, l: super::launch::Launch, vals: &[Val]) -> Result<(), CudaError> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| CudaError::Driver(format!("kernel {name} was not loaded")))?;
+        let mut b = self.stream.launch_builder(f);
+        for v in vals {
+            match v {
+                Val::U64(x) => b.arg(x),
+                Val::U32(x) => b.arg(x),
+                Val::I32(x) => b.arg(x),
+                Val::I64(x) => b.arg(x),
+                Val::F32(x) => b.arg(x),
+                Val::F64(x) => b.arg(x),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: l.grid,
+            block_dim: (l.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the lowering gave the kernel its declared parameters in order, with
+        // addresses inside the allocation (the slab layout holds every buffer the role
+        // touches, the workspace and constants are sized by the lowering).
+        unsafe { b.launch(cfg) }.map_err(driver)?;
+        Ok(())
+    }
+
+    /// Run `program` (issued on the stream; returns after the last op is issued).
+    pub fn run(&mut self, program: Program, ctx: &StepContext) -> Result<(), CudaError> {
+        let ops = match program {
+            Program::Microbatch => std::mem::take(&mut self.lowered.microbatch),
+            Program::Optimizer => std::mem::take(&mut self.lowered.optimizer),
+        };
+        self.norm_cache = None;
+        let out = ops.iter().try_for_each(|op| self.issue(op, ctx));
+        match program {
+            Program::Microbatch => self.lowered.microbatch = ops,
+            Program::Optimizer => self.lowered.optimizer = ops,
+        }
+        out
+    }
+
+    fn issue(&mut self, op: &DeviceOp, ctx: &StepContext) -> Result<(), CudaError> {
+        let s = self.stream.cu_stream();
+        match op {
+            DeviceOp::Stage(entries) => self.staging = entries.clone(),
+            DeviceOp::Kernel { name, launch, args } => {
+                let vals = args
+                    .iter()
+                    .map(|a| self.resolve(a, ctx))
+                    .collect::<Result<Vec<_>, _>>()?;
+                self.launch(name, *launch, &vals)?;
+            }
+            DeviceOp::Gemm {
+                call,
+                inputs,
+                outputs,
+            } => {
+                let a = self.operand(call.a.0, inputs, outputs)? + call.a.1 as u64 * 4;
+                let b = self.operand(call.b.0, inputs, outputs)? + call.b.1 as u64 * 4;
+                let c = self.operand(call.c.0, inputs, outputs)? + call.c.1 as u64 * 4;
+                let op = |t: bool| {
+                    if t {
+                        cublas_sys::cublasOperation_t::CUBLAS_OP_T
+                    } else {
+                        cublas_sys::cublasOperation_t::CUBLAS_OP_N
+                    }
+                };
+                let f32t = cublas_sys::cudaDataType::CUDA_R_32F;
+                let (alpha, beta) = (call.alpha, call.beta);
+                // SAFETY: addresses inside the allocation; `GemmCall::valid` holds for every
+                // mapping (tested); host scalars outlive the call.
+                unsafe {
+                    cudarc::cublas::result::gemm_strided_batched_ex(
+                        self.handle,
+                        op(call.transa),
+                        op(call.transb),
+                        call.m as i32,
+                        call.n as i32,
+                        call.k as i32,
+                        (&alpha as *const f32).cast(),
+                        a as *const _,
+                        f32t,
+                        call.lda as i32,
+                        call.strides.0 as i64,
+                        b as *const _,
+                        f32t,
+                        call.ldb as i32,
+                        call.strides.1 as i64,
+                        (&beta as *const f32).cast(),
+                        c as *mut _,
+                        f32t,
+                        call.ldc as i32,
+                        call.strides.2 as i64,
+                        call.batch as i32,
+                        cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                    .map_err(cublas)?;
+                }
+            }
+            DeviceOp::Zero(b) => {
+                let buf = &self.plan.buffers[*b as usize];
+                let bytes = (buf.len() * buf.dtype.size_bytes()) as usize;
+                let at = self.raw(*b)?;
+                // SAFETY: the buffer's storage lies inside the allocation.
+                unsafe { cudarc::driver::result::memset_d8_async(at, 0, bytes, s) }
+                    .map_err(driver)?;
+            }
+            DeviceOp::ZeroWork { offset, bytes } => {
+                let at = self.workspace_base() + offset;
+                // SAFETY: inside the workspace the lowering sized.
+                unsafe { cudarc::driver::result::memset_d8_async(at, 0, *bytes as usize, s) }
+                    .map_err(driver)?;
+            }
+            DeviceOp::Copy { dst, src, bytes } => {
+                let (Val::U64(d), Val::U64(f)) = (self.resolve(dst, ctx)?, self.resolve(src, ctx)?)
+                else {
+                    return Err(CudaError::Driver("a copy between non-addresses".into()));
+                };
+                // SAFETY: both ranges lie inside the allocation.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(d, f, *bytes as usize, s) }
+                    .map_err(driver)?;
+            }
+            // One rank (the only kind `new` accepts): every group is this rank alone, so an
+            // all-reduce is the identity and a gather or scatter a copy.
+            DeviceOp::AllReduce { .. } => {}
+            DeviceOp::AllGather {
+                send, recv, count, ..
+            }
+            | DeviceOp::ReduceScatter {
+                send, recv, count, ..
+            } => {
+                if send != recv {
+                    self.issue(
+                        &DeviceOp::Copy {
+                            dst: recv.clone(),
+                            src: send.clone(),
+                            bytes: count * 4,
+                        },
+                        ctx,
+                    )?;
+                }
+            }
+            DeviceOp::AdamW {
+                p,
+                g,
+                m,
+                v,
+                n,
+                norm,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                max_norm,
+                working,
+            } => {
+                let value = match self.norm_cache {
+                    Some((b, x)) if b == *norm => x,
+                    _ => {
+                        let mut x = [0f32];
+                        // SAFETY: a 4-byte f32 buffer inside the allocation.
+                        unsafe {
+                            cudarc::driver::result::memcpy_dtoh_async(&mut x, self.raw(*norm)?, s)
+                                .map_err(driver)?;
+                        }
+                        self.stream.synchronize().map_err(driver)?;
+                        self.norm_cache = Some((*norm, x[0]));
+                        x[0]
+                    }
+                };
+                if !value.is_finite() {
+                    return Ok(());
+                }
+                let mut clip = (1.0 / ctx.loss_scale) as f32;
+                if *max_norm > 0.0 {
+                    let coef = max_norm / (value + 1e-6);
+                    if coef < 1.0 {
+                        clip *= coef;
+                    }
+                }
+                let k = megac_kernels::step_scalars(
+                    &megac_kernels::AdamW {
+                        lr: ctx.lr as f32,
+                        beta1: *beta1,
+                        beta2: *beta2,
+                        eps: *eps,
+                        weight_decay: *weight_decay,
+                    },
+                    ctx.step,
+                );
+                let vals = [
+                    Val::U64(self.raw(*p)?),
+                    Val::U64(self.raw(*g)?),
+                    Val::U64(self.raw(*m)?),
+                    Val::U64(self.raw(*v)?),
+                    Val::U64(*n),
+                    Val::F32(clip),
+                    Val::F32(if k.apply_decay { k.decay } else { 1.0 }),
+                    Val::F32(k.w1),
+                    Val::I32(k.w1_small as i32),
+                    Val::F32(k.w2),
+                    Val::F32(k.beta2),
+                    Val::F32(k.bc2_sqrt),
+                    Val::F32(k.eps),
+                    Val::F32(k.neg_step_size),
+                ];
+                let l = super::launch::elementwise(*n)
+                    .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+                self.launch("adamw_step", l, &vals)?;
+                if let Some((w, half)) = working {
+                    let name = match half {
+                        megac_kernels::Half::Bf16 => "cast_f32_to_bf16",
+                        megac_kernels::Half::F16 => "cast_f32_to_f16",
+                    };
+                    let vals = [
+                        Val::U64(self.raw(*p)?),
+                        Val::U64(self.raw(*w)?),
+                        Val::U64(*n),
+                    ];
+                    self.launch(name, l, &vals)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy every arena of the host memory `mem` (initialised parameters, zeroed state)
+    /// into the slabs.
+    pub fn upload(&self, mem: &Memory) -> Result<(), CudaError> {
+        for class in [
+            BufferClass::Param,
+            BufferClass::Grad,
+            BufferClass::OptState,
+            BufferClass::Activation,
+            BufferClass::Input,
+        ] {
+            let host = mem.arena_bytes(class);
+            let region = self.slab.slabs[class.index()];
+            let n = host.len().min(region.bytes as usize);
+            if n > 0 {
+                // SAFETY: `n` bytes fit the slab (the same layout sized both).
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        self.base() + region.start,
+                        &host[..n],
+                        self.stream.cu_stream(),
+                    )
+                    .map_err(driver)?;
+                }
+            }
+        }
+        self.stream.synchronize().map_err(driver)
+    }
+
+    /// Zero buffer `b` if this rank holds it (the gradients at the start of a step).
+    pub fn zero(&mut self, b: BufId) -> Result<(), CudaError> {
+        if self.slab.offset(b).is_none() {
+            return Ok(());
+        }
+        let ctx = StepContext {
+            step: 1,
+            lr: 0.0,
+            microbatch: 0,
+            loss_scale: 1.0,
+        };
+        self.issue(&DeviceOp::Zero(b), &ctx)
+    }
+
+    /// Write i32 values into buffer `b` (token ids, labels).
+    pub fn write_i32(&self, b: BufId, values: &[i32]) -> Result<(), CudaError> {
+        // SAFETY: the buffer's storage lies inside the allocation, `values` fits it (the
+        // caller passes the buffer's own length).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                self.raw(b)?,
+                values,
+                self.stream.cu_stream(),
+            )
+            .map_err(driver)?;
+        }
+        Ok(())
+    }
+
+    /// Read the f32 buffer `b` (waits for the stream).
+    pub fn read_f32(&self, b: BufId) -> Result<Vec<f32>, CudaError> {
+        let n = self.plan.buffers[b as usize].len() as usize;
+        let mut out = vec![0f32; n];
+        // SAFETY: the buffer's storage lies inside the allocation.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut out,
+                self.raw(b)?,
+                self.stream.cu_stream(),
+            )
+            .map_err(driver)?;
+        }
+        self.stream.synchronize().map_err(driver)?;
+        Ok(out)
+    }
+
+    /// Free device memory as the driver reports it, and the total (cudaMemGetInfo).
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        self._ctx.mem_get_info().map_err(driver)
+    }
+}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `new` and is destroyed once.
+        unsafe {
+            let _ = cudarc::cublas::result::destroy_handle(self.handle);
+        }
+    }
+}
