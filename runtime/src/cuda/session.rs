@@ -39,9 +39,7 @@ impl<'p> CudaSession<'p> {
             .filter(|(_, b)| b.class == BufferClass::Grad)
             .map(|(i, _)| i as u32);
         for g in grads {
-            if let Some(op) = self.gpu_zero(g) {
-                op?;
-            }
+            self.gpu.zero(g)?;
         }
         let ctx = self.cpu.context(step);
         let mut loss = 0.0;
@@ -65,9 +63,5 @@ impl<'p> CudaSession<'p> {
             None => 0.0,
         };
         Ok((loss, norm))
-    }
-
-    fn gpu_zero(&mut self, b: u32) -> Option<Result<(), CudaError>> {
-        Some(self.gpu.zero(b))
     }
 }
