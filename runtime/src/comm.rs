@@ -80,6 +80,15 @@ pub trait Communicator: Send {
             self.rank()
         )))
     }
+    /// Wait until a message may have arrived for this rank or another rank's communication
+    /// may have changed what this one can do, at most about `timeout` (the dynamic
+    /// pipeline's idle wait; an early return is always allowed). The default sleeps for
+    /// `timeout` but at most 50 µs (a communicator that cannot be woken polls); the local
+    /// communicator wakes as soon as another rank sends or deposits.
+    fn wait_for_mail(&mut self, timeout: std::time::Duration) -> Result<(), RuntimeError> {
+        std::thread::sleep(timeout.min(std::time::Duration::from_micros(50)));
+        Ok(())
+    }
     /// The recording and injecting wrapper, when this communicator is one (`--trace`,
     /// `--inject`).
     fn scan(&mut self) -> Option<&mut crate::scan::ScanComm> {

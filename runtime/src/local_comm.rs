@@ -63,6 +63,8 @@ pub struct LocalComm {
     received: HashMap<usize, u64>,
     /// Set by [`run_ranks`], which reports the rank's outcome itself.
     managed: bool,
+    /// `State::mail_to` for this rank when [`Communicator::wait_for_mail`] last returned.
+    mail_seen: u64,
 }
 
 impl fmt::Debug for LocalComm {
@@ -86,6 +88,7 @@ impl LocalWorld {
                 deadlock: None,
                 groups: HashMap::new(),
                 mail: HashMap::new(),
+                mail_to: vec![0; n],
             }),
             changed: Condvar::new(),
         });
@@ -96,6 +99,7 @@ impl LocalWorld {
                 calls: HashMap::new(),
                 received: HashMap::new(),
                 managed: false,
+                mail_seen: 0,
             })
             .collect()
     }
@@ -310,6 +314,8 @@ struct State {
     groups: HashMap<Vec<usize>, HashMap<u64, Call>>,
     /// Mailboxes by (from, to, tag); untagged messages use [`UNTAGGED`].
     mail: HashMap<(usize, usize, u64), VecDeque<Vec<f32>>>,
+    /// Messages sent to each rank so far (for [`Communicator::wait_for_mail`]).
+    mail_to: Vec<u64>,
 }
 
 /// The rendezvous slot of one collective call on one group.
@@ -810,6 +816,27 @@ impl Communicator for LocalComm {
         Ok(st.mail.get(&(from, me, tag)).is_some_and(|q| !q.is_empty()))
     }
 
+    /// Returns at once when a message came for this rank since the last return; otherwise
+    /// waits for the world's next change (a send, a collective deposit, a rank finishing)
+    /// or `timeout`, whichever comes first.
+    fn wait_for_mail(&mut self, timeout: Duration) -> Result<(), RuntimeError> {
+        let me = self.rank;
+        let world = &*self.world;
+        let mut st = world.lock();
+        if let Some(message) = st.world_error() {
+            return Err(Self::plan(message));
+        }
+        if st.mail_to[me] == self.mail_seen {
+            st = world
+                .changed
+                .wait_timeout(st, timeout)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        self.mail_seen = st.mail_to[me];
+        Ok(())
+    }
+
     fn send_tagged(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), RuntimeError> {
         let n = self.world.size;
         if to >= n {
@@ -828,6 +855,7 @@ impl Communicator for LocalComm {
             .entry((self.rank, to, tag))
             .or_default()
             .push_back(message);
+        st.mail_to[to] += 1;
         drop(st);
         world.changed.notify_all();
         Ok(())

@@ -275,9 +275,15 @@ fn run_dynamic(
                 remaining -= 1;
             }
             None => {
+                // Nothing is ready: only another rank's send (or, with tp/cp peers, their
+                // deposit in the readiness reduction) can change that. The local
+                // communicator wakes on exactly those; others sleep briefly. Polling
+                // instead took the cores from the ranks that compute (bench/dpp_jitter.py).
                 idle_rounds += 1;
-                if idle_rounds > 10 {
-                    std::thread::sleep(std::time::Duration::from_micros(50));
+                if idle_rounds > 2 {
+                    session
+                        .comm
+                        .wait_for_mail(std::time::Duration::from_micros(500))?;
                 } else {
                     std::thread::yield_now();
                 }

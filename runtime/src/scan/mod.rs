@@ -631,6 +631,10 @@ impl Communicator for ScanComm {
         self.inner.probe_tagged(from, tag)
     }
 
+    fn wait_for_mail(&mut self, timeout: std::time::Duration) -> Result<(), RuntimeError> {
+        self.inner.wait_for_mail(timeout)
+    }
+
     fn scan(&mut self) -> Option<&mut ScanComm> {
         Some(self)
     }
