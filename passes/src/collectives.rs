@@ -34,7 +34,8 @@
 //! Boundary condition (Megatron's sequence parallelism): a whole activation with a sequence
 //! dim that one block passes to another (the residual stream and its gradient) is held on
 //! sequence shards: the producing block's root is its `slice`, the consuming block sees only
-//! the shards (and their `ag`).
+//! the shards (and their `ag`). A result no op reads (the last op of a recomputed layer) is
+//! a root too, held as its shards.
 //!
 //! The rules run to saturation (anything else is an error), and extraction picks the
 //! cheapest term under a cost model of bytes ([`CostModel`]): the bytes a collective moves
@@ -492,8 +493,12 @@ pub struct BlockPlacement {
     pub classes: usize,
     /// The extracted term, one e-class a line (`%k = node : layout`), the roots last.
     pub term: String,
-    /// All-reduces, all-gathers and reduce-scatters along the sequence in the extracted term.
+    /// All-reduces of activations (values with a sequence dim), all-gathers and
+    /// reduce-scatters along the sequence in the extracted term.
     pub all_reduces: usize,
+    /// All-reduces of sums over the tokens (weight gradients of token-wise ops on shards;
+    /// `shard` leaves them partial and the optimizer pass reduces them).
+    pub sum_all_reduces: usize,
     /// See `all_reduces`.
     pub all_gathers: usize,
     /// See `all_reduces`.
@@ -678,13 +683,16 @@ pub fn place(
                 class.insert(o, c);
             }
         }
-        // Roots: what leaves the block (a held activation as its shards).
+        // Roots: what leaves the block (a held activation as its shards), and results no op
+        // reads (a recomputed clone's last results), also held as their shards.
         let mut roots: Vec<Id> = Vec::new();
         for &i in ops {
             for &o in &g.ops[i].outputs {
-                if leaves_elsewhere(o) {
+                let dead = !outputs.contains(&o) && !readers.contains_key(&o);
+                if leaves_elsewhere(o) || dead {
                     let c = class[&o];
-                    let r = if boundary(o) {
+                    let (d, seq, _) = dist_of(g, o);
+                    let r = if boundary(o) || (dead && d == Dist::Whole && seq) {
                         eg.add(Coll::Slice(c))
                     } else {
                         c
@@ -738,7 +746,7 @@ pub fn place(
         // Walk the extracted term: number its classes in post-order, read each op's layout.
         let mut num: HashMap<Id, usize> = HashMap::new();
         let mut lines: Vec<String> = Vec::new();
-        let (mut ar, mut ag, mut rs) = (0, 0, 0);
+        let (mut ar, mut ag, mut rs, mut sums) = (0, 0, 0, 0);
         let mut stack: Vec<(Id, bool)> = roots.iter().rev().map(|&r| (r, false)).collect();
         while let Some((c, done)) = stack.pop() {
             if num.contains_key(&c) {
@@ -758,7 +766,11 @@ pub fn place(
             let arg = |ch: &Id| format!("%{}", num[&eg.find(*ch)]);
             let text = match node {
                 Coll::AllReduce(x) => {
-                    ar += 1;
+                    if eg[c].data.seq {
+                        ar += 1;
+                    } else {
+                        sums += 1;
+                    }
                     format!("ar({})", arg(x))
                 }
                 Coll::AllGather(x) => {
@@ -818,6 +830,7 @@ pub fn place(
             classes: eg.number_of_classes(),
             term,
             all_reduces: ar,
+            sum_all_reduces: sums,
             all_gathers: ag,
             reduce_scatters: rs,
             cost,
