@@ -247,6 +247,13 @@ fn rejects_a_send_moved_from_the_forward_to_the_backward() {
         "{err}"
     );
     assert!(err.contains("from rank 1"), "{err}");
+    // ... while stage 1 waits for stage 2's gradient: the wait-for graph's cycle.
+    assert!(err.contains("; wait-for cycle: rank 1 ("), "{err}");
+    assert!(
+        err.contains(" -> rank 2 (stage2 action #0 F chunk 2"),
+        "{err}"
+    );
+    assert!(err.ends_with(" -> rank 1"), "{err}");
 }
 
 #[test]

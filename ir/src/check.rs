@@ -27,7 +27,10 @@
 //! its group is at a collective on that group; they must agree on the op and the element
 //! count. If no rank can move while some have not finished, the plan deadlocks: the error
 //! lists every blocked rank with its instruction and its schedule position. When every rank
-//! has finished, every message must have been received. Because ranks are deterministic and
+//! has finished, every message must have been received. The error also names a cycle of the
+//! blocked ranks' wait-for graph (petgraph's strongly connected components: each rank waits
+//! for the sender of its receive or the members missing from its collective), rank by rank
+//! with its instruction, when the ranks wait on each other rather than on a finished one. Because ranks are deterministic and
 //! a receive names its peer and tag, the outcome does not depend on the order in which the
 //! simulation moves ranks: passing proves the absence of deadlock for every timing.
 //!
@@ -46,7 +49,10 @@
 //! or fbd, which transfers address. A 1,024-rank plan with 16 pipeline stages simulates 16
 //! ranks.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use petgraph::algo::tarjan_scc;
+use petgraph::graph::{DiGraph, NodeIndex};
 
 use crate::op::OpKind;
 use crate::plan::{Instr, PipeAction, PipeKind, Plan, Role};
@@ -931,10 +937,76 @@ impl<'p, 'a> Sim<'p, 'a> {
         } else {
             String::new()
         };
+        let cycle = match self.wait_for_cycle(blocked) {
+            Some(c) => {
+                let mut steps: Vec<String> = c
+                    .iter()
+                    .map(|&i| {
+                        let st = &self.ranks[i];
+                        format!("rank {} ({})", st.rank, self.position(i, st.pos))
+                    })
+                    .collect();
+                steps.push(format!("rank {}", self.ranks[c[0]].rank));
+                format!("; wait-for cycle: {}", steps.join(" -> "))
+            }
+            None => String::new(),
+        };
         format!(
-            "deadlock: no rank can proceed under blocking semantics; {}{more}",
+            "deadlock: no rank can proceed under blocking semantics; {}{more}{cycle}",
             lines.join("; ")
         )
+    }
+
+    /// A cycle of the blocked ranks' wait-for graph (an edge from a rank to each rank it
+    /// waits for: the sender of its receive, the members not yet at its collective), as
+    /// indices into `ranks`, from its lowest rank; `None` when the ranks wait on finished
+    /// ones instead.
+    fn wait_for_cycle(&self, blocked: &[usize]) -> Option<Vec<usize>> {
+        let mut g = DiGraph::<usize, ()>::new();
+        let node: HashMap<usize, NodeIndex> = blocked.iter().map(|&i| (i, g.add_node(i))).collect();
+        for &i in blocked {
+            let targets: Vec<usize> = match self.ranks[i].wait {
+                Wait::Recv((src, ..)) => self
+                    .index
+                    .get(src)
+                    .copied()
+                    .filter(|&p| p != usize::MAX)
+                    .into_iter()
+                    .collect(),
+                Wait::Coll(gi) => self.groups[gi as usize]
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|&m| self.ranks[m].wait != Wait::Coll(gi))
+                    .collect(),
+                Wait::Running | Wait::Done => Vec::new(),
+            };
+            for t in targets {
+                if let Some(&n) = node.get(&t) {
+                    g.update_edge(node[&i], n, ());
+                }
+            }
+        }
+        let scc = tarjan_scc(&g)
+            .into_iter()
+            .filter(|c| c.len() > 1 || g.contains_edge(c[0], c[0]))
+            .min_by_key(|c| c.iter().map(|&n| g[n]).min())?;
+        let inside: HashSet<NodeIndex> = scc.iter().copied().collect();
+        let start = *scc.iter().min_by_key(|&&n| g[n])?;
+        let (mut path, mut seen) = (vec![start], HashMap::from([(start, 0usize)]));
+        let mut cur = start;
+        loop {
+            let next = g
+                .neighbors(cur)
+                .filter(|n| inside.contains(n))
+                .min_by_key(|&n| g[n])?;
+            if let Some(&k) = seen.get(&next) {
+                return Some(path[k..].iter().map(|&n| g[n]).collect());
+            }
+            seen.insert(next, path.len());
+            path.push(next);
+            cur = next;
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The verifier: structural invariants every pass must keep.
 //!
 //! - every value is defined exactly once, and an op's results point back at it;
-//! - every operand is defined before the op that uses it, and the def-use graph has no cycle;
+//! - every operand is defined before the op that uses it (so the def-use graph has no cycle);
 //! - every recorded type equals what shape inference derives from the operands;
 //! - layouts cover each dim, dim names are unique within a type, parameter names are unique;
 //! - every op has a provenance path, and every graph output exists.
@@ -12,9 +12,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-
-use petgraph::algo::tarjan_scc;
-use petgraph::graph::DiGraph;
 
 use crate::graph::{Graph, Op, OpId, ValueDef, ValueId};
 use crate::infer::infer_types;
@@ -156,12 +153,6 @@ pub enum VerifyError {
         /// What the graph records, as printed.
         found: String,
     },
-    /// The def-use graph has a cycle through these ops (ascending).
-    #[error("cycle through op {}", ops.iter().map(|o| o.0.to_string()).collect::<Vec<_>>().join(", op "))]
-    Cycle {
-        /// Every op of the cycle's strongly connected component.
-        ops: Vec<OpId>,
-    },
     /// A graph output names a value that does not exist or is never defined.
     #[error("output \"{name}\" refers to undefined %{}", value.0)]
     UndefinedOutput {
@@ -238,11 +229,6 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
         }
     }
 
-    let mut deps = DiGraph::<OpId, ()>::new();
-    let nodes: Vec<_> = (0..graph.ops.len())
-        .map(|i| deps.add_node(OpId(i as u32)))
-        .collect();
-    let mut producer = vec![None; n_values];
     for (i, op) in graph.ops.iter().enumerate() {
         let here = || OpRef::of(i, op);
         if op.path.is_empty() {
@@ -261,9 +247,6 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
                 continue;
             }
             sound &= !bad_type[vi];
-            if let Some(p) = producer[vi] {
-                deps.add_edge(nodes[p], nodes[i], ());
-            }
         }
         for (k, &v) in op.outputs.iter().enumerate() {
             let vi = v.0 as usize;
@@ -284,18 +267,9 @@ pub fn verify(graph: &Graph) -> Result<(), VerifyErrors> {
                 continue;
             }
             defined[vi] = true;
-            producer[vi] = Some(i);
         }
         if sound {
             check_op_types(graph, i, op, &mut errors);
-        }
-    }
-    for scc in tarjan_scc(&deps) {
-        let self_loop = scc.len() == 1 && deps.contains_edge(scc[0], scc[0]);
-        if scc.len() > 1 || self_loop {
-            let mut ops: Vec<OpId> = scc.iter().map(|&n| deps[n]).collect();
-            ops.sort();
-            errors.push(VerifyError::Cycle { ops });
         }
     }
     for (name, v) in &graph.outputs {

@@ -64,6 +64,12 @@ fn collectives_waiting_in_a_cycle_of_groups_deadlock() {
     ] {
         assert!(err.contains(line), "{line}\n{err}");
     }
+    // The wait-for graph's cycle, from the lowest rank, each with its instruction.
+    let cycle = "wait-for cycle: rank 0 (a microbatch[0] all_reduce of 4 elements, ar.tp) \
+                 -> rank 1 (b microbatch[0] all_reduce of 8 elements, ar.dp) \
+                 -> rank 3 (a microbatch[0] all_reduce of 4 elements, ar.tp) \
+                 -> rank 2 (b microbatch[0] all_reduce of 8 elements, ar.dp) -> rank 0";
+    assert!(err.contains(cycle), "{cycle}\n{err}");
 
     // The same two orders where the dp groups share one order: everything meets.
     let p = plan(

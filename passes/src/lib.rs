@@ -37,6 +37,10 @@ pub enum PassError {
     /// Differentiation or the optimizer could not be generated.
     #[error("autodiff: {0}")]
     Autodiff(String),
+    /// The collective rewrites found no placement (they did not saturate, or no valid
+    /// term was extracted).
+    #[error("collective placement: {0}")]
+    Collectives(String),
     /// A graph pass ran on a module without a graph (the build pass has not run).
     #[error("no graph: run the build pass first")]
     NoGraph,

@@ -44,7 +44,7 @@ use std::collections::HashMap;
 use megac_ir::spec::{Arch, ModelSpec};
 use megac_ir::{Axis, Graph, Layout, OpKind, ValueDef, ValueId, WeightLayout};
 
-use crate::PassError;
+use crate::{collectives, PassError};
 
 /// Where a value stands with respect to the tensor-parallel axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,21 +58,64 @@ enum Tp {
 }
 
 /// Annotate `g` with the layouts of `spec`'s parallel layout, inserting collectives.
+///
+/// With sequence parallelism, the graph is first laid out with tensor parallelism alone;
+/// the collective rewrites ([`crate::collectives`]) run over that layout block by block, and
+/// every token-wise op then runs on sequence shards or whole as the extracted term says.
 pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
     let p = &spec.parallel;
     if p.dp == 1 && p.tp == 1 && p.cp == 1 {
         return Ok(());
     }
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
-    // Sequence parallelism: the collective rewrites decide where a layer's collectives go;
-    // when they put norms and residual adds on sequence shards with no all-reduce left,
-    // every layer gets that placement.
-    let sp = p.tp > 1 && p.sequence_parallel && {
-        let placement = crate::collectives::sequence_parallel_placement(p.tp);
-        placement.norms_on_shards && placement.all_reduces == 0
+    let sp = p.tp > 1 && p.sequence_parallel;
+    let placed = if sp {
+        Some(placement_with(&old, spec, &collectives::rules())?.on_shards)
+    } else {
+        None
     };
+    lay_out(g, &old, spec, sp, placed)?;
+    Ok(())
+}
+
+/// The collective placement the rewrites find for `g` (the graph before `shard`) under
+/// `spec`'s tensor parallelism, with sequence parallelism.
+pub fn sequence_parallel_placement(
+    g: &Graph,
+    spec: &ModelSpec,
+) -> Result<collectives::Placement, PassError> {
+    placement_with(g, spec, &collectives::rules())
+}
+
+/// [`sequence_parallel_placement`] with the given rewrites (tests remove one).
+pub fn placement_with(
+    g: &Graph,
+    spec: &ModelSpec,
+    rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
+) -> Result<collectives::Placement, PassError> {
+    let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
+    let tags = lay_out(&mut tp_only, g, spec, true, None)?;
+    collectives::place(&tp_only, &tags, spec.parallel.tp, rules).map_err(PassError::Collectives)
+}
+
+/// Lay `old` out into `g`. `sp`: sequence parallelism, with `placed` saying which
+/// token-wise ops run on sequence shards (none when `None`). Returns, for each op of `g`
+/// emitted for an op of `old` (not a conversion), (that op, which of its emitted ops).
+fn lay_out(
+    g: &mut Graph,
+    old: &Graph,
+    spec: &ModelSpec,
+    sp: bool,
+    placed: Option<HashMap<(usize, usize), bool>>,
+) -> Result<HashMap<usize, (usize, usize)>, PassError> {
+    let p = &spec.parallel;
     let mut s = Sharder {
         g,
+        placed,
+        cur: 0,
+        sub: 0,
+        converting: false,
+        tags: HashMap::new(),
         tp: p.tp > 1,
         dp: p.dp > 1,
         cp: p.cp > 1,
@@ -121,6 +164,8 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
             }
             ValueDef::Op(op_id, 0) => {
                 let op = &old.ops[op_id.0 as usize];
+                s.cur = op_id.0 as usize;
+                s.sub = 0;
                 let ins: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();
                 let outs = s.emit(&op.kind, ins, &op.path)?;
                 for (o, n) in op.outputs.iter().zip(outs) {
@@ -150,7 +195,7 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
             }
         }
     }
-    Ok(())
+    Ok(s.tags)
 }
 
 fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {
@@ -162,11 +207,21 @@ fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {
 
 struct Sharder<'a> {
     g: &'a mut Graph,
+    /// The extracted term's choice for each token-wise op: on sequence shards or whole.
+    placed: Option<HashMap<(usize, usize), bool>>,
+    /// The op of the input graph being emitted, and how many ops were emitted for it.
+    cur: usize,
+    sub: usize,
+    /// Inside a conversion (all-reduce, gather, slice, ...): its ops carry no tag.
+    converting: bool,
+    /// See [`lay_out`]'s result.
+    tags: HashMap<usize, (usize, usize)>,
     tp: bool,
     dp: bool,
     /// Context parallelism: the sequence is split over cp everywhere (load-balanced chunks).
     cp: bool,
-    /// Sequence parallelism: per-token ops run on sequence shards.
+    /// Sequence parallelism: token-wise ops run on sequence shards where the collective
+    /// rewrites placed them, the vocab-parallel embedding's output is reduce-scattered.
     sp: bool,
     arch: Arch,
     /// Values already made whole: each conversion is inserted once and reused.
@@ -322,6 +377,10 @@ impl Sharder<'_> {
                 l.partial.contains(&Axis::Cp) || l.shards.iter().any(|s| s.contains(&Axis::Cp))
             });
         let outs = self.g.add_op(kind, ins, path)?;
+        if !self.converting {
+            self.tags.insert(self.g.ops.len() - 1, (self.cur, self.sub));
+            self.sub += 1;
+        }
         for (k, &o) in outs.iter().enumerate() {
             let bd = batch_dim(self.g, o);
             let sd = self.seq_dim(o);
@@ -387,6 +446,13 @@ impl Sharder<'_> {
     }
 
     fn convert_whole_tp(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
+        let was = std::mem::replace(&mut self.converting, true);
+        let w = self.convert_whole_tp_inner(v, path);
+        self.converting = was;
+        w
+    }
+
+    fn convert_whole_tp_inner(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
         match self.tp_state(v) {
             Tp::R => Ok(v),
             Tp::P => self.op1(
@@ -414,6 +480,7 @@ impl Sharder<'_> {
         if let Some(&w) = self.head_slice_of.get(&v) {
             return Ok(w);
         }
+        let was = std::mem::replace(&mut self.converting, true);
         let w = self.op1(
             OpKind::Slice {
                 axes: vec![Axis::Tp],
@@ -422,7 +489,9 @@ impl Sharder<'_> {
             &[v],
             path,
             Tp::S(2),
-        )?;
+        );
+        self.converting = was;
+        let w = w?;
         self.head_slice_of.insert(v, w);
         Ok(w)
     }
@@ -443,15 +512,17 @@ impl Sharder<'_> {
         }
         let axes = vec![Axis::Tp];
         let dim = d as u64;
+        let was = std::mem::replace(&mut self.converting, true);
         let w = match self.tp_state(v) {
-            Tp::S(x) if x == d => v,
-            Tp::P => self.op1(OpKind::ReduceScatter { axes, dim }, &[v], path, Tp::S(d))?,
-            Tp::R => self.op1(OpKind::Slice { axes, dim }, &[v], path, Tp::S(d))?,
-            Tp::S(_) => {
-                let whole = self.whole(v, path)?;
-                self.op1(OpKind::Slice { axes, dim }, &[whole], path, Tp::S(d))?
-            }
+            Tp::S(x) if x == d => Ok(v),
+            Tp::P => self.op1(OpKind::ReduceScatter { axes, dim }, &[v], path, Tp::S(d)),
+            Tp::R => self.op1(OpKind::Slice { axes, dim }, &[v], path, Tp::S(d)),
+            Tp::S(_) => self
+                .whole(v, path)
+                .and_then(|whole| self.op1(OpKind::Slice { axes, dim }, &[whole], path, Tp::S(d))),
         };
+        self.converting = was;
+        let w = w?;
         self.seq_of.insert(v, w);
         Ok(w)
     }
@@ -481,6 +552,9 @@ impl Sharder<'_> {
         if !self.tp {
             let n = self.op(kind.clone(), &ins, path, &[])?;
             return Ok(n);
+        }
+        if collectives::token_wise(kind) && self.placed_on_shards() {
+            return self.emit_on_shards(kind, &ins, path);
         }
         match kind {
             OpKind::Embedding
@@ -514,11 +588,57 @@ impl Sharder<'_> {
             OpKind::Combine | OpKind::CombineGrad | OpKind::DispatchGrad { .. } => {
                 self.emit_moe(kind, &ins, path)
             }
-            OpKind::SigmoidMul | OpKind::SigmoidMulGrad => self.emit_row_scale(kind, &ins, path),
             // Everything else (position embeddings, the router, dispatch, collectives,
             // optimizer) runs on whole operands and gives whole results.
             _ => self.emit_whole(kind, &ins, path),
         }
+    }
+
+    /// Whether the extracted term runs the next op emitted for the current one on sequence
+    /// shards (never without sequence parallelism or before the rewrites ran).
+    fn placed_on_shards(&self) -> bool {
+        self.sp
+            && self
+                .placed
+                .as_ref()
+                .and_then(|p| p.get(&(self.cur, self.sub)))
+                .copied()
+                .unwrap_or(false)
+    }
+
+    /// A token-wise op ([`collectives::token_wise`]) on sequence shards, where the extracted
+    /// term put it: every operand with a sequence dim on shards (a partial sum
+    /// reduce-scattered, a whole value sliced), the others whole; results with a sequence
+    /// dim on shards, the others (sums over the tokens) partial sums.
+    fn emit_on_shards(
+        &mut self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<ValueId>, PassError> {
+        let mut args = Vec::with_capacity(ins.len());
+        for &x in ins {
+            args.push(match self.seq_dim(x) {
+                Some(_) => self.seq_shard(x, path)?,
+                None => self.whole(x, path)?,
+            });
+        }
+        let tys: Vec<&megac_ir::TensorType> = args.iter().map(|&x| self.g.ty(x)).collect();
+        let outs = megac_ir::infer::infer_types(kind, &tys).map_err(|message| {
+            PassError::Ir(megac_ir::IrError::Type {
+                op: kind.name().to_string(),
+                path: path.to_string(),
+                message,
+            })
+        })?;
+        let tp: Vec<Tp> = outs
+            .iter()
+            .map(|t| match t.dims.iter().position(|d| d.name == "s") {
+                Some(d) => Tp::S(d),
+                None => Tp::P,
+            })
+            .collect();
+        self.op(kind.clone(), &args, path, &tp)
     }
 
     /// The default rule: every operand made whole, whole results (correct for any op, but it
@@ -615,13 +735,11 @@ impl Sharder<'_> {
                     match ins.get(2) {
                         None => Ok(vec![partial]),
                         // The bias goes on after the partial sums are reduced: onto each
-                        // sequence shard with sequence parallelism (reduce-scattered, as
-                        // Megatron does), else onto the all-reduced whole.
-                        Some(&bias) if self.sp && self.seq_dim(partial).is_some() => {
-                            let x = self.seq_shard(partial, path)?;
-                            let b = self.whole(bias, path)?;
-                            let out = self.tp_state(x);
-                            self.op(OpKind::BiasAdd, &[x, b], path, &[out])
+                        // sequence shard where the rewrites placed the bias add there
+                        // (reduce-scattered, as Megatron does), else onto the all-reduced
+                        // whole.
+                        Some(&bias) if self.placed_on_shards() => {
+                            self.emit_on_shards(&OpKind::BiasAdd, &[partial, bias], path)
                         }
                         Some(&bias) => {
                             let whole = self.whole(partial, path)?;
@@ -680,12 +798,6 @@ impl Sharder<'_> {
     ) -> Result<Vec<ValueId>, PassError> {
         let k = kind.clone();
         if matches!(kind, OpKind::BiasAdd) {
-            if self.sp && self.seq_dim(ins[0]).is_some() {
-                let x = self.seq_shard(ins[0], path)?;
-                let b = self.whole(ins[1], path)?;
-                let out = self.tp_state(x);
-                return self.op(k, &[x, b], path, &[out]);
-            }
             let x = self.not_partial(ins[0], path)?;
             let out = self.tp_state(x);
             let b = if out == Tp::R {
@@ -695,10 +807,10 @@ impl Sharder<'_> {
             };
             return self.op(k, &[x, b], path, &[out]);
         }
-        if self.sp
-            && self
-                .seq_dim(ins[0])
-                .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
+        // The gradient of a bias added on sequence shards sums this rank's tokens.
+        if self
+            .seq_dim(ins[0])
+            .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
         {
             return self.op(k, ins, path, &[Tp::P]);
         }
@@ -802,9 +914,9 @@ impl Sharder<'_> {
     }
 
     /// Residual adds, gradient sums and the MLP's elementwise ops (SwiGLU, the GELU
-    /// gradient): on equal layouts (partial sums add up as partial sums), else whole. With
-    /// sequence parallelism adds and sums run on sequence shards, as the collective rewrites
-    /// placed them.
+    /// gradient): on equal layouts (partial sums add up as partial sums), else whole. (Adds
+    /// and sums the collective rewrites put on sequence shards are emitted by
+    /// [`Self::emit_on_shards`].)
     fn emit_elementwise(
         &mut self,
         kind: &OpKind,
@@ -813,30 +925,6 @@ impl Sharder<'_> {
     ) -> Result<Vec<ValueId>, PassError> {
         let k = kind.clone();
         let sums = matches!(kind, OpKind::Add | OpKind::GradSum);
-        if sums && self.sp && ins.iter().all(|&x| self.seq_dim(x).is_some()) {
-            // One operand already on sequence shards; or a partial sum plus a whole value (an
-            // MoE block's input gradient: the experts' contributions are partial over tp, the
-            // replicated router's whole), which adds up on sequence shards: the partial sum
-            // is reduce-scattered (the mirror of the forward all-gather), the whole value
-            // sliced.
-            let on_shards = ins.iter().any(|&x| {
-                self.seq_dim(x)
-                    .is_some_and(|d| self.tp_state(x) == Tp::S(d))
-            });
-            let partial_and_whole = ins.iter().any(|&x| self.tp_state(x) == Tp::P)
-                && ins.iter().any(|&x| self.tp_state(x) == Tp::R)
-                && ins
-                    .iter()
-                    .all(|&x| matches!(self.tp_state(x), Tp::P | Tp::R));
-            if on_shards || partial_and_whole {
-                let args: Vec<ValueId> = ins
-                    .iter()
-                    .map(|&x| self.seq_shard(x, path))
-                    .collect::<Result<_, _>>()?;
-                let out = self.tp_state(args[0]);
-                return self.op(k, &args, path, &[out]);
-            }
-        }
         let states: Vec<Tp> = ins.iter().map(|&x| self.tp_state(x)).collect();
         let n_out = if matches!(kind, OpKind::SwiGluGrad) {
             2
@@ -852,35 +940,9 @@ impl Sharder<'_> {
         }
     }
 
-    /// Qwen2-MoE's shared-expert gate (`sigmoid(gate[t]) · y[t, :]`) and its gradient: a
-    /// token's row scaled by that token's gate, so with sequence parallelism every operand
-    /// goes onto sequence shards (the shared expert's partial output reduce-scattered, as
-    /// the dense MLP's, the gate logits of the replicated `[1, h]` weight sliced) and so do
-    /// the results; otherwise whole.
-    fn emit_row_scale(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        if !(self.sp && ins.iter().all(|&x| self.seq_dim(x).is_some())) {
-            return self.emit_whole(kind, ins, path);
-        }
-        let args: Vec<ValueId> = ins
-            .iter()
-            .map(|&x| self.seq_shard(x, path))
-            .collect::<Result<_, _>>()?;
-        let out = self.tp_state(args[0]);
-        let n_out = if matches!(kind, OpKind::SigmoidMulGrad) {
-            2
-        } else {
-            1
-        };
-        self.op(kind.clone(), &args, path, &vec![out; n_out])
-    }
-
-    /// Norms and their gradients: on sequence shards with sequence parallelism (the weight
-    /// gradients then partial sums), else whole.
+    /// Norms and their gradients off sequence shards (where the collective rewrites put them
+    /// on shards, [`Self::emit_on_shards`] emits them): a per-head norm (qk-norm) split by
+    /// heads, else whole.
     fn emit_norm(
         &mut self,
         kind: &OpKind,
@@ -908,34 +970,7 @@ impl Sharder<'_> {
             }
             return self.emit_whole(kind, ins, path);
         }
-        if !self.sp {
-            return self.emit_whole(kind, ins, path);
-        }
-        match kind {
-            OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } => {
-                let x = self.seq_shard(ins[0], path)?;
-                let mut args = vec![x];
-                for &p in &ins[1..] {
-                    args.push(self.whole(p, path)?);
-                }
-                let out = self.tp_state(x);
-                self.op(k, &args, path, &[out])
-            }
-            _ => {
-                // On sequence shards: dx stays split, the weight gradients are partial sums.
-                let x = self.seq_shard(ins[0], path)?;
-                let w = self.whole(ins[1], path)?;
-                let dy = self.seq_shard(ins[2], path)?;
-                let n = if matches!(kind, OpKind::LayerNormGrad { .. }) {
-                    3
-                } else {
-                    2
-                };
-                let mut outs = vec![self.tp_state(x)];
-                outs.extend(std::iter::repeat_n(Tp::P, n - 1));
-                self.op(k, &[x, w, dy], path, &outs)
-            }
-        }
+        self.emit_whole(kind, ins, path)
     }
 
     /// The per-expert MoE ops under expert tensor parallelism: every expert's output is a
