@@ -982,7 +982,12 @@ fn train_rank(
             comm
         };
     let mut session = Session::with_source(plan, data.clone(), opts.init.as_deref(), comm)?;
-    session.perturber = crate::perturb::Perturber::new(plan, &opts.perturb, opts.perturb_seed)?;
+    session.perturber = crate::perturb::Perturber::new(
+        plan,
+        &opts.perturb,
+        opts.perturb_seed,
+        session.comm.rank(),
+    )?;
     session.eval_data = eval_data.cloned();
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);
