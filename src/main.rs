@@ -215,6 +215,10 @@ enum Command {
         /// (`role-<name>.mlir`, verified by MLIR; needs a build with the `mlir` feature).
         #[arg(long, value_enum, value_name = "FORMAT")]
         emit: Option<commands::compile::Emit>,
+        /// Compile an inference plan: the forward only (up to the loss), without gradients,
+        /// optimizer state or an optimizer program (docs/generate.md).
+        #[arg(long)]
+        inference: bool,
     },
     /// Print a plan's memory by class (parameters, gradients, optimizer state, activations) and
     /// FLOPs, or the whole plan as text (`--program`).
@@ -406,7 +410,21 @@ fn main() -> ExitCode {
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Scan(args) => commands::scan::run(&args),
         Command::Plan(args) => commands::plan::run(&args),
-        Command::Compile { model, out, emit } => commands::compile::run(&model, &out, emit),
+        Command::Compile {
+            model,
+            out,
+            emit,
+            inference,
+        } => commands::compile::run(
+            &model,
+            &out,
+            emit,
+            if inference {
+                megac_ir::plan::PlanKind::Inference
+            } else {
+                megac_ir::plan::PlanKind::Train
+            },
+        ),
         Command::Inspect {
             plan,
             json,

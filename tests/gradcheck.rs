@@ -59,7 +59,11 @@ fn check_sets(file: &str, recompute: &str, weight_scale: f32, eps: f32, extra: &
     let grads: Vec<Vec<f32>> = plan
         .params
         .iter()
-        .map(|p| s.mem.f32(p.grad).to_vec())
+        .map(|p| {
+            s.mem
+                .f32(p.grad.expect("a training plan's gradient"))
+                .to_vec()
+        })
         .collect();
     let mut worst = (0.0f64, String::new());
     for (p, g) in plan.params.iter().zip(&grads) {

@@ -18,7 +18,7 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Fixture `name`'s one-sample plan with `sets` (after micro and global batch 1).
+/// Fixture `name`'s one-sample inference plan with `sets` (after micro and global batch 1).
 fn plan(name: &str, sets: &[String]) -> CheckedPlan {
     let mut all = vec![
         "train.micro_batch=1".to_string(),
@@ -28,9 +28,12 @@ fn plan(name: &str, sets: &[String]) -> CheckedPlan {
     let spec = megac_frontend::load(&fixture(name).join("model.toml"), &all)
         .unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
-    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    // An inference plan, as `megac generate` compiles.
+    let module = megac_passes::run_inference_pipeline(spec).unwrap();
     let plan =
-        megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+        megac_codegen::emit_inference_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
+            .unwrap();
+    assert_eq!(plan.kind, megac_ir::plan::PlanKind::Inference);
     CheckedPlan::check(plan).unwrap()
 }
 
@@ -43,8 +46,7 @@ const TOKENS: [u32; 16] = [
 fn kv_vs_recompute(name: &str, layout: &[&str], prompt: usize) -> f32 {
     let mut sets: Vec<String> = layout.iter().map(|s| s.to_string()).collect();
     let window = plan(name, &sets);
-    let tp = window.mesh.size(megac_ir::Axis::Tp);
-    sets.push(format!("model.seq_len={tp}"));
+    sets.extend(megac_runtime::kv::block_sets(&window));
     let block = plan(name, &sets);
     let init = fixture(name).join("init.safetensors");
     let n = TOKENS.len().min(window.batch.seq_len as usize);
@@ -108,6 +110,13 @@ fn kv_moe_equals_recompute() {
     every_layout("mixtral", &sp);
     // Three layers: three stages.
     every_layout_pp("qwen2_moe", &sp, "parallel.pp=3");
+    // Three layers over two stages, balanced by cost: the block plan keeps the window
+    // plan's split (a one-token block alone would be balanced differently).
+    kv_vs_recompute(
+        "qwen2_moe",
+        &["parallel.pp=2", "parallel.stage_layers=\"balanced\""],
+        3,
+    );
 }
 
 #[test]

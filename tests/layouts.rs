@@ -421,7 +421,11 @@ fn tensor_parallel_moe() {
             global,
             "{w}: the rank's buffer is half the tensor"
         );
-        assert_eq!(plan.buffers[p.grad as usize].len(), local, "{w} gradient");
+        assert_eq!(
+            plan.buffers[p.grad.expect("a training plan's gradient") as usize].len(),
+            local,
+            "{w} gradient"
+        );
     }
     let gate = entry(&format!("{e}.gate.weight"));
     assert!(gate.shards.iter().all(Vec::is_empty));

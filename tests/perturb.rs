@@ -265,7 +265,12 @@ fn scope_patch_from_own_probes_has_zero_kl() {
 }
 
 fn train_with(perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
-    let plan = plan("llama", &[]);
+    train_in(&[], perturb, seed)
+}
+
+/// Three steps of the llama fixture in `layout` with `perturb`: (loss, grad norm) per step.
+fn train_in(layout: &[&str], perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
+    let plan = plan("llama", layout);
     let opts = RunOptions {
         steps: Some(3),
         data: "synthetic".into(),
@@ -330,4 +335,80 @@ fn train_perturbations() {
         let err = TrainPerturbation::parse(p).unwrap_err();
         assert!(err.contains(want), "{p}: {err}");
     }
+}
+
+/// Training perturbations in tp2 (with and without sequence parallelism) and dp2: noise(0)
+/// is bit-identical to the layout's clean run, a seed repeats its run, and zero-head of a
+/// head that tp2's second rank holds gives the one-device knockout's losses (within float
+/// rounding of the layouts), only in its step.
+#[test]
+fn train_perturbations_multi_rank() {
+    let bits = |r: &[(f64, f64)]| -> Vec<(u64, u64)> {
+        r.iter().map(|(a, b)| (a.to_bits(), b.to_bits())).collect()
+    };
+    let one = train_in(&[], &[], 0);
+    let knock_one = train_in(&[], &["layers.1.attn:zero-head(3)@2"], 0);
+    for layout in [
+        &["parallel.tp=2"][..],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        &["parallel.dp=2"],
+    ] {
+        let clean = train_in(layout, &[], 0);
+        let zero = train_in(
+            layout,
+            &[
+                "layers.0.out:noise(0)",
+                "layers.1.attn:noise(0)",
+                "weights.model.layers.0.mlp.down_proj.weight:noise(0)",
+                "weights.model.norm.weight:noise(0)",
+            ],
+            5,
+        );
+        assert_eq!(bits(&zero), bits(&clean), "{layout:?}");
+        let p = [
+            "layers.0.mlp.out:noise(0.5)",
+            "weights.model.layers.0.mlp.down_proj.weight:bitflip(mantissa, 0.05)@2",
+        ];
+        let noisy = train_in(layout, &p, 1);
+        assert!(
+            noisy.iter().zip(&clean).all(|(a, b)| a != b),
+            "{layout:?}: {noisy:?}"
+        );
+        assert_eq!(bits(&noisy), bits(&train_in(layout, &p, 1)), "{layout:?}");
+        assert_ne!(bits(&noisy), bits(&train_in(layout, &p, 2)), "{layout:?}");
+        // Head 3 of 4: under tp2 the second rank's head 1.
+        let knock = train_in(layout, &["layers.1.attn:zero-head(3)@2"], 0);
+        assert_eq!(bits(&knock[..1]), bits(&clean[..1]), "{layout:?}");
+        for (t, ((k, k1), (c, c1))) in knock
+            .iter()
+            .zip(&knock_one)
+            .zip(clean.iter().zip(&one))
+            .enumerate()
+        {
+            // The layout reproduces the one-device run within rounding, clean and knocked out.
+            assert!(
+                (c.0 - c1.0).abs() < 1e-5 && (k.0 - k1.0).abs() < 1e-5,
+                "{layout:?} step {t}: {k:?} {k1:?} {c:?} {c1:?}"
+            );
+            if t >= 1 {
+                assert!(
+                    (k.0 - c.0).abs() > 1e-4,
+                    "{layout:?} step {t}: {k:?} vs clean {c:?}"
+                );
+            }
+        }
+    }
+    // A head no rank holds: one error.
+    let opts = RunOptions {
+        steps: Some(1),
+        data: "synthetic".into(),
+        init: Some(fixture("llama").join("init.safetensors")),
+        progress: Some(false),
+        perturb: vec![TrainPerturbation::parse("layers.1.attn:zero-head(4)").unwrap()],
+        ..Default::default()
+    };
+    let err = train(&plan("llama", &["parallel.tp=2"]), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the layer has heads 0..4"), "{err}");
 }

@@ -25,7 +25,7 @@ use std::path::Path;
 
 use megac_ir::plan::{
     BatchInfo, BufId, Buffer, BufferClass, Init, Instr, LrSchedule, MemoryPlan, ParamEntry, Plan,
-    Role, TrainInfo, SCHEMA_VERSION,
+    PlanKind, Role, TrainInfo, SCHEMA_VERSION,
 };
 use megac_ir::spec::ModelSpec;
 use megac_ir::{Graph, OpKind, ValueDef, ValueId};
@@ -55,6 +55,32 @@ pub fn emit_plan(
     graph: &Graph,
     flops_per_step: f64,
 ) -> Result<Plan, CodegenError> {
+    emit(spec, graph, flops_per_step, PlanKind::Train)
+}
+
+/// Emit the inference plan of `graph`, a forward-only graph (the `build` and `shard`
+/// passes, `megac_passes::run_inference_pipeline`): the micro-batch program is the
+/// forward up to the loss, parameters get no gradient or optimizer state, and there is no
+/// optimizer program, so the plan's gradient and optimizer arenas are empty.
+pub fn emit_inference_plan(
+    spec: &ModelSpec,
+    graph: &Graph,
+    flops_per_step: f64,
+) -> Result<Plan, CodegenError> {
+    if spec.parallel.fbd {
+        return Err(CodegenError::Unsupported(
+            "an inference plan has no backward to decouple: set parallel.fbd = false".into(),
+        ));
+    }
+    emit(spec, graph, flops_per_step, PlanKind::Inference)
+}
+
+fn emit(
+    spec: &ModelSpec,
+    graph: &Graph,
+    flops_per_step: f64,
+    kind: PlanKind,
+) -> Result<Plan, CodegenError> {
     let p = &spec.parallel;
     let m = &spec.model;
     if p.fbd && p.pp < 2 {
@@ -68,6 +94,7 @@ pub fn emit_plan(
         ));
     }
     let mut e = Emitter::new(spec, graph);
+    e.inference = kind == PlanKind::Inference;
     e.emit()?;
     if p.pp > 1 {
         let split = pipeline::split(&mut e)?;
@@ -83,7 +110,9 @@ pub fn emit_plan(
         memory::add_staging(&mut plan);
         return Ok(plan);
     }
-    if p.distributed_optimizer && p.dp * p.cp > 1 {
+    if kind == PlanKind::Inference {
+        // No gradients to reduce.
+    } else if p.distributed_optimizer && p.dp * p.cp > 1 {
         e.zero1()?;
     } else {
         e.bucket_reductions();
@@ -187,6 +216,8 @@ struct Emitter<'a> {
     live_to_end: Vec<BufId>,
     /// Views: buffer -> the buffer whose storage it shares.
     view_of: BTreeMap<BufId, BufId>,
+    /// An inference plan: no gradients, optimizer state or optimizer program.
+    inference: bool,
 }
 
 impl<'a> Emitter<'a> {
@@ -204,6 +235,7 @@ impl<'a> Emitter<'a> {
             result_axes: BTreeMap::new(),
             live_to_end: Vec::new(),
             view_of: BTreeMap::new(),
+            inference: false,
         }
     }
 
@@ -359,7 +391,15 @@ impl<'a> Emitter<'a> {
             .iter()
             .filter_map(|(n, v)| n.strip_prefix("grad:").map(|p| (*v, p.to_string())))
             .collect();
-        if grad_outputs.is_empty() || output_of("grad_norm").is_none() {
+        if self.inference {
+            if !grad_outputs.is_empty() || output_of("grad_norm").is_some() {
+                return Err(CodegenError::Unsupported(
+                    "an inference plan is emitted from the forward graph only (the build and \
+                     shard passes), not from one with gradients"
+                        .into(),
+                ));
+            }
+        } else if grad_outputs.is_empty() || output_of("grad_norm").is_none() {
             return Err(CodegenError::Incomplete(
                 "no gradients or optimizer step in the graph".into(),
             ));
@@ -381,13 +421,15 @@ impl<'a> Emitter<'a> {
                 &shape,
                 &layout,
             );
-            let grad = self.persistent(
-                format!("grad:{name}"),
-                BufferClass::Grad,
-                f32,
-                &shape,
-                &layout,
-            );
+            let grad = (!self.inference).then(|| {
+                self.persistent(
+                    format!("grad:{name}"),
+                    BufferClass::Grad,
+                    f32,
+                    &shape,
+                    &layout,
+                )
+            });
             let zero1 = self.spec.parallel.distributed_optimizer
                 && self.spec.parallel.dp * self.spec.parallel.cp > 1;
             let state = |e: &mut Self, what: &str| {
@@ -399,7 +441,7 @@ impl<'a> Emitter<'a> {
                     &layout,
                 )
             };
-            let (exp_avg, exp_avg_sq, master) = if zero1 {
+            let (exp_avg, exp_avg_sq, master) = if zero1 || self.inference {
                 (None, None, None)
             } else {
                 (
@@ -409,7 +451,9 @@ impl<'a> Emitter<'a> {
                 )
             };
             self.buf_of.insert(v, buffer);
-            grad_buf.insert(name.to_string(), grad);
+            if let Some(grad) = grad {
+                grad_buf.insert(name.to_string(), grad);
+            }
             param_entry.insert(v, self.params.len());
             let shards = g.ty(v).layout.shards.clone();
             let blocks: Vec<u64> = ty
@@ -595,6 +639,11 @@ impl<'a> Emitter<'a> {
             memory,
             flops_per_step,
             cluster: spec.cluster.clone(),
+            kind: if self.inference {
+                PlanKind::Inference
+            } else {
+                PlanKind::Train
+            },
         }
     }
 

@@ -123,7 +123,7 @@ impl Emitter<'_> {
         let expert_grads: Vec<BufId> = params
             .iter()
             .filter(|&&i| is_expert(&self.params[i]))
-            .map(|&i| self.params[i].grad)
+            .filter_map(|&i| self.params[i].grad)
             .collect();
         let mut program = Vec::new();
         for instr in program_in {
@@ -190,7 +190,10 @@ impl Emitter<'_> {
                 if is_expert(entry) != expert || tp_split(entry) != split {
                     continue;
                 }
-                let (pb, gb) = (entry.buffer, entry.grad);
+                // Every parameter of a training plan has a gradient (the distributed
+                // optimizer runs in training plans only).
+                let Some(gb) = entry.grad else { continue };
+                let pb = entry.buffer;
                 let len = self.buffers[pb as usize].len();
                 if offset > start && offset - start + len > bucket {
                     close(&mut offset, start, &mut segments);

@@ -369,8 +369,10 @@ fn check_actions(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> {
     };
     let m = plan.batch.microbatches;
     let at = format!("{} (rank {rank})", role.name);
-    // MegaFBD's forward roles run forwards only; their twins run the backwards.
-    let forward_only = pipe.schedule == "fbd-forward";
+    // MegaFBD's forward roles run forwards only; their twins run the backwards. So do
+    // every role of an inference plan.
+    let forward_only =
+        pipe.schedule == "fbd-forward" || plan.kind == crate::plan::PlanKind::Inference;
     // (chunk, micro-batch) -> positions of F, B, W, BW.
     let mut seen: HashMap<(u32, u32), [Option<usize>; 4]> = HashMap::new();
     for (i, a) in pipe.actions.iter().enumerate() {
@@ -396,7 +398,7 @@ fn check_actions(plan: &Plan, role: &Role, rank: usize) -> Result<(), String> {
         let [f, b, w, bw] = *entry;
         let problem = match a.kind {
             PipeKind::F => None,
-            _ if forward_only => Some("in a forward-only (fbd-forward) role"),
+            _ if forward_only => Some("in a forward-only role (fbd-forward, or an inference plan)"),
             PipeKind::B | PipeKind::BW if f.is_none() => Some("before its forward"),
             PipeKind::B if bw.is_some() => Some("after its whole backward (BW)"),
             PipeKind::BW if b.is_some() || w.is_some() => {

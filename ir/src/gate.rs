@@ -191,7 +191,64 @@ impl<'p> Gate<'p> {
         for r in 0..self.plan.roles.len() {
             self.role(r)?;
         }
+        if self.plan.kind == crate::plan::PlanKind::Inference {
+            self.inference()?;
+        }
         self.loss_reaches_rank_0()
+    }
+
+    /// An inference plan runs the forward only: no gradient or optimizer-state buffer, no
+    /// optimizer program, no backward or weight-gradient instructions in a pipeline chunk,
+    /// no gradient norm reported.
+    fn inference(&self) -> Result<(), PlanError> {
+        let plan = self.plan;
+        if let Some((i, b)) = plan
+            .buffers
+            .iter()
+            .enumerate()
+            .find(|(_, b)| matches!(b.class, BufferClass::Grad | BufferClass::OptState))
+        {
+            return Err(invalid(
+                format!("buffers[{i}].class"),
+                format!(
+                    "an inference plan keeps no gradients or optimizer state, but buffer {i} ({}) is `{}`",
+                    b.name,
+                    b.class.name()
+                ),
+            ));
+        }
+        for (r, role) in plan.roles.iter().enumerate() {
+            let at = format!("roles[{r}]");
+            if !role.optimizer.is_empty() {
+                return Err(invalid(
+                    format!("{at}.optimizer"),
+                    format!(
+                        "an inference plan has no optimizer program, but this one has {} instruction(s)",
+                        role.optimizer.len()
+                    ),
+                ));
+            }
+            if role.results.contains_key("grad_norm") {
+                return Err(invalid(
+                    format!("{at}.results.grad_norm"),
+                    "an inference plan computes no gradient norm",
+                ));
+            }
+            for (c, chunk) in role
+                .pipeline
+                .iter()
+                .flat_map(|p| p.chunks.iter())
+                .enumerate()
+            {
+                if !chunk.backward.is_empty() || !chunk.weight.is_empty() {
+                    return Err(invalid(
+                        format!("{at}.pipeline.chunks[{c}]"),
+                        "an inference plan's pipeline chunks run their forward only",
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The recorded `[cluster]`: at least one node of at least one device, a short name.
@@ -531,7 +588,38 @@ impl<'p> Gate<'p> {
             Ok(())
         };
         check(p.buffer, "buffer", BufferClass::Param)?;
-        check(p.grad, "grad", BufferClass::Grad)?;
+        let inference = self.plan.kind == crate::plan::PlanKind::Inference;
+        match p.grad {
+            Some(g) if !inference => check(g, "grad", BufferClass::Grad)?,
+            None if inference => {}
+            Some(g) => {
+                return Err(invalid(
+                    format!("{at}.grad"),
+                    format!("an inference plan keeps no gradients, but this one has buffer {g}"),
+                ))
+            }
+            None => {
+                return Err(invalid(
+                    format!("{at}.grad"),
+                    "a training plan's parameter needs a gradient buffer",
+                ))
+            }
+        }
+        if inference {
+            let state = [
+                ("exp_avg", p.exp_avg),
+                ("exp_avg_sq", p.exp_avg_sq),
+                ("master", p.master),
+            ];
+            if let Some((field, Some(b))) = state.into_iter().find(|(_, b)| b.is_some()) {
+                return Err(invalid(
+                    format!("{at}.{field}"),
+                    format!(
+                        "an inference plan keeps no optimizer state, but this one has buffer {b}"
+                    ),
+                ));
+            }
+        }
         if let Some(m) = p.exp_avg {
             check(m, "exp_avg", BufferClass::OptState)?;
         }
@@ -723,7 +811,12 @@ impl<'p> Gate<'p> {
                     ));
                 }
             }
-            for name in ["loss", "grad_norm"] {
+            let wanted: &[&str] = if plan.kind == crate::plan::PlanKind::Inference {
+                &["loss"]
+            } else {
+                &["loss", "grad_norm"]
+            };
+            for &name in wanted {
                 if !role.results.contains_key(name) {
                     return Err(invalid(
                         format!("{at}.results"),
@@ -799,16 +892,18 @@ impl<'p> Gate<'p> {
                 .flat_map(|s| s.instrs.iter().flat_map(instr_writes))
                 .collect();
             for (i, p) in plan.params.iter().enumerate() {
-                let g = &plan.buffers[p.grad as usize];
+                // A training plan's parameters all have one (`param` checks it).
+                let Some(grad) = p.grad else { continue };
+                let g = &plan.buffers[grad as usize];
                 if g.stage.is_some_and(|s| s != stage) {
                     continue;
                 }
-                if !grads.contains(&p.grad) {
+                if !grads.contains(&grad) {
                     return Err(invalid(
                         format!("params[{i}].grad"),
                         format!(
                             "buffer {} ({}) is never written by the programs of role {} before its optimizer (a truncated program?)",
-                            p.grad, g.name, role.name
+                            grad, g.name, role.name
                         ),
                     ));
                 }
@@ -840,7 +935,9 @@ impl<'p> Gate<'p> {
                 }
             };
             add(p.buffer, "buffer".into());
-            add(p.grad, "grad".into());
+            if let Some(g) = p.grad {
+                add(g, "grad".into());
+            }
             if let Some(m) = p.exp_avg {
                 add(m, "exp_avg".into());
             }

@@ -53,6 +53,37 @@ pub struct Plan {
     /// and `schedule --costs model` cost it on unless `--cluster` overrides it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster: Option<crate::spec::ClusterSection>,
+    /// What the plan runs: a training step (the default, not written) or a forward-only
+    /// inference (no gradients, no optimizer state, no optimizer program).
+    #[serde(default, skip_serializing_if = "PlanKind::is_train")]
+    pub kind: PlanKind,
+}
+
+/// What a plan runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanKind {
+    /// Training: forward, backward and the optimizer step.
+    #[default]
+    Train,
+    /// Forward only (`megac compile --inference`, `megac generate`): the micro-batch program
+    /// is the forward up to the loss; parameters have no gradient or optimizer state.
+    Inference,
+}
+
+impl PlanKind {
+    /// Whether this is a training plan (the default, which plan.json leaves out).
+    pub fn is_train(&self) -> bool {
+        *self == PlanKind::Train
+    }
+
+    /// The kind's name as plan.json writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlanKind::Train => "train",
+            PlanKind::Inference => "inference",
+        }
+    }
 }
 
 /// Batch geometry of one optimizer step.
@@ -346,8 +377,9 @@ pub struct ParamEntry {
     pub per_expert: Option<String>,
     /// The parameter's buffer.
     pub buffer: BufId,
-    /// Its gradient.
-    pub grad: BufId,
+    /// Its gradient (None in an inference plan).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad: Option<BufId>,
     /// AdamW first moment (None with the distributed optimizer, whose state is one flat shard).
     pub exp_avg: Option<BufId>,
     /// AdamW second moment (None with the distributed optimizer).

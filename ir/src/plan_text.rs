@@ -227,7 +227,10 @@ fn params(out: &mut String, plan: &Plan) {
             crate::plan::Init::Ones => "ones".to_string(),
             crate::plan::Init::Zeros => "zeros".to_string(),
         };
-        let mut state = format!("buffer={} grad={}", buf(p.buffer), buf(p.grad));
+        let mut state = match p.grad {
+            Some(g) => format!("buffer={} grad={}", buf(p.buffer), buf(g)),
+            None => format!("buffer={}", buf(p.buffer)),
+        };
         if let (Some(m), Some(v)) = (p.exp_avg, p.exp_avg_sq) {
             write!(state, " exp_avg={} exp_avg_sq={}", buf(m), buf(v)).expect("write to String");
         }

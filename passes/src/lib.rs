@@ -16,7 +16,10 @@ pub mod optimizer;
 pub mod recompute;
 pub mod shard;
 
-pub use manager::{pass_names, pipeline, run_pass, run_pipeline, Module, Pass};
+pub use manager::{
+    pass_names, pipeline, run_inference_pipeline, run_pass, run_pipeline, Module, Pass,
+    INFERENCE_PASSES,
+};
 /// Model FLOPs per step (analysis, not a transformation): their home is in ir.
 pub use megac_ir::flops;
 

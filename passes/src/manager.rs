@@ -160,3 +160,26 @@ pub fn run_pipeline(
     }
     Ok(module)
 }
+
+/// The passes of an inference plan, in order: `build` and `shard` (the forward over the
+/// mesh; no backward, recomputation or optimizer).
+pub const INFERENCE_PASSES: [&str; 2] = ["build", "shard"];
+
+/// Run the inference pipeline ([`INFERENCE_PASSES`]) on `spec`, verifying the graph after
+/// every pass: the forward graph `megac_codegen::emit_inference_plan` lowers.
+pub fn run_inference_pipeline(spec: ModelSpec) -> Result<Module, PassError> {
+    let mut module = Module::new(spec);
+    for pass in pipeline()
+        .into_iter()
+        .filter(|p| INFERENCE_PASSES.contains(&p.name))
+    {
+        (pass.run)(&mut module)?;
+        if let Some(g) = &module.graph {
+            verify(g).map_err(|errors| PassError::Verify {
+                pass: pass.name,
+                errors,
+            })?;
+        }
+    }
+    Ok(module)
+}

@@ -231,7 +231,7 @@ impl TensorEntry {
             blocks: self.blocks.clone(),
             per_expert: self.per_expert.clone(),
             buffer: 0,
-            grad: 0,
+            grad: None,
             exp_avg: None,
             exp_avg_sq: None,
             master: None,

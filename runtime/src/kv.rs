@@ -27,6 +27,29 @@ use crate::error::RuntimeError;
 use crate::infer::{Generated, Inference, Sampling};
 use crate::memory::Memory;
 
+/// The `--set`s that compile the block plan from the model.toml (and `--set`s) of
+/// `window`: `model.seq_len` = one token per tp rank, and under pp the window plan's layers
+/// per chunk as `parallel.stage_layers` (so a `"balanced"` split, which weighs layers at
+/// the plan's length, places the block's layers on the same stages).
+pub fn block_sets(window: &CheckedPlan) -> Vec<String> {
+    let tp = window.mesh.size(megac_ir::Axis::Tp);
+    let mut sets = vec![format!("model.seq_len={tp}")];
+    let mut chunks: Vec<(u32, u64)> = window
+        .roles
+        .iter()
+        .filter_map(|r| r.pipeline.as_ref())
+        .flat_map(|p| p.chunks.iter())
+        .filter_map(|c| c.layers.map(|[a, b]| (c.chunk, b.saturating_sub(a))))
+        .collect();
+    chunks.sort_unstable();
+    chunks.dedup_by_key(|c| c.0);
+    if !chunks.is_empty() {
+        let counts: Vec<u64> = chunks.into_iter().map(|(_, n)| n).collect();
+        sets.push(format!("parallel.stage_layers={counts:?}"));
+    }
+    sets
+}
+
 /// The K/V cache of one rank: per attention instruction (by its provenance path, which the
 /// window and block plans share), keys and values `[capacity, kv_heads, head_dim]` of the
 /// positions written so far.

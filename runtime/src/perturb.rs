@@ -13,8 +13,13 @@
 //! - The random numbers are a function of `--perturb-seed`, the point, the step and (for
 //!   activations) the micro-batch, so a run repeats bit for bit.
 //!
-//! One-device plans without pipeline parallelism only, fp32 parameters for weight
-//! perturbations; `patch` is for `megac scope` only.
+//! Layouts without pipeline parallelism (one device, tp, sp, dp, cp, ep), fp32 parameters
+//! for weight perturbations; `patch` is for `megac scope` only. Every rank perturbs its own
+//! shard of the point or weight with the same random stream, so replicas (a replicated
+//! weight over dp or tp, the residual stream over tp) stay equal; a sharded tensor's
+//! perturbation therefore differs from the one-device run's (and `noise` is relative to the
+//! shard's RMS). `zero-head(HEAD)` names the global head: under tp the rank that holds it
+//! zeroes it.
 
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::BufId;
@@ -78,35 +83,79 @@ impl Perturber {
         plan: &CheckedPlan,
         perturbations: &[TrainPerturbation],
         seed: u64,
+        rank: usize,
     ) -> Result<Option<Perturber>, RuntimeError> {
         if perturbations.is_empty() {
             return Ok(None);
         }
-        let role = &plan.roles[0];
-        if plan.mesh.world_size() != 1 || role.pipeline.is_some() {
+        let role = plan
+            .rank_to_role
+            .get(rank)
+            .and_then(|&r| plan.roles.get(r as usize))
+            .ok_or_else(|| RuntimeError::Plan(format!("rank {rank} has no role")))?;
+        if role.pipeline.is_some() {
             return Err(RuntimeError::Unsupported(
-                "train --perturb supports one-device plans without pipeline parallelism only \
-                 so far"
-                    .into(),
+                "train --perturb supports plans without pipeline parallelism only so far".into(),
             ));
         }
         let (all, _): (Vec<Segment<'_>>, _) = segments_of(role);
+        // zero-head names a global head: resolve it as head 0 (every rank holds one), then
+        // place it on the rank that holds it.
         let ps: Vec<Perturbation> = perturbations
             .iter()
-            .map(|p| p.perturbation.clone())
+            .map(|p| match p.perturbation.kind {
+                PerturbKind::ZeroHead(_) => Perturbation {
+                    kind: PerturbKind::ZeroHead(0),
+                    ..p.perturbation.clone()
+                },
+                _ => p.perturbation.clone(),
+            })
             .collect();
         let (acts, weights) = resolve(plan, &all, &ps)?;
         // Both lists keep the order of `perturbations` within their kind.
-        let act_steps = perturbations
+        let act_of = perturbations
             .iter()
             .filter(|p| !p.perturbation.point.starts_with("weights."))
-            .map(|p| p.step);
+            .map(|p| match p.perturbation.kind {
+                PerturbKind::ZeroHead(h) => (Some(h as usize), p.step),
+                _ => (None, p.step),
+            });
+        let mut kept = Vec::new();
+        for (mut a, (h, step)) in acts.into_iter().zip(act_of) {
+            if let (Some(h), crate::infer::Action::ZeroHead { head, heads, .. }) =
+                (h, &mut a.action)
+            {
+                // The heads dim's split over the mesh: this rank's part and the parts.
+                let axes = plan.buffers[a.buf as usize]
+                    .layout
+                    .get(2)
+                    .cloned()
+                    .unwrap_or_default();
+                let (part, parts) = axes.iter().fold((0usize, 1usize), |(p, n), &ax| {
+                    let size = plan.mesh.size(ax) as usize;
+                    (p * size + plan.mesh.coord(rank, ax), n * size)
+                });
+                if h >= *heads * parts {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "--perturb {}:zero-head({h}): the layer has heads 0..{}",
+                        a.name,
+                        *heads * parts
+                    )));
+                }
+                if h / *heads != part {
+                    // Another rank holds the head.
+                    continue;
+                }
+                *head = h % *heads;
+            }
+            kept.push((a, step));
+        }
         let weight_steps = perturbations
             .iter()
             .filter(|p| p.perturbation.point.starts_with("weights."))
             .map(|p| p.step.unwrap_or(1));
         let mut out = Perturber {
-            acts: acts.into_iter().zip(act_steps).collect(),
+            acts: kept,
             weights: Vec::new(),
             seed,
         };

@@ -325,7 +325,12 @@ impl<'p> Session<'p> {
             mem,
             data,
             loss_buf: optional(get("loss"))?,
-            norm_buf: optional(get("grad_norm"))?,
+            // An inference plan has no gradient norm (and never runs the optimizer).
+            norm_buf: if plan.kind.is_train() {
+                optional(get("grad_norm"))?
+            } else {
+                None
+            },
             tokens_buf: optional(input("tokens"))?,
             labels_buf: optional(input("labels"))?,
             inputs: vec![0; n],
@@ -732,10 +737,23 @@ fn local_tokens(
         .collect()
 }
 
+/// An inference plan (no gradients, no optimizer) cannot train.
+fn refuse_inference(plan: &CheckedPlan) -> Result<(), RuntimeError> {
+    if plan.kind.is_train() {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported(format!(
+        "this is an {} plan (the forward only, no gradients or optimizer state): compile it \
+         without --inference to train",
+        plan.kind.name()
+    )))
+}
+
 /// Train with `plan`: one rank in this thread, or one thread per rank on the local
 /// communicator. Rank 0 prints progress, saves parameters and writes the trace; its report
 /// is returned (every rank computes the same losses and norms).
 pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    refuse_inference(plan)?;
     let start_rss = rss_bytes();
     let world = plan.mesh.world_size();
     let ckpt = open_checkpoint(plan, opts)?;
@@ -822,6 +840,7 @@ fn open_eval_data(
 /// this one in a collective (finalising would wait for them).
 #[cfg(feature = "mpi")]
 pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    refuse_inference(plan)?;
     let start_rss = rss_bytes();
     let world = plan.mesh.world_size();
     if world > 1 && !crate::mpi_comm::started_by_launcher() {
@@ -964,7 +983,12 @@ fn train_rank(
             comm
         };
     let mut session = Session::with_source(plan, data.clone(), opts.init.as_deref(), comm)?;
-    session.perturber = crate::perturb::Perturber::new(plan, &opts.perturb, opts.perturb_seed)?;
+    session.perturber = crate::perturb::Perturber::new(
+        plan,
+        &opts.perturb,
+        opts.perturb_seed,
+        session.comm.rank(),
+    )?;
     session.eval_data = eval_data.cloned();
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);

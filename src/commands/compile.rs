@@ -2,12 +2,18 @@
 
 use std::path::Path;
 
-use megac_ir::plan::Plan;
+use megac_ir::plan::{Plan, PlanKind};
 
 use crate::ModelArgs;
 
 /// Compile the model into a Plan (in memory).
 pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
+    build_plan_of(args, PlanKind::Train)
+}
+
+/// Compile the model into a plan of `kind`: a training plan, or a forward-only inference
+/// plan (the `build` and `shard` passes, no gradient or optimizer memory).
+pub fn build_plan_of(args: &ModelArgs, kind: PlanKind) -> Result<Plan, String> {
     let spec = super::load_spec(args)?;
     // The plan records the `[cluster]`; a device that is no preset is refused now, not
     // when the plan is simulated.
@@ -15,12 +21,21 @@ pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
         super::simulate::cluster_or(None, Some((c, args.model.display().to_string())))?;
     }
     let flops = megac_passes::flops::step_flops(&spec).total;
-    let module = super::compile(spec, None)?;
+    let module = match kind {
+        PlanKind::Train => super::compile(spec, None)?,
+        PlanKind::Inference => {
+            megac_passes::run_inference_pipeline(spec).map_err(|e| format!("error: {e}"))?
+        }
+    };
     let graph = module
         .graph
         .as_ref()
         .ok_or("error: the pipeline built no graph")?;
-    megac_codegen::emit_plan(&module.spec, graph, flops).map_err(|e| format!("error: {e}"))
+    match kind {
+        PlanKind::Train => megac_codegen::emit_plan(&module.spec, graph, flops),
+        PlanKind::Inference => megac_codegen::emit_inference_plan(&module.spec, graph, flops),
+    }
+    .map_err(|e| format!("error: {e}"))
 }
 
 /// What `--emit` adds beside plan.json.
@@ -48,13 +63,13 @@ const NO_MLIR: &str = "error: --emit mlir needs megac built with the `mlir` feat
 /// Compile and write `out/plan.json`, and beside it `out/config.json`, the model's Hugging
 /// Face config (`megac run --save-params` copies it beside the saved weights); with
 /// `--emit mlir` also each role's MLIR module, all verified before anything is written.
-pub fn run(args: &ModelArgs, out: &Path, emit: Option<Emit>) -> Result<(), String> {
+pub fn run(args: &ModelArgs, out: &Path, emit: Option<Emit>, kind: PlanKind) -> Result<(), String> {
     #[cfg(not(feature = "mlir"))]
     if emit == Some(Emit::Mlir) {
         return Err(NO_MLIR.to_string());
     }
     super::output::check_dir("-o", out)?;
-    let plan = build_plan(args)?;
+    let plan = build_plan_of(args, kind)?;
     let modules = match emit {
         Some(Emit::Mlir) => mlir_modules(&plan)?,
         None => Vec::new(),

@@ -134,7 +134,8 @@ pub fn decode(tokens: &[u32]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// Compile `model` as a one-sample forward (micro and global batch 1) and load `init`.
+/// Compile `model` as a one-sample inference plan (micro and global batch 1: the forward
+/// only, no gradient or optimizer memory).
 pub fn compile_forward(model: &ModelArgs) -> Result<CheckedPlan, String> {
     compile_with(model, &[])
 }
@@ -151,7 +152,7 @@ fn compile_with(model: &ModelArgs, after: &[String]) -> Result<CheckedPlan, Stri
         model: model.model.clone(),
         sets,
     };
-    let plan = super::compile::build_plan(&args)?;
+    let plan = super::compile::build_plan_of(&args, megac_ir::plan::PlanKind::Inference)?;
     CheckedPlan::check(plan)
         .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))
 }
@@ -160,8 +161,7 @@ fn compile_with(model: &ModelArgs, after: &[String]) -> Result<CheckedPlan, Stri
 /// compiled with `model.seq_len` = one token per tensor-parallel rank (sequence parallelism
 /// splits the block's tokens over tp; the first is the real one).
 pub fn compile_block(model: &ModelArgs, window: &CheckedPlan) -> Result<CheckedPlan, String> {
-    let tp = window.mesh.size(megac_ir::Axis::Tp);
-    compile_with(model, &[format!("model.seq_len={tp}")]).map_err(|e| {
+    compile_with(model, &megac_runtime::kv::block_sets(window)).map_err(|e| {
         format!("{e}\n(while compiling the KV cache's one-token plan; --no-kv-cache avoids it)")
     })
 }

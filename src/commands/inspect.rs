@@ -190,6 +190,7 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
             .collect();
         let v = serde_json::json!({
             "model": plan.model,
+            "kind": plan.kind.name(),
             "schema_version": plan.schema_version,
             "ranks": plan.rank_to_role.len(),
             "flops_per_step": plan.flops_per_step,
@@ -212,6 +213,12 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         "batch        {} × {} tokens per step, micro-batch {} × {} micro-batches",
         b.global_batch, b.seq_len, b.micro_batch, b.microbatches
     );
+    if !plan.kind.is_train() {
+        println!(
+            "kind         {}: the forward only, no gradients or optimizer state",
+            plan.kind.name()
+        );
+    }
     for r in &plan.roles {
         let kernels = |p: &[Instr]| {
             p.iter()

@@ -17,6 +17,7 @@ pub mod run;
 pub mod scan;
 pub mod schedule;
 pub mod scope;
+pub mod scope_serve;
 pub mod scope_view;
 pub mod simulate;
 

@@ -26,12 +26,19 @@ pub enum ScopeAction {
         after_help = "Example:\n  megac scope tests/golden/llama/model.toml --init tests/golden/llama/init.safetensors --prompt 'Hello, world' --probe '*' -o probes.safetensors\n  megac scope view probes.safetensors -o view.html"
     )]
     View(super::scope_view::ViewArgs),
+    /// Serve the files of one folder (viewer pages, probe files) on 127.0.0.1 only: GET and
+    /// HEAD of files inside DIR, nothing executed, paths leaving DIR refused.
+    #[command(
+        after_help = "Example:\n  megac scope view probes.safetensors -o views/view.html\n  megac scope serve views --port 8000   # then open http://127.0.0.1:8000/view.html"
+    )]
+    Serve(super::scope_serve::ServeArgs),
 }
 
 /// `megac scope` or `megac scope view`.
 pub fn run_cli(cli: &ScopeCli) -> Result<(), String> {
     match (&cli.action, &cli.args) {
         (Some(ScopeAction::View(view)), _) => super::scope_view::run(view),
+        (Some(ScopeAction::Serve(serve)), _) => super::scope_serve::run(serve),
         (None, Some(args)) => run(args),
         (None, None) => Err("error: megac scope needs MODEL.toml and its options, or `view` (see megac scope --help)".into()),
     }

@@ -122,8 +122,16 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
     let mut segs = transfers::segments(program, &place, &copy, &tied, &transfers, &geo);
     let folds = tied::fold_tied_gradients(e, &mut segs, &transfers, &tied, pp);
     placement::assign_stages(e, &usage, &tied, pp);
-    let (norms, mut opt) = optimizer::split_optimizer(e, pp)?;
-    let refresh = tied::tied_refresh(&tied, transfers.len() as u32, pp);
+    // An inference plan has no optimizer: no norms, programs or tied-copy refreshes (the
+    // copies are loaded like their parameter); its arenas are still packed per stage.
+    let (norms, mut opt, refresh) = if e.inference {
+        let none = vec![Vec::new(); pp as usize];
+        (Vec::new(), none.clone(), none)
+    } else {
+        let (norms, opt) = optimizer::split_optimizer(e, pp)?;
+        let refresh = tied::tied_refresh(&tied, transfers.len() as u32, pp);
+        (norms, opt, refresh)
+    };
     optimizer::stage_optimizers(e, &mut opt, &norms, refresh, &tied)?;
     let first_fold = (transfers.len() + tied.copy.len()) as u32;
     tied::reduce_tied_gradients(e, &mut opt, &folds, first_fold);
@@ -140,7 +148,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
             &slots,
             &usage,
             optimizer,
-            norms[s as usize],
+            norms.get(s as usize).copied(),
         );
         mems.push(role.memory.clone().unwrap_or_default());
         roles.push(role);

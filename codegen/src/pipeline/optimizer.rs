@@ -125,7 +125,9 @@ pub(super) fn stage_optimizers(
     let zero1 = p.distributed_optimizer && p.dp * p.cp > 1;
     for (s, prog) in opt.iter_mut().enumerate() {
         let before = e.buffers.len();
-        if zero1 {
+        if e.inference {
+            // Nothing to reduce or update.
+        } else if zero1 {
             let mine: Vec<usize> = (0..e.params.len())
                 .filter(|&i| e.buffers[e.params[i].buffer as usize].stage == Some(s as u32))
                 .collect();

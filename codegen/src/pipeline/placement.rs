@@ -191,7 +191,8 @@ pub(super) fn assign_stages(e: &mut Emitter, usage: &Usage, tied: &Tied, pp: u32
     }
     for entry in &e.params {
         let s = e.buffers[entry.buffer as usize].stage;
-        for b in [entry.grad]
+        for b in entry
+            .grad
             .into_iter()
             .chain(entry.exp_avg)
             .chain(entry.exp_avg_sq)

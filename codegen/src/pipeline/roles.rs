@@ -76,7 +76,7 @@ pub(super) fn stage_role(
     slots: &[u32],
     usage: &Usage,
     optimizer: Vec<Instr>,
-    norm: BufId,
+    norm: Option<BufId>,
 ) -> Role {
     let spec = e.spec;
     let loss_keys: Vec<String> = ["loss", "total_loss"]
@@ -111,7 +111,7 @@ pub(super) fn stage_role(
             schedule: spec.parallel.schedule.as_str().to_string(),
             chunks_total: geo.nc,
             chunks: placed.chunks,
-            actions: stage_actions(geo, s),
+            actions: stage_actions(geo, s, e.inference),
             dpp: match geo.kind {
                 ScheduleKind::Dpp(policy) => Some(DppExec {
                     policy: spec.parallel.dpp_policy,
@@ -389,7 +389,7 @@ fn stage_results(
     e: &Emitter,
     s: u32,
     loss_keys: &[String],
-    norm: BufId,
+    norm: Option<BufId>,
 ) -> (BTreeMap<String, BufId>, BTreeMap<String, Vec<Axis>>) {
     let mut results = BTreeMap::new();
     let mut result_axes = BTreeMap::new();
@@ -403,18 +403,21 @@ fn stage_results(
         axes.push(Axis::Pp);
         result_axes.insert(k.clone(), axes);
     }
-    results.insert("grad_norm".to_string(), norm);
+    if let Some(norm) = norm {
+        results.insert("grad_norm".to_string(), norm);
+    }
     (results, result_axes)
 }
 
 /// Stage `s`'s action list from the schedule (its compute actions; transfers are
-/// instructions in the chunk programs).
-fn stage_actions(geo: &Geometry, s: u32) -> Vec<PipeAction> {
+/// instructions in the chunk programs); an inference plan's forward actions only.
+fn stage_actions(geo: &Geometry, s: u32, inference: bool) -> Vec<PipeAction> {
     geo.lists[s as usize]
         .iter()
         .filter_map(|a| {
             let kind = match a.kind {
                 ActionKind::F => PipeKind::F,
+                _ if inference => return None,
                 ActionKind::B => PipeKind::B,
                 ActionKind::W => PipeKind::W,
                 ActionKind::BW => PipeKind::BW,

@@ -35,9 +35,14 @@ pub(super) fn tie_parameters(e: &mut Emitter, usage: &Usage) -> Result<Tied, Cod
             continue;
         }
         let entry = e.params.iter().position(|p| p.buffer == b);
-        let grad_stage = entry.and_then(|i| {
-            let g = usage.persistent_stage.get(&e.params[i].grad)?;
-            (g.len() == 1).then(|| *g.iter().next().expect("one stage"))
+        // The home stage: the one that accumulates the gradient; in an inference plan
+        // (no gradients) the first stage that reads the parameter.
+        let grad_stage = entry.and_then(|i| match e.params[i].grad {
+            Some(grad) => {
+                let g = usage.persistent_stage.get(&grad)?;
+                (g.len() == 1).then(|| *g.iter().next().expect("one stage"))
+            }
+            None => stages.iter().next().copied(),
         });
         let (Some(i), Some(h)) = (entry, grad_stage) else {
             return Err(unsupported(format!(
@@ -86,7 +91,7 @@ pub(super) fn fold_tied_gradients(
         .params
         .iter()
         .filter(|p| tied.home.contains_key(&p.buffer))
-        .map(|p| p.grad)
+        .filter_map(|p| p.grad)
         .collect();
     let mut folds: Vec<TiedFold> = Vec::new();
     for (t, x) in transfers.iter().enumerate() {
