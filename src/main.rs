@@ -85,8 +85,9 @@ pub struct RunArgs {
     /// How data files are read (tokenizer, EOS, Megatron split).
     #[command(flatten)]
     pub reading: DataReadArgs,
-    /// Initial weights from a Hugging Face safetensors file (save_pretrained layout).
-    #[arg(long, value_name = "FILE.safetensors")]
+    /// Initial weights from Hugging Face safetensors (save_pretrained layout): a file, a
+    /// sharded checkpoint's model.safetensors.index.json, or the folder holding either.
+    #[arg(long, value_name = "FILE.safetensors|INDEX.json|DIR")]
     pub init: Option<PathBuf>,
     /// Write the trained weights as Hugging Face safetensors (not written when the run fails,
     /// e.g. on a non-finite loss). Every output path is checked before any work; missing

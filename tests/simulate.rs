@@ -968,3 +968,44 @@ fn analytic_parameter_memory_counts_every_parameter() {
         );
     }
 }
+
+/// Many small experts over ep: Qwen1.5-MoE-A2.7B (60 experts of 1,408, top 4, a shared
+/// expert) on one 8-GPU node, the search's top 10 (ep 2 and 4, i.e. 30 or 15 local experts).
+/// Under ep the plan runs a rank's local experts as one grouped kernel per op (their
+/// weights stacked along `experts`), and the analytic model times them so: before it
+/// timed them as one small matmul per expert (each `fill`-penalised, with its own launch),
+/// 7 to 8% above `simulate` on these layouts (18% for the example's own layout at mb 1).
+/// Now the largest difference is 0.7%; the bound, 2%, keeps a margin for the rest of the
+/// model's approximations while failing a return to per-expert timing by a factor of 4.
+#[test]
+fn plan_and_simulate_agree_on_many_small_experts() {
+    let path = "examples/qwen1.5-moe-a2.7b.toml";
+    let s = spec(path, &[]);
+    let cost = CostModel::new(Cluster::preset("h100-sxm").unwrap().fit(8).unwrap());
+    let found = megac_sim::search(&s, 8, &cost, 10).unwrap();
+    assert_eq!(found.best.len(), 10);
+    for c in &found.best {
+        assert!(c.layout.ep > 1, "{}", c.layout.label());
+        let plan = plan_of(&c.layout.apply(&s));
+        let sim = simulate(&plan, &cost, false).unwrap().report;
+        let dt = c.estimate.step_seconds / sim.step_seconds - 1.0;
+        assert!(
+            dt.abs() < 0.02,
+            "{path} {}: plan {} s, simulate {} s ({dt:+.3})",
+            c.layout.label(),
+            c.estimate.step_seconds,
+            sim.step_seconds
+        );
+    }
+    // The example's own layout (dp 8, ep 4, micro-batch 1).
+    let plan = plan_of(&s);
+    let sim = simulate(&plan, &cost, false).unwrap().report;
+    let est = estimate(&s, &ParallelLayout::of_spec(&s), &cost);
+    let dt = est.step_seconds / sim.step_seconds - 1.0;
+    assert!(
+        dt.abs() < 0.02,
+        "{path}: model {} s, simulate {} s",
+        est.step_seconds,
+        sim.step_seconds
+    );
+}

@@ -60,18 +60,278 @@ pub fn is_known_buffer(name: &str) -> bool {
 /// missing tensors and unexpected tensors (every name, up to ten of each then a count),
 /// unsupported dtypes, shape mismatches (name, expected and found shapes), NaN or infinite
 /// values (each tensor with its count and first offender).
+///
+/// `path` may also be a sharded checkpoint ([`resolve_weights`]): a folder, or its
+/// [`SHARD_INDEX`] file, whose tensors are split over several files. The shards are read
+/// into one table first, so a sharded checkpoint loads exactly as the single file holding
+/// the same tensors. A tensor the model needs that the index does not list is "missing";
+/// the index and its shards must agree ([`read_sharded`]).
 pub fn load_params(
     path: &Path,
     expected: &[(String, Vec<usize>)],
     tied_embeddings: bool,
 ) -> Result<Vec<Vec<f32>>, RuntimeError> {
-    let name = path.display().to_string();
-    let err = |message: String| RuntimeError::Params {
-        path: name.clone(),
+    let err = |path: &Path, message: String| RuntimeError::Params {
+        path: path.display().to_string(),
         message,
     };
-    let bytes = read_file(path).map_err(err)?;
-    load_params_from_bytes(&name, bytes, expected, tied_embeddings)
+    match resolve_weights(path).map_err(|m| err(path, m))? {
+        Weights::File(file) => {
+            let bytes = read_file(&file).map_err(|m| err(&file, m))?;
+            load_params_from_bytes(
+                &file.display().to_string(),
+                bytes,
+                expected,
+                tied_embeddings,
+            )
+        }
+        Weights::Sharded(index) => {
+            let bytes = read_sharded(&index)?;
+            load_params_from_bytes(
+                &index.display().to_string(),
+                bytes,
+                expected,
+                tied_embeddings,
+            )
+            .map_err(|e| match e {
+                RuntimeError::Params { path, message } if message.starts_with("missing ") => {
+                    RuntimeError::Params {
+                        path,
+                        message: format!("{message} (the index lists no such tensor)"),
+                    }
+                }
+                e => e,
+            })
+        }
+    }
+}
+
+/// The index transformers' `save_pretrained` writes beside a sharded checkpoint:
+/// `{"metadata": {...}, "weight_map": {tensor name: shard file name}}`.
+pub const SHARD_INDEX: &str = "model.safetensors.index.json";
+
+/// The single file of an unsharded `save_pretrained` folder.
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// The largest index file read (a real one is a few hundred KiB).
+const MAX_SHARD_INDEX_BYTES: u64 = 64 << 20;
+
+/// Where Hugging Face weights are read from (see [`resolve_weights`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Weights {
+    /// One safetensors file.
+    File(std::path::PathBuf),
+    /// A sharded checkpoint: the path of its [`SHARD_INDEX`] (or another `*.index.json`).
+    Sharded(std::path::PathBuf),
+}
+
+/// Whether `path` is a folder of Hugging Face weights (it holds [`SINGLE_FILE`] or
+/// [`SHARD_INDEX`]), as opposed to, say, a megac checkpoint folder.
+pub fn is_weights_dir(path: &Path) -> bool {
+    path.is_dir() && (path.join(SINGLE_FILE).is_file() || path.join(SHARD_INDEX).is_file())
+}
+
+/// What `--init PATH` names, as transformers' `from_pretrained` reads a folder: a folder
+/// holding [`SINGLE_FILE`] is that file, else one holding [`SHARD_INDEX`] is that sharded
+/// checkpoint; a file whose name ends in `.index.json` is a sharded checkpoint's index;
+/// any other path is one safetensors file. A folder with neither is an error (a message).
+pub fn resolve_weights(path: &Path) -> Result<Weights, String> {
+    if path.is_dir() {
+        let single = path.join(SINGLE_FILE);
+        if single.is_file() {
+            return Ok(Weights::File(single));
+        }
+        let index = path.join(SHARD_INDEX);
+        if index.is_file() {
+            return Ok(Weights::Sharded(index));
+        }
+        return Err(format!(
+            "is a folder without {SINGLE_FILE} or {SHARD_INDEX} (give a safetensors file, a \
+             sharded checkpoint's index, or the folder save_pretrained wrote)"
+        ));
+    }
+    let is_index = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.ends_with(".index.json"));
+    Ok(if is_index {
+        Weights::Sharded(path.to_path_buf())
+    } else {
+        Weights::File(path.to_path_buf())
+    })
+}
+
+/// Read the sharded checkpoint whose index is `index` into the bytes of one safetensors
+/// file holding every tensor of every shard (each shard's data, in shard-name order, with
+/// its header's offsets moved), so that [`load_params_from_bytes`] loads it as it loads a
+/// single file. Shard files are named relative to the index's folder.
+///
+/// Errors ([`RuntimeError::Params`], naming the index or the shard): an unreadable or
+/// malformed index (serde_json's line and column), a `weight_map` entry that is not a plain
+/// file name, a shard file that is missing or is not a safetensors file, a tensor the index
+/// places in a shard that does not hold it, a tensor a shard holds that the index does not
+/// list or places in another shard.
+pub fn read_sharded(index: &Path) -> Result<Vec<u8>, RuntimeError> {
+    let shown = index.display().to_string();
+    let err = |message: String| RuntimeError::Params {
+        path: shown.clone(),
+        message,
+    };
+    let text = megac_ir::file::read_text(index, MAX_SHARD_INDEX_BYTES)
+        .map_err(|e| err(format!("cannot read the index: {e}")))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| err(format!("not a valid index (JSON): {e}")))?;
+    let Some(map) = json.get("weight_map").and_then(|m| m.as_object()) else {
+        return Err(err(
+            "not a valid index: no `weight_map` object (tensor name -> shard file)".into(),
+        ));
+    };
+    // Shard file -> the tensors the index places there.
+    let mut shards: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for (tensor, file) in map {
+        let Some(file) = file.as_str() else {
+            return Err(err(format!(
+                "not a valid index: weight_map[{tensor:?}] is {file}, not a file name"
+            )));
+        };
+        let plain = Path::new(file)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if file.is_empty() || !plain {
+            return Err(err(format!(
+                "weight_map[{tensor:?}] is {file:?}: a shard is a file name in the index's folder"
+            )));
+        }
+        shards.entry(file).or_default().push(tensor);
+    }
+    if shards.is_empty() {
+        return Err(err("the index's weight_map lists no tensor".into()));
+    }
+    let dir = index.parent().unwrap_or(Path::new(""));
+    // First the shards' headers: check them against the index and merge them, each shard's
+    // offsets moved past the data of the shards before it.
+    let mut header = serde_json::Map::new();
+    let mut data_len = 0u64;
+    for (file, listed) in &shards {
+        let path = dir.join(file);
+        let shard_err = shard_error(&path);
+        if !path.is_file() {
+            let mut listed: Vec<String> = listed.iter().map(|s| s.to_string()).collect();
+            listed.sort();
+            return Err(err(format!(
+                "shard {file} does not exist (the index places {} in it: {})",
+                count(listed.len(), "tensor"),
+                list(&listed)
+            )));
+        }
+        let (n, file_len, shard_header) = read_header(&path).map_err(&shard_err)?;
+        let mut absent: Vec<String> = listed
+            .iter()
+            .filter(|t| **t == "__metadata__" || !shard_header.contains_key(**t))
+            .map(|t| t.to_string())
+            .collect();
+        absent.sort();
+        if !absent.is_empty() {
+            return Err(shard_err(format!(
+                "the index {shown} places {} in this shard, which does not hold {}: {}",
+                count(absent.len(), "tensor"),
+                if absent.len() == 1 { "it" } else { "them" },
+                list(&absent)
+            )));
+        }
+        let mut unlisted: Vec<String> = shard_header
+            .keys()
+            .filter(|t| *t != "__metadata__")
+            .filter(|t| map.get(*t).and_then(|f| f.as_str()) != Some(*file))
+            .map(|t| match map.get(t).and_then(|f| f.as_str()) {
+                Some(other) => format!("{t} (which the index places in {other})"),
+                None => t.to_string(),
+            })
+            .collect();
+        unlisted.sort();
+        if !unlisted.is_empty() {
+            return Err(shard_err(format!(
+                "{} in this shard {} not listed for it in the index {shown}: {}",
+                count(unlisted.len(), "tensor"),
+                if unlisted.len() == 1 { "is" } else { "are" },
+                list(&unlisted)
+            )));
+        }
+        for (name, mut info) in shard_header {
+            if name == "__metadata__" {
+                continue;
+            }
+            let offsets = info.get_mut("data_offsets").and_then(|o| o.as_array_mut());
+            for o in offsets.into_iter().flatten() {
+                let moved = o.as_u64().and_then(|x| x.checked_add(data_len));
+                *o = moved
+                    .ok_or_else(|| shard_err(format!("{name}: bad data_offsets")))?
+                    .into();
+            }
+            header.insert(name, info);
+        }
+        data_len += file_len - 8 - n;
+    }
+    let mut head =
+        serde_json::to_vec(&header).map_err(|e| err(format!("cannot merge the shards: {e}")))?;
+    head.resize(head.len().div_ceil(8) * 8, b' ');
+    let too_large = || err("the shards are more than fits in memory".into());
+    let total = usize::try_from(data_len + 8 + head.len() as u64).map_err(|_| too_large())?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(total).map_err(|_| too_large())?;
+    out.extend_from_slice(&(head.len() as u64).to_le_bytes());
+    out.extend_from_slice(&head);
+    // Then each shard whole (the safetensors crate checks it), its data appended.
+    for file in shards.keys() {
+        let path = dir.join(file);
+        let shard_err = shard_error(&path);
+        let bytes = read_file(&path).map_err(&shard_err)?;
+        SafeTensors::deserialize(&bytes)
+            .map_err(|e| shard_err(format!("not a valid safetensors file: {e}")))?;
+        let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+        out.extend_from_slice(&bytes[8 + n..]);
+    }
+    if out.len() != total {
+        return Err(err("a shard changed while it was read".into()));
+    }
+    Ok(out)
+}
+
+/// A [`RuntimeError::Params`] about the shard file `path`.
+fn shard_error(path: &Path) -> impl Fn(String) -> RuntimeError + '_ {
+    move |message| RuntimeError::Params {
+        path: path.display().to_string(),
+        message,
+    }
+}
+
+/// The header of the safetensors file at `path`: its length in bytes, the file's length
+/// and the header's JSON object (tensor name -> dtype, shape, data_offsets).
+fn read_header(
+    path: &Path,
+) -> Result<(u64, u64, serde_json::Map<String, serde_json::Value>), String> {
+    let mut file = File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| format!("cannot read: {e}"))?
+        .len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|_| {
+        "not a valid safetensors file: shorter than its 8-byte header length".to_string()
+    })?;
+    let n = u64::from_le_bytes(len);
+    // The safetensors crate's own bound on a header.
+    if n > 100_000_000 || n > file_len - 8 {
+        return Err(format!(
+            "not a valid safetensors file: a header of {n} bytes in a file of {file_len}"
+        ));
+    }
+    let mut head = vec![0u8; n as usize];
+    file.read_exact(&mut head)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let json = serde_json::from_slice(&head)
+        .map_err(|e| format!("not a valid safetensors file (header JSON): {e}"))?;
+    Ok((n, file_len, json))
 }
 
 /// Read a whole file into memory, reserving the memory fallibly: a file too large for

@@ -17,9 +17,11 @@ pub struct EvalArgs {
     /// Override a model.toml key, e.g. `--set parallel.tp=2` (repeatable; model.toml only).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
-    /// The weights: a Hugging Face safetensors file, or a checkpoint written by `--save`
-    /// (its folder, for the latest complete step, or a step folder), saved in any layout.
-    #[arg(long, value_name = "FILE.safetensors|CHECKPOINT")]
+    /// The weights: Hugging Face safetensors (a file, a sharded checkpoint's
+    /// model.safetensors.index.json, or the folder holding either), or a checkpoint written
+    /// by `--save` (its folder, for the latest complete step, or a step folder), saved in
+    /// any layout.
+    #[arg(long, value_name = "FILE.safetensors|INDEX.json|DIR|CHECKPOINT")]
     pub init: PathBuf,
     /// The data: `synthetic`, a `.bin` file of little-endian u32 token ids, a `.txt` file
     /// (byte-level tokens, or paragraphs with --tokenizer), a `.jsonl` file (with
@@ -68,7 +70,9 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         CheckedPlan::check(plan)
             .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))?
     };
-    let weights = if args.init.is_dir() {
+    // A folder of Hugging Face weights (model.safetensors or a sharded checkpoint's index)
+    // is safetensors; any other folder is a megac checkpoint.
+    let weights = if args.init.is_dir() && !megac_runtime::hf::is_weights_dir(&args.init) {
         Weights::Checkpoint(args.init.clone())
     } else {
         Weights::Safetensors(args.init.clone())

@@ -14,8 +14,9 @@ use crate::ModelArgs;
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The weights (a Hugging Face safetensors file, save_pretrained layout).
-    #[arg(long, value_name = "FILE.safetensors")]
+    /// The weights: a Hugging Face safetensors file (save_pretrained layout), a sharded
+    /// checkpoint's model.safetensors.index.json, or the folder holding either.
+    #[arg(long, value_name = "FILE.safetensors|INDEX.json|DIR")]
     pub init: PathBuf,
     /// The prompt as text, tokenized byte by byte as `.txt` data is (docs/data.md), or with
     /// --tokenizer.

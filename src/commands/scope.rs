@@ -55,8 +55,9 @@ pub struct ScopeArgs {
     /// Override a model.toml key, e.g. `--set parallel.tp=2` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
-    /// The weights (a Hugging Face safetensors file, save_pretrained layout).
-    #[arg(long, value_name = "FILE.safetensors")]
+    /// The weights: a Hugging Face safetensors file (save_pretrained layout), a sharded
+    /// checkpoint's model.safetensors.index.json, or the folder holding either.
+    #[arg(long, value_name = "FILE.safetensors|INDEX.json|DIR")]
     pub init: PathBuf,
     /// The input as text, tokenized byte by byte as `.txt` data is (docs/data.md), or with
     /// --tokenizer.

@@ -145,6 +145,37 @@ impl Geo<'_> {
             self.act,
         )
     }
+    /// A grouped linear: `groups` weights `[n, k]`, each applied to its block of the `m`
+    /// stacked rows (MoE's local experts), one kernel.
+    pub(super) fn grouped(&self, m: f64, n: f64, k: f64, groups: f64) -> f64 {
+        self.cost.matmul(
+            m,
+            n,
+            k,
+            (m * k + m * n) * self.a + groups * k * n * W,
+            self.act,
+        )
+    }
+    /// [`Self::grouped`]'s input gradient (its output buffer is zeroed elsewhere).
+    pub(super) fn grouped_gi(&self, m: f64, n: f64, k: f64, groups: f64) -> f64 {
+        self.cost.matmul(
+            m,
+            k,
+            n,
+            (m * n + m * k) * self.a + groups * n * k * W,
+            self.act,
+        )
+    }
+    /// [`Self::grouped`]'s weight gradients (f32, accumulated).
+    pub(super) fn grouped_gw(&self, m: f64, n: f64, k: f64, groups: f64) -> f64 {
+        self.cost.matmul(
+            n,
+            k,
+            m,
+            (m * n + m * k) * self.a + 2.0 * groups * n * k * W,
+            self.act,
+        )
+    }
     pub(super) fn mem(&self, bytes: f64) -> f64 {
         self.cost.memory(bytes)
     }
@@ -429,13 +460,32 @@ fn mlp_block(
             f += g.lin(t, e, h) + g.mem(2.0 * t * e * 4.0 + t * k * 8.0) + g.mem(t * e * 4.0);
             b += g.lin_gi(t, e, h) + g.mem(3.0 * t * e * 4.0) + g.zero(t * e * 4.0);
             w += g.lin_gw(t, e, h);
-            for _ in 0..local as u64 {
-                f += g.mem(2.0 * m_e * h * a);
-                f += 2.0 * g.lin(m_e, f_l, h) + g.mem(3.0 * m_e * f_l * a) + g.lin(m_e, h, f_l);
-                b += g.mem(2.0 * m_e * h * a);
-                b += g.lin_gi(m_e, h, f_l) + g.mem(5.0 * m_e * f_l * a);
-                b += 2.0 * g.lin_gi(m_e, f_l, h) + g.grad_sum(m_e, h);
-                w += g.lin_gw(m_e, h, f_l) + 2.0 * g.lin_gw(m_e, f_l, h);
+            if layout.ep > 1 {
+                // Under expert parallelism the local experts run as one grouped kernel per
+                // op over their stacked token rows (the build pass stacks their weights
+                // along `experts`; the buffers are [local experts, rows, width]): one
+                // launch, `local · m_e` routed rows, `local` weight matrices. Their
+                // input-gradient buffers are zeroed with the reserved rows below.
+                let rows_l = local * m_e;
+                f += g.mem(2.0 * rows_l * h * a);
+                f += 2.0 * g.grouped(rows_l, f_l, h, local)
+                    + g.mem(3.0 * rows_l * f_l * a)
+                    + g.grouped(rows_l, h, f_l, local);
+                b += g.mem(2.0 * rows_l * h * a);
+                b += g.grouped_gi(rows_l, h, f_l, local) + g.mem(5.0 * rows_l * f_l * a);
+                b += 2.0 * g.grouped_gi(rows_l, f_l, h, local) + g.grad_sum(rows_l, h);
+                w +=
+                    g.grouped_gw(rows_l, h, f_l, local) + 2.0 * g.grouped_gw(rows_l, f_l, h, local);
+            } else {
+                // Without it, one dispatch and one SwiGLU MLP per expert.
+                for _ in 0..local as u64 {
+                    f += g.mem(2.0 * m_e * h * a);
+                    f += 2.0 * g.lin(m_e, f_l, h) + g.mem(3.0 * m_e * f_l * a) + g.lin(m_e, h, f_l);
+                    b += g.mem(2.0 * m_e * h * a);
+                    b += g.lin_gi(m_e, h, f_l) + g.mem(5.0 * m_e * f_l * a);
+                    b += 2.0 * g.lin_gi(m_e, f_l, h) + g.grad_sum(m_e, h);
+                    w += g.lin_gw(m_e, h, f_l) + 2.0 * g.lin_gw(m_e, f_l, h);
+                }
             }
             f += g.mem((t * k * h + t * h) * a);
             b += g.mem((2.0 * t * k * h + t * h) * a);
