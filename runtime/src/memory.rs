@@ -34,6 +34,8 @@ pub struct Memory {
     input: Vec<i32>,
     /// The widened copies of the 16-bit operands of the kernel being run.
     staging: UnsafeCell<Staging>,
+    /// The rank's fused kernels (`crate::fusion`; none when fusion is off).
+    fused: crate::fusion::Fused,
 }
 
 /// f32 copies of 16-bit buffers, made for one kernel call.
@@ -58,6 +60,7 @@ impl Memory {
     /// inside its arena. In a pipelined plan the rank holds only its stage's buffers, and each
     /// of its chunks' activations once per slot.
     pub fn new(plan: &megac_ir::gate::CheckedPlan, rank: usize) -> Result<Memory, RuntimeError> {
+        let checked = plan;
         let plan: &Plan = plan;
         let stage = plan.mesh.coord(rank, megac_ir::Axis::Pp) as u32;
         let role = plan
@@ -184,7 +187,9 @@ impl Memory {
         // Scratch for the widest instruction's 16-bit operands (each distinct buffer once).
         let scratch = plan.staging_elements(role);
         let words = |bytes: u64| bytes.div_ceil(4);
+        let fused = crate::fusion::Fused::build(checked, rank)?;
         Ok(Memory {
+            fused,
             buffers: plan.buffers.clone(),
             offsets,
             slots,
@@ -349,6 +354,27 @@ impl Memory {
             precision::narrow(kind, &st.scratch[start..start + len], bits);
         }
         st.entries.clear();
+    }
+
+    /// The rank's fused kernels.
+    pub(crate) fn fused(&self) -> &crate::fusion::Fused {
+        &self.fused
+    }
+
+    /// Buffer `b`'s storage as (pointer, elements), for a fused kernel that reads and
+    /// writes it in place (16-bit buffers as their raw bits: the kernel widens them).
+    #[cfg(feature = "mlir")]
+    pub(crate) fn raw(&self, b: BufId) -> (*mut u8, i64) {
+        match self.buffers[b as usize].dtype.size_bytes() {
+            2 => {
+                let s = self.slice_of::<u16>(b);
+                (s.as_mut_ptr() as *mut u8, s.len() as i64)
+            }
+            _ => {
+                let s = self.slice_of::<f32>(b);
+                (s.as_mut_ptr() as *mut u8, s.len() as i64)
+            }
+        }
     }
 
     /// Set buffer `b` to zero (any dtype).
