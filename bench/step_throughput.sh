@@ -24,9 +24,10 @@ if [ "${MLIR:-1}" != 0 ] && [ -x /usr/lib/llvm-22/bin/llvm-config ]; then
   modes=(off on)
 fi
 cargo build --release --quiet "${features[@]}"
+bin="${CARGO_TARGET_DIR:-target}/release/megac"
 plan=$(mktemp -d)
 trap 'rm -rf "$plan"' EXIT
-./target/release/megac compile bench/llama-bench.toml -o "$plan" >/dev/null
+"$bin" compile bench/llama-bench.toml -o "$plan" >/dev/null
 have_torch=0
 if "$py" -c "import torch, transformers" 2>/dev/null; then have_torch=1; fi
 
@@ -35,7 +36,7 @@ megac_run() {
   local mode=$1 report="$plan/report-$1.json" out="$plan/out-$1.txt" flag=()
   [ "$mode" != default ] && flag=(--fusion "$mode")
   # Step 1 warms up (first-touch page faults, thread pool, the JIT); tokens/s is over 2..N.
-  ./target/release/megac run "$plan" --steps "$steps" --report "$report" --profile "${flag[@]}" \
+  "$bin" run "$plan" --steps "$steps" --report "$report" --profile "${flag[@]}" \
     | tail -n +2 >"$out"
   python3 - "$report" "$out" <<'PY'
 import json, sys
