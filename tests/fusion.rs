@@ -111,7 +111,8 @@ fn check(file: &str, sets: &[&str]) -> BTreeMap<String, Diff> {
                     loss_scale: 1.0,
                 };
                 // A copy of the instructions is no program of the plan: run unfused.
-                run_program(&instrs.to_vec(), &checked, &a, &ctx, &mut SingleRank, None).unwrap();
+                let copy: Vec<Instr> = instrs.to_vec();
+                run_program(&copy, &checked, &a, &ctx, &mut SingleRank, None).unwrap();
                 assert!(megac_runtime::fusion::run_group(&checked, &b, instrs).unwrap());
                 let mut d = Diff::default();
                 for &buf in &written {

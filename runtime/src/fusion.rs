@@ -163,9 +163,12 @@ mod jit {
         })
     }
 
-    /// The process's compiled kernels by text hash (with the text, checked on a hit).
-    fn cache() -> &'static Mutex<HashMap<u64, (String, Arc<Kernel>)>> {
-        static CACHE: OnceLock<Mutex<HashMap<u64, (String, Arc<Kernel>)>>> = OnceLock::new();
+    /// Compiled kernels by text hash, with the text (checked on a hit).
+    type Cache = Mutex<HashMap<u64, (String, Arc<Kernel>)>>;
+
+    /// The process's compiled kernels.
+    fn cache() -> &'static Cache {
+        static CACHE: OnceLock<Cache> = OnceLock::new();
         CACHE.get_or_init(Default::default)
     }
 
