@@ -122,7 +122,7 @@ cargo clippy --workspace --all-targets --features mpi,mlir -- -D warnings
 # tests, and the test files that are feature-gated or hold feature-gated cases (the default
 # build above already ran every other test file against the same code). A new test file with
 # `cfg(feature = "mpi")` or `cfg(feature = "mlir")` cases belongs in this list.
-feature_tests=(--lib --test mpi --test mlir --test cli --test examples --test mpi_collectives)
+feature_tests=(--lib --test mpi --test mlir --test fusion --test cli --test examples --test mpi_collectives)
 step "--features mpi,mlir: cargo test --workspace --features mpi,mlir ${feature_tests[*]}"
 cargo test --workspace --features mpi,mlir "${feature_tests[@]}"
 

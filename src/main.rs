@@ -175,6 +175,12 @@ pub struct RunArgs {
     /// finding (the rank or link, the step, the score) on stderr; see docs/scan.md.
     #[arg(long)]
     pub scan: bool,
+    /// Fused kernels (issue 19; docs/mlir.md): `on` (in a build with the `mlir` feature)
+    /// runs each fused group of elementwise and row-reduction instructions as one kernel
+    /// generated through MLIR and JIT-compiled at startup; `off` (the default: the generated
+    /// kernels are not faster yet) runs every instruction with the Rust kernels.
+    #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
+    pub fusion: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -194,7 +200,8 @@ enum Command {
     Dump {
         #[command(flatten)]
         model: ModelArgs,
-        /// Stop after this pass (see `megac passes`).
+        /// Stop after this pass (see `megac passes`); `fuse` prints the fusion pass's
+        /// groups of the compiled plan's programs instead of the IR.
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
         /// Show rank R's local shapes instead of the global ones.

@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 mod bucket;
+pub mod fuse;
 mod memory;
 #[cfg(feature = "mlir")]
 pub mod mlir;

@@ -69,8 +69,37 @@ pub fn run_program(
         ctx,
         mesh: &plan.mesh,
     };
-    for instr in program {
+    // Fused groups (`crate::fusion`): one compiled kernel runs a group's instructions.
+    let fused = mem.fused().program(program);
+    let mut skip = 0;
+    for (index, instr) in program.iter().enumerate() {
+        if skip > 0 {
+            skip -= 1;
+            continue;
+        }
         let t0 = profile.as_ref().map(|_| std::time::Instant::now());
+        if let Some(call) = fused.and_then(|f| f[index].as_ref()) {
+            call.run(mem)?;
+            skip = call.len - 1;
+            if let (Some(p), Some(t0)) = (profile.as_deref_mut(), t0) {
+                let secs = t0.elapsed().as_secs_f64();
+                let e = p.by_op.entry("fused").or_default();
+                e.0 += secs;
+                e.2 += 1;
+                if let Some(events) = p.events.as_mut() {
+                    events.push(TraceEvent {
+                        name: "fused",
+                        path: match instr {
+                            Instr::Kernel { path, .. } => path.clone(),
+                            _ => String::new(),
+                        },
+                        start_s: t0.duration_since(p.origin).as_secs_f64(),
+                        seconds: secs,
+                    });
+                }
+            }
+            continue;
+        }
         let name = match instr {
             Instr::Zero { buffer } => {
                 mem.zero(*buffer);

@@ -31,6 +31,7 @@ pub mod data;
 pub mod error;
 pub mod eval;
 pub mod exec;
+pub mod fusion;
 pub mod hf;
 pub mod hostfile;
 pub mod infer;

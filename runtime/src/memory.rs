@@ -187,6 +187,8 @@ pub struct Memory {
     input: Vec<i32>,
     /// The widened copies of the 16-bit operands of the kernel being run.
     staging: UnsafeCell<Staging>,
+    /// The rank's fused kernels (`crate::fusion`; none when fusion is off).
+    fused: crate::fusion::Fused,
 }
 
 /// f32 copies of 16-bit buffers, made for one kernel call.
@@ -216,12 +218,14 @@ impl Memory {
             slots,
             arena_bytes: need,
         } = RankLayout::new(plan, rank)?;
+        let fused = crate::fusion::Fused::build(plan, rank)?;
         let plan: &Plan = plan;
         let role = &plan.roles[plan.rank_to_role[rank] as usize];
         // Scratch for the widest instruction's 16-bit operands (each distinct buffer once).
         let scratch = plan.staging_elements(role);
         let words = |bytes: u64| bytes.div_ceil(4);
         Ok(Memory {
+            fused,
             buffers: plan.buffers.clone(),
             offsets,
             slots,
@@ -386,6 +390,27 @@ impl Memory {
             precision::narrow(kind, &st.scratch[start..start + len], bits);
         }
         st.entries.clear();
+    }
+
+    /// The rank's fused kernels.
+    pub(crate) fn fused(&self) -> &crate::fusion::Fused {
+        &self.fused
+    }
+
+    /// Buffer `b`'s storage as (pointer, elements), for a fused kernel that reads and
+    /// writes it in place (16-bit buffers as their raw bits: the kernel widens them).
+    #[cfg(feature = "mlir")]
+    pub(crate) fn raw(&self, b: BufId) -> (*mut u8, i64) {
+        match self.buffers[b as usize].dtype.size_bytes() {
+            2 => {
+                let s = self.slice_of::<u16>(b);
+                (s.as_mut_ptr() as *mut u8, s.len() as i64)
+            }
+            _ => {
+                let s = self.slice_of::<f32>(b);
+                (s.as_mut_ptr() as *mut u8, s.len() as i64)
+            }
+        }
     }
 
     /// Set buffer `b` to zero (any dtype).

@@ -6,6 +6,14 @@ use crate::ModelArgs;
 
 /// Compile up to `after` and print the IR (rank `rank`'s local view if given).
 pub fn run(args: &ModelArgs, after: Option<&str>, rank: Option<usize>) -> Result<(), String> {
+    if after == Some("fuse") {
+        // The fusion pass runs on the plan's instruction streams: its groups, per role.
+        let plan = super::compile::build_plan(args)?;
+        let _ = std::io::stdout()
+            .lock()
+            .write_all(megac_codegen::fuse::dump(&plan).as_bytes());
+        return Ok(());
+    }
     let spec = super::load_spec(args)?;
     let module = super::compile(spec, after)?;
     let text = match (rank, &module.graph) {

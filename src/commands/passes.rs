@@ -13,6 +13,7 @@ pub fn run() -> Result<(), String> {
         ("schedule", "per-stage action lists (gpipe, 1f1b, interleaved, zb-h1, dpp) over F/B/W segments"),
         ("pipeline", "stage roles: chunk segments, tagged send/recv, per-stage optimizer and memory, FBD forward roles"),
         ("memory", "liveness placement of activations (one slot per micro-batch in flight), buckets, ZeRO-1"),
+        ("fuse", "groups of consecutive elementwise/row-reduction instructions run as one kernel (MLIR JIT in `mlir` builds; plan unchanged; megac dump --after fuse)"),
     ] {
         println!("    {name:width$}  {what}");
     }

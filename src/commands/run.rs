@@ -101,6 +101,15 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     if args.save_interval == Some(0) {
         return Err("error: --save-interval 0: checkpoint every N >= 1 steps".into());
     }
+    match args.fusion.as_deref() {
+        Some("on") if !cfg!(feature = "mlir") => {
+            return Err(
+                "error: --fusion on: fused kernels need a build with the `mlir` feature".into(),
+            )
+        }
+        Some("on") => megac_runtime::fusion::set_enabled(true),
+        _ => megac_runtime::fusion::set_enabled(false),
+    }
     Ok(RunOptions {
         steps: args.steps,
         data: args.data.clone(),

@@ -13,6 +13,11 @@ use melior::{Context, ExecutionEngine};
 /// The lowering from linalg on memrefs to the LLVM dialect.
 pub const PIPELINE: &str = "builtin.module(func.func(convert-linalg-to-loops),lower-affine,convert-scf-to-cf,expand-strided-metadata,finalize-memref-to-llvm,convert-math-to-llvm,convert-to-llvm,reconcile-unrealized-casts)";
 
+/// The lowering of fused kernels ([`super::fused_source`]): [`PIPELINE`] after expanding
+/// the bf16 conversions into integer arithmetic (round to nearest even, as the runtime's
+/// narrowing), which LLVM would otherwise lower to library calls the JIT cannot resolve.
+pub const FUSED_PIPELINE: &str = "builtin.module(func.func(arith-expand{include-bf16=true},convert-linalg-to-loops),lower-affine,convert-scf-to-cf,expand-strided-metadata,finalize-memref-to-llvm,convert-math-to-llvm,convert-to-llvm,reconcile-unrealized-casts)";
+
 /// Why a module could not be compiled or called.
 #[derive(Debug, thiserror::Error)]
 pub enum JitError {
@@ -55,6 +60,16 @@ impl Jit {
     /// Compile `source` (from [`super::function_source`]: functions on arenas of
     /// `arena_bytes`, each taking `extras` extra `index` arguments, with their C interface).
     pub fn compile(source: &str, arena_bytes: [u64; 5], extras: usize) -> Result<Jit, JitError> {
+        Self::compile_with(source, PIPELINE, arena_bytes, extras)
+    }
+
+    /// [`Jit::compile`] with the lowering `pipeline` (MLIR's textual pass pipeline).
+    pub fn compile_with(
+        source: &str,
+        pipeline: &str,
+        arena_bytes: [u64; 5],
+        extras: usize,
+    ) -> Result<Jit, JitError> {
         let context = super::verify::context();
         register_all_llvm_translations(&context);
         register_all_passes();
@@ -65,7 +80,7 @@ impl Jit {
             message: String::new(),
         })?;
         let pm = PassManager::new(&context);
-        parse_pass_pipeline(pm.as_operation_pass_manager(), PIPELINE).map_err(|e| {
+        parse_pass_pipeline(pm.as_operation_pass_manager(), pipeline).map_err(|e| {
             JitError::Compile {
                 stage: "pipeline",
                 message: e.to_string(),
@@ -140,6 +155,40 @@ impl Jit {
         // SAFETY: every argument points at a live value of the type the C interface takes
         // (a descriptor pointer per arena, an i64 per index); the descriptors describe the
         // caller's arenas, which are at least as large as the module's types say.
+        unsafe { self.engine.invoke_packed(name, &mut args) }
+            .map_err(|_| JitError::Call(name.to_string()))
+    }
+
+    /// Call function `name` of a fused kernel ([`super::fused_source`]) on its buffers:
+    /// each a (pointer, elements) pair, in the function's argument order.
+    ///
+    /// # Safety
+    /// Each pointer must be valid for reads and writes of its count of elements of the
+    /// type the function's argument has, and stay so during the call; buffers the
+    /// function writes must not be accessed by anything else meanwhile.
+    pub unsafe fn call_buffers(
+        &self,
+        name: &str,
+        buffers: &[(*mut u8, i64)],
+    ) -> Result<(), JitError> {
+        let mut descs: Vec<Descriptor> = buffers
+            .iter()
+            .map(|&(p, n)| Descriptor {
+                allocated: p,
+                aligned: p,
+                offset: 0,
+                size: n,
+                stride: 1,
+            })
+            .collect();
+        let mut desc_ptrs: Vec<*mut Descriptor> =
+            descs.iter_mut().map(|d| d as *mut Descriptor).collect();
+        let mut args: Vec<*mut ()> = desc_ptrs
+            .iter_mut()
+            .map(|p| p as *mut *mut Descriptor as *mut ())
+            .collect();
+        // SAFETY: every argument points at a live descriptor pointer, as the C interface
+        // takes them; the caller guarantees the buffers they describe.
         unsafe { self.engine.invoke_packed(name, &mut args) }
             .map_err(|_| JitError::Call(name.to_string()))
     }

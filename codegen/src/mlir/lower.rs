@@ -145,6 +145,22 @@ fn generic(
     outs: &[(&Arg, Vec<String>)],
     body: impl FnOnce(&mut Body, &[String], &[String]) -> Vec<String>,
 ) {
+    // Deferred zeros (fused kernels): an input is zeroed before it is read; an output
+    // written elementwise (identity map, no reduction) starts from 0 instead of its value.
+    for (a, _) in ins {
+        f.materialize(&a.name);
+    }
+    let identity = ds(0..loops);
+    let mut fresh_out = Vec::new();
+    for (a, e) in outs {
+        let absorbed = f.fresh.contains_key(&a.name) && reductions.is_empty() && *e == identity;
+        if absorbed {
+            f.fresh.remove(&a.name);
+        } else {
+            f.materialize(&a.name);
+        }
+        fresh_out.push(absorbed);
+    }
     let maps: Vec<String> = ins.iter().chain(outs).map(|(_, e)| map(loops, e)).collect();
     let iters: Vec<&str> = (0..loops)
         .map(|l| {
@@ -175,7 +191,11 @@ fn generic(
     for (i, (a, _)) in outs.iter().enumerate() {
         let n = format!("%out{i}");
         args.push(format!("{n}: {}", elem(a.dtype)));
-        out_vals.push(n);
+        if fresh_out[i] {
+            out_vals.push(b.c(0.0));
+        } else {
+            out_vals.push(n);
+        }
     }
     let ys = body(&mut b, &in_vals, &out_vals);
     let out_tys: Vec<&str> = outs.iter().map(|(a, _)| elem(a.dtype)).collect();
@@ -355,6 +375,7 @@ fn expand(f: &mut Func, a: &Arg, dim: usize, outer: u64, inner: u64) -> Arg {
 }
 
 fn fill_zero(f: &mut Func, a: &Arg) {
+    f.fresh.remove(&a.name);
     let z = f.zero(a.dtype);
     f.line(format!(
         "linalg.fill ins({z} : {}) outs({} : {})",

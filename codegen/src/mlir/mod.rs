@@ -24,7 +24,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use megac_ir::plan::{Instr, Plan, Role};
+use megac_ir::plan::{BufId, Instr, Plan, Role};
+use megac_ir::types::DType;
 
 pub use lower::lowered;
 use text::{arena_arg, memref_ty, str_attr, Extra, Func, CLASSES};
@@ -268,4 +269,55 @@ pub fn write_modules(plan: &Plan, dir: &Path) -> Result<Vec<PathBuf>, MlirError>
         paths.push(path);
     }
     Ok(paths)
+}
+
+/// The kernel of a fused group ([`crate::fuse`]): a module holding one function `@fused`
+/// (with its C interface) that runs `instrs` in order, taking each buffer they use as an
+/// argument of its own, a rank-1 memref of its elements (reshaped inside to the buffer's
+/// shape). A `zero` of an f32 buffer is deferred: the first kernel that writes the buffer
+/// elementwise starts from 0 instead of reading it ([`text::Func::materialize`] zeroes it
+/// otherwise). Returns the text and the buffers in argument order, or `None` when an
+/// instruction has no lowering in this form (its text would call a runtime symbol).
+pub fn fused_source(plan: &Plan, instrs: &[Instr]) -> Option<(String, Vec<BufId>)> {
+    let mut decls = BTreeMap::new();
+    let mut collectives = 0u64;
+    let mut f = Func::new(plan, [0; 5], &mut decls, &mut collectives);
+    f.buffer_args = Some(Vec::new());
+    for i in instrs {
+        match i {
+            Instr::Zero { buffer } if plan.buffers[*buffer as usize].dtype == DType::F32 => {
+                let v = f.view(*buffer);
+                f.materialize(&v.name);
+                f.fresh.insert(v.name.clone(), v);
+            }
+            _ => lower::instr(&mut f, i),
+        }
+    }
+    let pending: Vec<String> = f.fresh.keys().cloned().collect();
+    for n in pending {
+        f.materialize(&n);
+    }
+    if !f.decls.is_empty() {
+        return None;
+    }
+    let buffers = f.buffer_args.take().unwrap_or_default();
+    let args: Vec<String> = buffers
+        .iter()
+        .enumerate()
+        .map(|(k, &b)| {
+            let buf = &plan.buffers[b as usize];
+            format!("%a{k}: {}", memref_ty(&[buf.len()], text::elem(buf.dtype)))
+        })
+        .collect();
+    let mut out = String::from("module {\n");
+    let _ = writeln!(
+        out,
+        "  func.func @fused({}) attributes {{llvm.emit_c_interface}} {{",
+        args.join(", ")
+    );
+    for l in &f.lines {
+        let _ = writeln!(out, "    {l}");
+    }
+    out.push_str("    return\n  }\n}\n");
+    Some((out, buffers))
 }

@@ -85,6 +85,14 @@ pub(crate) struct Func<'p> {
     pub decls: &'p mut BTreeMap<String, Vec<String>>,
     /// Sequence number of the next collective (its tag).
     pub collectives: &'p mut u64,
+    /// Buffer-argument mode (fused kernels): each buffer is an argument of its own, a
+    /// rank-1 memref of its elements, instead of a view of an arena; the buffers in
+    /// first-use order.
+    pub buffer_args: Option<Vec<BufId>>,
+    /// Buffers whose `zero` is deferred (fused kernels): a `linalg.generic` that writes one
+    /// of them elementwise as its output uses 0 for its old value; any other use zeroes it
+    /// first ([`Func::materialize`]).
+    pub fresh: BTreeMap<String, View>,
 }
 
 /// The classes in arena-argument order.
@@ -118,6 +126,21 @@ impl<'p> Func<'p> {
             extras: BTreeMap::new(),
             decls,
             collectives,
+            buffer_args: None,
+            fresh: BTreeMap::new(),
+        }
+    }
+
+    /// Zero buffer view `v` now if its `zero` was deferred.
+    pub fn materialize(&mut self, name: &str) {
+        if let Some(v) = self.fresh.remove(name) {
+            let z = self.zero(v.dtype);
+            self.line(format!(
+                "linalg.fill ins({z} : {}) outs({} : {})",
+                elem(v.dtype),
+                v.name,
+                v.ty
+            ));
         }
     }
 
@@ -197,6 +220,35 @@ impl<'p> Func<'p> {
             return v.clone();
         }
         let b: &Buffer = &self.plan.buffers[id as usize];
+        if let Some(args) = self.buffer_args.as_mut() {
+            let k = args.len();
+            args.push(id);
+            let ty = memref_ty(&b.shape, elem(b.dtype));
+            let flat = memref_ty(&[b.len()], elem(b.dtype));
+            let arg = format!("%a{k}");
+            let (name, dtype, shape) = (self.fresh("b"), b.dtype, b.shape.clone());
+            let dims: Vec<String> = shape.iter().map(|n| n.to_string()).collect();
+            if shape.is_empty() {
+                self.line(format!(
+                    "{name} = memref.collapse_shape {arg} [] : {flat} into {ty}"
+                ));
+            } else {
+                let all: Vec<String> = (0..shape.len()).map(|d| d.to_string()).collect();
+                self.line(format!(
+                    "{name} = memref.expand_shape {arg} [[{}]] output_shape [{}] : {flat} into {ty}",
+                    all.join(", "),
+                    dims.join(", ")
+                ));
+            }
+            let v = View {
+                name,
+                ty,
+                dtype,
+                shape,
+            };
+            self.views.insert(id, v.clone());
+            return v;
+        }
         let size = b.dtype.size_bytes();
         let mut shift = match &b.rank_offset {
             None => self.index(b.offset * size),

@@ -1,0 +1,253 @@
+//! The fusion pass: groups chains of elementwise and row-reduction instructions of a
+//! program into fused groups, each run as one kernel (with the `mlir` feature, one
+//! function generated through MLIR and JIT-compiled by the runtime, `megac_runtime`'s
+//! `fusion` module).
+//!
+//! The grouping is a pure, deterministic function of a checked plan's instruction stream:
+//! nothing of it is written into the plan, so `plan.json` is the same with and without
+//! fusion and in every build (`megac dump MODEL --after fuse` prints the groups).
+//!
+//! ## Legality
+//! An instruction is a *member* when it is a `zero`, or a kernel whose op is elementwise or
+//! a row reduction with a linalg lowering ([`fusible_op`]: `add`, `grad_sum`, `bias_add`,
+//! `cast`, `swiglu`, `gelu_tanh`, `sigmoid_mul` and their gradients, `rms_norm`,
+//! `rms_norm_grad`, `layer_norm`) and that does not communicate inside itself (no
+//! implicit collective). A group is a run of *consecutive* members of one program: no
+//! instruction is moved, so every read and write happens in the program's order and the
+//! group computes what its instructions compute one after the other (buffers that share
+//! memory by liveness stay correct). Collectives, transfers, matmuls and the kernels
+//! without a lowering (attention, RoPE, cross-entropy, AdamW, ...) end a group.
+//!
+//! ## Profit
+//! A member joins the group before it only when it is *connected* to it: it reads or
+//! writes a buffer an earlier member writes (a producer-consumer chain: residual add then
+//! RMSNorm, a gradient kernel then the `grad_sum` of its result), or it is a `zero`
+//! (which the next member may accumulate into). Trailing `zero`s that nothing in the
+//! group writes afterwards are left out, and a group must hold at least two instructions
+//! and one kernel; at most [`MAX_GROUP`] instructions. What a group saves: one call
+//! instead of several, and every `zero` followed by a kernel that accumulates into it
+//! elementwise is not run at all: that kernel writes `0 + value` instead of reading the
+//! zeroed buffer (the same bits), which saves a write and a read of the buffer.
+
+use megac_ir::plan::{BufId, Instr};
+use megac_ir::OpKind;
+
+/// The most instructions in one group.
+pub const MAX_GROUP: usize = 8;
+
+/// A fused group: instructions `start..start + len` of a program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Group {
+    /// Index of the first instruction.
+    pub start: usize,
+    /// How many instructions.
+    pub len: usize,
+}
+
+impl Group {
+    /// The group's instructions in `program`.
+    pub fn instrs<'a>(&self, program: &'a [Instr]) -> &'a [Instr] {
+        &program[self.start..self.start + self.len]
+    }
+
+    /// Its pattern: the members' op names joined by `+` (`zero+rms_norm_grad`).
+    pub fn pattern(&self, program: &[Instr]) -> String {
+        self.instrs(program)
+            .iter()
+            .map(|i| match i {
+                Instr::Zero { .. } => "zero",
+                Instr::Kernel { op, .. } => op.name(),
+                Instr::Send { .. } => "send",
+                Instr::Recv { .. } => "recv",
+            })
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+}
+
+/// Whether kernels of `op` may join a group (elementwise or row reductions with a linalg
+/// lowering).
+pub fn fusible_op(op: &OpKind) -> bool {
+    matches!(
+        op,
+        OpKind::Add
+            | OpKind::GradSum
+            | OpKind::BiasAdd
+            | OpKind::Cast { .. }
+            | OpKind::SwiGlu
+            | OpKind::SwiGluGrad
+            | OpKind::GeluTanh
+            | OpKind::GeluTanhGrad
+            | OpKind::SigmoidMul
+            | OpKind::SigmoidMulGrad
+            | OpKind::RmsNorm { .. }
+            | OpKind::RmsNormGrad { .. }
+            | OpKind::LayerNorm { .. }
+    ) && op.implicit_collective().is_none()
+}
+
+/// Whether instruction `i` may be a member of a group.
+pub fn member(i: &Instr) -> bool {
+    match i {
+        Instr::Zero { .. } => true,
+        Instr::Kernel { op, .. } => fusible_op(op),
+        Instr::Send { .. } | Instr::Recv { .. } => false,
+    }
+}
+
+/// The buffers `i` reads and writes: (reads, writes).
+fn access(i: &Instr) -> (&[BufId], &[BufId]) {
+    match i {
+        Instr::Zero { buffer } => (&[], std::slice::from_ref(buffer)),
+        Instr::Kernel {
+            inputs, outputs, ..
+        } => (inputs, outputs),
+        Instr::Send { buffer, .. } => (std::slice::from_ref(buffer), &[]),
+        Instr::Recv { buffer, .. } => (&[], std::slice::from_ref(buffer)),
+    }
+}
+
+/// The fused groups of `program`, in program order (disjoint).
+pub fn groups(program: &[Instr]) -> Vec<Group> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < program.len() {
+        if !member(&program[i]) {
+            i += 1;
+            continue;
+        }
+        let mut written: Vec<BufId> = access(&program[i]).1.to_vec();
+        let mut end = i + 1;
+        while end < program.len() && end - i < MAX_GROUP && member(&program[end]) {
+            let (r, w) = access(&program[end]);
+            let connected = matches!(program[end], Instr::Zero { .. })
+                || r.iter().chain(w).any(|b| written.contains(b));
+            if !connected {
+                break;
+            }
+            written.extend_from_slice(w);
+            end += 1;
+        }
+        // Trailing zeros that nothing in the group writes afterwards stay out.
+        while end > i + 1 && matches!(program[end - 1], Instr::Zero { .. }) {
+            end -= 1;
+        }
+        let len = end - i;
+        let kernels = program[i..end]
+            .iter()
+            .filter(|x| matches!(x, Instr::Kernel { .. }))
+            .count();
+        if len >= 2 && kernels >= 1 {
+            out.push(Group { start: i, len });
+            i = end;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The named programs of a role, as the runtime runs them: `microbatch`, `optimizer`, and
+/// per pipeline chunk `chunk<c>_forward`, `_backward`, `_weight`.
+pub fn programs(role: &megac_ir::plan::Role) -> Vec<(String, &[Instr])> {
+    let mut out: Vec<(String, &[Instr])> = vec![
+        ("microbatch".into(), &role.microbatch[..]),
+        ("optimizer".into(), &role.optimizer[..]),
+    ];
+    if let Some(p) = &role.pipeline {
+        for c in &p.chunks {
+            out.push((format!("chunk{}_forward", c.chunk), &c.forward[..]));
+            out.push((format!("chunk{}_backward", c.chunk), &c.backward[..]));
+            out.push((format!("chunk{}_weight", c.chunk), &c.weight[..]));
+        }
+    }
+    out
+}
+
+/// The pass's dump of a plan: per role and program, each group's instruction range,
+/// pattern and the provenance path of its first kernel; then a count of groups by pattern.
+pub fn dump(plan: &megac_ir::plan::Plan) -> String {
+    use std::collections::BTreeMap;
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    for role in &plan.roles {
+        let mut by_pattern: BTreeMap<String, usize> = BTreeMap::new();
+        let _ = writeln!(s, "role {}:", role.name);
+        for (name, program) in programs(role) {
+            let gs = groups(program);
+            if gs.is_empty() {
+                continue;
+            }
+            let fused: usize = gs.iter().map(|g| g.len).sum();
+            let _ = writeln!(
+                s,
+                "  {name}: {} groups, {fused} of {} instructions",
+                gs.len(),
+                program.len()
+            );
+            for g in &gs {
+                let pattern = g.pattern(program);
+                let path = g
+                    .instrs(program)
+                    .iter()
+                    .find_map(|i| match i {
+                        Instr::Kernel { path, .. } => Some(path.as_str()),
+                        _ => None,
+                    })
+                    .unwrap_or("");
+                let _ = writeln!(
+                    s,
+                    "    [{}..{}) {pattern}  {path}",
+                    g.start,
+                    g.start + g.len
+                );
+                *by_pattern.entry(pattern).or_default() += 1;
+            }
+        }
+        for (p, n) in by_pattern {
+            let _ = writeln!(s, "  {n:>4} x {p}");
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(op: OpKind, inputs: &[BufId], outputs: &[BufId]) -> Instr {
+        Instr::Kernel {
+            op,
+            inputs: inputs.to_vec(),
+            outputs: outputs.to_vec(),
+            path: String::new(),
+        }
+    }
+
+    #[test]
+    fn chains_group_and_independent_ops_do_not() {
+        let lin = OpKind::Linear {
+            weight: megac_ir::WeightLayout::OutIn,
+        };
+        let p = vec![
+            k(OpKind::Add, &[1, 2], &[3]),
+            k(OpKind::RmsNorm { eps: 1e-5 }, &[3, 4], &[5]),
+            k(lin.clone(), &[5, 6], &[7]),
+            Instr::Zero { buffer: 8 },
+            Instr::Zero { buffer: 9 },
+            k(OpKind::SwiGluGrad, &[10, 11, 12], &[8, 9]),
+            Instr::Zero { buffer: 13 },
+            k(lin, &[8, 6], &[13]),
+            // Independent of each other: no group.
+            k(OpKind::Add, &[1, 2], &[14]),
+            k(OpKind::Add, &[1, 2], &[15]),
+        ];
+        let g = groups(&p);
+        assert_eq!(
+            g,
+            vec![Group { start: 0, len: 2 }, Group { start: 3, len: 3 }]
+        );
+        assert_eq!(g[0].pattern(&p), "add+rms_norm");
+        assert_eq!(g[1].pattern(&p), "zero+zero+swiglu_grad");
+    }
+}

@@ -1,0 +1,245 @@
+//! The fusion pass's kernels (issue 19; docs/mlir.md): every fused group of the tiny
+//! examples and of a bf16 and a tp2 layout, JIT-compiled through MLIR and run on random
+//! data, against the same instructions run one by one by the Rust kernels; and training
+//! with fusion on against fusion off.
+#![cfg(feature = "mlir")]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use megac_ir::gate::CheckedPlan;
+use megac_ir::plan::{BufId, Instr, Plan};
+use megac_runtime::comm::SingleRank;
+use megac_runtime::exec::{run_program, StepContext};
+use megac_runtime::memory::Memory;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn plan(file: &str, sets: &[&str]) -> Plan {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let spec = megac_frontend::load(&root().join(file), &sets)
+        .unwrap_or_else(|e| panic!("{}", e.render()));
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap()
+}
+
+/// The buffers `instrs` read or write, and those they write.
+fn buffers(instrs: &[Instr]) -> (Vec<BufId>, Vec<BufId>) {
+    let (mut all, mut written) = (Vec::new(), Vec::new());
+    for i in instrs {
+        match i {
+            Instr::Zero { buffer } => {
+                all.push(*buffer);
+                written.push(*buffer);
+            }
+            Instr::Kernel {
+                inputs, outputs, ..
+            } => {
+                all.extend(inputs);
+                all.extend(outputs);
+                written.extend(outputs);
+            }
+            _ => unreachable!("no transfers in a fused group"),
+        }
+    }
+    all.sort_unstable();
+    all.dedup();
+    written.sort_unstable();
+    written.dedup();
+    (all, written)
+}
+
+/// Distance in units in the last place of `bits`-bit floats (f32 or the top half, bf16).
+fn ulps(a: f32, b: f32, half: bool) -> u64 {
+    let key = |x: f32| {
+        let i = x.to_bits() as i32;
+        let k = if i < 0 { i32::MIN - i } else { i };
+        i64::from(if half { k >> 16 } else { k })
+    };
+    key(a).abs_diff(key(b))
+}
+
+/// What a fused kernel's outputs differ from the Rust kernels' by: the most units in the
+/// last place of any element, and the largest difference over the largest magnitude of
+/// its buffer in units of the format's epsilon (f32, or bf16 for bf16 buffers).
+#[derive(Clone, Copy, Debug, Default)]
+struct Diff {
+    ulps: u64,
+    scaled: f64,
+}
+
+/// The worst [`Diff`] of every distinct fused group (by kernel text) of `file` with
+/// `sets`, by pattern.
+fn check(file: &str, sets: &[&str]) -> BTreeMap<String, Diff> {
+    let checked = CheckedPlan::check(plan(file, sets)).unwrap();
+    let p: &Plan = &checked;
+    megac_runtime::fusion::set_enabled(false);
+    let mut seen = std::collections::HashSet::new();
+    let mut worst: BTreeMap<String, Diff> = BTreeMap::new();
+    let mut rng = megac_runtime::rng::SplitMix64(7);
+    for (ri, role) in p.roles.iter().enumerate() {
+        let rank = p
+            .rank_to_role
+            .iter()
+            .position(|&r| r as usize == ri)
+            .unwrap();
+        let mut a = Memory::new(&checked, rank).unwrap();
+        let mut b = Memory::new(&checked, rank).unwrap();
+        for (_, program) in megac_codegen::fuse::programs(role) {
+            for g in megac_codegen::fuse::groups(program) {
+                let instrs = g.instrs(program);
+                let text = megac_runtime::fusion::group_source(p, instrs)
+                    .unwrap_or_else(|| panic!("{file}: no fused form of {}", g.pattern(program)));
+                if !seen.insert(text) {
+                    continue;
+                }
+                let (all, written) = buffers(instrs);
+                for &buf in &all {
+                    let n = p.buffers[buf as usize].len() as usize;
+                    let v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+                    a.write_f32(buf, &v);
+                    b.write_f32(buf, &v);
+                }
+                let ctx = StepContext {
+                    step: 1,
+                    lr: 1e-3,
+                    microbatch: 0,
+                    loss_scale: 1.0,
+                };
+                // A copy of the instructions is no program of the plan: run unfused.
+                let copy: Vec<Instr> = instrs.to_vec();
+                run_program(&copy, &checked, &a, &ctx, &mut SingleRank, None).unwrap();
+                assert!(megac_runtime::fusion::run_group(&checked, &b, instrs).unwrap());
+                let mut d = Diff::default();
+                for &buf in &written {
+                    let half = p.buffers[buf as usize].dtype.is_half();
+                    let eps = if half { 2f64.powi(-8) } else { 2f64.powi(-23) };
+                    let (x, y) = (a.read_f32(buf), b.read_f32(buf));
+                    let scale = x.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
+                    for (u, v) in x.iter().zip(&y) {
+                        assert!(v.is_finite(), "{file} {}: non-finite", g.pattern(program));
+                        d.ulps = d.ulps.max(ulps(*u, *v, half));
+                        let e = f64::from((u - v).abs()) / (scale.max(1e-30) * eps);
+                        d.scaled = d.scaled.max(e);
+                    }
+                }
+                let e = worst.entry(g.pattern(program)).or_default();
+                e.ulps = e.ulps.max(d.ulps);
+                e.scaled = e.scaled.max(d.scaled);
+            }
+        }
+    }
+    eprintln!("{file} {sets:?}: {worst:?}");
+    worst
+}
+
+#[test]
+fn fused_kernels_compute_what_the_rust_kernels_compute() {
+    let mut all: BTreeMap<String, Diff> = BTreeMap::new();
+    for (file, sets) in [
+        ("examples/llama-tiny.toml", &[][..]),
+        ("examples/gpt-tiny.toml", &[][..]),
+        (
+            "examples/llama-tiny.toml",
+            &["train.precision=\"bf16\""][..],
+        ),
+        ("examples/gpt-tiny.toml", &["parallel.tp=2"][..]),
+    ] {
+        let w = check(file, sets);
+        assert!(!w.is_empty(), "{file} {sets:?}: no fused groups");
+        for (k, v) in w {
+            let e = all.entry(k).or_default();
+            e.ulps = e.ulps.max(v.ulps);
+            e.scaled = e.scaled.max(v.scaled);
+        }
+    }
+    for (pattern, d) in &all {
+        // Sums in the same order (the zero elided before an accumulating add): bitwise.
+        let same_order = pattern
+            .split('+')
+            .all(|op| matches!(op, "zero" | "add" | "grad_sum" | "bias_add" | "cast"));
+        if same_order {
+            assert_eq!(d.ulps, 0, "{pattern}: {d:?}");
+        }
+        // Otherwise (row sums in another order, libm's exp/tanh against the Rust kernels'):
+        // within a few epsilons of the buffer's largest magnitude.
+        assert!(d.scaled <= 16.0, "{pattern}: {d:?}");
+    }
+}
+
+/// Losses and gradient norms of `megac train` on the tiny llama for 4 steps.
+fn train(sets: &[&str], fusion: &str) -> Vec<(f64, f64)> {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_megac"));
+    cmd.args([
+        "train",
+        "examples/llama-tiny.toml",
+        "--steps",
+        "4",
+        "--fusion",
+        fusion,
+    ])
+    .arg("--report")
+    .arg(&report)
+    .current_dir(root());
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    r["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["loss"].as_f64().unwrap(),
+                s["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn training_with_fusion_equals_training_without() {
+    for sets in [&[][..], &["parallel.tp=2"][..]] {
+        let (on, off) = (train(sets, "on"), train(sets, "off"));
+        assert_eq!(on.len(), 4);
+        for (s, (a, b)) in on.iter().zip(&off).enumerate() {
+            let rel = |x: f64, y: f64| (x - y).abs() / y.abs().max(1e-30);
+            eprintln!(
+                "{sets:?} step {}: loss on {} off {} (rel {:e}), grad norm rel {:e}",
+                s + 1,
+                a.0,
+                b.0,
+                rel(a.0, b.0),
+                rel(a.1, b.1)
+            );
+            assert!(
+                rel(a.0, b.0) <= 1e-5,
+                "{sets:?} step {}: loss {} vs {}",
+                s + 1,
+                a.0,
+                b.0
+            );
+            assert!(
+                rel(a.1, b.1) <= 1e-4,
+                "{sets:?} step {}: grad norm {} vs {}",
+                s + 1,
+                a.1,
+                b.1
+            );
+        }
+    }
+}
