@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use megac_ir::plan::{BufId, Instr, Plan, Role};
+use megac_ir::plan::{BufId, Instr, Plan};
 use megac_ir::types::DType;
 
 pub use lower::lowered;
@@ -56,22 +56,6 @@ pub enum MlirError {
 /// The file name of role `name`'s module: `role-<name>.mlir`.
 pub fn file_name(role: &str) -> String {
     format!("role-{role}.mlir")
-}
-
-/// The programs of a role: (function name, instructions).
-fn programs(role: &Role) -> Vec<(String, &[Instr])> {
-    let mut out: Vec<(String, &[Instr])> = vec![
-        ("microbatch".into(), &role.microbatch[..]),
-        ("optimizer".into(), &role.optimizer[..]),
-    ];
-    if let Some(p) = &role.pipeline {
-        for c in &p.chunks {
-            out.push((format!("chunk{}_forward", c.chunk), &c.forward[..]));
-            out.push((format!("chunk{}_backward", c.chunk), &c.backward[..]));
-            out.push((format!("chunk{}_weight", c.chunk), &c.weight[..]));
-        }
-    }
-    out
 }
 
 /// The role's arena sizes in bytes, by class index.
@@ -193,7 +177,7 @@ pub fn role_source(plan: &Plan, role: usize) -> String {
     let mut decls = BTreeMap::new();
     let mut collectives = 0u64;
     let mut funcs = String::new();
-    for (name, instrs) in programs(&plan.roles[role]) {
+    for (name, instrs) in crate::fuse::programs(&plan.roles[role]) {
         let (text, _) = function_text(
             plan,
             bytes,
