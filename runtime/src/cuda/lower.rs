@@ -275,6 +275,20 @@ impl Ctx<'_> {
         self.ops.push(DeviceOp::Kernel { name, launch, args });
     }
 
+    /// An elementwise kernel over `n` elements whose parameters are `bufs`, then `n`.
+    fn elementwise(
+        &mut self,
+        name: &'static str,
+        n: u64,
+        bufs: &[BufId],
+    ) -> Result<(), LowerError> {
+        let launch = self.launch(launch::elementwise(n))?;
+        let mut args: Vec<Arg> = bufs.iter().map(|&b| Arg::Buf(b)).collect();
+        args.push(Arg::U64(n));
+        self.kernel(name, launch, args);
+        Ok(())
+    }
+
     /// `bytes` of workspace for this instruction; its byte offset.
     fn scratch(&mut self, bytes: u64) -> u64 {
         let at = self.work;
@@ -672,17 +686,7 @@ impl Lowerer<'_> {
             }
             OpKind::Add => {
                 let n = self.numel(outs[0]);
-                let l = elem(c, n)?;
-                c.kernel(
-                    "add_fwd",
-                    l,
-                    vec![
-                        Arg::Buf(ins[0]),
-                        Arg::Buf(ins[1]),
-                        Arg::Buf(outs[0]),
-                        Arg::U64(n),
-                    ],
-                );
+                c.elementwise("add_fwd", n, &[ins[0], ins[1], outs[0]])?;
             }
             OpKind::BiasAdd => {
                 let n = self.numel(outs[0]);
@@ -702,12 +706,7 @@ impl Lowerer<'_> {
             OpKind::GradSum => {
                 let n = self.numel(outs[0]);
                 for &x in ins {
-                    let l = elem(c, n)?;
-                    c.kernel(
-                        "accumulate",
-                        l,
-                        vec![Arg::Buf(outs[0]), Arg::Buf(x), Arg::U64(n)],
-                    );
+                    c.elementwise("accumulate", n, &[outs[0], x])?;
                 }
             }
             OpKind::BiasGrad => {
@@ -727,33 +726,11 @@ impl Lowerer<'_> {
             }
             OpKind::SwiGlu => {
                 let n = self.numel(outs[0]);
-                let l = elem(c, n)?;
-                c.kernel(
-                    "swiglu_fwd",
-                    l,
-                    vec![
-                        Arg::Buf(ins[0]),
-                        Arg::Buf(ins[1]),
-                        Arg::Buf(outs[0]),
-                        Arg::U64(n),
-                    ],
-                );
+                c.elementwise("swiglu_fwd", n, &[ins[0], ins[1], outs[0]])?;
             }
             OpKind::SwiGluGrad => {
                 let n = self.numel(ins[0]);
-                let l = elem(c, n)?;
-                c.kernel(
-                    "swiglu_bwd",
-                    l,
-                    vec![
-                        Arg::Buf(ins[0]),
-                        Arg::Buf(ins[1]),
-                        Arg::Buf(ins[2]),
-                        Arg::Buf(outs[0]),
-                        Arg::Buf(outs[1]),
-                        Arg::U64(n),
-                    ],
-                );
+                c.elementwise("swiglu_bwd", n, &[ins[0], ins[1], ins[2], outs[0], outs[1]])?;
             }
             OpKind::GeluTanh | OpKind::GeluTanhGrad => {
                 let n = self.numel(ins[0]);
