@@ -7,9 +7,10 @@
 //! Kernels are cached in the process by the hash of their MLIR text: ranks running as
 //! threads, and the groups of different layers with the same shapes, share one compiled
 //! kernel. (The ExecutionEngine cannot load a compiled object back, so there is no cache
-//! on disk: each process compiles its kernels once.) Fusion is on by default in builds
-//! with the feature; [`set_enabled`] (`--fusion off`) turns it off for the process. A build
-//! without the feature has no fused kernels and runs every instruction itself.
+//! on disk: each process compiles its kernels once.) Fusion is off by default (the generated
+//! kernels are not faster yet); [`set_enabled`] (`--fusion on`) turns it on for the process
+//! in a build with the feature. A build without it has no fused kernels and runs every
+//! instruction itself.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
