@@ -26,6 +26,11 @@
 //!   rank's shard of the global shape.
 //! - **Schedules and communication**: [`crate::check::check_plan`] (every collective and
 //!   transfer matches, no deadlock, each action list runs every (chunk, micro-batch) once).
+//! - **KV-cache plans** (`decode`): an inference plan of one sample, a decode step in every
+//!   role (and chunk), an `i32[1]` position input, caches of the window's positions in the
+//!   `kv_cache` arena written only by `kv_attention`; the decode step then gets every check
+//!   above as a plan of its own ([`Plan::decode_view`]). Other plans have no cache buffer
+//!   and no decode program.
 //!
 //! A violation is one [`PlanError`] naming the JSON path and the values involved, e.g.
 //! `roles[0].results.loss: buffer 100000 does not exist (the plan has 312 buffers)`.
