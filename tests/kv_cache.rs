@@ -222,6 +222,17 @@ fn compile_and_inspect_kv_plan() {
     // 2 layers × (k, v) × 16 positions × 1 kv head × 16 × 4 bytes per rank.
     assert!(text.contains("kv cache"), "{text}");
     assert!(text.contains("decode       KV cache"), "{text}");
+    let program = megac(&["inspect", dir.to_str().unwrap(), "--program"]);
+    let program = String::from_utf8_lossy(&program.stdout).to_string();
+    for want in [
+        "decode block=2",
+        "  decode (",
+        "kv_attention",
+        "rope_at",
+        "kv_cache",
+    ] {
+        assert!(program.contains(want), "`{want}` not in the plan's text");
+    }
     let json = megac(&["inspect", dir.to_str().unwrap(), "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(
