@@ -194,6 +194,36 @@ fn kv_plan_gate() {
     CheckedPlan::check(good).unwrap();
 }
 
+/// `kv_plan` refuses what the cache cannot hold exactly, with one error: MoE routing with a
+/// capacity (which tokens an expert drops depends on the window), context parallelism.
+#[test]
+fn kv_plan_refuses() {
+    let refuse = |name: &str, layout: &[&str], want: &str| {
+        let mut sets: Vec<String> = layout.iter().map(|s| s.to_string()).collect();
+        let window = plan(name, &sets);
+        sets.extend(megac_runtime::kv::block_sets(&window));
+        let block = plan(name, &sets);
+        let e = megac_codegen::kv::kv_plan(&window, &block)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{name} {layout:?}: {e}");
+    };
+    refuse(
+        "mixtral",
+        &["model.moe.capacity_factor=1.5"],
+        "dropless MoE routing",
+    );
+    // (A one-token block cannot be split over cp at all: the window stands for it.)
+    let cp = plan("llama", &["parallel.cp=2".to_string()]);
+    let e = megac_codegen::kv::kv_plan(&cp, &cp)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("context-parallel"), "{e}");
+    // Two plans that are not a window and its block.
+    let (a, b) = (plan("llama", &[]), plan("gpt", &[]));
+    assert!(megac_codegen::kv::kv_plan(&a, &b).is_err());
+}
+
 /// `megac compile --inference --kv-cache` writes the KV-cache plan; `megac inspect` shows
 /// its cache memory per rank.
 #[test]

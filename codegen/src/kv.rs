@@ -371,6 +371,7 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
     let remap = |p: &[Instr], f: &dyn Fn(&Instr) -> Result<Instr, CodegenError>| {
         p.iter().map(f).collect::<Result<Vec<_>, _>>()
     };
+    let mut grown = false;
     for (r, role) in plan.roles.iter_mut().enumerate() {
         let brole = &block.roles[r];
         role.microbatch = remap(&role.microbatch, &prefill)?;
@@ -424,8 +425,10 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
         };
         if let Some(mem) = role.memory.as_mut() {
             grow(mem);
-        } else {
+        } else if !grown {
+            // Roles without arenas of their own share the plan's: grow it once.
             grow(&mut plan.memory);
+            grown = true;
         }
     }
     if plan.roles.iter().any(|r| r.memory.is_some()) {
