@@ -93,17 +93,17 @@ impl<'p> KvDecoder<'p> {
             None => steps.push((None, &decode.step[..])),
         }
         let mine = steps.iter().find_map(|(_, p)| logits_of(p));
+        // The step's logits, on the stage that runs the head: the first operand of the
+        // decode step's cross-entropy, whichever role holds it.
         let logits = plan
             .roles
             .iter()
-            .filter_map(|r| r.decode.as_ref())
-            .flat_map(|d| {
-                std::iter::once(&d.step[..]).chain(
-                    plan.roles
-                        .iter()
-                        .filter_map(|r| r.pipeline.as_ref())
-                        .flat_map(|p| p.chunks.iter().map(|c| &c.decode[..])),
-                )
+            .flat_map(|r| {
+                let chunks = r
+                    .pipeline
+                    .iter()
+                    .flat_map(|p| p.chunks.iter().map(|c| &c.decode[..]));
+                r.decode.iter().map(|d| &d.step[..]).chain(chunks)
             })
             .find_map(logits_of)
             .ok_or_else(|| RuntimeError::Plan("the decode step computes no logits".into()))?;
