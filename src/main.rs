@@ -227,6 +227,10 @@ enum Command {
         /// optimizer state or an optimizer program (docs/generate.md).
         #[arg(long)]
         inference: bool,
+        /// With --inference: a KV-cache plan, as `megac generate` runs (one sample; the
+        /// prefill, a one-token decode step and the caches in one plan; docs/generate.md).
+        #[arg(long, requires = "inference")]
+        kv_cache: bool,
     },
     /// Print a plan's memory by class (parameters, gradients, optimizer state, activations) and
     /// FLOPs, or the whole plan as text (`--program`).
@@ -423,6 +427,7 @@ fn main() -> ExitCode {
             out,
             emit,
             inference,
+            kv_cache,
         } => commands::compile::run(
             &model,
             &out,
@@ -432,6 +437,7 @@ fn main() -> ExitCode {
             } else {
                 megac_ir::plan::PlanKind::Train
             },
+            kv_cache,
         ),
         Command::Inspect {
             plan,

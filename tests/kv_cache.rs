@@ -42,17 +42,249 @@ const TOKENS: [u32; 16] = [
     3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79,
 ];
 
+/// The KV-cache plan of fixture `name` in `layout` (unchecked), as `megac generate`
+/// builds it, and its window plan.
+fn kv_plan(name: &str, layout: &[&str]) -> (megac_ir::plan::Plan, CheckedPlan) {
+    let mut sets: Vec<String> = layout.iter().map(|s| s.to_string()).collect();
+    let window = plan(name, &sets);
+    sets.extend(megac_runtime::kv::block_sets(&window));
+    let block = plan(name, &sets);
+    (megac_codegen::kv::kv_plan(&window, &block).unwrap(), window)
+}
+
+/// The plan's structure: caches of class kv_cache (keys and values per layer, the
+/// window's positions, this rank's kv heads, on the layer's stage), the kv_cache arena
+/// they fill, one parameter arena of the window plan's size (the weights held once), and a
+/// decode step whose every parameter operand is one of the window plan's buffers.
+#[test]
+fn kv_plan_structure() {
+    use megac_ir::plan::{BufferClass, Instr};
+    // llama: 2 layers, 2 kv heads of 16, 16 positions.
+    for (layout, kv_heads) in [
+        (&[][..], 2u64),
+        (&["parallel.tp=2"][..], 1),
+        (&["parallel.pp=2"][..], 2),
+    ] {
+        let (kv, window) = kv_plan("llama", layout);
+        let caches: Vec<_> = kv
+            .buffers
+            .iter()
+            .filter(|b| b.class == BufferClass::KvCache)
+            .collect();
+        assert_eq!(
+            caches.len(),
+            4,
+            "{layout:?}: a key and a value cache per layer"
+        );
+        for c in &caches {
+            assert_eq!(c.shape, vec![16, kv_heads, 16], "{layout:?} {}", c.name);
+        }
+        let per_layer = 2 * 16 * kv_heads * 16 * 4;
+        for rank in 0..kv.rank_to_role.len() {
+            let m = kv.memory_of(rank);
+            let layers = if layout.contains(&"parallel.pp=2") {
+                1
+            } else {
+                2
+            };
+            assert_eq!(
+                m.kv_cache_bytes,
+                layers * per_layer,
+                "{layout:?} rank {rank}"
+            );
+            assert_eq!(
+                m.param_bytes,
+                window.memory_of(rank).param_bytes,
+                "{layout:?}"
+            );
+            assert_eq!(m.grad_bytes + m.opt_state_bytes, 0);
+        }
+        let params: std::collections::HashSet<u32> = window
+            .buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.class == BufferClass::Param)
+            .map(|(i, _)| i as u32)
+            .collect();
+        let steps = kv.roles.iter().flat_map(|r| {
+            r.decode.iter().map(|d| d.step.clone()).chain(
+                r.pipeline
+                    .iter()
+                    .flat_map(|p| p.chunks.iter().map(|c| c.decode.clone())),
+            )
+        });
+        let mut kernels = 0;
+        for step in steps {
+            for i in &step {
+                if let Instr::Kernel { op, inputs, .. } = i {
+                    kernels += 1;
+                    assert!(!matches!(
+                        op,
+                        megac_ir::OpKind::CausalAttention { .. } | megac_ir::OpKind::Rope { .. }
+                    ));
+                    for &b in inputs {
+                        if kv.buffers[b as usize].class == BufferClass::Param {
+                            assert!(
+                                params.contains(&b),
+                                "{layout:?}: {}",
+                                kv.buffers[b as usize].name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        assert!(kernels > 0, "{layout:?}: no decode step");
+        CheckedPlan::check(kv).unwrap();
+    }
+}
+
+/// The gate refuses a KV-cache plan whose new structure is broken, with one error naming
+/// it; and a plan that is not a KV-cache plan with caches or decode steps.
+#[test]
+fn kv_plan_gate() {
+    use megac_ir::plan::{BufferClass, Instr};
+    let (good, window) = kv_plan("llama", &[]);
+    let refuse = |plan: megac_ir::plan::Plan, want: &str| {
+        let e = CheckedPlan::check(plan).unwrap_err().to_string();
+        assert!(e.contains(want), "expected `{want}` in: {e}");
+    };
+    let cache = good
+        .buffers
+        .iter()
+        .position(|b| b.class == BufferClass::KvCache)
+        .unwrap() as u32;
+    // A cache of fewer positions than the window.
+    let mut p = good.clone();
+    p.buffers[cache as usize].shape[0] = 8;
+    refuse(p, "holds the window's 16 positions");
+    // Any other instruction writing a cache.
+    let mut p = good.clone();
+    p.roles[0]
+        .decode
+        .as_mut()
+        .unwrap()
+        .step
+        .insert(0, Instr::Zero { buffer: cache });
+    refuse(p, "not caches");
+    // A role without a decode step.
+    let mut p = good.clone();
+    p.roles[0].decode = None;
+    refuse(p, "has no decode step");
+    // The position is not a data input (the runtime writes it).
+    let mut p = good.clone();
+    let pos = p.decode.as_ref().unwrap().position as usize;
+    p.buffers[pos].class = BufferClass::Activation;
+    refuse(p, "expected input i32 [1]");
+    // A truncated decode step: the view's checks name the step.
+    let mut p = good.clone();
+    p.roles[0].decode.as_mut().unwrap().step.remove(0);
+    refuse(p, "of the decode step");
+    // Caches in the arena: a cache past the kv_cache arena.
+    let mut p = good.clone();
+    p.memory.kv_cache_bytes -= 4;
+    refuse(p, "kv_cache arena");
+    // An ordinary inference plan with a cache buffer.
+    let mut p = window.into_inner();
+    let mut c = good.buffers[cache as usize].clone();
+    c.offset = 0;
+    p.buffers.push(c);
+    refuse(p, "a kv_cache buffer in a plan without decode steps");
+    // The unbroken plan passes.
+    CheckedPlan::check(good).unwrap();
+}
+
+/// `kv_plan` refuses what the cache cannot hold exactly, with one error: MoE routing with a
+/// capacity (which tokens an expert drops depends on the window), context parallelism.
+#[test]
+fn kv_plan_refuses() {
+    let refuse = |name: &str, layout: &[&str], want: &str| {
+        let mut sets: Vec<String> = layout.iter().map(|s| s.to_string()).collect();
+        let window = plan(name, &sets);
+        sets.extend(megac_runtime::kv::block_sets(&window));
+        let block = plan(name, &sets);
+        let e = megac_codegen::kv::kv_plan(&window, &block)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{name} {layout:?}: {e}");
+    };
+    refuse(
+        "mixtral",
+        &["model.moe.capacity_factor=1.5"],
+        "dropless MoE routing",
+    );
+    // (A one-token block cannot be split over cp at all: the window stands for it.)
+    let cp = plan("llama", &["parallel.cp=2".to_string()]);
+    let e = megac_codegen::kv::kv_plan(&cp, &cp)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("context-parallel"), "{e}");
+    // Two plans that are not a window and its block.
+    let (a, b) = (plan("llama", &[]), plan("gpt", &[]));
+    assert!(megac_codegen::kv::kv_plan(&a, &b).is_err());
+}
+
+/// `megac compile --inference --kv-cache` writes the KV-cache plan; `megac inspect` shows
+/// its cache memory per rank.
+#[test]
+fn compile_and_inspect_kv_plan() {
+    let dir = std::env::temp_dir().join(format!("megac-kvplan-{}", std::process::id()));
+    let model = fixture("llama").join("model.toml");
+    let out = megac(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--inference",
+        "--kv-cache",
+        "--set",
+        "parallel.tp=2",
+        "-o",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan = megac_ir::plan::Plan::load(&dir.join("plan.json")).unwrap();
+    assert!(plan.decode.is_some());
+    let text = megac(&["inspect", dir.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&text.stdout).to_string();
+    // 2 layers × (k, v) × 16 positions × 1 kv head × 16 × 4 bytes per rank.
+    assert!(text.contains("kv cache"), "{text}");
+    assert!(text.contains("decode       KV cache"), "{text}");
+    let program = megac(&["inspect", dir.to_str().unwrap(), "--program"]);
+    let program = String::from_utf8_lossy(&program.stdout).to_string();
+    for want in [
+        "decode block=2",
+        "  decode (",
+        "kv_attention",
+        "rope_at",
+        "kv_cache",
+    ] {
+        assert!(program.contains(want), "`{want}` not in the plan's text");
+    }
+    let json = megac(&["inspect", dir.to_str().unwrap(), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(
+        v["roles"][0]["memory_bytes"]["kv_cache"],
+        2 * 2 * 16 * 16 * 4
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Max |kv - recomputed| over every position's logits, for a prompt of `prompt` tokens.
 fn kv_vs_recompute(name: &str, layout: &[&str], prompt: usize) -> f32 {
     let mut sets: Vec<String> = layout.iter().map(|s| s.to_string()).collect();
     let window = plan(name, &sets);
     sets.extend(megac_runtime::kv::block_sets(&window));
     let block = plan(name, &sets);
+    let kv = megac_codegen::kv::kv_plan(&window, &block).unwrap();
+    let kv = CheckedPlan::check(kv).unwrap_or_else(|e| panic!("{name} {layout:?}: {e}"));
     let init = fixture(name).join("init.safetensors");
     let n = TOKENS.len().min(window.batch.seq_len as usize);
     let tokens = &TOKENS[..n];
     let full = with_ranks(&window, &init, |inf| inf.logits(tokens)).unwrap();
-    let kv = with_ranks_kv(&window, &block, &init, |dec| dec.logits(tokens, prompt)).unwrap();
+    let kv = with_ranks_kv(&kv, &init, |dec| dec.logits(tokens, prompt)).unwrap();
     assert_eq!(full.len(), kv.len(), "{name} {layout:?}");
     let v = full.len() / n;
     let mut worst = 0f32;
@@ -64,6 +296,14 @@ fn kv_vs_recompute(name: &str, layout: &[&str], prompt: usize) -> f32 {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         let scale = a.iter().fold(1f32, |m, x| m.max(x.abs()));
+        if t < prompt.max(1) {
+            // The prefill is the window's forward (its attention also fills the caches):
+            // the prompt's logits are the recomputation's bit for bit.
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name} {layout:?}: prefill position {t} differs from the recomputation"
+            );
+        }
         assert!(
             d <= 1e-5 * scale,
             "{name} {layout:?}: position {t} (prompt {prompt}): max |kv - recomputed| = {d}"

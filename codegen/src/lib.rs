@@ -15,6 +15,7 @@
 
 mod bucket;
 pub mod fuse;
+pub mod kv;
 mod memory;
 #[cfg(feature = "mlir")]
 pub mod mlir;
@@ -143,6 +144,7 @@ fn emit(
         activation_bytes_live: live_bytes,
         input_bytes: bytes(BufferClass::Input),
         staging_bytes: 0,
+        kv_cache_bytes: 0,
     };
     let roles = vec![Role {
         name: "rank".into(),
@@ -153,6 +155,7 @@ fn emit(
         result_axes: std::mem::take(&mut e.result_axes),
         pipeline: None,
         memory: None,
+        decode: None,
     }];
     let rank_to_role = vec![0; graph.mesh.world_size()];
     let mut plan = e.into_plan(roles, rank_to_role, memory, flops_per_step);
@@ -645,6 +648,7 @@ impl<'a> Emitter<'a> {
             } else {
                 PlanKind::Train
             },
+            decode: None,
         }
     }
 

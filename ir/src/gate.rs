@@ -26,6 +26,11 @@
 //!   rank's shard of the global shape.
 //! - **Schedules and communication**: [`crate::check::check_plan`] (every collective and
 //!   transfer matches, no deadlock, each action list runs every (chunk, micro-batch) once).
+//! - **KV-cache plans** (`decode`): an inference plan of one sample, a decode step in every
+//!   role (and chunk), an `i32[1]` position input, caches of the window's positions in the
+//!   `kv_cache` arena written only by `kv_attention`; the decode step then gets every check
+//!   above as a plan of its own ([`Plan::decode_view`]). Other plans have no cache buffer
+//!   and no decode program.
 //!
 //! A violation is one [`PlanError`] naming the JSON path and the values involved, e.g.
 //! `roles[0].results.loss: buffer 100000 does not exist (the plan has 312 buffers)`.
@@ -100,6 +105,24 @@ impl CheckedPlan {
     pub fn check(plan: Plan) -> Result<CheckedPlan, PlanError> {
         Gate::new(&plan)?.run()?;
         crate::check::check_plan(&plan).map_err(PlanError::Schedule)?;
+        // A KV-cache plan's decode step gets every check a forward gets, as a plan of its
+        // own over the same buffers and arenas (`Plan::decode_view`).
+        if let Some(view) = plan.decode_view() {
+            let in_step = |e: PlanError| match e {
+                PlanError::Invalid { at, message } => invalid(
+                    format!("{at} (of the decode step: roles[r].decode, chunks' decode)"),
+                    message,
+                ),
+                PlanError::Schedule(m) => PlanError::Schedule(format!("the decode step: {m}")),
+                other => other,
+            };
+            let mut gate = Gate::new(&view).map_err(in_step)?;
+            gate.view = true;
+            gate.run().map_err(in_step)?;
+            crate::check::check_plan(&view)
+                .map_err(PlanError::Schedule)
+                .map_err(in_step)?;
+        }
         Ok(CheckedPlan(plan))
     }
 
@@ -146,6 +169,9 @@ struct Gate<'p> {
     plan: &'p Plan,
     world: usize,
     pp: u64,
+    /// Checking a KV-cache plan's decode step ([`Plan::decode_view`]), whose structure the
+    /// plan's own check has proved.
+    view: bool,
 }
 
 /// Product of `dims` with overflow checking.
@@ -175,6 +201,7 @@ impl<'p> Gate<'p> {
             plan,
             world: world as usize,
             pp: mesh.size(Axis::Pp),
+            view: false,
         })
     }
 
@@ -194,7 +221,118 @@ impl<'p> Gate<'p> {
         if self.plan.kind == crate::plan::PlanKind::Inference {
             self.inference()?;
         }
+        if !self.view {
+            self.decode()?;
+        }
         self.loss_reaches_rank_0()
+    }
+
+    /// A KV-cache plan (one with `decode`): an inference plan whose every role that a rank
+    /// runs has a decode step (in each chunk it holds, under pp), a decode batch of one
+    /// sample of at most the window's tokens, a position input `i32[1]`, and caches of the
+    /// window's positions. Any other plan has no cache buffer and no decode program.
+    fn decode(&self) -> Result<(), PlanError> {
+        let plan = self.plan;
+        let Some(d) = &plan.decode else {
+            if let Some(i) = plan
+                .buffers
+                .iter()
+                .position(|b| b.class == BufferClass::KvCache)
+            {
+                return Err(invalid(
+                    format!("buffers[{i}].class"),
+                    "a kv_cache buffer in a plan without decode steps (`decode`)",
+                ));
+            }
+            for (r, role) in plan.roles.iter().enumerate() {
+                let chunk = role
+                    .pipeline
+                    .iter()
+                    .flat_map(|p| p.chunks.iter())
+                    .any(|c| !c.decode.is_empty() || !c.decode_inputs.is_empty());
+                if role.decode.is_some() || chunk {
+                    return Err(invalid(
+                        format!("roles[{r}].decode"),
+                        "a decode step in a plan without `decode`",
+                    ));
+                }
+            }
+            return Ok(());
+        };
+        if plan.kind != crate::plan::PlanKind::Inference {
+            return Err(invalid(
+                "decode",
+                "only an inference plan decodes with a KV cache",
+            ));
+        }
+        let (w, b) = (&plan.batch, &d.batch);
+        if b.micro_batch != 1
+            || w.micro_batch != 1
+            || b.seq_len == 0
+            || b.seq_len > w.seq_len
+            || b.vocab != w.vocab
+            || b.microbatches != 1
+        {
+            return Err(invalid(
+                "decode.batch",
+                format!(
+                    "a step of {} sample(s) of {} tokens (vocab {}, {} micro-batches) does not fit the window of {} sample(s) of {} tokens (vocab {}): the cache holds one sequence",
+                    b.micro_batch, b.seq_len, b.vocab, b.microbatches, w.micro_batch, w.seq_len, w.vocab
+                ),
+            ));
+        }
+        let pos = self.buf(d.position, "decode.position")?;
+        if pos.class != BufferClass::Input || pos.dtype != DType::I32 || pos.shape != [1] {
+            return Err(invalid(
+                "decode.position",
+                format!(
+                    "buffer {} ({}) is {} {} {:?}, expected input i32 [1]",
+                    d.position,
+                    pos.name,
+                    pos.class.name(),
+                    pos.dtype.as_str(),
+                    pos.shape
+                ),
+            ));
+        }
+        for (i, c) in plan.buffers.iter().enumerate() {
+            if c.class == BufferClass::KvCache
+                && (c.shape.first() != Some(&w.seq_len) || c.chunk.is_some())
+            {
+                return Err(invalid(
+                    format!("buffers[{i}].shape"),
+                    format!(
+                        "the cache {} has shape {:?}, but it holds the window's {} positions (dim 0)",
+                        c.name, c.shape, w.seq_len
+                    ),
+                ));
+            }
+        }
+        for (r, role) in plan.roles.iter().enumerate() {
+            if self.rank_of(r).is_none() {
+                continue;
+            }
+            if role.decode.is_none() {
+                return Err(invalid(
+                    format!("roles[{r}].decode"),
+                    "a role of a KV-cache plan has no decode step",
+                ));
+            }
+            for (k, c) in role
+                .pipeline
+                .iter()
+                .flat_map(|p| p.chunks.iter())
+                .enumerate()
+            {
+                if c.decode.is_empty() {
+                    return Err(invalid(
+                        format!("roles[{r}].pipeline.chunks[{k}].decode"),
+                        format!("chunk {} has no part of the decode step", c.chunk),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// An inference plan runs the forward only: no gradient or optimizer-state buffer, no
@@ -1181,6 +1319,7 @@ impl<'p> Gate<'p> {
                 BufferClass::OptState => mem.opt_state_bytes,
                 BufferClass::Activation => mem.activation_bytes,
                 BufferClass::Input => mem.input_bytes,
+                BufferClass::KvCache => mem.kv_cache_bytes,
             } / b.dtype.size_bytes();
             let (end, limit, what) = match b.chunk {
                 Some(c) => {
@@ -1246,11 +1385,13 @@ impl<'p> Gate<'p> {
         match instr {
             Instr::Zero { buffer } => {
                 let b = &buffers[*buffer as usize];
-                if b.dtype == DType::I32 || b.class == BufferClass::Input {
+                if b.dtype == DType::I32
+                    || matches!(b.class, BufferClass::Input | BufferClass::KvCache)
+                {
                     return Err(invalid(
                         format!("{at}.out[0]"),
                         format!(
-                            "zero clears float buffers; buffer {buffer} ({}) is {} {}",
+                            "zero clears float buffers (not caches); buffer {buffer} ({}) is {} {}",
                             b.name,
                             b.class.name(),
                             b.dtype.as_str()
@@ -1275,11 +1416,13 @@ impl<'p> Gate<'p> {
                 let send = matches!(instr, Instr::Send { .. });
                 let b = &buffers[*buffer as usize];
                 let slot = if send { "in[0]" } else { "out[0]" };
-                if b.dtype == DType::I32 || b.class == BufferClass::Input {
+                if b.dtype == DType::I32
+                    || matches!(b.class, BufferClass::Input | BufferClass::KvCache)
+                {
                     return Err(invalid(
                         format!("{at}.{slot}"),
                         format!(
-                            "transfers move float buffers; buffer {buffer} ({}) is {} {}",
+                            "transfers move float activations; buffer {buffer} ({}) is {} {}",
                             b.name,
                             b.class.name(),
                             b.dtype.as_str()
@@ -1318,6 +1461,33 @@ impl<'p> Gate<'p> {
             } => {
                 let at_op = || format!("{at} ({} {path})", op.name());
                 op_rule(plan, op, inputs, outputs).map_err(|m| invalid(at_op(), m))?;
+                // Caches: written only by `kv_attention` (its outputs 2 and 3), read by none.
+                for (k, &o) in outputs.iter().enumerate() {
+                    let cache_slot = matches!(op, OpKind::KvAttention { .. }) && k >= 2;
+                    if (buffers[o as usize].class == BufferClass::KvCache) != cache_slot {
+                        return Err(invalid(
+                            format!("{at}.out[{k}]"),
+                            format!(
+                                "buffer {o} ({}) is {}; only kv_attention's outputs 2 and 3 are caches",
+                                buffers[o as usize].name,
+                                buffers[o as usize].class.name()
+                            ),
+                        ));
+                    }
+                }
+                if let Some((k, &x)) = inputs
+                    .iter()
+                    .enumerate()
+                    .find(|(_, &x)| buffers[x as usize].class == BufferClass::KvCache)
+                {
+                    return Err(invalid(
+                        format!("{at}.in[{k}]"),
+                        format!(
+                            "buffer {x} ({}) is a cache, which only kv_attention reads (as its outputs)",
+                            buffers[x as usize].name
+                        ),
+                    ));
+                }
                 // Integer operands: where they come from.
                 for (k, &b) in inputs.iter().enumerate() {
                     let buf = &buffers[b as usize];
@@ -1326,7 +1496,18 @@ impl<'p> Gate<'p> {
                     }
                     let want = int_input(plan, op, inputs);
                     match (want, buf.class, ints.get(&b)) {
-                        (IntUse::Ids, BufferClass::Input, _) => {}
+                        (IntUse::Ids | IntUse::Position, BufferClass::Input, _) => {}
+                        (IntUse::Position, _, _) => {
+                            return Err(invalid(
+                                format!("{at}.in[{k}]"),
+                                format!(
+                                    "`{}` reads the step's position from a data input; buffer {b} ({}) is {}",
+                                    op.name(),
+                                    buf.name,
+                                    buf.class.name()
+                                ),
+                            ))
+                        }
                         (IntUse::Ids, _, _) => {
                             return Err(invalid(
                                 format!("{at}.in[{k}]"),
@@ -1350,6 +1531,7 @@ impl<'p> Gate<'p> {
                                         IntUse::Indices(e) => format!("expert indices below {e}"),
                                         IntUse::Counts => "per-expert token counts".into(),
                                         IntUse::Ids => "token ids".into(),
+                                        IntUse::Position => "the position".into(),
                                     },
                                     buf.name,
                                     match got {
@@ -1592,6 +1774,8 @@ enum IntUse {
     Indices(u64),
     /// Per-expert token counts.
     Counts,
+    /// KV-cache decoding's step position (a data input).
+    Position,
 }
 
 /// What the i32 operand of `op` (its only one) must hold; for expert indices, the number of
@@ -1604,6 +1788,9 @@ fn int_input(plan: &Plan, op: &OpKind, ins: &[BufId]) -> IntUse {
     };
     match op {
         OpKind::AllToAll { .. } => IntUse::Counts,
+        OpKind::RopeAt { .. } | OpKind::PosEmbeddingAt | OpKind::KvAttention { .. } => {
+            IntUse::Position
+        }
         OpKind::Embedding
         | OpKind::EmbeddingGrad
         | OpKind::CrossEntropy

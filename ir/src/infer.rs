@@ -186,6 +186,12 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             }
             Ok(vec![ins[0].clone().replicate()])
         }
+        OpKind::RopeAt { .. } | OpKind::PosEmbeddingAt | OpKind::KvAttention { .. } => {
+            Err(format!(
+                "`{}` is an instruction of KV-cache decoding plans (codegen::kv), never a graph op",
+                kind.name()
+            ))
+        }
         OpKind::CausalAttention { .. } => {
             expect_arity(3)?;
             let (q, k, v) = (ins[0], ins[1], ins[2]);

@@ -82,6 +82,32 @@ pub enum OpKind {
         /// Keys each query sees, itself included; 0: every earlier key (plain causal).
         window: u64,
     },
+    /// KV-cache decoding (plan-level only, never in a graph): `(x[b,s,heads,head_dim],
+    /// pos i32[1]) -> same`: `rope` with row `i` at position `pos[0] + shard + i`, where
+    /// `shard` is the rows of the rank's sequence shards before its own (the step's
+    /// position, a data input the runtime writes before each step).
+    RopeAt {
+        /// Base frequency.
+        theta: f64,
+        /// The rewrite of the inverse frequencies, if any.
+        scaling: Option<crate::spec::RopeScaling>,
+    },
+    /// KV-cache decoding (plan-level only): `(x[b,s,h], wpe[positions,h], pos i32[1]) ->
+    /// [b,s,h]`: adds learned position `pos[0] + shard + i` to row `i` (rows at or past
+    /// the table's end are padding and take its last row).
+    PosEmbeddingAt,
+    /// KV-cache decoding (plan-level only): `(q[1,s,heads,d], k[1,s,kv_heads,d],
+    /// v[1,s,kv_heads,d], pos i32[1]) -> (out[1,s,heads,d], lse f32[1,heads,s],
+    /// cache_k[positions,kv_heads,d], cache_v[positions,kv_heads,d])`: writes the rows' keys
+    /// and values into the caches at their positions `pos[0] + shard + i` (rows at or past
+    /// `positions` are padding and are not written; every other cache row keeps its value:
+    /// the caches are updated in place), then attends each row's query at position `p` to
+    /// the cached keys `0 ..= p` (within `window` when it is positive), as
+    /// `causal_attention` over the whole prefix.
+    KvAttention {
+        /// Keys each query sees, itself included; 0: every earlier key.
+        window: u64,
+    },
     /// `(x) -> x` converted to dtype `to` (activations to bf16 under `precision = "bf16"`).
     Cast {
         /// Target dtype.
@@ -315,6 +341,9 @@ pub const OP_NAMES: &[&str] = &[
     "concat",
     "rope",
     "causal_attention",
+    "rope_at",
+    "pos_embedding_at",
+    "kv_attention",
     "cast",
     "add",
     "swiglu",
@@ -447,6 +476,9 @@ impl OpKind {
             OpKind::Concat => "concat",
             OpKind::Rope { .. } => "rope",
             OpKind::CausalAttention { .. } => "causal_attention",
+            OpKind::RopeAt { .. } => "rope_at",
+            OpKind::PosEmbeddingAt => "pos_embedding_at",
+            OpKind::KvAttention { .. } => "kv_attention",
             OpKind::Cast { .. } => "cast",
             OpKind::RepeatKv { .. } => "repeat_kv",
             OpKind::RepeatKvGrad { .. } => "repeat_kv_grad",
@@ -528,6 +560,9 @@ impl OpKind {
             | OpKind::Concat
             | OpKind::Rope { .. }
             | OpKind::CausalAttention { .. }
+            | OpKind::RopeAt { .. }
+            | OpKind::PosEmbeddingAt
+            | OpKind::KvAttention { .. }
             | OpKind::Cast { .. }
             | OpKind::RepeatKv { .. }
             | OpKind::Add
@@ -597,6 +632,9 @@ impl OpKind {
             OpKind::AdamW { master: true, .. } => Arity::exactly(3, 4),
             OpKind::LayerNormGrad { .. } | OpKind::AdamW { .. } => Arity::exactly(3, 3),
             OpKind::CausalAttention { .. } => Arity::exactly(3, 2),
+            OpKind::KvAttention { .. } => Arity::exactly(4, 4),
+            OpKind::PosEmbeddingAt => Arity::exactly(3, 1),
+            OpKind::RopeAt { .. } => Arity::exactly(2, 1),
             OpKind::RmsNormGrad { .. } | OpKind::SwiGluGrad | OpKind::SigmoidMulGrad => {
                 Arity::exactly(3, 2)
             }
@@ -685,7 +723,9 @@ impl OpKind {
             | OpKind::Split { n }
             | OpKind::RepeatKv { n }
             | OpKind::RepeatKvGrad { n } => vec![("n", n.to_string())],
-            OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
+            OpKind::Rope { theta, scaling }
+            | OpKind::RopeGrad { theta, scaling }
+            | OpKind::RopeAt { theta, scaling } => {
                 let mut a = vec![("theta", fmt_f64(*theta))];
                 match scaling {
                     None => {}
@@ -718,7 +758,9 @@ impl OpKind {
                 }
                 a
             }
-            OpKind::CausalAttention { window } | OpKind::AttentionGrad { window }
+            OpKind::CausalAttention { window }
+            | OpKind::AttentionGrad { window }
+            | OpKind::KvAttention { window }
                 if *window > 0 =>
             {
                 vec![("window", window.to_string())]
@@ -846,6 +888,12 @@ impl OpKind {
                 scaling: rope_scaling()?,
             },
             "causal_attention" => OpKind::CausalAttention { window: window()? },
+            "rope_at" => OpKind::RopeAt {
+                theta: float("theta")?,
+                scaling: rope_scaling()?,
+            },
+            "pos_embedding_at" => OpKind::PosEmbeddingAt,
+            "kv_attention" => OpKind::KvAttention { window: window()? },
             "cast" => {
                 let to = get("to")?;
                 OpKind::Cast {
@@ -1066,6 +1114,9 @@ mod tests {
             OpKind::Concat => (false, None),
             OpKind::Rope { .. } => (false, None),
             OpKind::CausalAttention { .. } => (false, cp),
+            OpKind::RopeAt { .. } => (false, None),
+            OpKind::PosEmbeddingAt => (false, None),
+            OpKind::KvAttention { .. } => (false, None),
             OpKind::Cast { .. } => (false, None),
             OpKind::RepeatKv { .. } => (false, None),
             OpKind::RepeatKvGrad { .. } => (true, None),
@@ -1112,7 +1163,7 @@ mod tests {
     }
 
     /// The number of `OpKind` variants (the arms of `expected`).
-    const VARIANTS: usize = 51;
+    const VARIANTS: usize = 54;
 
     #[test]
     fn op_names_name_every_variant_once() {
@@ -1183,6 +1234,9 @@ mod tests {
         ("slice", 1, 1),
         ("reduce_scatter", 1, 1),
         ("all_to_all", 2, 1),
+        ("rope_at", 2, 1),
+        ("pos_embedding_at", 3, 1),
+        ("kv_attention", 4, 4),
     ];
 
     /// The ops whose input count varies.

@@ -57,6 +57,25 @@ pub struct Plan {
     /// inference (no gradients, no optimizer state, no optimizer program).
     #[serde(default, skip_serializing_if = "PlanKind::is_train")]
     pub kind: PlanKind,
+    /// KV-cache decoding (an inference plan of `megac generate`, `codegen::kv`): the
+    /// geometry of one decode step and the step's position input. The micro-batch program
+    /// (or the chunks' forwards) is then the prefill, which fills the caches from position
+    /// 0, and each role's [`Role::decode`] (or the chunks' [`ChunkProgram::decode`]) runs
+    /// one step. None in every other plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<DecodeInfo>,
+}
+
+/// The decode steps of a KV-cache plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecodeInfo {
+    /// One step's batch geometry: `seq_len` is the rows per step (the block: one token per
+    /// tensor-parallel rank, the first row real, the others padding); `micro_batch` 1.
+    pub batch: BatchInfo,
+    /// The step's position: an `i32[1]` input buffer the runtime writes before the prefill
+    /// (0) and before each step (the position of the block's first row), read by `rope_at`,
+    /// `pos_embedding_at` and `kv_attention`.
+    pub position: BufId,
 }
 
 /// What a plan runs.
@@ -177,10 +196,13 @@ pub enum BufferClass {
     Activation,
     /// Data fed by the loader (token ids and labels, i32).
     Input,
+    /// KV-cache decoding: the keys and values of every position so far, per attention
+    /// layer, persistent between steps (written only by `kv_attention`).
+    KvCache,
 }
 
 impl BufferClass {
-    /// The class's arena index, `0..5` (per-class tables: sizes, needs).
+    /// The class's arena index, `0..6` (per-class tables: sizes, needs).
     pub fn index(self) -> usize {
         self as usize
     }
@@ -193,6 +215,7 @@ impl BufferClass {
             BufferClass::OptState => "opt_state",
             BufferClass::Activation => "activation",
             BufferClass::Input => "input",
+            BufferClass::KvCache => "kv_cache",
         }
     }
 }
@@ -492,6 +515,13 @@ pub struct ChunkProgram {
     /// The transformer layers the chunk holds, `[first, end)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<[u64; 2]>,
+    /// KV-cache plans: the chunk's part of one decode step (in the chunk's slot 0, as a
+    /// forward; its `Recv`s and `Send`s use transfer ids of their own).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decode: Vec<Instr>,
+    /// KV-cache plans: the data inputs the chunk's decode step reads.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decode_inputs: Vec<BufId>,
 }
 
 impl ChunkProgram {
@@ -557,6 +587,21 @@ pub struct Role {
     /// This role's arenas, when they differ between roles (pipeline stages).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryPlan>,
+    /// KV-cache plans ([`Plan::decode`]): one decode step of this role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<DecodeProgram>,
+}
+
+/// One decode step of a role in a KV-cache plan.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DecodeProgram {
+    /// The step's forward, ending at its cross-entropy (empty in a pipelined role, whose
+    /// chunks hold their parts in [`ChunkProgram::decode`]).
+    pub step: Vec<Instr>,
+    /// The step's data inputs by name (`tokens`, `labels`: `[1, block]`).
+    pub inputs: BTreeMap<String, BufId>,
+    /// The step's results (`loss`, whose cross-entropy's first operand is the logits).
+    pub results: BTreeMap<String, BufId>,
 }
 
 /// Sizes of the arenas, in bytes.
@@ -581,6 +626,10 @@ pub struct MemoryPlan {
     /// 16-bit operands ([`Plan::staging_elements`] × 4 bytes; 0 in fp32 plans).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub staging_bytes: u64,
+    /// KV-cache plans: the keys and values of every position, this rank's layers and kv
+    /// heads (0 in every other plan).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub kv_cache_bytes: u64,
 }
 
 fn is_zero(x: &u64) -> bool {
@@ -596,6 +645,7 @@ impl MemoryPlan {
             + self.opt_state_bytes
             + self.activation_bytes
             + self.input_bytes
+            + self.kv_cache_bytes
     }
 
     /// What the cpu backend allocates: the arenas and its mixed-precision staging area.
@@ -853,7 +903,8 @@ impl Plan {
             .unwrap_or(&self.memory)
     }
 
-    /// Every program of `role`: micro-batch, optimizer and each pipeline chunk's segments.
+    /// Every program of `role`: micro-batch, optimizer, each pipeline chunk's segments and,
+    /// in KV-cache plans, the decode step's (the role's and its chunks').
     pub fn programs_of(role: &Role) -> Vec<&[Instr]> {
         let mut programs: Vec<&[Instr]> = vec![&role.microbatch, &role.optimizer];
         if let Some(p) = &role.pipeline {
@@ -861,7 +912,39 @@ impl Plan {
                 programs.extend([&c.forward[..], &c.backward[..], &c.weight[..]]);
             }
         }
+        if let Some(d) = &role.decode {
+            programs.push(&d.step);
+        }
+        if let Some(p) = &role.pipeline {
+            for c in p.chunks.iter().filter(|c| !c.decode.is_empty()) {
+                programs.push(&c.decode);
+            }
+        }
         programs
+    }
+
+    /// A KV-cache plan's decode step as a plan of its own, for the checks a forward gets: the
+    /// decode batch, each role's decode step as its micro-batch program (and each chunk's
+    /// decode part as its forward), its inputs and results; None for other plans. The
+    /// buffer table, parameters and arenas are the plan's.
+    pub fn decode_view(&self) -> Option<Plan> {
+        let info = self.decode.as_ref()?;
+        let mut view = self.clone();
+        view.batch = info.batch.clone();
+        view.decode = None;
+        for role in &mut view.roles {
+            let d = role.decode.take().unwrap_or_default();
+            role.microbatch = d.step;
+            role.inputs = d.inputs;
+            role.results = d.results;
+            if let Some(p) = &mut role.pipeline {
+                for c in &mut p.chunks {
+                    c.forward = std::mem::take(&mut c.decode);
+                    c.inputs = std::mem::take(&mut c.decode_inputs);
+                }
+            }
+        }
+        Some(view)
     }
 
     /// Mixed precision: the elements of the largest set of distinct 16-bit (bf16/fp16)

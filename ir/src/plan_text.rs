@@ -41,6 +41,15 @@ const ACTIONS_PER_LINE: usize = 16;
 pub fn print_plan(plan: &Plan) -> String {
     let mut out = String::new();
     header(&mut out, plan);
+    if let Some(d) = &plan.decode {
+        writeln!(
+            out,
+            "decode block={} position={}",
+            d.batch.seq_len,
+            buf(d.position)
+        )
+        .expect("write to String");
+    }
     buffers(&mut out, &plan.buffers);
     params(&mut out, plan);
     for (index, role) in plan.roles.iter().enumerate() {
@@ -91,11 +100,14 @@ fn shape(dims: &[u64]) -> String {
 }
 
 fn memory(m: &MemoryPlan) -> String {
-    let staging = if m.staging_bytes > 0 {
+    let mut staging = if m.staging_bytes > 0 {
         format!(" staging={}", m.staging_bytes)
     } else {
         String::new()
     };
+    if m.kv_cache_bytes > 0 {
+        write!(staging, " kv_cache={}", m.kv_cache_bytes).expect("write to String");
+    }
     format!(
         "params={} grads={} opt_state={} activations={} (unplanned={} live={}) inputs={} total={}{staging}",
         m.param_bytes,
@@ -292,6 +304,16 @@ fn print_role(out: &mut String, plan: &Plan, index: usize, role: &Role) {
     }
     program(out, "  ", "microbatch", &role.microbatch);
     program(out, "  ", "optimizer", &role.optimizer);
+    if let Some(d) = &role.decode {
+        writeln!(
+            out,
+            "  decode inputs {} results {}",
+            named(&d.inputs),
+            named(&d.results)
+        )
+        .expect("write to String");
+        program(out, "  ", "decode", &d.step);
+    }
     let Some(p) = &role.pipeline else {
         return;
     };
@@ -343,6 +365,13 @@ fn chunk(out: &mut String, c: &ChunkProgram) {
     program(out, "    ", "forward", &c.forward);
     program(out, "    ", "backward", &c.backward);
     program(out, "    ", "weight", &c.weight);
+    if !c.decode.is_empty() {
+        if !c.decode_inputs.is_empty() {
+            writeln!(out, "    decode inputs=[{}]", bufs(&c.decode_inputs))
+                .expect("write to String");
+        }
+        program(out, "    ", "decode", &c.decode);
+    }
 }
 
 /// One program: its name and length, then one instruction per line, the `# path` column

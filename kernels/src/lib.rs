@@ -29,6 +29,7 @@ pub mod context;
 pub mod cuda;
 pub mod elementwise;
 pub mod embedding;
+pub mod kv;
 pub mod linear;
 pub mod loss;
 pub mod moe;

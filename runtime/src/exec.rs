@@ -259,6 +259,7 @@ fn run_kernel(
     match op {
         OpKind::Embedding
         | OpKind::PosEmbedding
+        | OpKind::PosEmbeddingAt
         | OpKind::Linear { .. }
         | OpKind::RmsNorm { .. }
         | OpKind::LayerNorm { .. }
@@ -286,6 +287,8 @@ fn run_kernel(
         OpKind::Rope { .. }
         | OpKind::RopeGrad { .. }
         | OpKind::CausalAttention { .. }
+        | OpKind::RopeAt { .. }
+        | OpKind::KvAttention { .. }
         | OpKind::AttentionGrad { .. }
         | OpKind::RepeatKv { .. }
         | OpKind::RepeatKvGrad { .. } => attention::run(op, ins, outs, env, comm),

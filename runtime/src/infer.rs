@@ -320,19 +320,16 @@ impl<'p> Inference<'p> {
         tokens: &[u32],
         visit: impl FnMut(Option<u32>, usize, &Instr, &crate::memory::Memory),
     ) -> Result<(), RuntimeError> {
-        self.run_inner(tokens, None, visit)
+        self.run_inner(tokens, visit)
     }
 
-    /// [`Inference::run_with`], with the position-dependent instructions run by `kv` (at its
-    /// offset, through its cache) when given.
+    /// [`Inference::run_with`]'s body.
     fn run_inner(
         &mut self,
         tokens: &[u32],
-        mut kv: Option<&mut crate::kv::KvCache>,
         mut visit: impl FnMut(Option<u32>, usize, &Instr, &crate::memory::Memory),
     ) -> Result<(), RuntimeError> {
         self.check_tokens(tokens)?;
-        let (plan, rank) = (self.session.plan, self.session.comm.rank());
         let (mb, s) = (self.session.plan.batch.micro_batch as usize, self.context());
         let mut ids = vec![0i32; mb * s];
         for (x, &t) in ids.iter_mut().zip(tokens) {
@@ -359,16 +356,7 @@ impl<'p> Inference<'p> {
                 self.session.mem.set_slot(c, 0);
             }
             for (i, instr) in program.iter().enumerate() {
-                let done = match kv.as_deref_mut() {
-                    Some(kv) => kv.run(instr, &mut self.session.mem, plan, rank),
-                    None => Ok(false),
-                };
-                let done = match done {
-                    Ok(true) => Ok(()),
-                    Ok(false) => self.session.run(std::slice::from_ref(instr), &ctx),
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = done {
+                if let Err(e) = self.session.run(std::slice::from_ref(instr), &ctx) {
                     result = Err(e);
                     break 'run;
                 }
@@ -515,16 +503,6 @@ impl<'p> Inference<'p> {
     /// The logits of every position of `tokens`: `tokens.len()` rows of `vocab()` values.
     pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
         self.run_with(tokens, |_, _, _, _| {})?;
-        self.read_logits(tokens.len())
-    }
-
-    /// As [`Inference::logits`], the positions starting at `kv`'s offset, through its cache.
-    pub(crate) fn logits_kv(
-        &mut self,
-        tokens: &[u32],
-        kv: &mut crate::kv::KvCache,
-    ) -> Result<Vec<f32>, RuntimeError> {
-        self.run_inner(tokens, Some(kv), |_, _, _, _| {})?;
         self.read_logits(tokens.len())
     }
 

@@ -31,7 +31,7 @@ pub struct RankLayout {
     /// Pipeline chunks: chunk -> (first slot's byte offset, bytes per slot, its buffers).
     pub slots: BTreeMap<u32, (u64, u64, Vec<BufId>)>,
     /// Bytes each arena needs, indexed by [`BufferClass::index`].
-    pub arena_bytes: [u64; 5],
+    pub arena_bytes: [u64; 6],
 }
 
 impl RankLayout {
@@ -79,7 +79,7 @@ impl RankLayout {
             }
         }
         // Arena sizes in bytes; every offset below is a byte offset.
-        let mut need = [0u64; 5];
+        let mut need = [0u64; 6];
         let mut offsets = Vec::with_capacity(plan.buffers.len());
         let mut slots: BTreeMap<u32, (u64, u64, Vec<BufId>)> = BTreeMap::new();
         for (id, b) in plan.buffers.iter().enumerate() {
@@ -185,6 +185,8 @@ pub struct Memory {
     opt: Vec<f32>,
     act: Vec<f32>,
     input: Vec<i32>,
+    /// KV-cache decoding: the caches (persistent between steps).
+    kv: Vec<f32>,
     /// The widened copies of the 16-bit operands of the kernel being run.
     staging: UnsafeCell<Staging>,
     /// The rank's fused kernels (`crate::fusion`; none when fusion is off).
@@ -234,6 +236,7 @@ impl Memory {
             opt: zeroed(words(need[2]), "optimizer state")?,
             act: zeroed(words(need[3]), "activation")?,
             input: zeroed(words(need[4]), "input")?,
+            kv: zeroed(words(need[5]), "KV cache")?,
             staging: UnsafeCell::new(Staging {
                 scratch: zeroed(scratch, "mixed-precision scratch")?,
                 entries: Vec::with_capacity(16),
@@ -308,6 +311,7 @@ impl Memory {
             BufferClass::Grad => (self.grad.as_ptr() as *mut u8, self.grad.len()),
             BufferClass::OptState => (self.opt.as_ptr() as *mut u8, self.opt.len()),
             BufferClass::Activation => (self.act.as_ptr() as *mut u8, self.act.len()),
+            BufferClass::KvCache => (self.kv.as_ptr() as *mut u8, self.kv.len()),
             BufferClass::Input => {
                 assert!(T::IS_I32, "non-i32 access to the i32 input buffer {b}");
                 (self.input.as_ptr() as *mut u8, self.input.len())
@@ -542,6 +546,7 @@ impl Memory {
             BufferClass::OptState => bytes(&self.opt),
             BufferClass::Activation => bytes(&self.act),
             BufferClass::Input => bytes(&self.input),
+            BufferClass::KvCache => bytes(&self.kv),
         }
     }
 }

@@ -63,13 +63,25 @@ const NO_MLIR: &str = "error: --emit mlir needs megac built with the `mlir` feat
 /// Compile and write `out/plan.json`, and beside it `out/config.json`, the model's Hugging
 /// Face config (`megac run --save-params` copies it beside the saved weights); with
 /// `--emit mlir` also each role's MLIR module, all verified before anything is written.
-pub fn run(args: &ModelArgs, out: &Path, emit: Option<Emit>, kind: PlanKind) -> Result<(), String> {
+/// With `kv_cache`, the KV-cache plan `megac generate` runs (`super::generate::compile_kv`).
+pub fn run(
+    args: &ModelArgs,
+    out: &Path,
+    emit: Option<Emit>,
+    kind: PlanKind,
+    kv_cache: bool,
+) -> Result<(), String> {
     #[cfg(not(feature = "mlir"))]
     if emit == Some(Emit::Mlir) {
         return Err(NO_MLIR.to_string());
     }
     super::output::check_dir("-o", out)?;
-    let plan = build_plan_of(args, kind)?;
+    let plan = if kv_cache {
+        let window = super::generate::compile_forward(args)?;
+        super::generate::compile_kv(args, &window)?.into_inner()
+    } else {
+        build_plan_of(args, kind)?
+    };
     let modules = match emit {
         Some(Emit::Mlir) => mlir_modules(&plan)?,
         None => Vec::new(),
@@ -90,10 +102,13 @@ pub fn run(args: &ModelArgs, out: &Path, emit: Option<Emit>, kind: PlanKind) -> 
             let chunks: usize = r.pipeline.as_ref().map_or(0, |p| {
                 p.chunks
                     .iter()
-                    .map(|c| c.forward.len() + c.backward.len() + c.weight.len())
+                    .map(|c| c.forward.len() + c.backward.len() + c.weight.len() + c.decode.len())
                     .sum()
             });
-            r.microbatch.len() + r.optimizer.len() + chunks
+            r.microbatch.len()
+                + r.optimizer.len()
+                + chunks
+                + r.decode.as_ref().map_or(0, |d| d.step.len())
         })
         .sum();
     println!(

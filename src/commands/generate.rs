@@ -167,6 +167,15 @@ pub fn compile_block(model: &ModelArgs, window: &CheckedPlan) -> Result<CheckedP
     })
 }
 
+/// The KV-cache plan of `model` (`megac_codegen::kv::kv_plan` of its one-sample window
+/// plan and its block plan), through the plan gate.
+pub fn compile_kv(model: &ModelArgs, window: &CheckedPlan) -> Result<CheckedPlan, String> {
+    let block = compile_block(model, window)?;
+    let plan = megac_codegen::kv::kv_plan(window, &block).map_err(|e| format!("error: {e}"))?;
+    CheckedPlan::check(plan)
+        .map_err(|e| format!("error: the KV-cache plan does not pass the plan gate: {e}"))
+}
+
 /// `megac generate`.
 pub fn run(args: &GenerateArgs) -> Result<(), String> {
     if !matches!(args.format.as_str(), "text" | "json") {
@@ -201,8 +210,8 @@ pub fn run(args: &GenerateArgs) -> Result<(), String> {
     } else {
         // The layout's own error first (the block plan may not compile where it is refused).
         megac_runtime::infer::Inference::supports(&plan).map_err(|e| format!("error: {e}"))?;
-        let block = compile_block(&args.model, &plan)?;
-        with_ranks_kv(&plan, &block, &args.init, |dec| {
+        let kv = compile_kv(&args.model, &plan)?;
+        with_ranks_kv(&kv, &args.init, |dec| {
             dec.generate(&prompt, args.max_new_tokens, &sampling)
         })
     }

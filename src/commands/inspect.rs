@@ -174,6 +174,9 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
                         "inputs": m.input_bytes,
                         "total": m.total(),
                 });
+                if m.kv_cache_bytes > 0 {
+                    memory["kv_cache"] = serde_json::json!(m.kv_cache_bytes);
+                }
                 if m.staging_bytes > 0 {
                     memory["staging"] = serde_json::json!(m.staging_bytes);
                     memory["total_cpu"] = serde_json::json!(m.cpu_total());
@@ -217,6 +220,17 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         println!(
             "kind         {}: the forward only, no gradients or optimizer state",
             plan.kind.name()
+        );
+    }
+    if let Some(d) = &plan.decode {
+        let caches = plan
+            .buffers
+            .iter()
+            .filter(|b| b.class == megac_ir::plan::BufferClass::KvCache)
+            .count();
+        println!(
+            "decode       KV cache: the prefill over {} positions, then steps of {} token(s); {} cache buffers (keys and values per attention layer)",
+            b.seq_len, d.batch.seq_len, caches
         );
     }
     for r in &plan.roles {
@@ -271,10 +285,15 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
                 );
                 let mem = r.memory.as_ref().unwrap_or(&plan.memory);
                 println!(
-                    "             memory {} (parameters {}, activations {}); sends {} per step",
+                    "             memory {} (parameters {}, activations {}{}); sends {} per step",
                     mib(mem.total()).trim_start(),
                     mib(mem.param_bytes).trim_start(),
                     mib(mem.activation_bytes).trim_start(),
+                    if mem.kv_cache_bytes > 0 {
+                        format!(", KV cache {}", mib(mem.kv_cache_bytes).trim_start())
+                    } else {
+                        String::new()
+                    },
                     mib(role_collective_bytes(&plan, r)
                         .get("pipeline_send")
                         .copied()
@@ -300,6 +319,12 @@ pub fn run(dir: &Path, json: bool, program: bool, cluster: Option<&str>) -> Resu
         mib(m.activation_bytes_unplanned).trim_start()
     );
     println!("  inputs            {}", mib(m.input_bytes));
+    if m.kv_cache_bytes > 0 {
+        println!(
+            "  kv cache          {}   (keys and values of every position, this rank's layers and kv heads)",
+            mib(m.kv_cache_bytes)
+        );
+    }
     println!("  total             {}", mib(m.total()));
     if m.staging_bytes > 0 {
         println!(

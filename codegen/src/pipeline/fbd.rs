@@ -85,6 +85,8 @@ pub(super) fn fbd_forward_roles(
                 slots: 1,
                 inputs: chunk.inputs.clone(),
                 layers: chunk.layers,
+                decode: Vec::new(),
+                decode_inputs: Vec::new(),
             });
             fbase += chunk.activation_elems;
         }
@@ -144,6 +146,7 @@ pub(super) fn fbd_forward_roles(
                 dpp: None,
             }),
             memory: Some(memory),
+            decode: None,
         });
     }
     forward_roles

@@ -176,6 +176,7 @@ pub(crate) fn split(e: &mut Emitter) -> Result<Split, CodegenError> {
         activation_bytes_live: max(|m| m.activation_bytes_live),
         input_bytes: max(|m| m.input_bytes),
         staging_bytes: 0,
+        kv_cache_bytes: 0,
     };
     Ok(Split { roles, memory })
 }

@@ -121,6 +121,7 @@ pub(super) fn stage_role(
             },
         }),
         memory: Some(mem),
+        decode: None,
     }
 }
 
@@ -243,6 +244,8 @@ fn chunk_programs(
             slots: n_slots,
             inputs,
             layers,
+            decode: Vec::new(),
+            decode_inputs: Vec::new(),
         });
         base += elems * u64::from(n_slots);
     }
@@ -379,6 +382,7 @@ fn stage_memory(
             .max()
             .unwrap_or(0),
         staging_bytes: 0,
+        kv_cache_bytes: 0,
     }
 }
 

@@ -69,6 +69,20 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             plan.mesh.group(0, axes).len() as u64
         }
     };
+    // The step's position of KV-cache decoding: one i32 data input.
+    let position = |x: BufId| -> Result<(), String> {
+        if b(x).class == BufferClass::Input && b(x).dtype == DType::I32 && sh(x) == [1] {
+            Ok(())
+        } else {
+            Err(format!(
+                "the position (buffer {x}, {}) is {} {} {:?}, expected input i32 [1]",
+                b(x).name,
+                b(x).class.name(),
+                b(x).dtype.as_str(),
+                sh(x)
+            ))
+        }
+    };
     // Operand dtypes: i32 where the kernel reads ids, indices or counts, f32 elsewhere.
     let int_ins: &[usize] = match op {
         OpKind::Embedding | OpKind::EmbeddingGrad => &[0],
@@ -85,6 +99,9 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         | OpKind::Combine
         | OpKind::CombineGrad
         | OpKind::AllToAll { .. } => &[1],
+        OpKind::RopeAt { .. } => &[1],
+        OpKind::PosEmbeddingAt => &[2],
+        OpKind::KvAttention { .. } => &[3],
         _ => &[],
     };
     let int_outs: &[usize] = match op {
@@ -304,6 +321,78 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
                 return Err(format!("head dim {} is odd", sh(ins[0])[3]));
             }
             eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::RopeAt { theta, scaling } => {
+            positive(*theta, "theta")?;
+            if let Some(p) = scaling.as_ref().and_then(|s| s.problem()) {
+                return Err(p);
+            }
+            rank(ins[0], 4, "the input [b, s, heads, head_dim]")?;
+            if sh(ins[0])[3] % 2 != 0 {
+                return Err(format!("head dim {} is odd", sh(ins[0])[3]));
+            }
+            position(ins[1])?;
+            eq(outs[0], sh(ins[0]), "the output")
+        }
+        OpKind::PosEmbeddingAt => {
+            let (x, wpe) = (ins[0], ins[1]);
+            rank(x, 3, "the activations")?;
+            rank(wpe, 2, "the position table")?;
+            if sh(wpe)[0] == 0 || sh(wpe)[1] != sh(x)[2] {
+                return Err(format!(
+                    "the position table {:?} has no rows of width {}",
+                    sh(wpe),
+                    sh(x)[2]
+                ));
+            }
+            position(ins[2])?;
+            eq(outs[0], sh(x), "the output")
+        }
+        OpKind::KvAttention { .. } => {
+            let (q, k, v) = (ins[0], ins[1], ins[2]);
+            rank(q, 4, "q")?;
+            rank(k, 4, "k")?;
+            eq(v, sh(k), "v")?;
+            let (qs, ks) = (sh(q), sh(k));
+            if qs[0] != 1
+                || qs[0] != ks[0]
+                || qs[1] != ks[1]
+                || qs[3] != ks[3]
+                || ks[2] == 0
+                || qs[2] % ks[2] != 0
+            {
+                return Err(format!(
+                    "q {qs:?} and k {ks:?} do not match (the cache holds one sequence: batch 1)"
+                ));
+            }
+            if parts(q, 1, Axis::Cp) > 1 || parts(k, 1, Axis::Cp) > 1 {
+                return Err("the KV cache is not split over cp".into());
+            }
+            position(ins[3])?;
+            eq(outs[0], qs, "the output")?;
+            eq(outs[1], &[qs[0], qs[2], qs[1]], "the log-sum-exp")?;
+            for (j, what) in [(2, "the key cache"), (3, "the value cache")] {
+                let c = outs[j];
+                if b(c).class != BufferClass::KvCache || b(c).dtype != b(k).dtype {
+                    return Err(format!(
+                        "{what} (buffer {c}, {}) is {} {}, expected kv_cache {}",
+                        b(c).name,
+                        b(c).class.name(),
+                        b(c).dtype.as_str(),
+                        b(k).dtype.as_str()
+                    ));
+                }
+                rank(c, 3, what)?;
+                if sh(c)[0] == 0 || sh(c)[1..] != ks[2..] {
+                    return Err(format!(
+                        "{what} (buffer {c}) has shape {:?}, expected [positions, {}, {}]",
+                        sh(c),
+                        ks[2],
+                        ks[3]
+                    ));
+                }
+            }
+            Ok(())
         }
         OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
             let fwd = matches!(op, OpKind::CausalAttention { .. });

@@ -465,6 +465,9 @@ impl Lowerer<'_> {
         let row = |c: &Ctx, rows: u64, w: u64| c.launch(launch::per_row(rows, w));
         let elem = |c: &Ctx, n: u64| c.launch(launch::elementwise(n));
         match c.op {
+            OpKind::RopeAt { .. } | OpKind::PosEmbeddingAt | OpKind::KvAttention { .. } => {
+                return Err(c.err("KV-cache decoding runs on the cpu backend only"))
+            }
             OpKind::Embedding | OpKind::EmbeddingGrad => {
                 let table = ins[1];
                 let h = self.last(table);

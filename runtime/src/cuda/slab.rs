@@ -26,7 +26,7 @@ pub struct Region {
 #[derive(Clone, Debug)]
 pub struct SlabLayout {
     /// The arenas in [`BufferClass::index`] order.
-    pub slabs: [Region; 5],
+    pub slabs: [Region; 6],
     /// f32 copies of an instruction's 16-bit operands (the plan's `staging_elements`).
     pub staging: Region,
     /// The kernels' scratch ([`super::lower::workspace_elements`]).
@@ -62,7 +62,7 @@ impl SlabLayout {
                 .ok_or_else(overflow)?;
             Ok(Region { start, bytes })
         };
-        let mut slabs = [Region { start: 0, bytes: 0 }; 5];
+        let mut slabs = [Region { start: 0, bytes: 0 }; 6];
         for (i, s) in slabs.iter_mut().enumerate() {
             *s = region(layout.arena_bytes[i])?;
         }

@@ -35,6 +35,66 @@ pub(super) fn run(
                 inverse,
             );
         }
+        OpKind::RopeAt { theta, scaling } => {
+            let [b, s, nh, d] = dims4(op, mem, ins[0])?;
+            let inv_freq = megac_ir::spec::rope_inv_freq(d, *theta, scaling.as_ref());
+            let positions = step_positions(mem, ins[0], ins[1], mesh, comm.rank());
+            k::rope_freq(
+                mem.f32(ins[0]),
+                b,
+                s,
+                nh,
+                d,
+                &inv_freq,
+                &positions,
+                mem.f32_mut(outs[0]),
+                false,
+            );
+        }
+        OpKind::KvAttention { window } => {
+            let [b, s, nh, d] = dims4(op, mem, ins[0])?;
+            let nkv = dims4(op, mem, ins[1])?[2];
+            if b != 1 {
+                return Err(RuntimeError::Plan(format!(
+                    "`kv_attention` holds one sequence; its block has {b}"
+                )));
+            }
+            let pos = step_positions(mem, ins[0], ins[3], mesh, comm.rank());
+            let row = nkv * d;
+            k::kv::cache_write(mem.f32_mut(outs[2]), mem.f32(ins[1]), &pos, row);
+            k::kv::cache_write(mem.f32_mut(outs[3]), mem.f32(ins[2]), &pos, row);
+            let window = u32::try_from(*window).unwrap_or(u32::MAX);
+            let capacity = mem.buffer(outs[2]).shape[0] as usize;
+            if pos.first() == Some(&0) && s <= capacity {
+                // The prefill (the block at position 0 holds every key it attends): the
+                // causal attention of the window plan, so its logits are those of the
+                // recomputation bit for bit.
+                let (q, kx, vx) = (mem.f32(ins[0]), mem.f32(ins[1]), mem.f32(ins[2]));
+                let (out, lse) = (mem.f32_mut(outs[0]), mem.f32_mut(outs[1]));
+                if window == 0 {
+                    k::attention_fwd(q, kx, vx, 1, s, nh, nkv, d, out, lse);
+                } else {
+                    k::context::attention_window_fwd(
+                        q, kx, vx, &pos, &pos, window, 1, s, s, nh, nkv, d, out, lse,
+                    );
+                }
+            } else {
+                let keys = k::kv::cached_keys(&pos, capacity);
+                k::kv::cached_attention(
+                    mem.f32(ins[0]),
+                    mem.f32(outs[2]),
+                    mem.f32(outs[3]),
+                    &pos,
+                    keys,
+                    window,
+                    nh,
+                    nkv,
+                    d,
+                    mem.f32_mut(outs[0]),
+                    mem.f32_mut(outs[1]),
+                );
+            }
+        }
         OpKind::CausalAttention { window } => {
             let [b, s, nh, d] = dims4(op, mem, ins[0])?;
             let nkv = dims4(op, mem, ins[1])?[2];
@@ -285,4 +345,27 @@ pub(super) fn run(
         _ => unreachable!("run_kernel routes `{}` elsewhere", op.name()),
     }
     Ok(())
+}
+
+/// The global positions of the rows of `x` (`[b, s, ..]`, its seq dim possibly split by
+/// sequence parallelism) in a KV-cache step: the step's position (`pos`, an `i32[1]` input)
+/// plus the rows of the rank's earlier sequence shards plus the row.
+pub(super) fn step_positions(
+    mem: &Memory,
+    x: BufId,
+    pos: BufId,
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+) -> Vec<u32> {
+    let buf = mem.buffer(x);
+    let s = buf.shape.get(1).copied().unwrap_or(1) as usize;
+    let part = buf.layout.get(1).map_or(0, |axes| {
+        axes.iter().fold(0usize, |acc, &a| {
+            acc * mesh.size(a) as usize + mesh.coord(rank, a)
+        })
+    });
+    let start = mem.i32(pos).first().copied().unwrap_or(0).max(0) as usize;
+    (0..s)
+        .map(|i| (start + part * s + i).min(u32::MAX as usize) as u32)
+        .collect()
 }

@@ -39,6 +39,17 @@ pub(super) fn run(
                 }
             }
         }
+        OpKind::PosEmbeddingAt => {
+            let h = shape(mem, ins[0]).last().copied().unwrap_or(0) as usize;
+            let pos = super::attention::step_positions(mem, ins[0], ins[2], env.mesh, comm.rank());
+            k::kv::add_positions(
+                mem.f32(ins[0]),
+                mem.f32(ins[1]),
+                &pos,
+                h,
+                mem.f32_mut(outs[0]),
+            );
+        }
         OpKind::PosEmbedding => {
             let s = shape(mem, ins[0]);
             let (b, sl, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
