@@ -15,6 +15,7 @@ pub mod manager;
 pub mod optimizer;
 pub mod recompute;
 pub mod shard;
+pub mod tensor_parallel;
 
 pub use manager::{
     pass_names, pipeline, run_inference_pipeline, run_pass, run_pipeline, Module, Pass,

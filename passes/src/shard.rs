@@ -39,12 +39,12 @@
 //! - **Context parallelism** with MoE: routing, dispatch and combine work on the rank's own
 //!   tokens (MoE token rows are split over cp like the sequence).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use megac_ir::spec::{Arch, ModelSpec};
+use megac_ir::spec::ModelSpec;
 use megac_ir::{Axis, Graph, Layout, OpKind, ValueDef, ValueId, WeightLayout};
 
-use crate::{collectives, PassError};
+use crate::{collectives, tensor_parallel, PassError};
 
 /// Where a value stands with respect to the tensor-parallel axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,13 +69,33 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
     }
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
     let sp = p.tp > 1 && p.sequence_parallel;
+    let tp_params = tensor_parallel_params(&old, spec, &tensor_parallel::rules())?;
     let placed = if sp {
-        Some(placement_with(&old, spec, &collectives::rules())?.on_shards)
+        Some(sp_placement(&old, spec, &collectives::rules(), &tp_params)?.on_shards)
     } else {
         None
     };
-    lay_out(g, &old, spec, sp, placed)?;
+    lay_out(g, &old, spec, sp, placed, &tp_params)?;
     Ok(())
+}
+
+/// Every parameter's layout over tp, as the tensor-parallel rewrites
+/// ([`crate::tensor_parallel`]) extract it for `g` (the graph before `shard`): the dim tp
+/// splits it along, `None` when whole. Empty without tensor parallelism.
+pub fn tensor_parallel_params(
+    g: &Graph,
+    spec: &ModelSpec,
+    rules: &[egg::Rewrite<egg::SymbolLang, tensor_parallel::Layouts>],
+) -> Result<BTreeMap<String, Option<usize>>, PassError> {
+    if spec.parallel.tp <= 1 {
+        return Ok(BTreeMap::new());
+    }
+    let micro_batch = spec.train.micro_batch as f64 / spec.train.global_batch.max(1) as f64;
+    Ok(
+        tensor_parallel::place(g, spec.parallel.tp, micro_batch, rules)
+            .map_err(PassError::Collectives)?
+            .params,
+    )
 }
 
 /// The collective placement the rewrites find for `g` (the graph before `shard`) under
@@ -93,8 +113,18 @@ pub fn placement_with(
     spec: &ModelSpec,
     rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
 ) -> Result<collectives::Placement, PassError> {
+    let tp_params = tensor_parallel_params(g, spec, &tensor_parallel::rules())?;
+    sp_placement(g, spec, rules, &tp_params)
+}
+
+fn sp_placement(
+    g: &Graph,
+    spec: &ModelSpec,
+    rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
+    tp_params: &BTreeMap<String, Option<usize>>,
+) -> Result<collectives::Placement, PassError> {
     let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
-    let tags = lay_out(&mut tp_only, g, spec, true, None)?;
+    let tags = lay_out(&mut tp_only, g, spec, true, None, tp_params)?;
     collectives::place(&tp_only, &tags, spec.parallel.tp, rules).map_err(PassError::Collectives)
 }
 
@@ -107,6 +137,7 @@ fn lay_out(
     spec: &ModelSpec,
     sp: bool,
     placed: Option<HashMap<(usize, usize), bool>>,
+    tp_params: &BTreeMap<String, Option<usize>>,
 ) -> Result<HashMap<usize, (usize, usize)>, PassError> {
     let p = &spec.parallel;
     let mut s = Sharder {
@@ -120,11 +151,9 @@ fn lay_out(
         dp: p.dp > 1,
         cp: p.cp > 1,
         sp,
-        arch: spec.model.arch,
         whole_of: HashMap::new(),
         seq_of: HashMap::new(),
         head_slice_of: HashMap::new(),
-        kv_split: spec.model.kv_heads.is_multiple_of(p.tp),
         ep: p.ep > 1,
         edp: p.dp * p.cp / p.ep.max(1) > 1,
         counts_of: HashMap::new(),
@@ -152,10 +181,8 @@ fn lay_out(
             }
             ValueDef::Param(name) => {
                 let v = s.g.add_param(name.clone(), value.ty.clone());
-                if s.tp {
-                    if let Some(d) = s.param_dim(name, s.is_experts(v)) {
-                        s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
-                    }
+                if let Some(&Some(d)) = tp_params.get(name) {
+                    s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
                 }
                 if s.ep && s.is_experts(v) {
                     s.g.values[v.0 as usize].ty.layout.shards[0] = vec![Axis::Ep];
@@ -223,16 +250,12 @@ struct Sharder<'a> {
     /// Sequence parallelism: token-wise ops run on sequence shards where the collective
     /// rewrites placed them, the vocab-parallel embedding's output is reduce-scattered.
     sp: bool,
-    arch: Arch,
     /// Values already made whole: each conversion is inserted once and reused.
     whole_of: HashMap<ValueId, ValueId>,
     /// Values already split along the sequence.
     seq_of: HashMap<ValueId, ValueId>,
     /// Repeated key/value heads already sliced to this rank's query heads.
     head_slice_of: HashMap<ValueId, ValueId>,
-    /// Whether tp divides the key/value heads (else k/v projections stay whole and the heads
-    /// are repeated before attention).
-    kv_split: bool,
     /// Expert parallelism: stacked experts split over ep.
     ep: bool,
     /// Whether several ranks hold the same experts (dp·cp > ep).
@@ -257,88 +280,6 @@ fn moe_block(path: &str) -> &str {
 }
 
 impl Sharder<'_> {
-    /// The dim over which parameter `name` is sharded across tp, if any (`stacked`: an
-    /// expert weight with a leading `experts` dim).
-    fn param_dim(&self, name: &str, stacked: bool) -> Option<usize> {
-        let ends = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
-        match self.arch {
-            // Expert tensor parallelism (Megatron's ETP = tp): w1 and w3 (gate/up, `[ffn, h]`)
-            // column-parallel, w2 (down, `[h, ffn]`) row-parallel, per expert.
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3
-                if name.contains(".block_sparse_moe.experts.") =>
-            {
-                let base = usize::from(stacked);
-                if ends(&[".w1.weight", ".w3.weight"]) {
-                    Some(base)
-                } else if ends(&[".w2.weight"]) {
-                    Some(base + 1)
-                } else {
-                    None
-                }
-            }
-            // Qwen2-MoE's routed experts, as Mixtral's: gate/up column-, down row-parallel.
-            Arch::Qwen2Moe if name.contains(".mlp.experts.") => {
-                let base = usize::from(stacked);
-                if ends(&[".gate_proj.weight", ".up_proj.weight"]) {
-                    Some(base)
-                } else if ends(&[".down_proj.weight"]) {
-                    Some(base + 1)
-                } else {
-                    None
-                }
-            }
-            // The shared expert is a dense MLP (its `gate_proj`/`up_proj`/`down_proj` split as
-            // the dense one's); the router and the shared-expert gate are replicated.
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe => {
-                // Qwen2's q/k/v biases split with their heads, as the weights' rows.
-                if !self.kv_split
-                    && ends(&[
-                        "k_proj.weight",
-                        "v_proj.weight",
-                        "k_proj.bias",
-                        "v_proj.bias",
-                    ])
-                {
-                    None
-                } else if ends(&[
-                    "q_proj.weight",
-                    "k_proj.weight",
-                    "v_proj.weight",
-                    "q_proj.bias",
-                    "k_proj.bias",
-                    "v_proj.bias",
-                    "gate_proj.weight",
-                    "up_proj.weight",
-                    "embed_tokens.weight",
-                ]) || name == "lm_head.weight"
-                {
-                    Some(0)
-                } else if ends(&["o_proj.weight", "down_proj.weight"]) {
-                    Some(1)
-                } else {
-                    None
-                }
-            }
-            Arch::Gpt => {
-                if ends(&["attn.c_attn.weight", "mlp.c_fc.weight"]) {
-                    Some(1)
-                } else if ends(&[
-                    "attn.c_attn.bias",
-                    "mlp.c_fc.bias",
-                    "attn.c_proj.weight",
-                    "mlp.c_proj.weight",
-                    "transformer.wte.weight",
-                ]) || name == "lm_head.weight"
-                {
-                    // An untied head is vocab-parallel like the tied one.
-                    Some(0)
-                } else {
-                    None
-                }
-            }
-        }
-    }
-
     fn layout(&self, v: ValueId) -> &Layout {
         &self.g.ty(v).layout
     }
