@@ -6,10 +6,13 @@
 //!   result with a batch dim (`b`, or MoE's `tokens`) stays sharded like its operands, and a
 //!   result without one (a parameter gradient, the loss) becomes a pending sum, `Partial(dp)`.
 //!   The optimizer pass reduces partial gradients.
-//! - **Tensor parallelism** (Megatron's layout): parameters are sharded by role —
-//!   column-parallel linears (q/k/v, gate/up, GPT-2's `c_attn` and `c_fc`) over their output
-//!   dim, row-parallel linears (o_proj, down_proj, GPT-2's `c_proj`) over their input dim,
-//!   the embedding and output layer over the vocabulary. Every op then has a layout rule
+//! - **Tensor parallelism** (Megatron's layout): every parameter's layout over tp is the
+//!   one extraction chose ([`crate::tensor_parallel`], from each op's layout algebra and
+//!   the all-reduce/slice rewrites over the graph before this pass; no parameter name is
+//!   read): on every family it is Megatron's, column-parallel linears (q/k/v, gate/up,
+//!   GPT-2's `c_attn` and `c_fc`) over their output dim, row-parallel linears (o_proj,
+//!   down_proj, GPT-2's `c_proj`) over their input dim, the embedding and output layer
+//!   over the vocabulary, the rest whole. Every op then has a layout rule
 //!   (heads stay sharded through RoPE and attention, a row-parallel linear gives a partial
 //!   sum, a column-parallel linear's input gradient is a partial sum, ...). Where an op
 //!   needs an operand in another layout, the pass inserts the collective that converts it:
