@@ -20,6 +20,10 @@
 //!   whole. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
 //!   so it is added once. Vocab-parallel embedding and cross-entropy are the ordinary ops
 //!   on a vocab-sharded table/logits; the runtime reads the layout and reduces over tp.
+//!   Before the layout, each chain of gradient sums that mixes partial contributions (an
+//!   expert's, a column-parallel linear's input gradient) with whole ones (the router's) is
+//!   reordered so the partial ones are added first and reduced once
+//!   (`sum_partials_first`).
 //!
 //! - **Expert parallelism** (Megatron's MoE parallel folding): stacked expert weights
 //!   (`[experts, ..]`) are split over `ep` along the experts dim. Tokens dispatched to all
@@ -73,6 +77,7 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
     let sp = p.tp > 1 && p.sequence_parallel;
     let tp_params = tensor_parallel_params(&old, spec, &tensor_parallel::rules())?;
+    let old = sum_partials_first(&old, spec, &tp_params)?.unwrap_or(old);
     let placed = if sp {
         Some(sp_placement(&old, spec, &collectives::rules(), &tp_params)?.on_shards)
     } else {
@@ -117,7 +122,10 @@ pub fn placement_with(
     rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
 ) -> Result<collectives::Placement, PassError> {
     let tp_params = tensor_parallel_params(g, spec, &tensor_parallel::rules())?;
-    sp_placement(g, spec, rules, &tp_params)
+    match sum_partials_first(g, spec, &tp_params)? {
+        Some(g) => sp_placement(&g, spec, rules, &tp_params),
+        None => sp_placement(g, spec, rules, &tp_params),
+    }
 }
 
 fn sp_placement(
@@ -127,7 +135,7 @@ fn sp_placement(
     tp_params: &BTreeMap<String, Option<usize>>,
 ) -> Result<collectives::Placement, PassError> {
     let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
-    let tags = lay_out(&mut tp_only, g, spec, true, None, tp_params)?;
+    let tags = lay_out(&mut tp_only, g, spec, true, None, tp_params)?.tags;
     collectives::place(&tp_only, &tags, spec.parallel.tp, rules).map_err(PassError::Collectives)
 }
 
@@ -141,7 +149,7 @@ fn lay_out(
     sp: bool,
     placed: Option<HashMap<(usize, usize), bool>>,
     tp_params: &BTreeMap<String, Option<usize>>,
-) -> Result<HashMap<usize, (usize, usize)>, PassError> {
+) -> Result<Laid, PassError> {
     let p = &spec.parallel;
     let mut s = Sharder {
         g,
@@ -225,7 +233,129 @@ fn lay_out(
             }
         }
     }
-    Ok(s.tags)
+    Ok(Laid { tags: s.tags, map })
+}
+
+/// What [`lay_out`] returns: for each op of the new graph emitted for an op of the old one
+/// (not a conversion), (that op, which of its emitted ops); and every old value's new value.
+struct Laid {
+    tags: HashMap<usize, (usize, usize)>,
+    map: HashMap<ValueId, ValueId>,
+}
+
+/// `g` with each chain of gradient sums reordered so that the contributions tensor
+/// parallelism leaves as partial sums (laid out with `tp_params`) are added to each other
+/// first and reduced once, the whole ones after, where that saves a reduction (`None`
+/// where it saves none anywhere, the graph then used as it is). The sum is rebuilt where its last
+/// contribution is ready, with the paths of its ops in their order. (The autodiff adds
+/// contributions as the backward reaches them; where a whole one comes first, as the
+/// shared-expert gate's before the experts', every partial one after it was reduced on its
+/// own.)
+fn sum_partials_first(
+    g: &Graph,
+    spec: &ModelSpec,
+    tp_params: &BTreeMap<String, Option<usize>>,
+) -> Result<Option<Graph>, PassError> {
+    if spec.parallel.tp <= 1 {
+        return Ok(None);
+    }
+    let mut producer: HashMap<ValueId, usize> = HashMap::new();
+    let mut readers: HashMap<ValueId, usize> = HashMap::new();
+    for (i, op) in g.ops.iter().enumerate() {
+        for &o in &op.outputs {
+            producer.insert(o, i);
+        }
+        for &x in &op.inputs {
+            *readers.entry(x).or_default() += 1;
+        }
+    }
+    let outputs: std::collections::HashSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
+    let is_sum = |i: usize| matches!(g.ops[i].kind, OpKind::GradSum);
+    // Op i continues the chain of the sum producing its first operand.
+    let inner = |i: usize| -> Option<usize> {
+        let a = g.ops[i].inputs[0];
+        producer
+            .get(&a)
+            .copied()
+            .filter(|&k| is_sum(k) && readers.get(&a) == Some(&1) && !outputs.contains(&a))
+    };
+    let continued: std::collections::HashSet<usize> = (0..g.ops.len())
+        .filter(|&i| is_sum(i))
+        .filter_map(inner)
+        .collect();
+    let mut chains: Vec<(Vec<usize>, Vec<ValueId>)> = Vec::new();
+    for head in (0..g.ops.len()).filter(|&i| is_sum(i) && !continued.contains(&i)) {
+        let mut ops = vec![head];
+        while let Some(k) = inner(*ops.last().expect("a sum")) {
+            ops.push(k);
+        }
+        ops.reverse();
+        let mut leaves = vec![g.ops[ops[0]].inputs[0]];
+        leaves.extend(ops.iter().map(|&i| g.ops[i].inputs[1]));
+        chains.push((ops, leaves));
+    }
+    if chains.iter().all(|(ops, _)| ops.len() < 2) {
+        return Ok(None);
+    }
+    let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
+    let laid = lay_out(&mut tp_only, g, spec, true, None, tp_params)?;
+    let partial = |v: ValueId| tp_only.ty(laid.map[&v]).layout.partial.contains(&Axis::Tp);
+    // The chains to rebuild, by their last op: (their ops, the contributions reordered).
+    let mut rebuilt: HashMap<usize, (Vec<usize>, Vec<ValueId>)> = HashMap::new();
+    let mut dropped: std::collections::HashSet<usize> = std::collections::HashSet::new();
+    for (ops, leaves) in chains {
+        let (mut order, whole): (Vec<ValueId>, Vec<ValueId>) =
+            leaves.iter().partition(|&&v| partial(v));
+        if order.is_empty() || whole.is_empty() {
+            continue;
+        }
+        order.extend(whole);
+        // Left to right, a leading run of partial contributions is reduced once, every
+        // partial one after a whole one on its own; partial ones first: once.
+        let lead = leaves.iter().take_while(|&&v| partial(v)).count();
+        let after = leaves[lead..].iter().filter(|&&v| partial(v)).count();
+        if usize::from(lead > 0) + after <= 1 {
+            continue;
+        }
+        dropped.extend(ops.iter().copied());
+        rebuilt.insert(*ops.last().expect("a sum"), (ops, order));
+    }
+    if rebuilt.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Graph::new(g.name.clone(), g.mesh.clone());
+    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    for (i, value) in g.values.iter().enumerate() {
+        let id = ValueId(i as u32);
+        match &value.def {
+            ValueDef::Input(name) => {
+                map.insert(id, out.add_input(name.clone(), value.ty.clone()));
+            }
+            ValueDef::Param(name) => {
+                map.insert(id, out.add_param(name.clone(), value.ty.clone()));
+            }
+            ValueDef::Op(op_id, 0) => {
+                let i = op_id.0 as usize;
+                let op = &g.ops[i];
+                if let Some((ops, order)) = rebuilt.get(&i) {
+                    let mut acc = map[&order[0]];
+                    for (&k, &x) in ops.iter().zip(&order[1..]) {
+                        acc = out.add_op1(OpKind::GradSum, &[acc, map[&x]], &g.ops[k].path)?;
+                    }
+                    map.insert(op.outputs[0], acc);
+                } else if !dropped.contains(&i) {
+                    let ins: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();
+                    let outs = out.add_op(op.kind.clone(), &ins, &op.path)?;
+                    for (o, n) in op.outputs.iter().zip(outs) {
+                        map.insert(*o, n);
+                    }
+                }
+            }
+            ValueDef::Op(..) => {}
+        }
+    }
+    out.outputs = g.outputs.iter().map(|(n, v)| (n.clone(), map[v])).collect();
+    Ok(Some(out))
 }
 
 fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {

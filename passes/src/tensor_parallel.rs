@@ -1134,9 +1134,6 @@ impl Group {
                 let mut f = fixed.clone();
                 f.insert(k, l);
                 let (c, _) = extract(eg, &roots, &f);
-                if std::env::var_os("TP_DEBUG").is_some() {
-                    eprintln!("{b}: fix {} to {l:?}: {c}", eg.analysis.params[k].name);
-                }
                 extractions += 1;
                 if best.is_none_or(|(bc, _)| c < bc) {
                     best = Some((c, l));

@@ -273,3 +273,69 @@ fn removing_a_rule_changes_the_placement() {
         }
     }
 }
+
+/// Every op `shard` emits (but conversions, and ops on sequence shards, whose algebra is
+/// `collectives::token_wise`'s) has operand and result tp layouts that its layout algebra
+/// (`tensor_parallel::strategies`) lists: the emission and the algebra the extraction ran
+/// on agree, op by op, on every family under tp and tp+sp.
+#[test]
+fn emitted_layouts_follow_each_ops_algebra() {
+    use megac_passes::tensor_parallel::{strategies, Dist};
+    let dist = |g: &Graph, v: megac_ir::ValueId| -> Option<Dist> {
+        let ty = g.ty(v);
+        if ty.layout.partial.contains(&Axis::Tp) {
+            return Some(Dist::P);
+        }
+        match ty.layout.shards.iter().position(|s| s.contains(&Axis::Tp)) {
+            Some(d) if ty.dims[d].name == "s" => None,
+            Some(d) => Some(Dist::S(d)),
+            None => Some(Dist::R),
+        }
+    };
+    let mut checked = 0;
+    for c in CASES {
+        for sp in [false, true] {
+            if c.4 && !sp {
+                continue;
+            }
+            let (_, model, extra, tp, _, _) = c;
+            let mut sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+            sets.push(format!("parallel.tp={tp}"));
+            if sp {
+                sets.push("parallel.sequence_parallel=true".into());
+            }
+            let g = graph_after(&spec(model, &sets), "shard");
+            for op in &g.ops {
+                if matches!(
+                    op.kind,
+                    OpKind::AllReduce { .. }
+                        | OpKind::AllGather { .. }
+                        | OpKind::ReduceScatter { .. }
+                        | OpKind::Slice { .. }
+                ) {
+                    continue;
+                }
+                let ins: Option<Vec<Dist>> = op.inputs.iter().map(|&v| dist(&g, v)).collect();
+                let outs: Option<Vec<Dist>> = op.outputs.iter().map(|&v| dist(&g, v)).collect();
+                let (Some(ins), Some(outs)) = (ins, outs) else {
+                    continue;
+                };
+                let tys: Vec<&megac_ir::TensorType> = op.inputs.iter().map(|&v| g.ty(v)).collect();
+                let otys: Vec<&megac_ir::TensorType> =
+                    op.outputs.iter().map(|&v| g.ty(v)).collect();
+                let listed = strategies(&op.kind, &tys, &otys, *tp)
+                    .iter()
+                    .any(|s| s.ins == ins && s.outs == outs);
+                assert!(
+                    listed,
+                    "{} (sp {sp}): {} at {}: {ins:?} -> {outs:?} is not in its algebra",
+                    c.0,
+                    op.kind.name(),
+                    op.path
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 500, "{checked}");
+}
