@@ -88,8 +88,9 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
 }
 
 /// Every parameter's layout over tp, as the tensor-parallel rewrites
-/// ([`crate::tensor_parallel`]) extract it for `g` (the graph before `shard`): the dim tp
-/// splits it along, `None` when whole. Empty without tensor parallelism.
+/// ([`crate::tensor_parallel`]) extract it for `g` (the graph before `shard`; a forward-only
+/// graph is differentiated first): the dim tp splits it along, `None` when whole. Empty
+/// without tensor parallelism.
 pub fn tensor_parallel_params(
     g: &Graph,
     spec: &ModelSpec,
@@ -98,6 +99,18 @@ pub fn tensor_parallel_params(
     if spec.parallel.tp <= 1 {
         return Ok(BTreeMap::new());
     }
+    // A forward-only graph (an inference plan) is laid out as training lays it out: the
+    // layouts are chosen for the differentiated graph, so plans and checkpoints agree.
+    let trained;
+    let g = if g.outputs.iter().any(|(n, _)| n.starts_with("grad:")) {
+        g
+    } else {
+        let mut d = g.clone();
+        crate::autodiff::differentiate(&mut d)?;
+        crate::recompute::recompute(&mut d, spec.train.recompute)?;
+        trained = d;
+        &trained
+    };
     let micro_batch = spec.train.micro_batch as f64 / spec.train.global_batch.max(1) as f64;
     Ok(
         tensor_parallel::place(g, spec.parallel.tp, micro_batch, rules)

@@ -339,3 +339,21 @@ fn emitted_layouts_follow_each_ops_algebra() {
     }
     assert!(checked > 500, "{checked}");
 }
+
+/// The forward-only graph of inference plans (no gradients, no updates) gets the same
+/// parameter layouts as training.
+#[test]
+fn inference_layouts_are_the_trainings() {
+    for c in CASES {
+        let spec = case_spec(c);
+        let g = megac_passes::run_inference_pipeline(spec.clone())
+            .expect("the inference pipeline runs")
+            .graph
+            .expect("a graph");
+        let kv_split = spec.model.kv_heads.is_multiple_of(spec.parallel.tp);
+        for (_, name, ty) in g.params() {
+            let got = ty.layout.shards.iter().position(|s| s.contains(&Axis::Tp));
+            assert_eq!(got, megatron(name, kv_split), "{}: {name}", c.0);
+        }
+    }
+}
