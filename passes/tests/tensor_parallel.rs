@@ -357,3 +357,56 @@ fn inference_layouts_are_the_trainings() {
         }
     }
 }
+
+/// A rule set that never saturates (each application adds a fresh leaf) is an error, never
+/// a placement.
+#[test]
+fn an_unsaturated_run_is_an_error() {
+    use egg::{
+        Applier, Id, PatternAst, Rewrite, SearchMatches, Searcher, Subst, Symbol, SymbolLang, Var,
+    };
+    use megac_passes::tensor_parallel::Layouts;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static FRESH: AtomicUsize = AtomicUsize::new(1_000_000);
+    struct Grow;
+    impl Searcher<SymbolLang, Layouts> for Grow {
+        fn search_eclass_with_limit(
+            &self,
+            _: &egg::EGraph<SymbolLang, Layouts>,
+            eclass: Id,
+            limit: usize,
+        ) -> Option<SearchMatches<'_, SymbolLang>> {
+            (limit > 0).then(|| SearchMatches {
+                eclass,
+                substs: vec![Subst::default()],
+                ast: None,
+            })
+        }
+        fn vars(&self) -> Vec<Var> {
+            Vec::new()
+        }
+    }
+    impl Applier<SymbolLang, Layouts> for Grow {
+        fn apply_one(
+            &self,
+            egraph: &mut egg::EGraph<SymbolLang, Layouts>,
+            eclass: Id,
+            _: &Subst,
+            _: Option<&PatternAst<SymbolLang>>,
+            _: Symbol,
+        ) -> Vec<Id> {
+            let k = FRESH.fetch_add(1, Ordering::Relaxed);
+            let leaf = egraph.add(SymbolLang::leaf(format!("l{k}")));
+            if egraph.union(eclass, leaf) {
+                return vec![leaf];
+            }
+            Vec::new()
+        }
+    }
+    let mut grow = rules();
+    grow.push(Rewrite::new("grow", Grow, Grow).unwrap());
+    let spec = case_spec(&CASES[0]);
+    let g = graph_after(&spec, "recompute");
+    let err = place(&g, 2, 0.5, &grow).unwrap_err();
+    assert!(err.contains("did not saturate"), "{err}");
+}
