@@ -2,8 +2,8 @@
 //! every family's layer saturates, its extracted term is a snapshot
 //! (`passes/tests/collectives/*.txt`; `MEGAC_BLESS=1 cargo test -p megac-passes --test
 //! collectives` rewrites them, review the diff), the emitted collectives are the term's,
-//! per-layer collective counts under tp and tp+sp are Megatron's, and removing a rule changes
-//! the placement.
+//! per-layer collective counts under tp and tp+sp are pinned beside Megatron-core's (equal for
+//! dense layers, the MoE differences explained), and removing a rule changes the placement.
 
 use std::path::{Path, PathBuf};
 
