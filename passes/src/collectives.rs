@@ -1,6 +1,7 @@
 //! Collective placement by rewrites (egg): where sequence parallelism's collectives go.
 //!
-//! The `shard` pass first lays the graph out with Megatron's tensor parallelism alone (every
+//! The `shard` pass first lays the graph out with Megatron's tensor parallelism alone (each
+//! parameter's layout as [`crate::tensor_parallel`] extracted it; every
 //! per-token op on whole activations, an `all_reduce` where a row-parallel linear's partial
 //! sum must be whole). This module translates that graph, one block at a time (a decoder
 //! layer, forward, backward and recomputation together; the embedding, the final norm, the

@@ -3,7 +3,9 @@
 //! - [`manager`]: the ordered pipeline of named passes (`megac passes` lists it).
 //! - [`build`]: ModelSpec -> Graph IR.
 //! - [`autodiff`]: backward graph; [`recompute`]: activation recomputation rewrite;
-//!   [`shard`]: layouts over the mesh; [`optimizer`]: gradient norm, clipping, AdamW.
+//!   [`shard`]: layouts over the mesh, with each parameter's tp layout from
+//!   [`tensor_parallel`] and sequence parallelism's placement from [`collectives`] (both
+//!   egg rewrites over the real IR); [`optimizer`]: gradient norm, clipping, AdamW.
 //! - `flops`: model FLOPs per step, re-exported from their home, [`megac_ir::flops`].
 
 #![warn(missing_docs)]
@@ -15,6 +17,7 @@ pub mod manager;
 pub mod optimizer;
 pub mod recompute;
 pub mod shard;
+pub mod tensor_parallel;
 
 pub use manager::{
     pass_names, pipeline, run_inference_pipeline, run_pass, run_pipeline, Module, Pass,

@@ -6,10 +6,13 @@
 //!   result with a batch dim (`b`, or MoE's `tokens`) stays sharded like its operands, and a
 //!   result without one (a parameter gradient, the loss) becomes a pending sum, `Partial(dp)`.
 //!   The optimizer pass reduces partial gradients.
-//! - **Tensor parallelism** (Megatron's layout): parameters are sharded by role —
-//!   column-parallel linears (q/k/v, gate/up, GPT-2's `c_attn` and `c_fc`) over their output
-//!   dim, row-parallel linears (o_proj, down_proj, GPT-2's `c_proj`) over their input dim,
-//!   the embedding and output layer over the vocabulary. Every op then has a layout rule
+//! - **Tensor parallelism** (Megatron's layout): every parameter's layout over tp is the
+//!   one extraction chose ([`crate::tensor_parallel`], from each op's layout algebra and
+//!   the all-reduce/slice rewrites over the graph before this pass; no parameter name is
+//!   read): on every family it is Megatron's, column-parallel linears (q/k/v, gate/up,
+//!   GPT-2's `c_attn` and `c_fc`) over their output dim, row-parallel linears (o_proj,
+//!   down_proj, GPT-2's `c_proj`) over their input dim, the embedding and output layer
+//!   over the vocabulary, the rest whole. Every op then has a layout rule
 //!   (heads stay sharded through RoPE and attention, a row-parallel linear gives a partial
 //!   sum, a column-parallel linear's input gradient is a partial sum, ...). Where an op
 //!   needs an operand in another layout, the pass inserts the collective that converts it:
@@ -17,6 +20,10 @@
 //!   whole. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
 //!   so it is added once. Vocab-parallel embedding and cross-entropy are the ordinary ops
 //!   on a vocab-sharded table/logits; the runtime reads the layout and reduces over tp.
+//!   Before the layout, each chain of gradient sums that mixes partial contributions (an
+//!   expert's, a column-parallel linear's input gradient) with whole ones (the router's) is
+//!   reordered so the partial ones are added first and reduced once
+//!   (`sum_partials_first`).
 //!
 //! - **Expert parallelism** (Megatron's MoE parallel folding): stacked expert weights
 //!   (`[experts, ..]`) are split over `ep` along the experts dim. Tokens dispatched to all
@@ -39,12 +46,12 @@
 //! - **Context parallelism** with MoE: routing, dispatch and combine work on the rank's own
 //!   tokens (MoE token rows are split over cp like the sequence).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use megac_ir::spec::{Arch, ModelSpec};
+use megac_ir::spec::ModelSpec;
 use megac_ir::{Axis, Graph, Layout, OpKind, ValueDef, ValueId, WeightLayout};
 
-use crate::{collectives, PassError};
+use crate::{collectives, tensor_parallel, PassError};
 
 /// Where a value stands with respect to the tensor-parallel axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,13 +76,47 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
     }
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
     let sp = p.tp > 1 && p.sequence_parallel;
+    let tp_params = tensor_parallel_params(&old, spec, &tensor_parallel::rules())?;
+    let old = sum_partials_first(&old, spec, &tp_params)?.unwrap_or(old);
     let placed = if sp {
-        Some(placement_with(&old, spec, &collectives::rules())?.on_shards)
+        Some(sp_placement(&old, spec, &collectives::rules(), &tp_params)?.on_shards)
     } else {
         None
     };
-    lay_out(g, &old, spec, sp, placed)?;
+    lay_out(g, &old, spec, sp, placed, &tp_params)?;
     Ok(())
+}
+
+/// Every parameter's layout over tp, as the tensor-parallel rewrites
+/// ([`crate::tensor_parallel`]) extract it for `g` (the graph before `shard`; a forward-only
+/// graph is differentiated first): the dim tp splits it along, `None` when whole. Empty
+/// without tensor parallelism.
+pub fn tensor_parallel_params(
+    g: &Graph,
+    spec: &ModelSpec,
+    rules: &[egg::Rewrite<egg::SymbolLang, tensor_parallel::Layouts>],
+) -> Result<BTreeMap<String, Option<usize>>, PassError> {
+    if spec.parallel.tp <= 1 {
+        return Ok(BTreeMap::new());
+    }
+    // A forward-only graph (an inference plan) is laid out as training lays it out: the
+    // layouts are chosen for the differentiated graph, so plans and checkpoints agree.
+    let trained;
+    let g = if g.outputs.iter().any(|(n, _)| n.starts_with("grad:")) {
+        g
+    } else {
+        let mut d = g.clone();
+        crate::autodiff::differentiate(&mut d)?;
+        crate::recompute::recompute(&mut d, spec.train.recompute)?;
+        trained = d;
+        &trained
+    };
+    let micro_batch = spec.train.micro_batch as f64 / spec.train.global_batch.max(1) as f64;
+    Ok(
+        tensor_parallel::place(g, spec.parallel.tp, micro_batch, rules)
+            .map_err(PassError::Collectives)?
+            .params,
+    )
 }
 
 /// The collective placement the rewrites find for `g` (the graph before `shard`) under
@@ -93,8 +134,21 @@ pub fn placement_with(
     spec: &ModelSpec,
     rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
 ) -> Result<collectives::Placement, PassError> {
+    let tp_params = tensor_parallel_params(g, spec, &tensor_parallel::rules())?;
+    match sum_partials_first(g, spec, &tp_params)? {
+        Some(g) => sp_placement(&g, spec, rules, &tp_params),
+        None => sp_placement(g, spec, rules, &tp_params),
+    }
+}
+
+fn sp_placement(
+    g: &Graph,
+    spec: &ModelSpec,
+    rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
+    tp_params: &BTreeMap<String, Option<usize>>,
+) -> Result<collectives::Placement, PassError> {
     let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
-    let tags = lay_out(&mut tp_only, g, spec, true, None)?;
+    let tags = lay_out(&mut tp_only, g, spec, true, None, tp_params)?.tags;
     collectives::place(&tp_only, &tags, spec.parallel.tp, rules).map_err(PassError::Collectives)
 }
 
@@ -107,7 +161,8 @@ fn lay_out(
     spec: &ModelSpec,
     sp: bool,
     placed: Option<HashMap<(usize, usize), bool>>,
-) -> Result<HashMap<usize, (usize, usize)>, PassError> {
+    tp_params: &BTreeMap<String, Option<usize>>,
+) -> Result<Laid, PassError> {
     let p = &spec.parallel;
     let mut s = Sharder {
         g,
@@ -120,11 +175,9 @@ fn lay_out(
         dp: p.dp > 1,
         cp: p.cp > 1,
         sp,
-        arch: spec.model.arch,
         whole_of: HashMap::new(),
         seq_of: HashMap::new(),
         head_slice_of: HashMap::new(),
-        kv_split: spec.model.kv_heads.is_multiple_of(p.tp),
         ep: p.ep > 1,
         edp: p.dp * p.cp / p.ep.max(1) > 1,
         counts_of: HashMap::new(),
@@ -152,10 +205,8 @@ fn lay_out(
             }
             ValueDef::Param(name) => {
                 let v = s.g.add_param(name.clone(), value.ty.clone());
-                if s.tp {
-                    if let Some(d) = s.param_dim(name, s.is_experts(v)) {
-                        s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
-                    }
+                if let Some(&Some(d)) = tp_params.get(name) {
+                    s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
                 }
                 if s.ep && s.is_experts(v) {
                     s.g.values[v.0 as usize].ty.layout.shards[0] = vec![Axis::Ep];
@@ -195,7 +246,129 @@ fn lay_out(
             }
         }
     }
-    Ok(s.tags)
+    Ok(Laid { tags: s.tags, map })
+}
+
+/// What [`lay_out`] returns: for each op of the new graph emitted for an op of the old one
+/// (not a conversion), (that op, which of its emitted ops); and every old value's new value.
+struct Laid {
+    tags: HashMap<usize, (usize, usize)>,
+    map: HashMap<ValueId, ValueId>,
+}
+
+/// `g` with each chain of gradient sums reordered so that the contributions tensor
+/// parallelism leaves as partial sums (laid out with `tp_params`) are added to each other
+/// first and reduced once, the whole ones after, where that saves a reduction (`None`
+/// where it saves none anywhere, the graph then used as it is). The sum is rebuilt where its last
+/// contribution is ready, with the paths of its ops in their order. (The autodiff adds
+/// contributions as the backward reaches them; where a whole one comes first, as the
+/// shared-expert gate's before the experts', every partial one after it was reduced on its
+/// own.)
+fn sum_partials_first(
+    g: &Graph,
+    spec: &ModelSpec,
+    tp_params: &BTreeMap<String, Option<usize>>,
+) -> Result<Option<Graph>, PassError> {
+    if spec.parallel.tp <= 1 {
+        return Ok(None);
+    }
+    let mut producer: HashMap<ValueId, usize> = HashMap::new();
+    let mut readers: HashMap<ValueId, usize> = HashMap::new();
+    for (i, op) in g.ops.iter().enumerate() {
+        for &o in &op.outputs {
+            producer.insert(o, i);
+        }
+        for &x in &op.inputs {
+            *readers.entry(x).or_default() += 1;
+        }
+    }
+    let outputs: std::collections::HashSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
+    let is_sum = |i: usize| matches!(g.ops[i].kind, OpKind::GradSum);
+    // Op i continues the chain of the sum producing its first operand.
+    let inner = |i: usize| -> Option<usize> {
+        let a = g.ops[i].inputs[0];
+        producer
+            .get(&a)
+            .copied()
+            .filter(|&k| is_sum(k) && readers.get(&a) == Some(&1) && !outputs.contains(&a))
+    };
+    let continued: std::collections::HashSet<usize> = (0..g.ops.len())
+        .filter(|&i| is_sum(i))
+        .filter_map(inner)
+        .collect();
+    let mut chains: Vec<(Vec<usize>, Vec<ValueId>)> = Vec::new();
+    for head in (0..g.ops.len()).filter(|&i| is_sum(i) && !continued.contains(&i)) {
+        let mut ops = vec![head];
+        while let Some(k) = inner(*ops.last().expect("a sum")) {
+            ops.push(k);
+        }
+        ops.reverse();
+        let mut leaves = vec![g.ops[ops[0]].inputs[0]];
+        leaves.extend(ops.iter().map(|&i| g.ops[i].inputs[1]));
+        chains.push((ops, leaves));
+    }
+    if chains.iter().all(|(ops, _)| ops.len() < 2) {
+        return Ok(None);
+    }
+    let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
+    let laid = lay_out(&mut tp_only, g, spec, true, None, tp_params)?;
+    let partial = |v: ValueId| tp_only.ty(laid.map[&v]).layout.partial.contains(&Axis::Tp);
+    // The chains to rebuild, by their last op: (their ops, the contributions reordered).
+    let mut rebuilt: HashMap<usize, (Vec<usize>, Vec<ValueId>)> = HashMap::new();
+    let mut dropped: std::collections::HashSet<usize> = std::collections::HashSet::new();
+    for (ops, leaves) in chains {
+        let (mut order, whole): (Vec<ValueId>, Vec<ValueId>) =
+            leaves.iter().partition(|&&v| partial(v));
+        if order.is_empty() || whole.is_empty() {
+            continue;
+        }
+        order.extend(whole);
+        // Left to right, a leading run of partial contributions is reduced once, every
+        // partial one after a whole one on its own; partial ones first: once.
+        let lead = leaves.iter().take_while(|&&v| partial(v)).count();
+        let after = leaves[lead..].iter().filter(|&&v| partial(v)).count();
+        if usize::from(lead > 0) + after <= 1 {
+            continue;
+        }
+        dropped.extend(ops.iter().copied());
+        rebuilt.insert(*ops.last().expect("a sum"), (ops, order));
+    }
+    if rebuilt.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Graph::new(g.name.clone(), g.mesh.clone());
+    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    for (i, value) in g.values.iter().enumerate() {
+        let id = ValueId(i as u32);
+        match &value.def {
+            ValueDef::Input(name) => {
+                map.insert(id, out.add_input(name.clone(), value.ty.clone()));
+            }
+            ValueDef::Param(name) => {
+                map.insert(id, out.add_param(name.clone(), value.ty.clone()));
+            }
+            ValueDef::Op(op_id, 0) => {
+                let i = op_id.0 as usize;
+                let op = &g.ops[i];
+                if let Some((ops, order)) = rebuilt.get(&i) {
+                    let mut acc = map[&order[0]];
+                    for (&k, &x) in ops.iter().zip(&order[1..]) {
+                        acc = out.add_op1(OpKind::GradSum, &[acc, map[&x]], &g.ops[k].path)?;
+                    }
+                    map.insert(op.outputs[0], acc);
+                } else if !dropped.contains(&i) {
+                    let ins: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();
+                    let outs = out.add_op(op.kind.clone(), &ins, &op.path)?;
+                    for (o, n) in op.outputs.iter().zip(outs) {
+                        map.insert(*o, n);
+                    }
+                }
+            }
+            ValueDef::Op(..) => {}
+        }
+    }
+    out.outputs = g.outputs.iter().map(|(n, v)| (n.clone(), map[v])).collect();
+    Ok(Some(out))
 }
 
 fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {
@@ -223,16 +396,12 @@ struct Sharder<'a> {
     /// Sequence parallelism: token-wise ops run on sequence shards where the collective
     /// rewrites placed them, the vocab-parallel embedding's output is reduce-scattered.
     sp: bool,
-    arch: Arch,
     /// Values already made whole: each conversion is inserted once and reused.
     whole_of: HashMap<ValueId, ValueId>,
     /// Values already split along the sequence.
     seq_of: HashMap<ValueId, ValueId>,
     /// Repeated key/value heads already sliced to this rank's query heads.
     head_slice_of: HashMap<ValueId, ValueId>,
-    /// Whether tp divides the key/value heads (else k/v projections stay whole and the heads
-    /// are repeated before attention).
-    kv_split: bool,
     /// Expert parallelism: stacked experts split over ep.
     ep: bool,
     /// Whether several ranks hold the same experts (dp·cp > ep).
@@ -257,88 +426,6 @@ fn moe_block(path: &str) -> &str {
 }
 
 impl Sharder<'_> {
-    /// The dim over which parameter `name` is sharded across tp, if any (`stacked`: an
-    /// expert weight with a leading `experts` dim).
-    fn param_dim(&self, name: &str, stacked: bool) -> Option<usize> {
-        let ends = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
-        match self.arch {
-            // Expert tensor parallelism (Megatron's ETP = tp): w1 and w3 (gate/up, `[ffn, h]`)
-            // column-parallel, w2 (down, `[h, ffn]`) row-parallel, per expert.
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3
-                if name.contains(".block_sparse_moe.experts.") =>
-            {
-                let base = usize::from(stacked);
-                if ends(&[".w1.weight", ".w3.weight"]) {
-                    Some(base)
-                } else if ends(&[".w2.weight"]) {
-                    Some(base + 1)
-                } else {
-                    None
-                }
-            }
-            // Qwen2-MoE's routed experts, as Mixtral's: gate/up column-, down row-parallel.
-            Arch::Qwen2Moe if name.contains(".mlp.experts.") => {
-                let base = usize::from(stacked);
-                if ends(&[".gate_proj.weight", ".up_proj.weight"]) {
-                    Some(base)
-                } else if ends(&[".down_proj.weight"]) {
-                    Some(base + 1)
-                } else {
-                    None
-                }
-            }
-            // The shared expert is a dense MLP (its `gate_proj`/`up_proj`/`down_proj` split as
-            // the dense one's); the router and the shared-expert gate are replicated.
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe => {
-                // Qwen2's q/k/v biases split with their heads, as the weights' rows.
-                if !self.kv_split
-                    && ends(&[
-                        "k_proj.weight",
-                        "v_proj.weight",
-                        "k_proj.bias",
-                        "v_proj.bias",
-                    ])
-                {
-                    None
-                } else if ends(&[
-                    "q_proj.weight",
-                    "k_proj.weight",
-                    "v_proj.weight",
-                    "q_proj.bias",
-                    "k_proj.bias",
-                    "v_proj.bias",
-                    "gate_proj.weight",
-                    "up_proj.weight",
-                    "embed_tokens.weight",
-                ]) || name == "lm_head.weight"
-                {
-                    Some(0)
-                } else if ends(&["o_proj.weight", "down_proj.weight"]) {
-                    Some(1)
-                } else {
-                    None
-                }
-            }
-            Arch::Gpt => {
-                if ends(&["attn.c_attn.weight", "mlp.c_fc.weight"]) {
-                    Some(1)
-                } else if ends(&[
-                    "attn.c_attn.bias",
-                    "mlp.c_fc.bias",
-                    "attn.c_proj.weight",
-                    "mlp.c_proj.weight",
-                    "transformer.wte.weight",
-                ]) || name == "lm_head.weight"
-                {
-                    // An untied head is vocab-parallel like the tied one.
-                    Some(0)
-                } else {
-                    None
-                }
-            }
-        }
-    }
-
     fn layout(&self, v: ValueId) -> &Layout {
         &self.g.ty(v).layout
     }

@@ -2,8 +2,8 @@
 //! every family's layer saturates, its extracted term is a snapshot
 //! (`passes/tests/collectives/*.txt`; `MEGAC_BLESS=1 cargo test -p megac-passes --test
 //! collectives` rewrites them, review the diff), the emitted collectives are the term's,
-//! per-layer collective counts under tp and tp+sp are Megatron's, and removing a rule changes
-//! the placement.
+//! per-layer collective counts under tp and tp+sp are pinned beside Megatron-core's (equal for
+//! dense layers, the MoE differences explained), and removing a rule changes the placement.
 
 use std::path::{Path, PathBuf};
 
@@ -165,27 +165,63 @@ const fn c(ar: usize, ag: usize, rs: usize) -> Counts {
     Counts { ar, ag, rs }
 }
 
-/// Megatron's collectives per layer (forward, backward before `regather`), tp and tp+sp:
-/// a dense layer all-reduces after each row-parallel block (attention, MLP) and, in
-/// backward, each column-parallel input gradient; with sequence parallelism each all-reduce
-/// is a reduce-scatter at the block's end and an all-gather at the next block's start. An
-/// MoE layer reduces its combined expert output once (expert tensor parallelism); a shared
-/// expert is a dense MLP with its own reduction, and reads the gathered MoE input.
-/// No case has placement code of its own: qkv bias (qwen2), qk-norm (qwen3), shared
-/// experts (qwen2_moe) and a dense first layer go through the same rewrites.
+/// Megatron-core's collectives per layer (forward, backward before `regather`; read from
+/// NVIDIA/Megatron-LM at d98e8a64dd: `tensor_parallel/layers.py` and `mappings.py`,
+/// `transformer/moe/token_dispatcher.py` (`MoEAllGatherTokenDispatcher`, ETP = tp, ep = 1),
+/// `transformer/moe/shared_experts.py`), megac's, and why they differ.
+///
+/// Dense layer, tp: `RowParallelLinear` all-reduces after attention and after the MLP, the
+/// backward of `ColumnParallelLinear`'s `copy_to_tensor_model_parallel_region` all-reduces
+/// the input gradients of q/k/v (one: megac sums the three partial contributions first) and
+/// of gate/up. tp+sp: each all-reduce is a reduce-scatter at the block's end and an
+/// all-gather at the next block's start, mirrored in backward (the all-gathers Megatron
+/// repeats for the weight gradients are `regather`'s, after this count). qkv bias, qk-norm
+/// and a dense first layer change none of it.
+///
+/// MoE layer, tp+sp (Megatron requires sequence parallelism for MoE under tp, as megac):
+/// Megatron runs the router on the sequence shards and its dispatcher all-gathers the
+/// routing map, the probabilities and the hidden states, then reduce-scatters the combined
+/// output: forward (0, 4, 2) with attention's pair; backward (0, 2, 3), the probabilities'
+/// gradient reduce-scattered. megac all-gathers the MoE input once and runs the router, the
+/// experts (and the shared expert) on the whole tokens: forward 2 all-gathers fewer; the
+/// probabilities' gradient, partial over tp as Megatron's, is all-reduced (`[b, s, top_k]`)
+/// instead of reduce-scattered: backward one all-reduce more, one reduce-scatter fewer.
+///
+/// Qwen2-MoE's shared expert: Megatron's `SharedExpertMLP` gathers its own input and
+/// reduce-scatters its output (forward (0, 5, 3), backward (0, 3, 4)); its gate is a linear
+/// on the sequence shards. megac's shared expert reads the routed experts' gathered input
+/// (forward one all-gather fewer again) and its gate's linear runs on the whole tokens, the
+/// sigmoid product on shards: backward one all-gather more (the gate logits' gradient,
+/// `[b, s, 1]`). The MoE input's gradient sums the routed experts' and the shared
+/// expert's partial contributions before one reduce-scatter (`shard`'s
+/// `sum_partials_first` puts them ahead of the whole ones, the router's and the gate's),
+/// where Megatron reduce-scatters the routed and the shared expert's apart: backward two
+/// reduce-scatters fewer than Megatron's four (one more fewer for the probabilities).
 #[test]
 fn per_layer_collectives_are_megatrons() {
-    // (case, layer, tp forward and backward, sp forward and backward). MoE under tp
-    // requires sequence parallelism (as Megatron's expert tensor parallelism): no tp row.
-    type Row = (Option<(Counts, Counts)>, (Counts, Counts));
-    let dense: Row = (Some((c(2, 0, 0), c(2, 0, 0))), (c(0, 2, 2), c(0, 2, 2)));
-    // MoE backward: one more all-reduce than Megatron, of the router probabilities'
-    // gradient ([b, s, top_k]: the combine runs on the experts' partial sums, where
-    // Megatron-core reduce-scatters the expert outputs before it). The shared expert's
-    // backward reduces its gate's and its MLP's input gradients apart.
-    let moe: Row = (None, (c(0, 2, 2), c(1, 2, 2)));
-    let dense_in_moe: Row = (None, (c(0, 2, 2), c(0, 2, 2)));
-    let shared: Row = (None, (c(0, 2, 3), c(1, 4, 7)));
+    // (case, layer, Megatron's (tp forward, backward), megac's tp, Megatron's tp+sp, megac's
+    // tp+sp). MoE under tp requires sequence parallelism: no tp counts.
+    type Pair = (Counts, Counts);
+    type Row = (Option<Pair>, Option<Pair>, Pair, Pair);
+    let dense: Row = (
+        Some((c(2, 0, 0), c(2, 0, 0))),
+        Some((c(2, 0, 0), c(2, 0, 0))),
+        (c(0, 2, 2), c(0, 2, 2)),
+        (c(0, 2, 2), c(0, 2, 2)),
+    );
+    let moe: Row = (
+        None,
+        None,
+        (c(0, 4, 2), c(0, 2, 3)),
+        (c(0, 2, 2), c(1, 2, 2)),
+    );
+    let shared: Row = (
+        None,
+        None,
+        (c(0, 5, 3), c(0, 3, 4)),
+        (c(0, 2, 3), c(1, 4, 2)),
+    );
+    let dense_in_moe: Row = (None, None, dense.2, dense.3);
     let expect: &[(&str, &str, Row)] = &[
         ("llama", "model.layers.0", dense),
         ("gpt", "transformer.h.0", dense),
@@ -198,15 +234,25 @@ fn per_layer_collectives_are_megatrons() {
         ("qwen2_moe_dense_first", "model.layers.1", shared),
     ];
     let mut got = Vec::new();
-    for (case, layer, (tp_want, _)) in expect {
+    for (case, layer, (_, tp_want, _, _)) in expect {
         let (_, model, extra, _) = CASES.iter().find(|c| c.0 == *case).unwrap();
         let tp =
             tp_want.map(|_| counts(&graph_after(&spec_tp(model, extra, false), "shard"), layer));
         let sp = counts(&graph_after(&spec_tp(model, extra, true), "shard"), layer);
         got.push((*case, *layer, (tp, sp)));
     }
-    let want: Vec<_> = expect.iter().map(|(a, b, c)| (*a, *b, *c)).collect();
+    let want: Vec<_> = expect
+        .iter()
+        .map(|(a, b, (_, tp, _, sp))| (*a, *b, (*tp, *sp)))
+        .collect();
     assert_eq!(got, want);
+    // Where megac and Megatron agree: every dense layer, tp and tp+sp.
+    for (case, layer, (m_tp, tp, m_sp, sp)) in expect
+        .iter()
+        .filter(|r| r.2 == dense || r.2 == dense_in_moe)
+    {
+        assert_eq!((m_tp, m_sp), (tp, sp), "{case}: {layer}");
+    }
 }
 
 /// The emitted layer has the extracted term's collectives.

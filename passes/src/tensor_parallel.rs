@@ -1,0 +1,1299 @@
+//! Tensor-parallel placement by rewrites (egg): which parameters tp splits, and along
+//! which dim (column-parallel, row-parallel, vocab-parallel or replicated).
+//!
+//! The `shard` pass asks this module for the layout of every parameter over tp before it
+//! lays the graph out. The graph before `shard` (forward, backward and recomputation, all
+//! whole) is cut into groups: each decoder layer (`model.layers.N`, `transformer.h.N`) and
+//! the rest (embedding, final norm, output layer, loss); groups that share a parameter are
+//! one. Each group is translated into an e-graph over [`SymbolLang`]:
+//!
+//! - `oK(args)`: output of an op of the group (kind, types and layout algebra in the
+//!   analysis' table); `lK`: a value from another group (whole: the residual stream
+//!   between layers is whole under tp); `pK.R` / `pK.D`: parameter K stored whole or split
+//!   along dim D;
+//! - `ar(x)`: the all-reduce of a partial sum over tp; `slice.D(x)`: this rank's part of a
+//!   whole value along dim D (a local copy, no communication);
+//! - `uK.L(g)`: the optimizer's update of parameter K stored in layout L from its gradient
+//!   `g` in that layout (a root).
+//!
+//! Each e-class holds one value in one distribution over tp (whole, split along a dim,
+//! partial sum). The only per-op code is the op's layout algebra, [`strategies`]: the
+//! operand layouts an op accepts and the result layouts they give (a linear split over its
+//! output features takes a whole input and gives a split output; over its input features,
+//! a split input and a partial sum; ...). Every op accepts whole operands and gives whole
+//! results. The rewrites ([`rules`], names in [`RULE_NAMES`]) are the collective algebra:
+//!
+//! - `op-on-shards-reduces`: an op on operands in another layout its algebra accepts is
+//!   the op, when that gives a whole result, and its all-reduce, when it gives a partial
+//!   sum (`linear(x, w) = ar(linear(slice x, slice w))`);
+//! - `slice-of-op-is-op-on-shards`: the slice of an op's result is the op on operands its
+//!   algebra turns into that slice (`slice(linear(x, w)) = linear(x, slice w)`);
+//! - `slice-of-parameter-is-its-shard`: a parameter's slice is the parameter stored split.
+//!
+//! Tensor parallelism moves activations by all-reduce only (Megatron's `f`/`g` pair:
+//! `copy_to`/`reduce_from_tensor_model_parallel_region`); parameters are never gathered
+//! (that is the distributed optimizer's business, over dp) and all-gathers along a model
+//! dim are not in the algebra. Token dims (`b`, `s`, `tokens`) and the `experts` dim are
+//! never tp's: sequence parallelism ([`crate::collectives`]) and expert parallelism own them.
+//!
+//! The rules run to saturation (anything else is an error). Extraction under
+//! [`CostModel`] (bytes an all-reduce moves times [`LINK_COST`], plus every result's
+//! activation memory on a rank, plus [`PARAM_COST`] times the parameter memory of every use
+//! and of the update; activations and their bytes for one micro-batch) chooses, per use, a
+//! layout of each parameter; a parameter used in two layouts is then fixed, first in graph
+//! order, to the layout (whole, or split along any dim) whose extracted term costs least
+//! (each e-class of the term counted once), and the group is extracted again until every
+//! parameter has one layout. Identical layers (same ops, types and wiring) are solved once.
+//!
+//! With these rules and costs extraction arrives at Megatron's layout: q/k/v (and their
+//! biases), gate/up, GPT-2's `c_attn`/`c_fc` column-parallel; o/down and GPT-2's `c_proj`
+//! row-parallel (their bias whole, added once); embedding and output layer split over the
+//! vocabulary; norms, the router and the shared-expert gate whole (split, their results
+//! could not meet the whole ops that read them without an all-gather); every expert's MLP
+//! split like the dense one; k/v whole when tp does not divide the kv heads.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::rc::Rc;
+use std::time::Duration;
+
+use egg::{
+    Analysis, Applier, CostFunction, DidMerge, EGraph, Extractor, Id, Language, PatternAst,
+    Rewrite, Runner, SearchMatches, Searcher, SimpleScheduler, StopReason, Subst, Symbol,
+    SymbolLang, Var,
+};
+use megac_ir::{Graph, OpKind, TensorType, ValueDef, ValueId, WeightLayout};
+
+/// How a value is distributed over the tp group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dist {
+    /// Whole on every rank.
+    R,
+    /// Split along this dim.
+    S(usize),
+    /// Each rank holds a partial sum.
+    P,
+    /// Not a valid program.
+    Invalid,
+}
+
+impl Dist {
+    fn name(self) -> String {
+        match self {
+            Dist::R => "R".into(),
+            Dist::S(d) => format!("{d}:tp"),
+            Dist::P => "partial:tp".into(),
+            Dist::Invalid => "invalid".into(),
+        }
+    }
+}
+
+/// One way to run an op over tp: its operands' layouts and its results'.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Strategy {
+    /// Operand layouts.
+    pub ins: Vec<Dist>,
+    /// Result layouts.
+    pub outs: Vec<Dist>,
+    /// Operands the op gathers whole over tp itself, under this strategy (their bytes are
+    /// costed as an all-gather's).
+    pub gathers: Vec<usize>,
+}
+
+/// Dims tensor parallelism never splits: the token dims (data, context and sequence
+/// parallelism's) and the stacked experts (expert parallelism's).
+const NOT_TP: [&str; 4] = ["b", "s", "tokens", "experts"];
+
+/// Whether `n` tp ranks can split `t` along dim `d`.
+fn splits(t: &TensorType, d: usize, n: u64) -> bool {
+    t.dims.get(d).is_some_and(|dim| {
+        !dim.dynamic && dim.size % n == 0 && !NOT_TP.contains(&dim.name.as_str())
+    })
+}
+
+fn last(t: &TensorType) -> usize {
+    t.dims.len().saturating_sub(1)
+}
+
+/// A weight's (output, input) feature dims (stacked expert weights have a leading
+/// `experts` dim).
+fn features(weight: WeightLayout, rank: usize) -> (usize, usize) {
+    let r = rank.max(2);
+    match weight {
+        WeightLayout::OutIn => (r - 2, r - 1),
+        WeightLayout::InOut => (r - 1, r - 2),
+    }
+}
+
+/// The layout algebra of `kind` over `n` tp ranks, on operands `ins` with results `outs`
+/// (global types): every strategy it supports. The first is always every operand whole and
+/// every result whole. This is what a new op states to be placed by the rewrites.
+pub fn strategies(
+    kind: &OpKind,
+    ins: &[&TensorType],
+    outs: &[&TensorType],
+    n: u64,
+) -> Vec<Strategy> {
+    use Dist::{P, R, S};
+    let whole = Strategy {
+        ins: vec![R; ins.len()],
+        outs: vec![R; outs.len()],
+        gathers: Vec::new(),
+    };
+    let mut v = vec![whole];
+    let mut gathering = Vec::new();
+    let mut add = |ins: Vec<Dist>, outs: Vec<Dist>| {
+        v.push(Strategy {
+            ins,
+            outs,
+            gathers: Vec::new(),
+        })
+    };
+    let s = |t: &TensorType, d: usize| splits(t, d, n);
+    match kind {
+        // Vocab-parallel embedding: a table split over the vocabulary gives partial sums.
+        OpKind::Embedding if s(ins[1], 0) => add(vec![R, S(0)], vec![P]),
+        OpKind::EmbeddingGrad if s(ins[1], 0) => add(vec![R, S(0), R], vec![S(0)]),
+        // Vocab-parallel cross-entropy (the runtime reduces over tp).
+        OpKind::CrossEntropy if s(ins[0], last(ins[0])) => add(vec![S(last(ins[0])), R], vec![R]),
+        OpKind::CrossEntropyGrad if s(ins[0], last(ins[0])) => {
+            let d = last(ins[0]);
+            add(vec![S(d), R], vec![S(d)])
+        }
+        OpKind::Linear { weight } => {
+            let (o, i) = features(*weight, ins[1].dims.len());
+            let (x, y) = (last(ins[0]), last(outs[0]));
+            let bias = ins.len() > 2;
+            // Column-parallel: a whole input, the output features split (and the bias).
+            if s(ins[1], o) && (!bias || s(ins[2], 0)) {
+                let mut a = vec![R, S(o)];
+                if bias {
+                    a.push(S(0));
+                }
+                add(a, vec![S(y)]);
+            }
+            // Row-parallel: the input features split, a partial sum (a bias counts once).
+            if s(ins[1], i) && s(ins[0], x) {
+                let mut a = vec![S(x), S(i)];
+                if bias {
+                    a.push(R);
+                }
+                add(a, vec![P]);
+            }
+        }
+        OpKind::LinearGradInput { weight } => {
+            let (o, i) = features(*weight, ins[1].dims.len());
+            let (dy, dx) = (last(ins[0]), last(outs[0]));
+            if s(ins[1], o) && s(ins[0], dy) {
+                add(vec![S(dy), S(o)], vec![P]);
+            }
+            if s(ins[1], i) {
+                add(vec![R, S(i)], vec![S(dx)]);
+            }
+        }
+        OpKind::LinearGradWeight { weight } => {
+            let (o, i) = features(*weight, outs[0].dims.len());
+            let (x, dy) = (last(ins[0]), last(ins[1]));
+            if s(outs[0], o) && s(ins[1], dy) {
+                add(vec![R, S(dy)], vec![S(o)]);
+            }
+            if s(outs[0], i) && s(ins[0], x) {
+                add(vec![S(x), R], vec![S(i)]);
+            }
+        }
+        OpKind::BiasAdd if s(ins[1], 0) => {
+            let d = last(ins[0]);
+            add(vec![S(d), S(0)], vec![S(d)]);
+        }
+        OpKind::BiasGrad if s(outs[0], 0) => add(vec![S(last(ins[0]))], vec![S(0)]),
+        // Views: heads stay split through split/merge (whole heads only).
+        OpKind::SplitHeads { .. } if s(outs[0], last(outs[0]) - 1) => {
+            add(vec![S(last(ins[0]))], vec![S(last(outs[0]) - 1)])
+        }
+        OpKind::MergeHeads if s(ins[0], last(ins[0]) - 1) => {
+            add(vec![S(last(ins[0]) - 1)], vec![S(last(outs[0]))])
+        }
+        // GPT-2's fused q/k/v: each part split as the fused dim is.
+        OpKind::Split { .. } if s(outs[0], last(outs[0])) => {
+            add(vec![S(last(ins[0]))], vec![S(last(outs[0])); outs.len()])
+        }
+        OpKind::Concat if s(ins[0], last(ins[0])) => {
+            add(vec![S(last(ins[0])); ins.len()], vec![S(last(outs[0]))])
+        }
+        // Rotary embedding: per head (not along head_dim, whose halves it rotates).
+        OpKind::Rope { .. } | OpKind::RopeGrad { .. } => {
+            for d in 0..last(ins[0]) {
+                if s(ins[0], d) {
+                    add(vec![S(d)], vec![S(d)]);
+                }
+            }
+        }
+        OpKind::Cast { .. } | OpKind::GeluTanh => {
+            for d in 0..ins[0].dims.len() {
+                if s(ins[0], d) {
+                    add(vec![S(d)], vec![S(d)]);
+                }
+            }
+        }
+        // Attention over split heads (k and v sliced to the rank's heads where whole).
+        OpKind::CausalAttention { .. } if s(ins[0], 2) && s(ins[1], 2) => {
+            add(vec![S(2), S(2), S(2)], vec![S(2), S(1)])
+        }
+        OpKind::AttentionGrad { .. } if s(ins[0], 2) && s(ins[1], 2) => add(
+            vec![S(2), S(2), S(2), S(2), S(1), S(2)],
+            vec![S(2), S(2), S(2)],
+        ),
+        // The sum of each key/value head's repeats (tp above the kv heads) takes the query
+        // heads split and gathers them itself.
+        OpKind::RepeatKvGrad { .. } if s(ins[0], 2) => gathering.push(Strategy {
+            ins: vec![S(2)],
+            outs: vec![R],
+            gathers: vec![0],
+        }),
+        // Elementwise on equal layouts; partial sums add up as partial sums.
+        OpKind::Add
+        | OpKind::GradSum
+        | OpKind::SwiGlu
+        | OpKind::SwiGluGrad
+        | OpKind::GeluTanhGrad => {
+            for d in 0..ins[0].dims.len() {
+                if s(ins[0], d) {
+                    add(vec![S(d); ins.len()], vec![S(d); outs.len()]);
+                }
+            }
+            if matches!(kind, OpKind::Add | OpKind::GradSum) {
+                add(vec![P; ins.len()], vec![P]);
+            }
+        }
+        // A norm of per-head rows (qk-norm, `[b, s, heads, head_dim]`): split by heads, the
+        // weight whole, its gradient a partial sum.
+        OpKind::RmsNorm { .. } if ins[0].dims.len() == 4 && s(ins[0], 2) => {
+            add(vec![S(2), R], vec![S(2)])
+        }
+        OpKind::RmsNormGrad { .. } if ins[0].dims.len() == 4 && s(ins[0], 2) => {
+            add(vec![S(2), R, S(2)], vec![S(2), P])
+        }
+        // The combine is linear in the expert outputs: partial sums in, a partial sum out.
+        OpKind::Combine => {
+            let mut a = vec![R, R];
+            a.extend(std::iter::repeat_n(P, ins.len() - 2));
+            add(a, vec![P]);
+        }
+        OpKind::CombineGrad if ins.len() >= 4 => {
+            let mut a = vec![R, R];
+            a.extend(std::iter::repeat_n(P, ins.len() - 3));
+            a.push(R);
+            let mut o = vec![P];
+            o.extend(std::iter::repeat_n(R, outs.len() - 1));
+            add(a, o);
+        }
+        OpKind::DispatchGrad { .. } | OpKind::DispatchExpertsGrad => add(vec![P, R], vec![P]),
+        OpKind::CombineExperts => {
+            let mut a = vec![R, R, P];
+            a.extend(std::iter::repeat_n(R, ins.len() - 3));
+            add(a, vec![P]);
+        }
+        OpKind::CombineExpertsGrad => {
+            let mut a = vec![R, R, P];
+            a.extend(std::iter::repeat_n(R, ins.len() - 3));
+            let mut o = vec![P];
+            o.extend(std::iter::repeat_n(R, outs.len() - 1));
+            add(a, o);
+        }
+        _ => {}
+    }
+    v.extend(gathering);
+    v
+}
+
+/// A link byte against a byte of memory (as [`crate::collectives::LINK_COST`]).
+pub const LINK_COST: f64 = crate::collectives::LINK_COST;
+
+/// A parameter byte against an activation byte: a parameter is held for the whole run
+/// with its gradient and two AdamW moments, an activation for part of one step. With 64
+/// extraction gives Megatron's layout on every family's test model and on every
+/// configuration `tests/plan_fingerprints.rs` compiles (their plans are unchanged); 1024
+/// gives it on the test models too, 4 does not (a test model's linear stays whole): where
+/// splitting costs more bytes moved than it saves, weighed by this, a weight stays whole.
+pub const PARAM_COST: f64 = 64.0;
+
+/// One output of one op of the group.
+#[derive(Clone, Debug)]
+struct OpInfo {
+    op: usize,
+    out: usize,
+    outs: usize,
+    strategies: Rc<Vec<Strategy>>,
+    bytes: f64,
+}
+
+/// A parameter the group reads.
+#[derive(Clone, Debug)]
+struct ParamInfo {
+    name: String,
+    /// Dims tp may split it along.
+    dims: Vec<usize>,
+    bytes: f64,
+}
+
+/// The analysis: the group's ops, leaves and parameters, and the first merge of classes in
+/// different layouts (a broken rule; reported as an error).
+#[derive(Default)]
+pub struct Layouts {
+    ops: Vec<OpInfo>,
+    leaves: Vec<f64>,
+    params: Vec<ParamInfo>,
+    n: f64,
+    conflict: Option<String>,
+}
+
+/// An e-class's analysis data: its layout and its global bytes.
+#[derive(Clone, Debug)]
+pub struct Data {
+    dist: Dist,
+    bytes: f64,
+}
+
+const INVALID: Data = Data {
+    dist: Dist::Invalid,
+    bytes: 0.0,
+};
+
+/// What a node's symbol names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Ar,
+    Slice(usize),
+    Op(usize),
+    Leaf(usize),
+    Param(usize, Dist),
+    Update(usize, Dist),
+}
+
+fn parse_layout(s: &str) -> Option<Dist> {
+    if s == "R" {
+        Some(Dist::R)
+    } else {
+        s.parse().ok().map(Dist::S)
+    }
+}
+
+fn kind_of(sym: Symbol) -> Option<Kind> {
+    let s = sym.as_str();
+    if s == "ar" {
+        return Some(Kind::Ar);
+    }
+    if let Some(d) = s.strip_prefix("slice.") {
+        return d.parse().ok().map(Kind::Slice);
+    }
+    let (head, rest) = s.split_at(1);
+    match head {
+        "o" => rest.parse().ok().map(Kind::Op),
+        "l" => rest.parse().ok().map(Kind::Leaf),
+        "p" | "u" => {
+            let (k, l) = rest.split_once('.')?;
+            let (k, l) = (k.parse().ok()?, parse_layout(l)?);
+            Some(if head == "p" {
+                Kind::Param(k, l)
+            } else {
+                Kind::Update(k, l)
+            })
+        }
+        _ => None,
+    }
+}
+
+fn node(op: String, children: Vec<Id>) -> SymbolLang {
+    SymbolLang::new(op, children)
+}
+
+/// The layout of `node` given its children's data.
+fn node_data(a: &Layouts, node: &SymbolLang, child: impl Fn(Id) -> Data) -> Data {
+    let Some(kind) = kind_of(node.op) else {
+        return INVALID;
+    };
+    let one = || child(node.children[0]);
+    match kind {
+        Kind::Ar => {
+            let c = one();
+            if c.dist == Dist::P {
+                Data { dist: Dist::R, ..c }
+            } else {
+                INVALID
+            }
+        }
+        Kind::Slice(d) => {
+            let c = one();
+            if c.dist == Dist::R {
+                Data {
+                    dist: Dist::S(d),
+                    ..c
+                }
+            } else {
+                INVALID
+            }
+        }
+        Kind::Op(k) => {
+            let Some(info) = a.ops.get(k) else {
+                return INVALID;
+            };
+            let ins: Vec<Dist> = node.children.iter().map(|&c| child(c).dist).collect();
+            let dist = info
+                .strategies
+                .iter()
+                .find(|s| s.ins == ins)
+                .map_or(Dist::Invalid, |s| s.outs[info.out]);
+            Data {
+                dist,
+                bytes: info.bytes,
+            }
+        }
+        Kind::Leaf(k) => Data {
+            dist: Dist::R,
+            bytes: a.leaves.get(k).copied().unwrap_or(0.0),
+        },
+        Kind::Param(k, l) => Data {
+            dist: l,
+            bytes: a.params.get(k).map_or(0.0, |p| p.bytes),
+        },
+        Kind::Update(k, l) => {
+            let c = one().dist;
+            let ok = c == l || (l == Dist::R && c == Dist::P);
+            Data {
+                dist: if ok { Dist::R } else { Dist::Invalid },
+                bytes: a.params.get(k).map_or(0.0, |p| p.bytes),
+            }
+        }
+    }
+}
+
+impl Analysis<SymbolLang> for Layouts {
+    type Data = Data;
+
+    fn make(egraph: &mut EGraph<SymbolLang, Self>, enode: &SymbolLang, _id: Id) -> Data {
+        node_data(&egraph.analysis, enode, |i| egraph[i].data.clone())
+    }
+
+    fn merge(&mut self, to: &mut Data, from: Data) -> DidMerge {
+        if to.dist != from.dist && self.conflict.is_none() {
+            self.conflict = Some(format!(
+                "a rewrite equated a {} value with a {} one",
+                to.dist.name(),
+                from.dist.name()
+            ));
+        }
+        DidMerge(false, false)
+    }
+}
+
+type Graphs = EGraph<SymbolLang, Layouts>;
+
+/// The rewrites, each a searcher and its applier in one (they read the analysis).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rule {
+    /// `op(x..) = op(x'..)` or `ar(op(x'..))` for another strategy with a whole or partial
+    /// result.
+    Reduces,
+    /// `slice.d(op(x..)) = op(x'..)` for a strategy whose result is split along d.
+    SliceOfOp,
+    /// `slice.d(pK.R) = pK.d`.
+    SliceOfParam,
+}
+
+/// The names of [`rules`], in order.
+pub const RULE_NAMES: [&str; 3] = [
+    "op-on-shards-reduces",
+    "slice-of-op-is-op-on-shards",
+    "slice-of-parameter-is-its-shard",
+];
+
+/// The collective algebra of tensor parallelism (names as in the module doc).
+pub fn rules() -> Vec<Rewrite<SymbolLang, Layouts>> {
+    [Rule::Reduces, Rule::SliceOfOp, Rule::SliceOfParam]
+        .into_iter()
+        .zip(RULE_NAMES)
+        .map(|(r, name)| Rewrite::new(name, r, r).expect("a rewrite without variables"))
+        .collect()
+}
+
+/// An operand of an op under another strategy.
+#[derive(Clone, Copy, Debug)]
+enum Arg {
+    /// The operand as it is.
+    Keep(Id),
+    /// The rank's slice of a whole operand along a dim.
+    Slice(Id, usize),
+    /// The partial sums inside an all-reduced operand.
+    Partial(Id),
+}
+
+/// The operands of op node `args` of info `info` under strategy `s`, if its classes can
+/// give them.
+fn operands(eg: &Graphs, args: &[Id], s: &Strategy) -> Option<Vec<Arg>> {
+    args.iter()
+        .zip(&s.ins)
+        .map(|(&a, &w)| {
+            let d = eg[a].data.dist;
+            if d == w {
+                return Some(Arg::Keep(a));
+            }
+            match (d, w) {
+                (Dist::R, Dist::S(x)) => Some(Arg::Slice(a, x)),
+                (Dist::R, Dist::P) => eg[a].nodes.iter().find_map(|n| {
+                    (kind_of(n.op) == Some(Kind::Ar)).then(|| Arg::Partial(n.children[0]))
+                }),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// What applying `rule` at `class` would add: (the new op node's symbol, its operands, and
+/// how it joins the class: directly, under an all-reduce, or as the class's slice).
+type Plan = (Symbol, Vec<Arg>, Join);
+
+#[derive(Clone, Copy, Debug)]
+enum Join {
+    Same,
+    Reduce,
+    Slice(usize),
+}
+
+fn plans(eg: &Graphs, class: Id, rule: Rule) -> Vec<Plan> {
+    let mut out = Vec::new();
+    let cur = eg[class].data.dist;
+    match rule {
+        Rule::SliceOfParam => {}
+        Rule::Reduces | Rule::SliceOfOp => {
+            for n in &eg[class].nodes {
+                let Some(Kind::Op(k)) = kind_of(n.op) else {
+                    continue;
+                };
+                let info = &eg.analysis.ops[k];
+                let now: Vec<Dist> = n.children.iter().map(|&c| eg[c].data.dist).collect();
+                for s in info.strategies.iter() {
+                    if s.ins == now {
+                        continue;
+                    }
+                    let join = match (rule, cur, s.outs[info.out]) {
+                        (Rule::Reduces, c, o) if c == o => Join::Same,
+                        (Rule::Reduces, Dist::R, Dist::P) => Join::Reduce,
+                        (Rule::SliceOfOp, Dist::R, Dist::S(d)) => Join::Slice(d),
+                        _ => continue,
+                    };
+                    if let Some(args) = operands(eg, &n.children, s) {
+                        out.push((n.op, args, join));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// For [`Rule::SliceOfParam`]: the parameter leaves `slice.d(pK.R)` nodes of `class` are.
+fn param_slices(eg: &Graphs, class: Id) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for n in &eg[class].nodes {
+        let Some(Kind::Slice(d)) = kind_of(n.op) else {
+            continue;
+        };
+        for m in &eg[n.children[0]].nodes {
+            if let Some(Kind::Param(k, Dist::R)) = kind_of(m.op) {
+                if eg.analysis.params[k].dims.contains(&d) {
+                    out.push((k, d));
+                }
+            }
+        }
+    }
+    out
+}
+
+impl Searcher<SymbolLang, Layouts> for Rule {
+    fn search_eclass_with_limit(
+        &self,
+        egraph: &Graphs,
+        eclass: Id,
+        limit: usize,
+    ) -> Option<SearchMatches<'_, SymbolLang>> {
+        if limit == 0 {
+            return None;
+        }
+        let hit = match self {
+            Rule::SliceOfParam => !param_slices(egraph, eclass).is_empty(),
+            _ => !plans(egraph, eclass, *self).is_empty(),
+        };
+        hit.then(|| SearchMatches {
+            eclass,
+            substs: vec![Subst::default()],
+            ast: None,
+        })
+    }
+
+    fn vars(&self) -> Vec<Var> {
+        Vec::new()
+    }
+}
+
+impl Applier<SymbolLang, Layouts> for Rule {
+    fn apply_one(
+        &self,
+        egraph: &mut Graphs,
+        eclass: Id,
+        _subst: &Subst,
+        _ast: Option<&PatternAst<SymbolLang>>,
+        _rule: Symbol,
+    ) -> Vec<Id> {
+        let mut changed = Vec::new();
+        if *self == Rule::SliceOfParam {
+            for (k, d) in param_slices(egraph, eclass) {
+                let p = egraph.add(node(format!("p{k}.{d}"), Vec::new()));
+                if egraph.union(eclass, p) {
+                    changed.push(p);
+                }
+            }
+            return changed;
+        }
+        for (op, args, join) in plans(egraph, eclass, *self) {
+            let args: Vec<Id> = args
+                .into_iter()
+                .map(|a| match a {
+                    Arg::Keep(x) | Arg::Partial(x) => x,
+                    Arg::Slice(x, d) => egraph.add(node(format!("slice.{d}"), vec![x])),
+                })
+                .collect();
+            let new = egraph.add(SymbolLang::new(op, args));
+            let (a, b) = match join {
+                Join::Same => (eclass, new),
+                Join::Reduce => (eclass, egraph.add(node("ar".into(), vec![new]))),
+                Join::Slice(d) => (egraph.add(node(format!("slice.{d}"), vec![eclass])), new),
+            };
+            if egraph.union(a, b) {
+                changed.push(b);
+            }
+        }
+        changed
+    }
+}
+
+/// The cost model: bytes an all-reduce moves over the tp links (`2(n-1)/n` of the value)
+/// times [`LINK_COST`], plus the memory of every result on one rank (the whole value, or
+/// `1/n` of it when split), plus [`PARAM_COST`] times a parameter's memory on a rank at
+/// every use and at its update (with the optimizer's all-reduce of a partial gradient).
+/// `fixed` excludes the other layouts of parameters already fixed.
+pub struct CostModel<'a> {
+    egraph: &'a Graphs,
+    fixed: &'a HashMap<usize, Dist>,
+}
+
+impl CostFunction<SymbolLang> for CostModel<'_> {
+    type Cost = f64;
+
+    fn cost<C: FnMut(Id) -> f64>(&mut self, enode: &SymbolLang, mut costs: C) -> f64 {
+        let a = &self.egraph.analysis;
+        let data = node_data(a, enode, |i| self.egraph[i].data.clone());
+        if data.dist == Dist::Invalid {
+            return f64::INFINITY;
+        }
+        let n = a.n;
+        let local = |d: Dist, b: f64| match d {
+            Dist::S(_) => b / n,
+            _ => b,
+        };
+        let wire = |b: f64| 2.0 * LINK_COST * b * (n - 1.0) / n;
+        let excluded = |k: usize, l: Dist| self.fixed.get(&k).is_some_and(|&f| f != l);
+        let own = match kind_of(enode.op) {
+            Some(Kind::Ar) => wire(data.bytes) + data.bytes,
+            Some(Kind::Slice(_)) => local(data.dist, data.bytes),
+            Some(Kind::Op(k)) => {
+                let ins: Vec<Dist> = enode
+                    .children
+                    .iter()
+                    .map(|&c| self.egraph[c].data.dist)
+                    .collect();
+                let gathered: f64 =
+                    a.ops[k]
+                        .strategies
+                        .iter()
+                        .find(|s| s.ins == ins)
+                        .map_or(0.0, |s| {
+                            s.gathers
+                                .iter()
+                                .map(|&i| self.egraph[enode.children[i]].data.bytes)
+                                .sum()
+                        });
+                local(data.dist, data.bytes) + wire(gathered) / 2.0
+            }
+            Some(Kind::Leaf(_)) => 0.0,
+            Some(Kind::Param(k, l)) if excluded(k, l) => f64::INFINITY,
+            Some(Kind::Param(_, l)) => PARAM_COST * local(l, data.bytes),
+            Some(Kind::Update(k, l)) if excluded(k, l) => f64::INFINITY,
+            Some(Kind::Update(_, l)) => {
+                let reduce = if self.egraph[enode.children[0]].data.dist == Dist::P {
+                    wire(data.bytes)
+                } else {
+                    0.0
+                };
+                PARAM_COST * local(l, data.bytes) + reduce
+            }
+            None => f64::INFINITY,
+        };
+        enode.fold(own, |acc, id| acc + costs(id))
+    }
+}
+
+/// What the rewrites found for one group.
+#[derive(Clone, Debug)]
+pub struct GroupPlacement {
+    /// The group (`model.layers.0`, or `model` for everything outside the layers).
+    pub group: String,
+    /// The group solved first whose ops, types and wiring this one repeats (its placement
+    /// is reused), if any.
+    pub same_as: Option<String>,
+    /// Why the rewrites stopped (always `Saturated`: anything else is an error).
+    pub stop: String,
+    /// Rewrite iterations until saturation.
+    pub iterations: usize,
+    /// E-nodes at saturation.
+    pub nodes: usize,
+    /// E-classes at saturation.
+    pub classes: usize,
+    /// Extractions until every parameter had one layout.
+    pub extractions: usize,
+    /// The extracted term, one e-class a line (`%k = node : layout`), the roots last.
+    pub term: String,
+    /// All-reduces in the extracted term, but those of partial gradients an update reads
+    /// (the optimizer pass reduces them).
+    pub all_reduces: usize,
+    /// Cost of the extracted term, and of every parameter whole.
+    pub cost: f64,
+    /// See `cost`.
+    pub whole_cost: f64,
+}
+
+/// What the rewrites found for the graph.
+#[derive(Clone, Debug, Default)]
+pub struct Placement {
+    /// Every parameter's layout over tp: the dim it is split along, `None` when whole.
+    pub params: BTreeMap<String, Option<usize>>,
+    /// Every group, in graph order.
+    pub groups: Vec<GroupPlacement>,
+}
+
+/// The decoder layer an op's path belongs to (`model.layers.N`, `transformer.h.N`).
+fn layer(path: &str) -> Option<&str> {
+    let b = crate::collectives::block(path);
+    b.rsplit('.')
+        .next()
+        .filter(|p| p.parse::<u64>().is_ok())
+        .map(|_| b)
+}
+
+fn bytes(t: &TensorType) -> f64 {
+    t.dims.iter().map(|d| d.size as f64).product::<f64>() * t.dtype.size_bytes() as f64
+}
+
+/// The placement of every parameter of `g` (the graph before `shard`) over `n` tp ranks,
+/// with the rewrites `rules` (tests remove one). `micro_batch`: the share of the graph's
+/// batch one rank holds at once (`train.micro_batch / train.global_batch`); activations and
+/// the bytes they move are costed for one micro-batch.
+pub fn place(
+    g: &Graph,
+    n: u64,
+    micro_batch: f64,
+    rules: &[Rewrite<SymbolLang, Layouts>],
+) -> Result<Placement, String> {
+    // Group of every op: its layer, or the rest; groups sharing a parameter (read, or its
+    // gradient produced) are merged.
+    let key = |i: usize| layer(&g.ops[i].path).unwrap_or("model").to_string();
+    let mut parent: HashMap<String, String> = HashMap::new();
+    fn find(p: &mut HashMap<String, String>, k: &str) -> String {
+        let mut k = k.to_string();
+        while let Some(next) = p.get(&k).filter(|n| **n != k).cloned() {
+            k = next;
+        }
+        k
+    }
+    let mut producer: HashMap<ValueId, usize> = HashMap::new();
+    for (i, op) in g.ops.iter().enumerate() {
+        for &o in &op.outputs {
+            producer.insert(o, i);
+        }
+    }
+    let grad_of: HashMap<&str, ValueId> = g
+        .outputs
+        .iter()
+        .filter_map(|(name, v)| name.strip_prefix("grad:").map(|p| (p, *v)))
+        .collect();
+    let mut owner: HashMap<ValueId, String> = HashMap::new();
+    let mut join = |parent: &mut HashMap<String, String>, v: ValueId, k: String| {
+        let k = find(parent, &k);
+        match owner.get(&v) {
+            Some(o) => {
+                let o = find(parent, o);
+                if o != k {
+                    // Keep the earlier group's name as the root.
+                    parent.insert(k, o);
+                }
+            }
+            None => {
+                owner.insert(v, k);
+            }
+        }
+    };
+    for (i, op) in g.ops.iter().enumerate() {
+        for &x in &op.inputs {
+            if let ValueDef::Param(name) = &g.values[x.0 as usize].def {
+                join(&mut parent, x, key(i));
+                if let Some(p) = grad_of.get(name.as_str()).and_then(|v| producer.get(v)) {
+                    join(&mut parent, x, key(*p));
+                }
+            }
+        }
+    }
+    let mut order: Vec<String> = Vec::new();
+    let mut ops_of: HashMap<String, Vec<usize>> = HashMap::new();
+    for i in 0..g.ops.len() {
+        let k = find(&mut parent, &key(i));
+        if !ops_of.contains_key(&k) {
+            order.push(k.clone());
+        }
+        ops_of.entry(k).or_default().push(i);
+    }
+    let group_of_op: HashMap<usize, &str> = order
+        .iter()
+        .flat_map(|k| ops_of[k].iter().map(move |&i| (i, k.as_str())))
+        .collect();
+    let mut readers: HashMap<ValueId, HashSet<&str>> = HashMap::new();
+    for (i, op) in g.ops.iter().enumerate() {
+        for &x in &op.inputs {
+            readers.entry(x).or_default().insert(group_of_op[&i]);
+        }
+    }
+    let outputs: HashSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
+    let mut placement = Placement::default();
+    let mut solved: HashMap<String, (String, Vec<Dist>, GroupPlacement)> = HashMap::new();
+    for b in &order {
+        let group = Group::new(
+            g,
+            &ops_of[b],
+            b,
+            (n, micro_batch),
+            &producer,
+            &readers,
+            &outputs,
+            &grad_of,
+        );
+        if let Some((first, layouts, p)) = solved.get(&group.signature) {
+            for (info, &l) in group.eg.analysis.params.iter().zip(layouts) {
+                placement.params.insert(info.name.clone(), dim(l));
+            }
+            placement.groups.push(GroupPlacement {
+                group: b.clone(),
+                same_as: Some(first.clone()),
+                ..p.clone()
+            });
+            continue;
+        }
+        let signature = group.signature.clone();
+        let names: Vec<String> = group
+            .eg
+            .analysis
+            .params
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
+        let (layouts, p) = group.solve(g, rules)?;
+        for (name, &l) in names.into_iter().zip(&layouts) {
+            placement.params.insert(name, dim(l));
+        }
+        solved.insert(signature, (b.clone(), layouts.clone(), p.clone()));
+        placement.groups.push(p);
+    }
+    // Parameters no op reads stay whole.
+    for (_, name, _) in g.params() {
+        placement.params.entry(name.to_string()).or_insert(None);
+    }
+    Ok(placement)
+}
+
+fn dim(l: Dist) -> Option<usize> {
+    match l {
+        Dist::S(d) => Some(d),
+        _ => None,
+    }
+}
+
+/// One group's e-graph before the rewrites.
+struct Group {
+    name: String,
+    eg: Graphs,
+    roots: Vec<Id>,
+    /// Per parameter, its update root, if its gradient is produced in the group.
+    updates: Vec<Option<Id>>,
+    signature: String,
+}
+
+impl Group {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        g: &Graph,
+        ops: &[usize],
+        name: &str,
+        (n, scale): (u64, f64),
+        producer: &HashMap<ValueId, usize>,
+        readers: &HashMap<ValueId, HashSet<&str>>,
+        outputs: &HashSet<ValueId>,
+        grad_of: &HashMap<&str, ValueId>,
+    ) -> Group {
+        let mut eg: Graphs = EGraph::new(Layouts {
+            n: n as f64,
+            ..Layouts::default()
+        });
+        let mut class: HashMap<ValueId, Id> = HashMap::new();
+        let in_group: HashSet<usize> = ops.iter().copied().collect();
+        // The signature: every op's kind and types, operands by their place in the group.
+        let mut sig = String::new();
+        let mut local: HashMap<ValueId, String> = HashMap::new();
+        for &i in ops {
+            let op = &g.ops[i];
+            let mut args = Vec::with_capacity(op.inputs.len());
+            for &x in &op.inputs {
+                if let Some(&c) = class.get(&x) {
+                    args.push(c);
+                    continue;
+                }
+                let ty = g.ty(x);
+                let c = match &g.values[x.0 as usize].def {
+                    ValueDef::Param(pname) => {
+                        let k = eg.analysis.params.len();
+                        let dims = (0..ty.dims.len()).filter(|&d| splits(ty, d, n)).collect();
+                        eg.analysis.params.push(ParamInfo {
+                            name: pname.clone(),
+                            dims,
+                            bytes: bytes(ty),
+                        });
+                        local.insert(x, format!("p{k}"));
+                        eg.add(node(format!("p{k}.R"), Vec::new()))
+                    }
+                    _ => {
+                        let k = eg.analysis.leaves.len();
+                        eg.analysis.leaves.push(bytes(ty) * scale);
+                        local.insert(x, format!("l{k}"));
+                        eg.add(node(format!("l{k}"), Vec::new()))
+                    }
+                };
+                class.insert(x, c);
+                args.push(c);
+            }
+            let ins: Vec<&TensorType> = op.inputs.iter().map(|&x| g.ty(x)).collect();
+            let outs: Vec<&TensorType> = op.outputs.iter().map(|&x| g.ty(x)).collect();
+            let strategies = Rc::new(strategies(&op.kind, &ins, &outs, n));
+            sig.push_str(&format!(
+                "{:?}({}) -> {:?}\n",
+                op.kind,
+                op.inputs
+                    .iter()
+                    .map(|x| format!("{}:{:?}", local[x], g.ty(*x).dims))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                outs.iter().map(|t| &t.dims).collect::<Vec<_>>()
+            ));
+            for (k, &o) in op.outputs.iter().enumerate() {
+                let idx = eg.analysis.ops.len();
+                eg.analysis.ops.push(OpInfo {
+                    op: i,
+                    out: k,
+                    outs: op.outputs.len(),
+                    strategies: strategies.clone(),
+                    bytes: bytes(g.ty(o)) * scale,
+                });
+                let c = eg.add(node(format!("o{idx}"), args.clone()));
+                class.insert(o, c);
+                local.insert(o, format!("v{idx}"));
+            }
+        }
+        // Roots: what leaves the group (whole), and every parameter's update. A result nobody
+        // reads (a recomputed layer's last) may be in any layout: not a root.
+        let mut roots = Vec::new();
+        for &i in ops {
+            for &o in &g.ops[i].outputs {
+                let leaves = readers
+                    .get(&o)
+                    .is_some_and(|r| r.iter().any(|x| *x != name));
+                let grad_only = g
+                    .outputs
+                    .iter()
+                    .any(|(n, v)| *v == o && n.starts_with("grad:"))
+                    && !leaves;
+                if (leaves || outputs.contains(&o)) && !grad_only {
+                    let c = class[&o];
+                    if !roots.contains(&c) {
+                        roots.push(c);
+                    }
+                }
+            }
+        }
+        let mut updates = vec![None; eg.analysis.params.len()];
+        for (k, info) in eg.analysis.params.clone().iter().enumerate() {
+            let Some(gv) = grad_of.get(info.name.as_str()) else {
+                continue;
+            };
+            if !producer.get(gv).is_some_and(|p| in_group.contains(p)) {
+                continue;
+            }
+            let gc = class[gv];
+            let mut u = eg.add(node(format!("u{k}.R"), vec![gc]));
+            for &d in &info.dims {
+                let s = eg.add(node(format!("slice.{d}"), vec![gc]));
+                let ud = eg.add(node(format!("u{k}.{d}"), vec![s]));
+                eg.union(u, ud);
+                u = eg.find(u);
+            }
+            updates[k] = Some(u);
+            sig.push_str(&format!("update p{k} from {}\n", local[gv]));
+        }
+        let root_names: Vec<String> = roots
+            .iter()
+            .map(|r| {
+                class
+                    .iter()
+                    .filter(|(_, c)| *c == r)
+                    .map(|(v, _)| local[v].clone())
+                    .min()
+                    .unwrap_or_default()
+            })
+            .collect();
+        sig.push_str(&format!("roots {}\n", root_names.join(", ")));
+        eg.rebuild();
+        Group {
+            name: name.to_string(),
+            eg,
+            roots,
+            updates,
+            signature: sig,
+        }
+    }
+
+    /// Saturate, extract, and fix parameters until each has one layout.
+    fn solve(
+        self,
+        g: &Graph,
+        rules: &[Rewrite<SymbolLang, Layouts>],
+    ) -> Result<(Vec<Dist>, GroupPlacement), String> {
+        let b = self.name.clone();
+        let mut all_roots: Vec<Id> = self.roots.clone();
+        all_roots.extend(self.updates.iter().flatten());
+        let whole_fixed: HashMap<usize, Dist> = (0..self.eg.analysis.params.len())
+            .map(|k| (k, Dist::R))
+            .collect();
+        let whole_cost = {
+            let ex = Extractor::new(
+                &self.eg,
+                CostModel {
+                    egraph: &self.eg,
+                    fixed: &whole_fixed,
+                },
+            );
+            all_roots.iter().map(|&r| ex.find_best_cost(r)).sum::<f64>()
+        };
+        let runner = Runner::<SymbolLang, Layouts, ()>::new(Layouts::default())
+            .with_egraph(self.eg)
+            .with_scheduler(SimpleScheduler)
+            .with_iter_limit(200)
+            .with_node_limit(2_000_000)
+            .with_time_limit(Duration::from_secs(3600))
+            .run(rules);
+        let stop = runner.stop_reason.clone();
+        if !matches!(stop, Some(StopReason::Saturated)) {
+            return Err(format!(
+                "the tensor-parallel rewrites of {b} did not saturate: {stop:?}"
+            ));
+        }
+        let eg = &runner.egraph;
+        if let Some(c) = &eg.analysis.conflict {
+            return Err(format!("{b}: {c}"));
+        }
+        let roots: Vec<Id> = all_roots.iter().map(|&r| eg.find(r)).collect();
+        let np = eg.analysis.params.len();
+        let mut fixed: HashMap<usize, Dist> = HashMap::new();
+        let mut extractions = 0;
+        loop {
+            let (cost, ex) = extract(eg, &roots, &fixed);
+            extractions += 1;
+            if !cost.is_finite() {
+                return Err(format!("{b}: no valid tensor-parallel placement was found"));
+            }
+            let used = used_layouts(eg, &ex, &roots, np);
+            drop(ex);
+            let Some(k) = (0..np).find(|&k| used[k].len() > 1) else {
+                break;
+            };
+            let mut best: Option<(f64, Dist)> = None;
+            let candidates: Vec<Dist> = std::iter::once(Dist::R)
+                .chain(eg.analysis.params[k].dims.iter().map(|&d| Dist::S(d)))
+                .collect();
+            for l in candidates {
+                let mut f = fixed.clone();
+                f.insert(k, l);
+                let (c, _) = extract(eg, &roots, &f);
+                extractions += 1;
+                if best.is_none_or(|(bc, _)| c < bc) {
+                    best = Some((c, l));
+                }
+            }
+            let (_, l) = best.expect("a used layout");
+            fixed.insert(k, l);
+        }
+        let (cost, ex) = extract(eg, &roots, &fixed);
+        let used = used_layouts(eg, &ex, &roots, np);
+        let layouts: Vec<Dist> = (0..np)
+            .map(|k| used[k].iter().next().copied().unwrap_or(Dist::R))
+            .collect();
+        let (term, all_reduces) = term_text(g, eg, &ex, &roots, &layouts);
+        Ok((
+            layouts,
+            GroupPlacement {
+                group: b,
+                same_as: None,
+                stop: format!("{:?}", StopReason::Saturated),
+                iterations: runner.iterations.len(),
+                nodes: eg.total_size(),
+                classes: eg.number_of_classes(),
+                extractions,
+                term,
+                all_reduces,
+                cost,
+                whole_cost,
+            },
+        ))
+    }
+}
+
+type Ex<'a> = Extractor<'a, CostModel<'a>, SymbolLang, Layouts>;
+
+/// The cheapest term for `roots` with the parameters in `fixed` held to their layout, and
+/// its cost.
+fn extract<'a>(eg: &'a Graphs, roots: &[Id], fixed: &'a HashMap<usize, Dist>) -> (f64, Ex<'a>) {
+    let ex = Extractor::new(eg, CostModel { egraph: eg, fixed });
+    if roots.iter().any(|&r| !ex.find_best_cost(r).is_finite()) {
+        return (f64::INFINITY, ex);
+    }
+    // The term's cost counts every e-class it holds once (a value read by many is held
+    // and communicated once), unlike the extractor's tree cost.
+    let mut model = CostModel { egraph: eg, fixed };
+    let c: f64 = walk(eg, &ex, roots)
+        .into_iter()
+        .map(|c| model.cost(ex.find_best_node(c), |_| 0.0))
+        .sum();
+    (c, ex)
+}
+
+/// The nodes of the extracted term, children before parents.
+fn walk(eg: &Graphs, ex: &Ex<'_>, roots: &[Id]) -> Vec<Id> {
+    let mut seen: HashSet<Id> = HashSet::new();
+    let mut order = Vec::new();
+    let mut stack: Vec<(Id, bool)> = roots.iter().rev().map(|&r| (r, false)).collect();
+    while let Some((c, done)) = stack.pop() {
+        let c = eg.find(c);
+        if done {
+            if seen.insert(c) {
+                order.push(c);
+            }
+            continue;
+        }
+        if seen.contains(&c) {
+            continue;
+        }
+        stack.push((c, true));
+        for &ch in ex.find_best_node(c).children().iter().rev() {
+            if !seen.contains(&eg.find(ch)) {
+                stack.push((ch, false));
+            }
+        }
+    }
+    order
+}
+
+/// The layouts each parameter has in the extracted term (uses and update).
+fn used_layouts(
+    eg: &Graphs,
+    ex: &Ex<'_>,
+    roots: &[Id],
+    np: usize,
+) -> Vec<std::collections::BTreeSet<Dist>> {
+    let mut used = vec![std::collections::BTreeSet::new(); np];
+    for c in walk(eg, ex, roots) {
+        match kind_of(ex.find_best_node(c).op) {
+            Some(Kind::Param(k, l)) | Some(Kind::Update(k, l)) => {
+                used[k].insert(l);
+            }
+            _ => {}
+        }
+    }
+    used
+}
+
+fn term_text(
+    g: &Graph,
+    eg: &Graphs,
+    ex: &Ex<'_>,
+    roots: &[Id],
+    layouts: &[Dist],
+) -> (String, usize) {
+    let a = &eg.analysis;
+    let mut lines: Vec<String> = a
+        .params
+        .iter()
+        .zip(layouts)
+        .map(|(p, &l)| format!("param {} {}", p.name, l.name()))
+        .collect();
+    let mut num: HashMap<Id, usize> = HashMap::new();
+    let mut ars = 0;
+    let order = walk(eg, ex, roots);
+    // The all-reduce of a partial gradient the update reads is the optimizer's, not tp's.
+    let reduced_by_optimizer: HashSet<Id> = order
+        .iter()
+        .map(|&c| ex.find_best_node(c))
+        .filter(|n| matches!(kind_of(n.op), Some(Kind::Update(..))))
+        .map(|n| eg.find(n.children[0]))
+        .collect();
+    for c in order {
+        let nd = ex.find_best_node(c);
+        let arg = |ch: &Id| format!("%{}", num[&eg.find(*ch)]);
+        let args: Vec<String> = nd.children.iter().map(arg).collect();
+        let text = match kind_of(nd.op) {
+            Some(Kind::Ar) => {
+                if !reduced_by_optimizer.contains(&c) {
+                    ars += 1;
+                }
+                format!("ar({})", args[0])
+            }
+            Some(Kind::Slice(d)) => format!("slice.{d}({})", args[0]),
+            Some(Kind::Leaf(k)) => format!("leaf {k}"),
+            Some(Kind::Param(k, _)) => a.params[k].name.clone(),
+            Some(Kind::Update(k, l)) => {
+                format!("update {}({}) as {}", a.params[k].name, args[0], l.name())
+            }
+            Some(Kind::Op(k)) => {
+                let info = &a.ops[k];
+                let op = &g.ops[info.op];
+                let out = if info.outs > 1 {
+                    format!(".{}", info.out)
+                } else {
+                    String::new()
+                };
+                format!("{}{out}({}) # {}", op.kind.name(), args.join(", "), op.path)
+            }
+            None => nd.op.to_string(),
+        };
+        let k = num.len();
+        num.insert(c, k);
+        lines.push(format!("%{k} = {text} : {}", eg[c].data.dist.name()));
+    }
+    let names: Vec<String> = roots
+        .iter()
+        .map(|r| format!("%{}", num[&eg.find(*r)]))
+        .collect();
+    lines.push(format!("roots {}", names.join(", ")));
+    (lines.join("\n") + "\n", ars)
+}
