@@ -21,6 +21,7 @@ use megac_ir::plan::{BufId, BufferClass, Plan};
 
 use super::gemm::Operand;
 use super::lower::{self, Arg, DeviceOp, Lowered};
+use super::moe::{self, Route, Table};
 use super::slab::SlabLayout;
 use super::CudaError;
 use crate::exec::StepContext;
@@ -325,6 +326,7 @@ impl CudaExecutor {
                     .map_err(cublas)?;
                 }
             }
+            DeviceOp::Route(route) => self.route(route)?,
             DeviceOp::Zero(b) => {
                 let buf = &self.plan.buffers[*b as usize];
                 let bytes = (buf.len() * buf.dtype.size_bytes()) as usize;
@@ -452,6 +454,61 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// [`DeviceOp::Route`]: the indices to the host (waits for the stream), the routing and
+    /// its tables built there ([`super::moe`]), the tables into the workspace.
+    fn route(&self, route: &Route) -> Result<(), CudaError> {
+        let s = self.stream.cu_stream();
+        let n = self.plan.buffers[route.indices as usize].len() as usize;
+        let mut indices = vec![0i32; n];
+        // SAFETY: the i32 buffer's storage lies inside the allocation.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut indices, self.raw(route.indices)?, s)
+                .map_err(driver)?;
+        }
+        self.stream.synchronize().map_err(driver)?;
+        let r = route
+            .routing(&indices)
+            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        for table in &route.tables {
+            let (at, bytes): (u64, Vec<u8>) = match table {
+                Table::Sources { first, count, at } => (
+                    self.workspace_base() + at,
+                    le_bytes(&moe::sources(&r, *first, *count, route.rows)),
+                ),
+                Table::Rows { first, count, at } => (
+                    self.workspace_base() + at,
+                    le_bytes(&moe::rows(&r, *first, *count, route.rows)),
+                ),
+                Table::Counts { buf } => (self.raw(*buf)?, le_bytes(&moe::counts(&r))),
+                Table::Addresses { bufs, h, at } => {
+                    let bases = bufs
+                        .iter()
+                        .map(|&b| self.f32_addr(b))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    // One buffer for several experts is the stacked [E, rows, h] (for one
+                    // expert both readings are the same).
+                    let stacked = bufs.len() == 1 && r.experts() > 1;
+                    let addrs: Vec<u64> = moe::addresses(&r, stacked, route.rows, *h)
+                        .into_iter()
+                        .map(|a| a.map_or(0, |(b, off)| bases[b] + off * 4))
+                        .collect();
+                    let mut bytes = Vec::with_capacity(addrs.len() * 8);
+                    for a in addrs {
+                        bytes.extend_from_slice(&a.to_le_bytes());
+                    }
+                    (self.workspace_base() + at, bytes)
+                }
+            };
+            if !bytes.is_empty() {
+                // SAFETY: the lowering sized the table's region for these bytes.
+                unsafe { cudarc::driver::result::memcpy_htod_async(at, &bytes, s) }
+                    .map_err(driver)?;
+            }
+        }
+        // The tables are host memory that goes out of scope here.
+        self.stream.synchronize().map_err(driver)
+    }
+
     /// Copy every arena of the host memory `mem` (initialised parameters, zeroed state)
     /// into the slabs.
     pub fn upload(&self, mem: &Memory) -> Result<(), CudaError> {
@@ -478,6 +535,48 @@ impl CudaExecutor {
             }
         }
         self.stream.synchronize().map_err(driver)
+    }
+
+    /// Copy the slabs of `classes` back into the host memory `mem` (the trained parameters
+    /// and master weights before saving); waits for the stream.
+    pub fn download(&self, mem: &mut Memory, classes: &[BufferClass]) -> Result<(), CudaError> {
+        for &class in classes {
+            let region = self.slab.slabs[class.index()];
+            let host = mem.arena_bytes_mut(class);
+            let n = host.len().min(region.bytes as usize);
+            if n > 0 {
+                // SAFETY: `n` bytes lie inside the slab (the same layout sized both).
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        &mut host[..n],
+                        self.base() + region.start,
+                        self.stream.cu_stream(),
+                    )
+                    .map_err(driver)?;
+                }
+                self.stream.synchronize().map_err(driver)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero the whole slab of `class` (every gradient at the start of a step, as the cpu
+    /// backend's `Memory::zero_grads`).
+    pub fn zero_class(&self, class: BufferClass) -> Result<(), CudaError> {
+        let region = self.slab.slabs[class.index()];
+        if region.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the slab lies inside the allocation.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.base() + region.start,
+                0,
+                region.bytes as usize,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver)
     }
 
     /// Zero buffer `b` if this rank holds it (the gradients at the start of a step).
@@ -539,4 +638,9 @@ impl Drop for CudaExecutor {
             let _ = cudarc::cublas::result::destroy_handle(self.handle);
         }
     }
+}
+
+/// Little-endian bytes of i32 values (a table for the device).
+fn le_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
