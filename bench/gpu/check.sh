@@ -3,19 +3,23 @@
 # its driver and the CUDA 13 Python wheels (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl).
 # NOT RUN ON HARDWARE YET: no GPU was available when it was written.
 #
-# It runs tests/cuda.rs's GPU tests (the `--device cuda` command line does not drive the
-# cuda executor yet):
+# It runs tests/cuda.rs's GPU tests:
 #   - every_kernel_loads_on_the_device: NVRTC compiles every kernel of kernels/cuda/ for the
 #     device's architecture and the driver loads each one;
 #   - cuda_training_matches_the_cpu_backend: MEGAC_GPU_STEPS (20) steps of llama-tiny and
-#     gpt-tiny (fp32) and llama-tiny (bf16) on the cuda executor and on the cpu backend, same
-#     plan, data and initial parameters; prints both losses per step, the worst relative
-#     difference, the device allocation against cudaMemGetInfo, and the GPU's step time.
-# Figures go to $OUT (default /tmp/megac-gpu-check): gpu.txt, check.log, figures.txt.
+#     gpt-tiny and moe-tiny (fp32, relative loss difference < 1e-4) and llama-tiny and moe-tiny
+#     (bf16, < 2e-2) on the cuda executor and on the cpu backend, same plan, data and initial
+#     parameters; prints both losses per step, the worst relative difference, the device
+#     allocation against cudaMemGetInfo, and the GPU's step time;
+# then the command line: `megac train examples/{llama,moe}-tiny.toml --steps 20` with
+# --device cuda and --device cpu (--report each), the losses compared step by step
+# (relative < 1e-4), the tokens/s of both printed.
+# Figures go to $OUT (default /tmp/megac-gpu-check): gpu.txt, check.log, cli.log, figures.txt.
 #
-#   bash bench/gpu/check.sh                       # builds the test binary with cargo
-#   MEGAC_CUDA_TEST_BIN=path/to/cuda-HASH bash bench/gpu/check.sh   # a binary built elsewhere
-#     (cargo test --release --test cuda --no-run prints its path)
+#   bash bench/gpu/check.sh                       # builds the binaries with cargo
+#   MEGAC_CUDA_TEST_BIN=path/to/cuda-HASH MEGAC_BIN=path/to/megac bash bench/gpu/check.sh
+#     # binaries built elsewhere (cargo test --release --test cuda --no-run prints the test
+#     # binary's path; cargo build --release makes target/release/megac)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/megac-gpu-check}
@@ -62,13 +66,41 @@ echo "test binary: $bin" | tee -a "$OUT/gpu.txt"
 
 start=$(date +%s)
 status=0
-MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 420 "$bin" \
+MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 300 "$bin" \
     --include-ignored --nocapture --test-threads 1 \
     every_kernel_loads_on_the_device cuda_training_matches_the_cpu_backend \
     2>&1 | tee "$OUT/check.log" || status=$?
+
+# The command line on the GPU against the cpu backend.
+megac=${MEGAC_BIN:-}
+if [ -z "$megac" ] && command -v cargo >/dev/null; then
+    cargo build --release >/dev/null 2>&1 && megac=target/release/megac
+fi
+cli=0
+if [ -n "$megac" ]; then
+    for model in llama-tiny moe-tiny; do
+        for dev in cuda cpu; do
+            timeout 60 "$megac" train "examples/$model.toml" --steps 20 --device "$dev" \
+                --report "$OUT/$model-$dev.json" >>"$OUT/cli.log" 2>&1 || cli=$?
+        done
+        python3 - "$OUT/$model-cuda.json" "$OUT/$model-cpu.json" "$model" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
+import json, sys
+g, c = (json.load(open(p)) for p in sys.argv[1:3])
+worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(g["steps"], c["steps"]))
+print(f"cli {sys.argv[3]}: 20 steps --device cuda vs cpu: worst relative loss difference {worst:.2e}; "
+      f"tokens/s cuda {g['tokens_per_s']:.0f} cpu {c['tokens_per_s']:.0f}")
+sys.exit(0 if worst < 1e-4 and len(g["steps"]) == len(c["steps"]) == 20 else 1)
+PY
+    done
+else
+    echo "no megac binary (set MEGAC_BIN): the command-line check did not run" | tee -a "$OUT/cli.log"
+    cli=1
+fi
+[ "$cli" = 0 ] || status=1
 end=$(date +%s)
 {
     grep -E 'kernels loaded|device allocation|worst relative|test result|panicked' "$OUT/check.log" || true
+    grep -E '^cli |error' "$OUT/cli.log" || true
     echo "wall: $((end - start)) s, exit status $status"
 } | tee "$OUT/figures.txt"
 exit "$status"

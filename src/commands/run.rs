@@ -12,29 +12,24 @@ use crate::RunArgs;
 const NO_MPI_ALTERNATIVE: &str =
     "without MPI, --comm local runs every rank of the plan as a thread of this process";
 
-/// `--device cuda`'s answer: the first CUDA library or device that is missing, or that the
-/// command line does not drive the cuda executor yet.
+/// `--device cuda` before any work: the first CUDA library (the driver, NVRTC, cuBLAS) or
+/// device that is missing, as one error.
 #[cfg(feature = "cuda")]
-fn no_cuda_backend() -> String {
-    let found = megac_runtime::cuda::device::check_libraries(false)
-        .and_then(|()| megac_runtime::cuda::probe(0));
-    match found {
-        Err(e) => format!("error: --device cuda: {e}"),
-        Ok(d) => format!(
-            "error: --device cuda: found {} ({} device(s)), but `megac run`/`train` do not drive \
-             the cuda executor yet (it has not run on a GPU; bench/gpu/check.sh runs it through \
-             tests/cuda.rs); use --device cpu",
-            d.name, d.count
-        ),
-    }
+fn check_cuda() -> Result<(), String> {
+    megac_runtime::cuda::device::check_libraries(false)
+        .and_then(|()| megac_runtime::cuda::probe(0))
+        .map(|_| ())
+        .map_err(|e| format!("error: --device cuda: {e}"))
 }
 
 /// `--device cuda`'s answer in a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
-fn no_cuda_backend() -> String {
-    "error: --device cuda: this build has no `cuda` feature (cargo build --release --features \
-     cuda); use --device cpu"
-        .into()
+fn check_cuda() -> Result<(), String> {
+    Err(
+        "error: --device cuda: this build has no `cuda` feature (cargo build --release --features \
+         cuda); use --device cpu"
+            .into(),
+    )
 }
 
 /// Check the options this build supports and every path the run will write (before any
@@ -51,7 +46,14 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     }
     match args.device.as_str() {
         "cpu" => {}
-        "cuda" => return Err(no_cuda_backend()),
+        "cuda" if args.comm == "mpi" => {
+            return Err(
+                "error: --device cuda --comm mpi: the cuda backend runs one-rank plans in this \
+                 process only (NCCL over MPI is not built yet); use --comm local or --device cpu"
+                    .into(),
+            )
+        }
+        "cuda" => check_cuda()?,
         other => return Err(format!("error: --device {other}: expected cpu or cuda")),
     }
     let inject = args
@@ -209,6 +211,8 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
             Some(report) => report,
             None => return Ok(()), // ranks other than 0 print and write nothing
         }
+    } else if args.device == "cuda" {
+        train_on_cuda(plan, opts)?
     } else {
         train(plan, opts).map_err(|e| format!("error: {e}"))?
     };
@@ -308,6 +312,19 @@ fn train_on_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<Option<RunRepor
 #[cfg(not(feature = "mpi"))]
 fn train_on_mpi(_plan: &CheckedPlan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
     Err(super::no_mpi("--comm mpi", Some(NO_MPI_ALTERNATIVE)))
+}
+
+/// Run a one-rank `plan` on GPU 0 (`--device cuda`, checked by [`options`]).
+#[cfg(feature = "cuda")]
+fn train_on_cuda(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, String> {
+    megac_runtime::cuda::session::train(plan, opts).map_err(|e| format!("error: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_on_cuda(_plan: &CheckedPlan, _opts: &RunOptions) -> Result<RunReport, String> {
+    Err(check_cuda()
+        .err()
+        .unwrap_or_else(|| "error: --device cuda: no cuda feature".into()))
 }
 
 /// `megac run PLAN_DIR`.
