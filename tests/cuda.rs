@@ -442,6 +442,55 @@ fn cuda_training_matches_the_cpu_backend() {
     }
 }
 
+#[test]
+fn nccl_splits_are_the_same_calls_in_the_same_order_on_every_rank() {
+    use megac_ir::Axis;
+    for (file, sets) in [
+        ("llama-tiny.toml", vec!["parallel.tp=2", "parallel.dp=2"]),
+        (
+            "llama-tiny.toml",
+            vec!["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ),
+        ("moe-tiny.toml", vec!["parallel.dp=2", "parallel.ep=2"]),
+        ("llama-tiny.toml", vec!["parallel.dp=2", "parallel.cp=2"]),
+    ] {
+        let p = plan(file, &sets);
+        let comms = Communicators::of_plan(&p);
+        let world = comms.world;
+        let calls: Vec<Vec<(Vec<Axis>, i32, i32)>> =
+            (0..world).map(|r| comms.split_calls(r)).collect();
+        assert!(
+            !calls[0].is_empty(),
+            "{file} {sets:?}: the plan communicates"
+        );
+        for (i, (axes, _, _)) in calls[0].iter().enumerate() {
+            // The same axis set at the same position on every rank (NCCL's collective
+            // split), and the ranks of one colour are exactly Mesh::group in key order.
+            let mut by_color: std::collections::BTreeMap<i32, Vec<(i32, usize)>> =
+                Default::default();
+            for (r, c) in calls.iter().enumerate() {
+                assert_eq!(&c[i].0, axes, "{file} {sets:?} rank {r}");
+                assert!(
+                    c[i].1 >= 0,
+                    "{file} {sets:?}: rank {r} is in a group over {axes:?}"
+                );
+                by_color.entry(c[i].1).or_default().push((c[i].2, r));
+            }
+            for members in by_color.values_mut() {
+                members.sort_unstable();
+                let ranks: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
+                assert_eq!(
+                    ranks,
+                    p.mesh.group(ranks[0], axes),
+                    "{file} {sets:?} {axes:?}"
+                );
+                let keys: Vec<i32> = members.iter().map(|&(k, _)| k).collect();
+                assert_eq!(keys, (0..ranks.len() as i32).collect::<Vec<_>>());
+            }
+        }
+    }
+}
+
 /// Per-rank device memory of the collective check: plan buffers as f32 and the workspace.
 struct HostRank {
     bufs: std::collections::HashMap<u32, Vec<f32>>,

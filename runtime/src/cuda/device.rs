@@ -6,8 +6,9 @@
 //!
 //! Not run on a GPU yet (no machine was available); without a driver it is never reached:
 //! [`check_libraries`] fails first with the library names it looked for. Multi-rank plans
-//! need the NCCL bootstrap over MPI ([`super::nccl`] describes it), which is not built:
-//! [`CudaExecutor::new`] refuses them.
+//! need NCCL communicators ([`CudaExecutor::with_nccl`], from a unique id the caller shares
+//! between the ranks); the MPI broadcast of that id and a multi-rank run around it are not
+//! built, so nothing calls it yet.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,6 +23,7 @@ use megac_ir::plan::{BufId, BufferClass, Plan};
 use super::gemm::Operand;
 use super::lower::{self, Arg, DeviceOp, Lowered};
 use super::moe::{self, Route, Table};
+use super::nccl::{Communicators, NcclComms};
 use super::slab::SlabLayout;
 use super::CudaError;
 use crate::exec::StepContext;
@@ -90,6 +92,9 @@ pub struct CudaExecutor {
     lowered: Lowered,
     staging: Vec<(BufId, u64)>,
     norm_cache: Option<(BufId, f32)>,
+    rank: usize,
+    /// The communicators and the communication stream (multi-rank plans).
+    nccl: Option<(NcclComms, Arc<CudaStream>)>,
 }
 
 impl CudaExecutor {
@@ -98,13 +103,38 @@ impl CudaExecutor {
     /// kernels, make a cuBLAS handle on the stream.
     pub fn new(plan: &CheckedPlan, rank: usize, ordinal: usize) -> Result<Self, CudaError> {
         let world = plan.mesh.world_size();
-        check_libraries(world > 1)?;
         if world > 1 {
+            check_libraries(true)?;
             return Err(CudaError::Unsupported(format!(
-                "a plan of {world} ranks needs NCCL communicators bootstrapped over MPI, which \
-                 the cuda backend does not build yet; run it with --device cpu"
+                "a plan of {world} ranks needs NCCL communicators (CudaExecutor::with_nccl, \
+                 from a unique id every rank shares); run it with --device cpu"
             )));
         }
+        Self::setup(plan, rank, ordinal, None)
+    }
+
+    /// As [`CudaExecutor::new`] for rank `rank` of a plan of any size: after the setup, the
+    /// NCCL communicators of the plan's groups from the world's unique id `id` (the same
+    /// on every rank: rank 0's [`super::nccl::unique_id`], sent to the others), and a
+    /// communication stream. Collectives over groups of more than one rank run there,
+    /// ordered against the compute stream by events (the compute stream's work so far
+    /// before the collective, the collective before the compute stream's next work).
+    pub fn with_nccl(
+        plan: &CheckedPlan,
+        rank: usize,
+        ordinal: usize,
+        id: &[u8; 128],
+    ) -> Result<Self, CudaError> {
+        Self::setup(plan, rank, ordinal, Some(id))
+    }
+
+    fn setup(
+        plan: &CheckedPlan,
+        rank: usize,
+        ordinal: usize,
+        id: Option<&[u8; 128]>,
+    ) -> Result<Self, CudaError> {
+        check_libraries(id.is_some())?;
         let lowered =
             lower::lower_role(plan, rank).map_err(|e| CudaError::Unsupported(e.to_string()))?;
         let slab = SlabLayout::new(
@@ -138,7 +168,17 @@ impl CudaExecutor {
         unsafe {
             cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _).map_err(cublas)?;
         }
+        let nccl = match id {
+            Some(id) => {
+                ctx.bind_to_thread().map_err(driver)?;
+                let comms = NcclComms::init(&Communicators::of_plan(plan), rank, id)?;
+                Some((comms, ctx.new_stream().map_err(driver)?))
+            }
+            None => None,
+        };
         let exec = CudaExecutor {
+            rank,
+            nccl,
             plan: (**plan).clone(),
             stream,
             _ctx: ctx,
@@ -350,8 +390,16 @@ impl CudaExecutor {
                 unsafe { cudarc::driver::result::memcpy_dtod_async(d, f, *bytes as usize, s) }
                     .map_err(driver)?;
             }
-            // One rank (the only kind `new` accepts): every group is this rank alone, so an
-            // all-reduce is the identity and a gather or scatter a copy.
+            // A group of more than one rank: NCCL on the communication stream.
+            DeviceOp::AllReduce { axes, .. }
+            | DeviceOp::AllGather { axes, .. }
+            | DeviceOp::ReduceScatter { axes, .. }
+                if self.plan.mesh.group(self.rank, axes).len() > 1 =>
+            {
+                self.collective(op, ctx)?
+            }
+            // A group of this rank alone: an all-reduce is the identity, a gather or scatter
+            // a copy.
             DeviceOp::AllReduce { .. } => {}
             DeviceOp::AllGather {
                 send, recv, count, ..
@@ -452,6 +500,107 @@ impl CudaExecutor {
             }
         }
         Ok(())
+    }
+
+    /// A collective over a group of several ranks through its NCCL communicator, on the
+    /// communication stream: it waits for the compute stream's work so far (an event), and
+    /// the compute stream waits for it (another).
+    fn collective(&self, op: &DeviceOp, ctx: &StepContext) -> Result<(), CudaError> {
+        use cudarc::nccl::sys;
+        let (comms, cs) = self.nccl.as_ref().ok_or_else(|| {
+            CudaError::Unsupported(
+                "a collective over several ranks without NCCL communicators".into(),
+            )
+        })?;
+        let addr = |a: &Arg| match self.resolve(a, ctx)? {
+            Val::U64(x) => Ok(x),
+            _ => Err(CudaError::Driver(
+                "a collective's buffer is not an address".into(),
+            )),
+        };
+        let comm_of = |axes: &[megac_ir::Axis]| {
+            comms.get(axes).ok_or_else(|| {
+                CudaError::Unsupported(format!("no NCCL communicator over {axes:?}"))
+            })
+        };
+        cs.join(&self.stream).map_err(driver)?;
+        let stream = cs.cu_stream() as sys::cudaStream_t;
+        let check = |what: &str, r: sys::ncclResult_t| {
+            if r == sys::ncclResult_t::ncclSuccess {
+                Ok(())
+            } else {
+                Err(CudaError::Driver(format!("NCCL {what}: {r:?}")))
+            }
+        };
+        // SAFETY: addresses inside the allocation with `count` elements (per member) as the
+        // lowering sized them; the communicators are live.
+        unsafe {
+            match op {
+                DeviceOp::AllReduce {
+                    axes,
+                    buf,
+                    count,
+                    f64,
+                    op: red,
+                } => {
+                    let p = addr(buf)?;
+                    let dt = if *f64 {
+                        sys::ncclDataType_t::ncclFloat64
+                    } else {
+                        sys::ncclDataType_t::ncclFloat32
+                    };
+                    let red = match red {
+                        lower::Reduce::Sum => sys::ncclRedOp_t::ncclSum,
+                        lower::Reduce::Max => sys::ncclRedOp_t::ncclMax,
+                    };
+                    let r = sys::ncclAllReduce(
+                        p as *const _,
+                        p as *mut _,
+                        *count as usize,
+                        dt,
+                        red,
+                        comm_of(axes)?,
+                        stream,
+                    );
+                    check("ncclAllReduce", r)?;
+                }
+                DeviceOp::AllGather {
+                    axes,
+                    send,
+                    recv,
+                    count,
+                } => {
+                    let r = sys::ncclAllGather(
+                        addr(send)? as *const _,
+                        addr(recv)? as *mut _,
+                        *count as usize,
+                        sys::ncclDataType_t::ncclFloat32,
+                        comm_of(axes)?,
+                        stream,
+                    );
+                    check("ncclAllGather", r)?;
+                }
+                DeviceOp::ReduceScatter {
+                    axes,
+                    send,
+                    recv,
+                    count,
+                } => {
+                    let r = sys::ncclReduceScatter(
+                        addr(send)? as *const _,
+                        addr(recv)? as *mut _,
+                        *count as usize,
+                        sys::ncclDataType_t::ncclFloat32,
+                        sys::ncclRedOp_t::ncclSum,
+                        comm_of(axes)?,
+                        stream,
+                    );
+                    check("ncclReduceScatter", r)?;
+                }
+                _ => return Err(CudaError::Driver("not a collective".into())),
+            }
+        }
+        self.stream.join(cs).map_err(driver)
     }
 
     /// [`DeviceOp::Route`]: the indices to the host (waits for the stream), the routing and
