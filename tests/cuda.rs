@@ -369,6 +369,47 @@ fn lowered_programs_call_kernels_with_their_declared_parameters() {
         );
         let bf16 = sets.iter().any(|s| s.contains("bf16"));
         assert_eq!(stages > 0, bf16, "{what}: 16-bit operands are staged");
+        // --profile's marks: one per instruction, in order, named as the cpu profile names
+        // them, the linear ops' FLOPs 2·m·k·n (2 · x elements · output width).
+        let p: &Plan = &plan;
+        let role = &p.roles[p.rank_to_role[0] as usize];
+        for (program, ops, marks) in [
+            (&role.microbatch, &l.microbatch, &l.microbatch_marks),
+            (&role.optimizer, &l.optimizer, &l.optimizer_marks),
+        ] {
+            assert_eq!(marks.len(), program.len(), "{what}");
+            assert!(marks.windows(2).all(|w| w[0].start <= w[1].start));
+            assert!(marks.iter().all(|m| m.start <= ops.len()));
+            for (m, instr) in marks.iter().zip(program.iter()) {
+                use megac_ir::plan::Instr;
+                let (name, flops) = match instr {
+                    Instr::Kernel {
+                        op,
+                        inputs,
+                        outputs,
+                        ..
+                    } => {
+                        let linear = matches!(op.name(), "linear" | "linear_grad_input");
+                        let (x, y) = if op.name() == "linear_grad_input" {
+                            (outputs[0], inputs[0])
+                        } else {
+                            (inputs[0], outputs[0])
+                        };
+                        let f = if linear {
+                            let n = *p.buffers[y as usize].shape.last().unwrap() as f64;
+                            2.0 * p.buffers[x as usize].len() as f64 * n
+                        } else {
+                            m.flops // linear_grad_weight and the rest: checked below
+                        };
+                        (op.name(), f)
+                    }
+                    _ => ("zero", 0.0),
+                };
+                assert_eq!(m.name, name, "{what}");
+                assert_eq!(m.flops, flops, "{what}: {name}");
+                assert_eq!(m.flops > 0.0, name.starts_with("linear"), "{what}: {name}");
+            }
+        }
         if file.starts_with("moe") {
             let routes = l
                 .microbatch

@@ -13,7 +13,8 @@
 #     allocation against cudaMemGetInfo, and the GPU's step time;
 # then the command line: `megac train examples/{llama,moe}-tiny.toml --steps 20` with
 # --device cuda and --device cpu (--report each), the losses compared step by step
-# (relative < 1e-4), the tokens/s of both printed.
+# (relative < 1e-4), the tokens/s of both printed; and 5 steps of each with --profile (per-op
+# CUDA-event times, the matmuls' share of kernel time: $OUT/MODEL-profile.txt).
 # Figures go to $OUT (default /tmp/megac-gpu-check): gpu.txt, check.log, cli.log, figures.txt.
 #
 #   bash bench/gpu/check.sh                       # builds the binaries with cargo
@@ -83,6 +84,9 @@ if [ -n "$megac" ]; then
             timeout 60 "$megac" train "examples/$model.toml" --steps 20 --device "$dev" \
                 --report "$OUT/$model-$dev.json" >>"$OUT/cli.log" 2>&1 || cli=$?
         done
+        # --profile: per-op CUDA-event times, the matmuls' share of kernel time.
+        timeout 60 "$megac" train "examples/$model.toml" --steps 5 --device cuda --profile \
+            >"$OUT/$model-profile.txt" 2>&1 || cli=$?
         python3 - "$OUT/$model-cuda.json" "$OUT/$model-cpu.json" "$model" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
 import json, sys
 g, c = (json.load(open(p)) for p in sys.argv[1:3])
@@ -101,6 +105,7 @@ end=$(date +%s)
 {
     grep -E 'kernels loaded|device allocation|worst relative|test result|panicked' "$OUT/check.log" || true
     grep -E '^cli |error' "$OUT/cli.log" || true
+    grep -H '^matmuls:' "$OUT"/*-profile.txt || true
     echo "wall: $((end - start)) s, exit status $status"
 } | tee "$OUT/figures.txt"
 exit "$status"

@@ -95,6 +95,8 @@ pub struct CudaExecutor {
     rank: usize,
     /// The communicators and the communication stream (multi-rank plans).
     nccl: Option<(NcclComms, Arc<CudaStream>)>,
+    /// `--profile`: op name -> (seconds, matmul FLOPs, calls), from CUDA events.
+    profile: Option<std::collections::BTreeMap<&'static str, (f64, f64, u64)>>,
 }
 
 impl CudaExecutor {
@@ -179,6 +181,7 @@ impl CudaExecutor {
         let exec = CudaExecutor {
             rank,
             nccl,
+            profile: None,
             plan: (**plan).clone(),
             stream,
             _ctx: ctx,
@@ -292,19 +295,74 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Run `program` (issued on the stream; returns after the last op is issued).
+    /// Run `program` (issued on the stream; returns after the last op is issued, or, when
+    /// profiling, after the stream finished it).
     pub fn run(&mut self, program: Program, ctx: &StepContext) -> Result<(), CudaError> {
         let ops = match program {
             Program::Microbatch => std::mem::take(&mut self.lowered.microbatch),
             Program::Optimizer => std::mem::take(&mut self.lowered.optimizer),
         };
         self.norm_cache = None;
-        let out = ops.iter().try_for_each(|op| self.issue(op, ctx));
+        let out = if self.profile.is_some() {
+            self.run_timed(program, &ops, ctx)
+        } else {
+            ops.iter().try_for_each(|op| self.issue(op, ctx))
+        };
         match program {
             Program::Microbatch => self.lowered.microbatch = ops,
             Program::Optimizer => self.lowered.optimizer = ops,
         }
         out
+    }
+
+    /// As `run`, with a CUDA event recorded on the compute stream where each instruction
+    /// begins and after the last; the time between consecutive events is the instruction's
+    /// (its collectives on the communication stream included, as the compute stream waits
+    /// for them), added to the profile by op name.
+    fn run_timed(
+        &mut self,
+        program: Program,
+        ops: &[DeviceOp],
+        ctx: &StepContext,
+    ) -> Result<(), CudaError> {
+        let marks = match program {
+            Program::Microbatch => self.lowered.microbatch_marks.clone(),
+            Program::Optimizer => self.lowered.optimizer_marks.clone(),
+        };
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut events = Vec::with_capacity(marks.len() + 1);
+        for (i, m) in marks.iter().enumerate() {
+            let end = marks.get(i + 1).map_or(ops.len(), |n| n.start);
+            events.push(self.stream.record_event(timing).map_err(driver)?);
+            for op in &ops[m.start..end] {
+                self.issue(op, ctx)?;
+            }
+        }
+        events.push(self.stream.record_event(timing).map_err(driver)?);
+        self.stream.synchronize().map_err(driver)?;
+        let by_op = self.profile.get_or_insert_with(Default::default);
+        for (i, m) in marks.iter().enumerate() {
+            let ms = events[i].elapsed_ms(&events[i + 1]).map_err(driver)?;
+            let e = by_op.entry(m.name).or_default();
+            e.0 += f64::from(ms) / 1e3;
+            e.1 += m.flops;
+            e.2 += 1;
+        }
+        Ok(())
+    }
+
+    /// Time every instruction from now on with CUDA events (`--profile`).
+    pub fn enable_profile(&mut self) {
+        self.profile.get_or_insert_with(Default::default);
+    }
+
+    /// The per-op times so far (None unless [`CudaExecutor::enable_profile`] was called),
+    /// as the cpu backend's profile: op name -> (seconds, matmul FLOPs, calls).
+    pub fn profile(&self) -> Option<crate::exec::Profile> {
+        self.profile.as_ref().map(|by_op| crate::exec::Profile {
+            by_op: by_op.clone(),
+            ..Default::default()
+        })
     }
 
     fn issue(&mut self, op: &DeviceOp, ctx: &StepContext) -> Result<(), CudaError> {

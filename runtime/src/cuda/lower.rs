@@ -210,6 +210,18 @@ pub enum LowerError {
     },
 }
 
+/// Where one instruction's device operations begin in a lowered program (`--profile`
+/// times each instruction between CUDA events at these points).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mark {
+    /// Index of its first operation.
+    pub start: usize,
+    /// The op's name (`zero` for a zeroing), as the cpu profile names it.
+    pub name: &'static str,
+    /// Its matmul FLOPs (2·m·n·k per GEMM of a linear op; 0 for other ops).
+    pub flops: f64,
+}
+
 /// A role's programs lowered for one rank.
 #[derive(Clone, Debug, Default)]
 pub struct Lowered {
@@ -217,6 +229,10 @@ pub struct Lowered {
     pub microbatch: Vec<DeviceOp>,
     /// The optimizer program.
     pub optimizer: Vec<DeviceOp>,
+    /// Where each instruction of the micro-batch program begins.
+    pub microbatch_marks: Vec<Mark>,
+    /// Where each instruction of the optimizer program begins.
+    pub optimizer_marks: Vec<Mark>,
     /// Bytes of workspace the largest instruction needs (instructions run one after the
     /// other on one stream, so they share it).
     pub workspace_bytes: u64,
@@ -370,16 +386,60 @@ impl Lowerer<'_> {
     }
 
     fn program(&mut self, program: &[Instr]) -> Result<Vec<DeviceOp>, LowerError> {
+        Ok(self.program_marked(program)?.0)
+    }
+
+    /// The ops of `program` and where each instruction's begin ([`Mark`]).
+    fn program_marked(
+        &mut self,
+        program: &[Instr],
+    ) -> Result<(Vec<DeviceOp>, Vec<Mark>), LowerError> {
         let mut out = Vec::new();
+        let mut marks = Vec::new();
         for instr in program {
+            let start = out.len();
             match instr {
-                Instr::Zero { buffer } => out.push(DeviceOp::Zero(*buffer)),
+                Instr::Zero { buffer } => {
+                    out.push(DeviceOp::Zero(*buffer));
+                    marks.push(Mark {
+                        start,
+                        name: "zero",
+                        flops: 0.0,
+                    });
+                }
                 Instr::Kernel {
                     op,
                     inputs,
                     outputs,
                     path,
-                } => out.extend(self.instruction(op, inputs, outputs, path)?),
+                } => {
+                    out.extend(self.instruction(op, inputs, outputs, path)?);
+                    // The matmul FLOPs of the linear ops (the cpu profile's `matmul_flops`).
+                    let linear = matches!(
+                        op,
+                        OpKind::Linear { .. }
+                            | OpKind::LinearGradInput { .. }
+                            | OpKind::LinearGradWeight { .. }
+                    );
+                    let flops = if linear {
+                        out[start..]
+                            .iter()
+                            .map(|o| match o {
+                                DeviceOp::Gemm { call, .. } => {
+                                    2.0 * (call.m * call.n * call.k * call.batch) as f64
+                                }
+                                _ => 0.0,
+                            })
+                            .sum()
+                    } else {
+                        0.0
+                    };
+                    marks.push(Mark {
+                        start,
+                        name: op.name(),
+                        flops,
+                    });
+                }
                 Instr::Send { .. } | Instr::Recv { .. } => {
                     return Err(LowerError::Unsupported {
                         op: "send/recv",
@@ -389,7 +449,7 @@ impl Lowerer<'_> {
                 }
             }
         }
-        Ok(out)
+        Ok((out, marks))
     }
 
     /// The ops of one kernel instruction, staging included.
@@ -1721,11 +1781,13 @@ pub fn lower_role(plan: &CheckedPlan, rank: usize) -> Result<Lowered, LowerError
         constants: Vec::new(),
         tables: BTreeMap::new(),
     };
-    let microbatch = l.program(&role.microbatch)?;
-    let optimizer = l.program(&role.optimizer)?;
+    let (microbatch, microbatch_marks) = l.program_marked(&role.microbatch)?;
+    let (optimizer, optimizer_marks) = l.program_marked(&role.optimizer)?;
     Ok(Lowered {
         microbatch,
         optimizer,
+        microbatch_marks,
+        optimizer_marks,
         workspace_bytes: l.workspace,
         constants: l.constants,
     })

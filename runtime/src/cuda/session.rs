@@ -127,7 +127,6 @@ impl<'p> CudaSession<'p> {
 /// The first option of `opts` that `--device cuda` does not support yet, if any.
 pub fn unsupported_option(opts: &RunOptions) -> Option<&'static str> {
     [
-        (opts.profile, "--profile"),
         (opts.trace.is_some(), "--trace"),
         (opts.save.is_some(), "--save"),
         (opts.load.is_some(), "--load"),
@@ -316,6 +315,10 @@ fn run(
     let mut records = Vec::new();
     let start = Instant::now();
     for step in 1..=steps {
+        // As the cpu backend: the first step warms up, the profile starts at the second.
+        if opts.profile && step == 2.min(steps) {
+            s.gpu.enable_profile();
+        }
         let t0 = Instant::now();
         let loss_scale = s.cpu.scaler.as_ref().map(|x| x.scale());
         let (loss, grad_norm) = s.step(step).map_err(cuda_err)?;
@@ -376,7 +379,7 @@ fn run(
         start_rss_bytes: 0,
         peak_rss_bytes_per_rank: Vec::new(),
         arena_bytes: s.cpu.mem.bytes(),
-        profile: None,
+        profile: s.gpu.profile(),
         pipeline_order: Vec::new(),
         checkpoints: Vec::new(),
         resumed: None,
@@ -392,10 +395,10 @@ mod tests {
     fn options_the_cuda_loop_does_not_run_are_named() {
         assert_eq!(unsupported_option(&RunOptions::default()), None);
         let o = RunOptions {
-            profile: true,
+            trace: Some("t".into()),
             ..Default::default()
         };
-        assert_eq!(unsupported_option(&o), Some("--profile"));
+        assert_eq!(unsupported_option(&o), Some("--trace"));
         let o = RunOptions {
             save: Some("x".into()),
             ..Default::default()
