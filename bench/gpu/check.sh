@@ -14,7 +14,10 @@
 # then the command line: `megac train examples/{llama,moe}-tiny.toml --steps 20` with
 # --device cuda and --device cpu (--report each), the losses compared step by step
 # (relative < 1e-4), the tokens/s of both printed; and 5 steps of each with --profile (per-op
-# CUDA-event times, the matmuls' share of kernel time: $OUT/MODEL-profile.txt).
+# CUDA-event times, the matmuls' share of kernel time: $OUT/MODEL-profile.txt); then a
+# 1.14B-parameter Llama for 5 steps with --profile: tokens/s, MFU, the matmuls' share.
+# Time limits: 200 s for the tests, 40 s per tiny command-line run, 150 s for the 1B run
+# (590 s in all at most).
 # Figures go to $OUT (default /tmp/megac-gpu-check): gpu.txt, check.log, cli.log, figures.txt.
 #
 #   bash bench/gpu/check.sh                       # builds the binaries with cargo
@@ -67,7 +70,7 @@ echo "test binary: $bin" | tee -a "$OUT/gpu.txt"
 
 start=$(date +%s)
 status=0
-MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 300 "$bin" \
+MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 200 "$bin" \
     --include-ignored --nocapture --test-threads 1 \
     every_kernel_loads_on_the_device cuda_training_matches_the_cpu_backend \
     2>&1 | tee "$OUT/check.log" || status=$?
@@ -81,11 +84,11 @@ cli=0
 if [ -n "$megac" ]; then
     for model in llama-tiny moe-tiny; do
         for dev in cuda cpu; do
-            timeout 60 "$megac" train "examples/$model.toml" --steps 20 --device "$dev" \
+            timeout 40 "$megac" train "examples/$model.toml" --steps 20 --device "$dev" \
                 --report "$OUT/$model-$dev.json" >>"$OUT/cli.log" 2>&1 || cli=$?
         done
         # --profile: per-op CUDA-event times, the matmuls' share of kernel time.
-        timeout 60 "$megac" train "examples/$model.toml" --steps 5 --device cuda --profile \
+        timeout 40 "$megac" train "examples/$model.toml" --steps 5 --device cuda --profile \
             >"$OUT/$model-profile.txt" 2>&1 || cli=$?
         python3 - "$OUT/$model-cuda.json" "$OUT/$model-cpu.json" "$model" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
 import json, sys
@@ -96,6 +99,30 @@ print(f"cli {sys.argv[3]}: 20 steps --device cuda vs cpu: worst relative loss di
 sys.exit(0 if worst < 1e-4 and len(g["steps"]) == len(c["steps"]) == 20 else 1)
 PY
     done
+    # Speed: a 1.14B-parameter Llama (16 layers, hidden 2048, seq 2048, vocab 32000, bf16,
+    # micro-batch 4) for 5 steps; tokens/s from the report, MFU by Megatron's FLOPs (the
+    # plan's flops_per_step) against 989 TFLOP/s dense bf16, and the matmuls' share of
+    # kernel time from --profile.
+    big="--set model.layers=16 --set model.hidden=2048 --set model.heads=16 --set model.kv_heads=8
+         --set model.ffn_hidden=8192 --set model.vocab=32000 --set model.seq_len=2048
+         --set parallel.tp=1 --set parallel.dp=1 --set parallel.sequence_parallel=false
+         --set parallel.distributed_optimizer=false --set train.micro_batch=4
+         --set train.global_batch=4"
+    # shellcheck disable=SC2086
+    if "$megac" compile examples/llama3-8b.toml $big -o "$OUT/llama-1b" >>"$OUT/cli.log" 2>&1 \
+        && timeout 150 "$megac" run "$OUT/llama-1b" --device cuda --steps 5 --profile \
+            --report "$OUT/llama-1b.json" >"$OUT/llama-1b-profile.txt" 2>&1; then
+        python3 - "$OUT/llama-1b/plan.json" "$OUT/llama-1b.json" <<'PY' 2>&1 | tee -a "$OUT/cli.log"
+import json, sys
+plan, rep = (json.load(open(p)) for p in sys.argv[1:3])
+tokens = plan["batch"]["tokens_per_step"]
+step_s = sorted(s["seconds"] for s in rep["steps"][1:])[len(rep["steps"][1:]) // 2]
+mfu = plan["flops_per_step"] / step_s / 989e12
+print(f"cli llama-1b: median step {step_s:.3f} s (steps 2-5), {tokens / step_s:.0f} tokens/s, MFU {100 * mfu:.1f}% of 989 TFLOP/s")
+PY
+    else
+        echo "cli llama-1b: did not finish (see $OUT/llama-1b-profile.txt)" | tee -a "$OUT/cli.log"
+    fi
 else
     echo "no megac binary (set MEGAC_BIN): the command-line check did not run" | tee -a "$OUT/cli.log"
     cli=1
