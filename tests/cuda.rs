@@ -440,6 +440,77 @@ fn what_is_not_lowered_is_one_error_naming_the_op() {
     assert!(err.contains("pipelined plans"), "{err}");
 }
 
+/// On a GPU (`bench/gpu/check.sh`): every op's output against the cpu kernel's, on the
+/// model's own inputs: one micro-batch of each tiny model on both backends, then every
+/// activation and gradient buffer compared (both backends lay them out alike, reuse
+/// included); fp32 within 1e-4 of the buffer's largest magnitude, bf16 within 2e-2. Prints
+/// the worst buffer and the instruction that wrote it.
+#[test]
+#[ignore = "needs a CUDA GPU: bench/gpu/check.sh"]
+fn every_buffer_matches_the_cpu_backend_after_one_microbatch() {
+    use megac_ir::plan::Instr;
+    for (file, sets, tol) in [
+        ("llama-tiny.toml", vec![], 1e-4),
+        ("gpt-tiny.toml", vec![], 1e-4),
+        ("moe-tiny.toml", vec![], 1e-4),
+        ("llama-tiny.toml", vec!["train.precision=\"bf16\""], 2e-2),
+    ] {
+        let plan = plan(file, &sets);
+        let p: &Plan = &plan;
+        let mut cpu = megac_runtime::train::Session::new(&plan, "synthetic", None).unwrap();
+        let mut gpu = megac_runtime::cuda::session::CudaSession::new(&plan, "synthetic", 0)
+            .unwrap_or_else(|e| panic!("{e}"));
+        cpu.mem.zero_grads();
+        let lc = cpu.microbatch(1, 0).unwrap();
+        gpu.gpu.zero_class(BufferClass::Grad).unwrap();
+        let lg = gpu.microbatch(1, 0).unwrap_or_else(|e| panic!("{e}"));
+        let mut host = megac_runtime::memory::Memory::new(&plan, 0).unwrap();
+        gpu.gpu
+            .download(&mut host, &[BufferClass::Activation, BufferClass::Grad])
+            .unwrap();
+        let role = &p.roles[p.rank_to_role[0] as usize];
+        let writer = |b: u32| {
+            role.microbatch.iter().rev().find_map(|i| match i {
+                Instr::Kernel {
+                    op, outputs, path, ..
+                } if outputs.contains(&b) => Some(format!("{} at {path}", op.name())),
+                _ => None,
+            })
+        };
+        let (mut worst, mut at, mut compared) = (0.0f64, String::new(), 0);
+        for (b, buf) in p.buffers.iter().enumerate() {
+            let b = b as u32;
+            let float = matches!(
+                buf.dtype,
+                megac_ir::DType::F32 | megac_ir::DType::Bf16 | megac_ir::DType::F16
+            );
+            let class = matches!(buf.class, BufferClass::Activation | BufferClass::Grad);
+            if !float || !class || !cpu.mem.holds(b) {
+                continue;
+            }
+            let (want, got) = (cpu.mem.read_f32(b), host.read_f32(b));
+            let scale = want.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+            let diff = want.iter().zip(&got).fold(0f64, |m, (&a, &g)| {
+                m.max((f64::from(a) - f64::from(g)).abs())
+            });
+            let rel = diff / scale.max(1e-30);
+            compared += 1;
+            if rel > worst || rel.is_nan() {
+                worst = rel;
+                at = format!(
+                    "buffer {b} {:?} ({})",
+                    buf.shape,
+                    writer(b).unwrap_or_default()
+                );
+            }
+        }
+        println!(
+            "{file} {sets:?}: one micro-batch, loss cpu {lc:.6} cuda {lg:.6}; {compared} buffers, worst {worst:.2e} at {at}"
+        );
+        assert!(worst < tol, "{file} {sets:?}: {worst:.2e} at {at}");
+    }
+}
+
 /// On a GPU (`bench/gpu/check.sh`): steps of a tiny model on the cuda executor against the
 /// cpu backend, same plan, same data, same initial parameters. Prints both loss curves.
 #[test]

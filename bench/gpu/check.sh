@@ -6,6 +6,10 @@
 # It runs tests/cuda.rs's GPU tests:
 #   - every_kernel_loads_on_the_device: NVRTC compiles every kernel of kernels/cuda/ for the
 #     device's architecture and the driver loads each one;
+#   - every_buffer_matches_the_cpu_backend_after_one_microbatch: one micro-batch of
+#     llama/gpt/moe tiny (fp32) and llama-tiny (bf16) on both backends, every activation and
+#     gradient buffer compared (fp32 1e-4, bf16 2e-2 of the buffer's largest magnitude); the
+#     worst buffer and the op that wrote it printed;
 #   - cuda_training_matches_the_cpu_backend: MEGAC_GPU_STEPS (20) steps of llama-tiny and
 #     gpt-tiny and moe-tiny (fp32, relative loss difference < 1e-4) and llama-tiny and moe-tiny
 #     (bf16, < 2e-2) on the cuda executor and on the cpu backend, same plan, data and initial
@@ -72,7 +76,8 @@ start=$(date +%s)
 status=0
 MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 200 "$bin" \
     --include-ignored --nocapture --test-threads 1 \
-    every_kernel_loads_on_the_device cuda_training_matches_the_cpu_backend \
+    every_kernel_loads_on_the_device every_buffer_matches_the_cpu_backend_after_one_microbatch \
+    cuda_training_matches_the_cpu_backend \
     2>&1 | tee "$OUT/check.log" || status=$?
 
 # The command line on the GPU against the cpu backend.
@@ -130,7 +135,7 @@ fi
 [ "$cli" = 0 ] || status=1
 end=$(date +%s)
 {
-    grep -E 'kernels loaded|device allocation|worst relative|test result|panicked' "$OUT/check.log" || true
+    grep -E 'kernels loaded|device allocation|worst relative|buffers, worst|test result|panicked' "$OUT/check.log" || true
     grep -E '^cli |error' "$OUT/cli.log" || true
     grep -H '^matmuls:' "$OUT"/*-profile.txt || true
     echo "wall: $((end - start)) s, exit status $status"

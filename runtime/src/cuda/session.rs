@@ -79,6 +79,24 @@ impl<'p> CudaSession<'p> {
         Ok(CudaSession { cpu, gpu })
     }
 
+    /// Forward and backward of micro-batch `mb` of 1-based `step` on the GPU (its tokens
+    /// copied in, gradients accumulated); the micro-batch's share of the step loss.
+    pub fn microbatch(&mut self, step: u64, mb: u64) -> Result<f64, CudaError> {
+        let ctx = self.cpu.context(step);
+        let (tokens, labels) = self.cpu.load(step, mb);
+        if let Some(b) = self.cpu.tokens_buf {
+            self.gpu.write_i32(b, &tokens)?;
+        }
+        if let Some(b) = self.cpu.labels_buf {
+            self.gpu.write_i32(b, &labels)?;
+        }
+        self.gpu.run(Program::Microbatch, &ctx)?;
+        match self.cpu.loss_buf {
+            Some(b) => Ok(f64::from(self.gpu.read_f32(b)?[0])),
+            None => Ok(0.0),
+        }
+    }
+
     /// One optimizer step (1-based) on the GPU: (loss, gradient norm). fp16's loss scaler
     /// moves as the cpu backend's does (halved on a non-finite norm).
     pub fn step(&mut self, step: u64) -> Result<(f64, f64), CudaError> {
@@ -87,17 +105,7 @@ impl<'p> CudaSession<'p> {
         let ctx = self.cpu.context(step);
         let mut loss = 0.0;
         for mb in 0..plan.batch.microbatches {
-            let (tokens, labels) = self.cpu.load(step, mb);
-            if let Some(b) = self.cpu.tokens_buf {
-                self.gpu.write_i32(b, &tokens)?;
-            }
-            if let Some(b) = self.cpu.labels_buf {
-                self.gpu.write_i32(b, &labels)?;
-            }
-            self.gpu.run(Program::Microbatch, &ctx)?;
-            if let Some(b) = self.cpu.loss_buf {
-                loss += f64::from(self.gpu.read_f32(b)?[0]);
-            }
+            loss += self.microbatch(step, mb)?;
         }
         // The loss of data-parallel ranks is a pending sum: added up on the host, as the
         // cpu backend's.
