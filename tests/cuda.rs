@@ -796,6 +796,62 @@ fn collectives_around_a_dim_with_leading_dims_and_slice_match_the_cpu_backend() 
                     work: vec![f32::NAN; work as usize / 4],
                 });
             }
+            // NCCL works in place only at the rank's own position (a gather's input in its
+            // output, a reduce-scatter's output in its input): any other overlap would be
+            // overwritten as it is read.
+            for (r, o) in ops.iter().enumerate() {
+                let slab = SlabLayout::new(&plan, r, 0).unwrap();
+                let range = |a: &Arg, bytes: u64| match a {
+                    Arg::Buf(b) => slab.offset(*b).map(|o| (o, o + bytes)),
+                    _ => None,
+                };
+                for d in o {
+                    if let DeviceOp::ReduceScatter {
+                        axes,
+                        send,
+                        recv,
+                        count,
+                    } = d
+                    {
+                        let group = plan.mesh.group(r, axes);
+                        let n = group.len() as u64;
+                        let me = group.iter().position(|&m| m == r).unwrap() as u64;
+                        if let (Some(s), Some(v)) =
+                            (range(send, n * count * 4), range(recv, count * 4))
+                        {
+                            if s.0 < v.1 && v.0 < s.1 {
+                                assert_eq!(
+                                    v.0,
+                                    s.0 + me * count * 4,
+                                    "{file} {sets:?} rank {r}: {op:?} writes where it reads"
+                                );
+                            }
+                        }
+                    }
+                    if let DeviceOp::AllGather {
+                        axes,
+                        send,
+                        recv,
+                        count,
+                    } = d
+                    {
+                        let n = plan.mesh.group(r, axes).len() as u64;
+                        let me = plan
+                            .mesh
+                            .group(r, axes)
+                            .iter()
+                            .position(|&m| m == r)
+                            .unwrap() as u64;
+                        if let (Some(s), Some(v)) =
+                            (range(send, count * 4), range(recv, n * count * 4))
+                        {
+                            if s.0 < v.1 && v.0 < s.1 {
+                                assert_eq!(s.0, v.0 + me * count * 4, "{file} {sets:?} rank {r}: {op:?} reads its input where it writes");
+                            }
+                        }
+                    }
+                }
+            }
             if ops[0].iter().any(|o| matches!(o, DeviceOp::Kernel { .. })) {
                 if matches!(op, OpKind::Slice { .. }) {
                     slices += 1;
