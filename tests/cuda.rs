@@ -335,7 +335,7 @@ fn lowered_programs_call_kernels_with_their_declared_parameters() {
         let plan = plan(file, &sets);
         let what = format!("{file} {sets:?}");
         let l = lower::lower_role(&plan, 0).unwrap_or_else(|e| panic!("{what}: {e}"));
-        let (mut kernels, mut gemms, mut stages) = (0, 0, 0);
+        let (mut kernels, mut gemms, mut stages, mut half_gemms) = (0, 0, 0, 0);
         for op in l.microbatch.iter().chain(&l.optimizer) {
             match op {
                 DeviceOp::Kernel { name, launch, args } => {
@@ -355,9 +355,25 @@ fn lowered_programs_call_kernels_with_their_declared_parameters() {
                         assert_eq!(launch.block % 32, 0, "{name}");
                     }
                 }
-                DeviceOp::Gemm { call, .. } => {
+                DeviceOp::Gemm {
+                    call,
+                    inputs,
+                    outputs,
+                } => {
                     gemms += 1;
                     assert!(call.valid(), "{what}: {call:?}");
+                    if let Some(h) = lower::gemm_half(call, inputs, outputs, &plan) {
+                        half_gemms += 1;
+                        // Both read from 16-bit inputs the instruction does not write.
+                        for (o, _) in [call.a, call.b] {
+                            let megac_runtime::cuda::gemm::Operand::Input(i) = o else {
+                                panic!("{what}: a 16-bit GEMM operand that is not an input")
+                            };
+                            let b = inputs[i];
+                            assert_eq!(lower::half_of(plan.buffers[b as usize].dtype), Some(h));
+                            assert!(!outputs.contains(&b));
+                        }
+                    }
                 }
                 DeviceOp::Stage(_) => stages += 1,
                 _ => {}
@@ -369,6 +385,8 @@ fn lowered_programs_call_kernels_with_their_declared_parameters() {
         );
         let bf16 = sets.iter().any(|s| s.contains("bf16"));
         assert_eq!(stages > 0, bf16, "{what}: 16-bit operands are staged");
+        // bf16: the linear GEMMs read their bf16 operands directly (tensor cores).
+        assert_eq!(half_gemms > 0, bf16, "{what}: {half_gemms} bf16 GEMMs");
         // --profile's marks: one per instruction, in order, named as the cpu profile names
         // them, the linear ops' FLOPs 2·m·k·n (2 · x elements · output width).
         let p: &Plan = &plan;

@@ -381,8 +381,17 @@ impl CudaExecutor {
                 inputs,
                 outputs,
             } => {
-                let a = self.operand(call.a.0, inputs, outputs)? + call.a.1 as u64 * 4;
-                let b = self.operand(call.b.0, inputs, outputs)? + call.b.1 as u64 * 4;
+                // A and B from their 16-bit storage when both are 16-bit inputs (tensor
+                // cores), else from their f32 views; C always its f32 view.
+                let half = lower::gemm_half(call, inputs, outputs, &self.plan);
+                let ab = |o: (Operand, usize)| -> Result<u64, CudaError> {
+                    match (half, o.0) {
+                        (Some(_), Operand::Input(i)) => Ok(self.raw(inputs[i])? + o.1 as u64 * 2),
+                        _ => Ok(self.operand(o.0, inputs, outputs)? + o.1 as u64 * 4),
+                    }
+                };
+                let a = ab(call.a)?;
+                let b = ab(call.b)?;
                 let c = self.operand(call.c.0, inputs, outputs)? + call.c.1 as u64 * 4;
                 let op = |t: bool| {
                     if t {
@@ -392,6 +401,11 @@ impl CudaExecutor {
                     }
                 };
                 let f32t = cublas_sys::cudaDataType::CUDA_R_32F;
+                let abt = match half {
+                    Some(megac_kernels::Half::Bf16) => cublas_sys::cudaDataType::CUDA_R_16BF,
+                    Some(megac_kernels::Half::F16) => cublas_sys::cudaDataType::CUDA_R_16F,
+                    None => f32t,
+                };
                 let (alpha, beta) = (call.alpha, call.beta);
                 // SAFETY: addresses inside the allocation; `GemmCall::valid` holds for every
                 // mapping (tested); host scalars outlive the call.
@@ -405,11 +419,11 @@ impl CudaExecutor {
                         call.k as i32,
                         (&alpha as *const f32).cast(),
                         a as *const _,
-                        f32t,
+                        abt,
                         call.lda as i32,
                         call.strides.0 as i64,
                         b as *const _,
-                        f32t,
+                        abt,
                         call.ldb as i32,
                         call.strides.1 as i64,
                         (&beta as *const f32).cast(),

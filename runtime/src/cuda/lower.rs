@@ -1811,3 +1811,25 @@ pub fn lower_instruction(
     let ops = l.program(std::slice::from_ref(instr))?;
     Ok((ops, l.workspace, l.constants))
 }
+
+/// The 16-bit format in which a lowered GEMM reads `A` and `B` straight from their storage
+/// (cuBLAS's bf16/fp16 inputs, f32 accumulation into the f32 view of `C`): when both are
+/// instruction inputs (not outputs, so not rewritten during the instruction) of the same
+/// 16-bit dtype. Their products are exact in f32, so this computes what the f32 GEMM over
+/// the staged copies computes, up to the order of the sum. None: both from their f32 views.
+pub fn gemm_half(call: &GemmCall, ins: &[BufId], outs: &[BufId], plan: &Plan) -> Option<Half> {
+    let half = |o: Operand| match o {
+        Operand::Input(i) => {
+            let b = *ins.get(i)?;
+            if outs.contains(&b) {
+                return None;
+            }
+            half_of(plan.buffers.get(b as usize)?.dtype)
+        }
+        _ => None,
+    };
+    match (half(call.a.0), half(call.b.0)) {
+        (Some(x), Some(y)) if x == y => Some(x),
+        _ => None,
+    }
+}
