@@ -63,10 +63,11 @@ impl DataReadArgs {
 /// Options of `megac run` and `megac train`.
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// Communicator: `local` (threads in this process) or `mpi`.
-    #[arg(long, default_value = "local", value_name = "local|mpi")]
+    /// Communicator: `local` (threads in this process), `mpi`, or `nccl` (with `--device
+    /// cuda` under `megac launch`: MPI starts the ranks, NCCL carries the collectives).
+    #[arg(long, default_value = "local", value_name = "local|mpi|nccl")]
     pub comm: String,
-    /// Backend: `cpu` (the only one so far; `cuda` is refused with an error).
+    /// Backend: `cpu`, or `cuda` (one-rank plans on GPU 0; docs/cuda.md says what it runs).
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda")]
     pub device: String,
     /// Optimizer steps to run (default: train.steps of the model).

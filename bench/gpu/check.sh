@@ -3,19 +3,31 @@
 # its driver and the CUDA 13 Python wheels (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl).
 # NOT RUN ON HARDWARE YET: no GPU was available when it was written.
 #
-# It runs tests/cuda.rs's GPU tests (the `--device cuda` command line does not drive the
-# cuda executor yet):
+# It runs tests/cuda.rs's GPU tests:
 #   - every_kernel_loads_on_the_device: NVRTC compiles every kernel of kernels/cuda/ for the
 #     device's architecture and the driver loads each one;
+#   - every_buffer_matches_the_cpu_backend_after_one_microbatch: one micro-batch of
+#     llama/gpt/moe tiny (fp32) and llama-tiny (bf16) on both backends, every activation and
+#     gradient buffer compared (fp32 1e-4, bf16 2e-2 of the buffer's largest magnitude); the
+#     worst buffer and the op that wrote it printed;
 #   - cuda_training_matches_the_cpu_backend: MEGAC_GPU_STEPS (20) steps of llama-tiny and
-#     gpt-tiny (fp32) and llama-tiny (bf16) on the cuda executor and on the cpu backend, same
-#     plan, data and initial parameters; prints both losses per step, the worst relative
-#     difference, the device allocation against cudaMemGetInfo, and the GPU's step time.
-# Figures go to $OUT (default /tmp/megac-gpu-check): gpu.txt, check.log, figures.txt.
+#     gpt-tiny and moe-tiny (fp32, relative loss difference < 1e-4) and llama-tiny and moe-tiny
+#     (bf16, < 2e-2) on the cuda executor and on the cpu backend, same plan, data and initial
+#     parameters; prints both losses per step, the worst relative difference, the device
+#     allocation against cudaMemGetInfo, and the GPU's step time;
+# then the command line: `megac train examples/{llama,moe}-tiny.toml --steps 20` with
+# --device cuda and --device cpu (--report each), the losses compared step by step
+# (relative < 1e-4), the tokens/s of both printed; and 5 steps of each with --profile (per-op
+# CUDA-event times, the matmuls' share of kernel time: $OUT/MODEL-profile.txt); then a
+# 1.14B-parameter Llama for 5 steps with --profile: tokens/s, MFU, the matmuls' share.
+# Time limits: 200 s for the tests, 40 s per tiny command-line run, 150 s for the 1B run
+# (590 s in all at most).
+# Figures go to $OUT (default /tmp/megac-gpu-check): gpu.txt, check.log, cli.log, figures.txt.
 #
-#   bash bench/gpu/check.sh                       # builds the test binary with cargo
-#   MEGAC_CUDA_TEST_BIN=path/to/cuda-HASH bash bench/gpu/check.sh   # a binary built elsewhere
-#     (cargo test --release --test cuda --no-run prints its path)
+#   bash bench/gpu/check.sh                       # builds the binaries with cargo
+#   MEGAC_CUDA_TEST_BIN=path/to/cuda-HASH MEGAC_BIN=path/to/megac bash bench/gpu/check.sh
+#     # binaries built elsewhere (cargo test --release --test cuda --no-run prints the test
+#     # binary's path; cargo build --release makes target/release/megac)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/megac-gpu-check}
@@ -62,13 +74,70 @@ echo "test binary: $bin" | tee -a "$OUT/gpu.txt"
 
 start=$(date +%s)
 status=0
-MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 420 "$bin" \
+MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 200 "$bin" \
     --include-ignored --nocapture --test-threads 1 \
-    every_kernel_loads_on_the_device cuda_training_matches_the_cpu_backend \
+    every_kernel_loads_on_the_device every_buffer_matches_the_cpu_backend_after_one_microbatch \
+    cuda_training_matches_the_cpu_backend \
     2>&1 | tee "$OUT/check.log" || status=$?
+
+# The command line on the GPU against the cpu backend.
+megac=${MEGAC_BIN:-}
+if [ -z "$megac" ] && command -v cargo >/dev/null; then
+    cargo build --release >/dev/null 2>&1 && megac=target/release/megac
+fi
+cli=0
+if [ -n "$megac" ]; then
+    for model in llama-tiny moe-tiny; do
+        for dev in cuda cpu; do
+            timeout 40 "$megac" train "examples/$model.toml" --steps 20 --device "$dev" \
+                --report "$OUT/$model-$dev.json" >>"$OUT/cli.log" 2>&1 || cli=$?
+        done
+        # --profile: per-op CUDA-event times, the matmuls' share of kernel time.
+        timeout 40 "$megac" train "examples/$model.toml" --steps 5 --device cuda --profile \
+            >"$OUT/$model-profile.txt" 2>&1 || cli=$?
+        python3 - "$OUT/$model-cuda.json" "$OUT/$model-cpu.json" "$model" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
+import json, sys
+g, c = (json.load(open(p)) for p in sys.argv[1:3])
+worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(g["steps"], c["steps"]))
+print(f"cli {sys.argv[3]}: 20 steps --device cuda vs cpu: worst relative loss difference {worst:.2e}; "
+      f"tokens/s cuda {g['tokens_per_s']:.0f} cpu {c['tokens_per_s']:.0f}")
+sys.exit(0 if worst < 1e-4 and len(g["steps"]) == len(c["steps"]) == 20 else 1)
+PY
+    done
+    # Speed: a 1.14B-parameter Llama (16 layers, hidden 2048, seq 2048, vocab 32000, bf16,
+    # micro-batch 4) for 5 steps; tokens/s from the report, MFU by Megatron's FLOPs (the
+    # plan's flops_per_step) against 989 TFLOP/s dense bf16, and the matmuls' share of
+    # kernel time from --profile.
+    big="--set model.layers=16 --set model.hidden=2048 --set model.heads=16 --set model.kv_heads=8
+         --set model.ffn_hidden=8192 --set model.vocab=32000 --set model.seq_len=2048
+         --set parallel.tp=1 --set parallel.dp=1 --set parallel.sequence_parallel=false
+         --set parallel.distributed_optimizer=false --set train.micro_batch=4
+         --set train.global_batch=4"
+    # shellcheck disable=SC2086
+    if "$megac" compile examples/llama3-8b.toml $big -o "$OUT/llama-1b" >>"$OUT/cli.log" 2>&1 \
+        && timeout 150 "$megac" run "$OUT/llama-1b" --device cuda --steps 5 --profile \
+            --report "$OUT/llama-1b.json" >"$OUT/llama-1b-profile.txt" 2>&1; then
+        python3 - "$OUT/llama-1b/plan.json" "$OUT/llama-1b.json" <<'PY' 2>&1 | tee -a "$OUT/cli.log"
+import json, sys
+plan, rep = (json.load(open(p)) for p in sys.argv[1:3])
+tokens = plan["batch"]["tokens_per_step"]
+step_s = sorted(s["seconds"] for s in rep["steps"][1:])[len(rep["steps"][1:]) // 2]
+mfu = plan["flops_per_step"] / step_s / 989e12
+print(f"cli llama-1b: median step {step_s:.3f} s (steps 2-5), {tokens / step_s:.0f} tokens/s, MFU {100 * mfu:.1f}% of 989 TFLOP/s")
+PY
+    else
+        echo "cli llama-1b: did not finish (see $OUT/llama-1b-profile.txt)" | tee -a "$OUT/cli.log"
+    fi
+else
+    echo "no megac binary (set MEGAC_BIN): the command-line check did not run" | tee -a "$OUT/cli.log"
+    cli=1
+fi
+[ "$cli" = 0 ] || status=1
 end=$(date +%s)
 {
-    grep -E 'kernels loaded|device allocation|worst relative|test result|panicked' "$OUT/check.log" || true
+    grep -E 'kernels loaded|device allocation|worst relative|buffers, worst|test result|panicked' "$OUT/check.log" || true
+    grep -E '^cli |error' "$OUT/cli.log" || true
+    grep -H '^matmuls:' "$OUT"/*-profile.txt || true
     echo "wall: $((end - start)) s, exit status $status"
 } | tee "$OUT/figures.txt"
 exit "$status"

@@ -141,3 +141,68 @@ extern "C" __global__ void moe_combine_bwd(const float* weights,
         __syncthreads();
     }
 }
+
+// The load-balancing loss's statistics (kernels/src/moe.rs `moe_aux_stats`), one thread per
+// expert e, tokens in order: stats[e] = assignments to e in `indices` [t, top_k],
+// stats[E + e] = Σ_t softmax(logits[t])[e] (f64), stats[2E] = t. Each token's softmax is
+// the cpu's: max-shifted f32 exponentials, their f64 sum, rounded to f32.
+extern "C" __global__ void moe_aux_stats(const float* logits, const int* indices,
+                                         double* stats, unsigned int tokens,
+                                         unsigned int experts, unsigned int top_k) {
+    unsigned int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= experts) return;
+    double count = 0.0, psum = 0.0;
+    for (unsigned long long i = 0; i < (unsigned long long)tokens * top_k; ++i)
+        count += indices[i] == (int)e ? 1.0 : 0.0;
+    for (unsigned int t = 0; t < tokens; ++t) {
+        const float* z = logits + (unsigned long long)t * experts;
+        float mx = -__int_as_float(0x7f800000);
+        for (unsigned int j = 0; j < experts; ++j) mx = fmaxf(mx, z[j]);
+        double s = 0.0;
+        for (unsigned int j = 0; j < experts; ++j) s += (double)expf(z[j] - mx);
+        psum += (double)(float)((double)expf(z[e] - mx) * (1.0 / s));
+    }
+    stats[e] = count;
+    stats[experts + e] = psum;
+    if (e == 0) stats[2 * experts] = (double)tokens;
+}
+
+// The loss from (global) statistics, one thread: out[0] = share · coeff · E · Σ_e counts_e ·
+// prob_sums_e / (n² · top_k) (0 without tokens), as `moe_aux_loss_from_stats`.
+extern "C" __global__ void moe_aux_loss_finish(const double* stats, float* out,
+                                               unsigned int experts, unsigned int top_k,
+                                               double coeff, double share) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double n = stats[2 * experts], dot = 0.0;
+    for (unsigned int e = 0; e < experts; ++e) dot += stats[e] * stats[experts + e];
+    double l = n <= 0.0 ? 0.0 : coeff * (double)experts * dot / (n * n * (double)top_k);
+    out[0] = (float)(l * share);
+}
+
+// Backward, one thread per token (accumulates, `moe_aux_loss_bwd_from_stats`): with p the
+// token's softmax, g_e = c · counts_e, c = s · coeff · E / (n² · top_k) and s the f32 of
+// scale · loss_scale: dlogits[t, i] += p_i (g_i - Σ_j p_j g_j).
+extern "C" __global__ void moe_aux_loss_bwd(const float* logits, const double* stats,
+                                            float* dlogits, unsigned int tokens,
+                                            unsigned int experts, unsigned int top_k,
+                                            double coeff, double scale, double loss_scale) {
+    unsigned int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    double n = stats[2 * experts];
+    if (n <= 0.0) return;
+    double s = (double)(float)(scale * loss_scale);
+    double c = s * coeff * (double)experts / (n * n * (double)top_k);
+    const float* z = logits + (unsigned long long)t * experts;
+    float* dz = dlogits + (unsigned long long)t * experts;
+    float mx = -__int_as_float(0x7f800000);
+    for (unsigned int j = 0; j < experts; ++j) mx = fmaxf(mx, z[j]);
+    double sum = 0.0;
+    for (unsigned int j = 0; j < experts; ++j) sum += (double)expf(z[j] - mx);
+    double inv = 1.0 / sum, pg = 0.0;
+    for (unsigned int j = 0; j < experts; ++j)
+        pg += (double)(float)((double)expf(z[j] - mx) * inv) * (c * stats[j]);
+    for (unsigned int j = 0; j < experts; ++j) {
+        double p = (double)(float)((double)expf(z[j] - mx) * inv);
+        dz[j] += (float)(p * (c * stats[j] - pg));
+    }
+}

@@ -127,6 +127,9 @@ pub const SOURCES: &[CudaSource] = &[
             "moe_scatter_add_rows",
             "moe_combine_fwd",
             "moe_combine_bwd",
+            "moe_aux_stats",
+            "moe_aux_loss_finish",
+            "moe_aux_loss_bwd",
         ],
     },
 ];

@@ -3,9 +3,10 @@
 //! executor of one rank's plan on a GPU, built from host-side pieces tested without one:
 //! [`slab`] (the device memory layout from the plan's buffer table), [`launch`] (launch
 //! configurations), [`gemm`] (the cuBLAS mapping of the row-major matmuls), [`nccl`] (the
-//! communicators of the plan's groups), [`lower`] (instructions to device operations), and
-//! [`device`] (the executor that issues them) with [`session`] (a single-rank training loop
-//! around it). None of it has run on a GPU yet.
+//! communicators of the plan's groups), [`lower`] (instructions to device operations),
+//! [`moe`] (the MoE routing tables, built on the host), and [`device`] (the executor that
+//! issues them) with [`session`] (a single-rank training loop around it, `--device cuda`).
+//! None of it has run on a GPU yet.
 //!
 //! The libraries are loaded at run time (cudarc's dynamic loading), so this builds without a
 //! CUDA toolkit. cudarc panics when a library is missing, so every entry point checks
@@ -15,6 +16,7 @@ pub mod device;
 pub mod gemm;
 pub mod launch;
 pub mod lower;
+pub mod moe;
 pub mod nccl;
 pub mod session;
 pub mod slab;

@@ -18,8 +18,9 @@
 //! - [`eval`]: held-out evaluation (the forward segments of the training plan) and
 //!   `megac eval`; [`log`]: log lines and `--log FILE.jsonl` for unattended runs.
 //!
-//! The cpu backend is the only one (`--device cuda` is refused with an error), and there is no
-//! NCCL communicator; a communicator implements [`comm::Communicator`].
+//! The cpu backend runs every plan; [`cuda`] (feature `cuda`) runs one-rank plans on a GPU
+//! (`--device cuda`, not run on hardware yet). There is no NCCL communicator; a communicator
+//! implements [`comm::Communicator`].
 
 #![warn(missing_docs)]
 

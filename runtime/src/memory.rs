@@ -551,6 +551,26 @@ impl Memory {
     }
 }
 
+impl Memory {
+    /// The raw bytes of arena `class`, writable (the cuda backend downloads its slabs into
+    /// them, e.g. the trained parameters before saving).
+    pub fn arena_bytes_mut(&mut self, class: BufferClass) -> &mut [u8] {
+        fn bytes<T>(v: &mut [T]) -> &mut [u8] {
+            // SAFETY: f32 and i32 arenas: plain 4-byte words, any bytes are a valid value.
+            unsafe {
+                std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v))
+            }
+        }
+        match class {
+            BufferClass::Param => bytes(&mut self.param),
+            BufferClass::Grad => bytes(&mut self.grad),
+            BufferClass::OptState => bytes(&mut self.opt),
+            BufferClass::Activation => bytes(&mut self.act),
+            BufferClass::Input => bytes(&mut self.input),
+        }
+    }
+}
+
 /// A zeroed arena of `n` elements, or an error (not an abort) when it cannot be allocated.
 fn zeroed<T: Clone + Default>(n: u64, what: &str) -> Result<Vec<T>, RuntimeError> {
     let fail = || {

@@ -738,7 +738,7 @@ fn local_tokens(
 }
 
 /// An inference plan (no gradients, no optimizer) cannot train.
-fn refuse_inference(plan: &CheckedPlan) -> Result<(), RuntimeError> {
+pub(crate) fn refuse_inference(plan: &CheckedPlan) -> Result<(), RuntimeError> {
     if plan.kind.is_train() {
         return Ok(());
     }
@@ -784,7 +784,7 @@ pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Runtime
 /// Open and check the training data once, before any rank starts (one error naming the
 /// file). Megatron data is indexed for the run's samples: `steps` (the total, resumed or
 /// not) times the global batch, as Megatron's `train_samples = train_iters * global_batch`.
-fn open_data(plan: &CheckedPlan, opts: &RunOptions) -> Result<DataSource, RuntimeError> {
+pub(crate) fn open_data(plan: &CheckedPlan, opts: &RunOptions) -> Result<DataSource, RuntimeError> {
     let b = &plan.batch;
     let steps = opts.steps.unwrap_or(plan.train.steps);
     let mut data_opts = opts.data_options.clone();
@@ -1097,23 +1097,13 @@ fn train_rank(
             skipped,
         });
         if progress {
-            let elapsed = start.elapsed().as_secs_f64() - paused;
-            let tok_s = ((step - done) * b.tokens_per_step) as f64 / elapsed.max(1e-9);
-            let eta = elapsed / (step - done) as f64 * (steps - step) as f64;
-            let mut err = std::io::stderr().lock();
-            let scale = match loss_scale {
-                Some(s) if skipped => format!(
-                    "  loss scale {}: overflow, step skipped",
-                    crate::scaler::fmt_scale(s)
-                ),
-                Some(s) => format!("  loss scale {}", crate::scaler::fmt_scale(s)),
-                None => String::new(),
-            };
-            let _ = writeln!(
-                err,
-                "step {step:>5}/{steps}  loss {loss:.4}  grad norm {grad_norm:.3}  lr {:.3e}  {tok_s:>9.0} tok/s  ETA {}{scale}",
-                plan.train.lr_schedule.lr_at(plan.train.lr, step),
-                crate::log::fmt_duration(eta)
+            print_progress(
+                plan,
+                (step, steps, done),
+                start.elapsed().as_secs_f64() - paused,
+                (loss, grad_norm),
+                loss_scale,
+                skipped,
             );
         }
         if let (Some(log), Some(r)) = (&mut log, records.last()) {
@@ -1203,6 +1193,35 @@ fn train_rank(
     })
 }
 
+/// Print the progress line of 1-based `step` of `steps` (`done`: the steps before this run
+/// started; `elapsed`: seconds of training so far), on stderr.
+pub(crate) fn print_progress(
+    plan: &Plan,
+    (step, steps, done): (u64, u64, u64),
+    elapsed: f64,
+    (loss, grad_norm): (f64, f64),
+    loss_scale: Option<f64>,
+    skipped: bool,
+) {
+    let tok_s = ((step - done) * plan.batch.tokens_per_step) as f64 / elapsed.max(1e-9);
+    let eta = elapsed / (step - done) as f64 * (steps - step) as f64;
+    let mut err = std::io::stderr().lock();
+    let scale = match loss_scale {
+        Some(s) if skipped => format!(
+            "  loss scale {}: overflow, step skipped",
+            crate::scaler::fmt_scale(s)
+        ),
+        Some(s) => format!("  loss scale {}", crate::scaler::fmt_scale(s)),
+        None => String::new(),
+    };
+    let _ = writeln!(
+        err,
+        "step {step:>5}/{steps}  loss {loss:.4}  grad norm {grad_norm:.3}  lr {:.3e}  {tok_s:>9.0} tok/s  ETA {}{scale}",
+        plan.train.lr_schedule.lr_at(plan.train.lr, step),
+        crate::log::fmt_duration(eta)
+    );
+}
+
 /// Print a progress line for a checkpoint written (when `progress`); returns it.
 fn announce(
     saved: crate::checkpoint::SavedCheckpoint,
@@ -1263,7 +1282,12 @@ fn write_rank_record(
 /// Stop at the first step whose loss or gradient norm is not finite: every later step would
 /// only spread NaN through the weights. The loss and the norm are reduced over the ranks, so
 /// every rank stops at the same step.
-fn check_finite(plan: &Plan, step: u64, loss: f64, grad_norm: f64) -> Result<(), RuntimeError> {
+pub(crate) fn check_finite(
+    plan: &Plan,
+    step: u64,
+    loss: f64,
+    grad_norm: f64,
+) -> Result<(), RuntimeError> {
     let what = if !loss.is_finite() {
         "loss"
     } else if !grad_norm.is_finite() {

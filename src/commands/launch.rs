@@ -1,5 +1,6 @@
 //! `megac launch -n N [--hostfile F] PLAN_DIR [run options]`: run a plan on N processes with
-//! mpirun, one process per rank (`megac run PLAN_DIR --comm mpi` in each).
+//! mpirun, one process per rank (`megac run PLAN_DIR --comm mpi` in each; `--comm nccl` among
+//! the run options, with `--device cuda`, makes it `--comm nccl`).
 //!
 //! The mpirun arguments, and why:
 //!
@@ -81,6 +82,28 @@ pub struct Host {
     pub env: fn(&str) -> Option<OsString>,
 }
 
+/// The communicator the ranks run with: `nccl` when the run options say `--comm nccl`
+/// (taken out of them), else `mpi`; and the other run options.
+fn split_comm(run: &[OsString]) -> (&'static str, Vec<OsString>) {
+    let mut rest = Vec::new();
+    let mut comm = "mpi";
+    let mut i = 0;
+    while i < run.len() {
+        if run[i] == "--comm" && run.get(i + 1).is_some_and(|v| v == "nccl") {
+            comm = "nccl";
+            i += 2;
+            continue;
+        }
+        if run[i] == "--comm=nccl" {
+            comm = "nccl";
+        } else {
+            rest.push(run[i].clone());
+        }
+        i += 1;
+    }
+    (comm, rest)
+}
+
 /// Build the mpirun command that runs `megac run PLAN --comm mpi RUN_OPTIONS` (`exe` is this
 /// megac) on `args.n` processes.
 pub fn mpirun_command(args: &LaunchArgs, mpirun: &Path, exe: &Path, host: &Host) -> MpirunCommand {
@@ -143,8 +166,9 @@ pub fn mpirun_command(args: &LaunchArgs, mpirun: &Path, exe: &Path, host: &Host)
     a.push("run".into());
     a.push(args.plan.clone().into_os_string());
     a.push("--comm".into());
-    a.push("mpi".into());
-    a.extend(args.run.iter().cloned());
+    let (comm, rest) = split_comm(&args.run);
+    a.push(comm.into());
+    a.extend(rest);
     MpirunCommand {
         env,
         program: mpirun.to_path_buf(),
@@ -224,13 +248,14 @@ pub fn run(args: &LaunchArgs) -> Result<(), String> {
     if args.n == 0 {
         return Err("error: megac launch: -n must be at least 1".to_string());
     }
-    if args
-        .run
+    let (_, rest) = split_comm(&args.run);
+    if rest
         .iter()
         .any(|a| a == "--comm" || a.to_string_lossy().starts_with("--comm="))
     {
         return Err(
-            "error: megac launch: --comm is not a launch option (every rank runs with --comm mpi)"
+            "error: megac launch: --comm is not a launch option (every rank runs with --comm \
+             mpi, or --comm nccl with --device cuda)"
                 .to_string(),
         );
     }
@@ -358,6 +383,26 @@ mod tests {
         assert!(e.contains("hosts:2") && e.contains("cpus=4"), "{e}");
         let e = check_hostfile(p, "# nothing\n\n", 1).unwrap_err();
         assert!(e.contains("no hosts"), "{e}");
+    }
+
+    #[test]
+    fn comm_nccl_replaces_mpi_for_every_rank() {
+        for run in [
+            vec!["--device", "cuda", "--comm", "nccl", "--steps", "3"],
+            vec!["--comm=nccl", "--device", "cuda", "--steps", "3"],
+        ] {
+            let a = LaunchArgs {
+                run: run.into_iter().map(OsString::from).collect(),
+                ..args(2, None)
+            };
+            let l = line(&a, 16, false);
+            assert!(l.ends_with("--comm nccl --device cuda --steps 3"), "{l}");
+            assert!(!l.contains("--comm mpi"), "{l}");
+        }
+        // Any other --comm stays in the options (and `run` refuses it).
+        let (comm, rest) = split_comm(&["--comm".into(), "local".into()]);
+        assert_eq!(comm, "mpi");
+        assert_eq!(rest.len(), 2);
     }
 
     #[test]

@@ -12,29 +12,24 @@ use crate::RunArgs;
 const NO_MPI_ALTERNATIVE: &str =
     "without MPI, --comm local runs every rank of the plan as a thread of this process";
 
-/// `--device cuda`'s answer: the first CUDA library or device that is missing, or that the
-/// command line does not drive the cuda executor yet.
+/// `--device cuda` before any work: the first CUDA library (the driver, NVRTC, cuBLAS, and
+/// NCCL when `nccl`) or device that is missing, as one error.
 #[cfg(feature = "cuda")]
-fn no_cuda_backend() -> String {
-    let found = megac_runtime::cuda::device::check_libraries(false)
-        .and_then(|()| megac_runtime::cuda::probe(0));
-    match found {
-        Err(e) => format!("error: --device cuda: {e}"),
-        Ok(d) => format!(
-            "error: --device cuda: found {} ({} device(s)), but `megac run`/`train` do not drive \
-             the cuda executor yet (it has not run on a GPU; bench/gpu/check.sh runs it through \
-             tests/cuda.rs); use --device cpu",
-            d.name, d.count
-        ),
-    }
+fn check_cuda(nccl: bool) -> Result<(), String> {
+    megac_runtime::cuda::device::check_libraries(nccl)
+        .and_then(|()| megac_runtime::cuda::probe(0))
+        .map(|_| ())
+        .map_err(|e| format!("error: --device cuda: {e}"))
 }
 
 /// `--device cuda`'s answer in a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
-fn no_cuda_backend() -> String {
-    "error: --device cuda: this build has no `cuda` feature (cargo build --release --features \
-     cuda); use --device cpu"
-        .into()
+fn check_cuda(_nccl: bool) -> Result<(), String> {
+    Err(
+        "error: --device cuda: this build has no `cuda` feature (cargo build --release --features \
+         cuda); use --device cpu"
+            .into(),
+    )
 }
 
 /// Check the options this build supports and every path the run will write (before any
@@ -44,14 +39,34 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
     match args.comm.as_str() {
         "local" => {}
         #[cfg(feature = "mpi")]
-        "mpi" => {}
+        "mpi" | "nccl" => {}
         #[cfg(not(feature = "mpi"))]
         "mpi" => return Err(super::no_mpi("--comm mpi", Some(NO_MPI_ALTERNATIVE))),
-        other => return Err(format!("error: --comm {other}: expected local or mpi")),
+        #[cfg(not(feature = "mpi"))]
+        "nccl" => return Err(super::no_mpi("--comm nccl", None)),
+        other => {
+            return Err(format!(
+                "error: --comm {other}: expected local, mpi or nccl"
+            ))
+        }
     }
     match args.device.as_str() {
+        "cpu" if args.comm == "nccl" => {
+            return Err(
+                "error: --comm nccl: NCCL communicates between GPUs; use it with --device cuda \
+                 (or --comm mpi with --device cpu)"
+                    .into(),
+            )
+        }
         "cpu" => {}
-        "cuda" => return Err(no_cuda_backend()),
+        "cuda" if args.comm == "mpi" => {
+            return Err(
+                "error: --device cuda --comm mpi: the GPUs of an MPI job communicate through \
+                 NCCL; use --comm nccl (megac launch -n N PLAN_DIR --device cuda --comm nccl)"
+                    .into(),
+            )
+        }
+        "cuda" => check_cuda(args.comm == "nccl")?,
         other => return Err(format!("error: --device {other}: expected cpu or cuda")),
     }
     let inject = args
@@ -152,7 +167,8 @@ const DEFAULT_EVAL_ITERS: u64 = 10;
 
 /// Whether `megac launch` asked this rank for progress lines.
 fn progress_requested(args: &RunArgs) -> bool {
-    args.comm == "mpi" && std::env::var_os("MEGAC_PROGRESS").is_some_and(|v| v == "1")
+    matches!(args.comm.as_str(), "mpi" | "nccl")
+        && std::env::var_os("MEGAC_PROGRESS").is_some_and(|v| v == "1")
 }
 
 /// Whether this process is rank 0 of an MPI job (as mpirun tells it), or not in one.
@@ -204,11 +220,18 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
             eprintln!("note: {note}");
         }
     }
-    let report = if args.comm == "mpi" {
+    let report = if args.comm == "nccl" {
+        match train_on_nccl(plan, opts)? {
+            Some(report) => report,
+            None => return Ok(()), // ranks other than 0 print and write nothing
+        }
+    } else if args.comm == "mpi" {
         match train_on_mpi(plan, opts)? {
             Some(report) => report,
             None => return Ok(()), // ranks other than 0 print and write nothing
         }
+    } else if args.device == "cuda" {
+        train_on_cuda(plan, opts)?
     } else {
         train(plan, opts).map_err(|e| format!("error: {e}"))?
     };
@@ -308,6 +331,40 @@ fn train_on_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<Option<RunRepor
 #[cfg(not(feature = "mpi"))]
 fn train_on_mpi(_plan: &CheckedPlan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
     Err(super::no_mpi("--comm mpi", Some(NO_MPI_ALTERNATIVE)))
+}
+
+/// Run `plan` as one process of an MPI job on its GPU, collectives through NCCL (`--device
+/// cuda --comm nccl`); rank 0's report, None on the other ranks, errors as
+/// [`train_on_mpi`].
+#[cfg(all(feature = "mpi", feature = "cuda"))]
+fn train_on_nccl(plan: &CheckedPlan, opts: &RunOptions) -> Result<Option<RunReport>, String> {
+    use megac_runtime::mpi_comm;
+    let result = megac_runtime::cuda::session::train_nccl(plan, opts);
+    let rank = mpi_comm::world_rank().unwrap_or(0);
+    match result {
+        Ok(report) => Ok((rank == 0).then_some(report)),
+        Err(e) if rank == 0 => Err(format!("error: {e}")),
+        Err(_) if mpi_comm::error_on_every_rank() => std::process::exit(1),
+        Err(e) => Err(format!("error: rank {rank}: {e}")),
+    }
+}
+
+#[cfg(not(all(feature = "mpi", feature = "cuda")))]
+fn train_on_nccl(_plan: &CheckedPlan, _opts: &RunOptions) -> Result<Option<RunReport>, String> {
+    Err(super::no_mpi("--comm nccl", None))
+}
+
+/// Run a one-rank `plan` on GPU 0 (`--device cuda`, checked by [`options`]).
+#[cfg(feature = "cuda")]
+fn train_on_cuda(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, String> {
+    megac_runtime::cuda::session::train(plan, opts).map_err(|e| format!("error: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_on_cuda(_plan: &CheckedPlan, _opts: &RunOptions) -> Result<RunReport, String> {
+    Err(check_cuda(false)
+        .err()
+        .unwrap_or_else(|| "error: --device cuda: no cuda feature".into()))
 }
 
 /// `megac run PLAN_DIR`.

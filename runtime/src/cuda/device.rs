@@ -6,8 +6,9 @@
 //!
 //! Not run on a GPU yet (no machine was available); without a driver it is never reached:
 //! [`check_libraries`] fails first with the library names it looked for. Multi-rank plans
-//! need the NCCL bootstrap over MPI ([`super::nccl`] describes it), which is not built:
-//! [`CudaExecutor::new`] refuses them.
+//! need NCCL communicators ([`CudaExecutor::with_nccl`], from a unique id the caller shares
+//! between the ranks); the MPI broadcast of that id and a multi-rank run around it are not
+//! built, so nothing calls it yet.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +22,8 @@ use megac_ir::plan::{BufId, BufferClass, Plan};
 
 use super::gemm::Operand;
 use super::lower::{self, Arg, DeviceOp, Lowered};
+use super::moe::{self, Route, Table};
+use super::nccl::{Communicators, NcclComms};
 use super::slab::SlabLayout;
 use super::CudaError;
 use crate::exec::StepContext;
@@ -89,6 +92,11 @@ pub struct CudaExecutor {
     lowered: Lowered,
     staging: Vec<(BufId, u64)>,
     norm_cache: Option<(BufId, f32)>,
+    rank: usize,
+    /// The communicators and the communication stream (multi-rank plans).
+    nccl: Option<(NcclComms, Arc<CudaStream>)>,
+    /// `--profile`: op name -> (seconds, matmul FLOPs, calls), from CUDA events.
+    profile: Option<std::collections::BTreeMap<&'static str, (f64, f64, u64)>>,
 }
 
 impl CudaExecutor {
@@ -97,13 +105,38 @@ impl CudaExecutor {
     /// kernels, make a cuBLAS handle on the stream.
     pub fn new(plan: &CheckedPlan, rank: usize, ordinal: usize) -> Result<Self, CudaError> {
         let world = plan.mesh.world_size();
-        check_libraries(world > 1)?;
         if world > 1 {
+            check_libraries(true)?;
             return Err(CudaError::Unsupported(format!(
-                "a plan of {world} ranks needs NCCL communicators bootstrapped over MPI, which \
-                 the cuda backend does not build yet; run it with --device cpu"
+                "a plan of {world} ranks needs NCCL communicators (CudaExecutor::with_nccl, \
+                 from a unique id every rank shares); run it with --device cpu"
             )));
         }
+        Self::setup(plan, rank, ordinal, None)
+    }
+
+    /// As [`CudaExecutor::new`] for rank `rank` of a plan of any size: after the setup, the
+    /// NCCL communicators of the plan's groups from the world's unique id `id` (the same
+    /// on every rank: rank 0's [`super::nccl::unique_id`], sent to the others), and a
+    /// communication stream. Collectives over groups of more than one rank run there,
+    /// ordered against the compute stream by events (the compute stream's work so far
+    /// before the collective, the collective before the compute stream's next work).
+    pub fn with_nccl(
+        plan: &CheckedPlan,
+        rank: usize,
+        ordinal: usize,
+        id: &[u8; 128],
+    ) -> Result<Self, CudaError> {
+        Self::setup(plan, rank, ordinal, Some(id))
+    }
+
+    fn setup(
+        plan: &CheckedPlan,
+        rank: usize,
+        ordinal: usize,
+        id: Option<&[u8; 128]>,
+    ) -> Result<Self, CudaError> {
+        check_libraries(id.is_some())?;
         let lowered =
             lower::lower_role(plan, rank).map_err(|e| CudaError::Unsupported(e.to_string()))?;
         let slab = SlabLayout::new(
@@ -137,7 +170,18 @@ impl CudaExecutor {
         unsafe {
             cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _).map_err(cublas)?;
         }
+        let nccl = match id {
+            Some(id) => {
+                ctx.bind_to_thread().map_err(driver)?;
+                let comms = NcclComms::init(&Communicators::of_plan(plan), rank, id)?;
+                Some((comms, ctx.new_stream().map_err(driver)?))
+            }
+            None => None,
+        };
         let exec = CudaExecutor {
+            rank,
+            nccl,
+            profile: None,
             plan: (**plan).clone(),
             stream,
             _ctx: ctx,
@@ -251,19 +295,74 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Run `program` (issued on the stream; returns after the last op is issued).
+    /// Run `program` (issued on the stream; returns after the last op is issued, or, when
+    /// profiling, after the stream finished it).
     pub fn run(&mut self, program: Program, ctx: &StepContext) -> Result<(), CudaError> {
         let ops = match program {
             Program::Microbatch => std::mem::take(&mut self.lowered.microbatch),
             Program::Optimizer => std::mem::take(&mut self.lowered.optimizer),
         };
         self.norm_cache = None;
-        let out = ops.iter().try_for_each(|op| self.issue(op, ctx));
+        let out = if self.profile.is_some() {
+            self.run_timed(program, &ops, ctx)
+        } else {
+            ops.iter().try_for_each(|op| self.issue(op, ctx))
+        };
         match program {
             Program::Microbatch => self.lowered.microbatch = ops,
             Program::Optimizer => self.lowered.optimizer = ops,
         }
         out
+    }
+
+    /// As `run`, with a CUDA event recorded on the compute stream where each instruction
+    /// begins and after the last; the time between consecutive events is the instruction's
+    /// (its collectives on the communication stream included, as the compute stream waits
+    /// for them), added to the profile by op name.
+    fn run_timed(
+        &mut self,
+        program: Program,
+        ops: &[DeviceOp],
+        ctx: &StepContext,
+    ) -> Result<(), CudaError> {
+        let marks = match program {
+            Program::Microbatch => self.lowered.microbatch_marks.clone(),
+            Program::Optimizer => self.lowered.optimizer_marks.clone(),
+        };
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut events = Vec::with_capacity(marks.len() + 1);
+        for (i, m) in marks.iter().enumerate() {
+            let end = marks.get(i + 1).map_or(ops.len(), |n| n.start);
+            events.push(self.stream.record_event(timing).map_err(driver)?);
+            for op in &ops[m.start..end] {
+                self.issue(op, ctx)?;
+            }
+        }
+        events.push(self.stream.record_event(timing).map_err(driver)?);
+        self.stream.synchronize().map_err(driver)?;
+        let by_op = self.profile.get_or_insert_with(Default::default);
+        for (i, m) in marks.iter().enumerate() {
+            let ms = events[i].elapsed_ms(&events[i + 1]).map_err(driver)?;
+            let e = by_op.entry(m.name).or_default();
+            e.0 += f64::from(ms) / 1e3;
+            e.1 += m.flops;
+            e.2 += 1;
+        }
+        Ok(())
+    }
+
+    /// Time every instruction from now on with CUDA events (`--profile`).
+    pub fn enable_profile(&mut self) {
+        self.profile.get_or_insert_with(Default::default);
+    }
+
+    /// The per-op times so far (None unless [`CudaExecutor::enable_profile`] was called),
+    /// as the cpu backend's profile: op name -> (seconds, matmul FLOPs, calls).
+    pub fn profile(&self) -> Option<crate::exec::Profile> {
+        self.profile.as_ref().map(|by_op| crate::exec::Profile {
+            by_op: by_op.clone(),
+            ..Default::default()
+        })
     }
 
     fn issue(&mut self, op: &DeviceOp, ctx: &StepContext) -> Result<(), CudaError> {
@@ -282,8 +381,17 @@ impl CudaExecutor {
                 inputs,
                 outputs,
             } => {
-                let a = self.operand(call.a.0, inputs, outputs)? + call.a.1 as u64 * 4;
-                let b = self.operand(call.b.0, inputs, outputs)? + call.b.1 as u64 * 4;
+                // A and B from their 16-bit storage when both are 16-bit inputs (tensor
+                // cores), else from their f32 views; C always its f32 view.
+                let half = lower::gemm_half(call, inputs, outputs, &self.plan);
+                let ab = |o: (Operand, usize)| -> Result<u64, CudaError> {
+                    match (half, o.0) {
+                        (Some(_), Operand::Input(i)) => Ok(self.raw(inputs[i])? + o.1 as u64 * 2),
+                        _ => Ok(self.operand(o.0, inputs, outputs)? + o.1 as u64 * 4),
+                    }
+                };
+                let a = ab(call.a)?;
+                let b = ab(call.b)?;
                 let c = self.operand(call.c.0, inputs, outputs)? + call.c.1 as u64 * 4;
                 let op = |t: bool| {
                     if t {
@@ -293,6 +401,11 @@ impl CudaExecutor {
                     }
                 };
                 let f32t = cublas_sys::cudaDataType::CUDA_R_32F;
+                let abt = match half {
+                    Some(megac_kernels::Half::Bf16) => cublas_sys::cudaDataType::CUDA_R_16BF,
+                    Some(megac_kernels::Half::F16) => cublas_sys::cudaDataType::CUDA_R_16F,
+                    None => f32t,
+                };
                 let (alpha, beta) = (call.alpha, call.beta);
                 // SAFETY: addresses inside the allocation; `GemmCall::valid` holds for every
                 // mapping (tested); host scalars outlive the call.
@@ -306,11 +419,11 @@ impl CudaExecutor {
                         call.k as i32,
                         (&alpha as *const f32).cast(),
                         a as *const _,
-                        f32t,
+                        abt,
                         call.lda as i32,
                         call.strides.0 as i64,
                         b as *const _,
-                        f32t,
+                        abt,
                         call.ldb as i32,
                         call.strides.1 as i64,
                         (&beta as *const f32).cast(),
@@ -325,6 +438,7 @@ impl CudaExecutor {
                     .map_err(cublas)?;
                 }
             }
+            DeviceOp::Route(route) => self.route(route)?,
             DeviceOp::Zero(b) => {
                 let buf = &self.plan.buffers[*b as usize];
                 let bytes = (buf.len() * buf.dtype.size_bytes()) as usize;
@@ -348,8 +462,16 @@ impl CudaExecutor {
                 unsafe { cudarc::driver::result::memcpy_dtod_async(d, f, *bytes as usize, s) }
                     .map_err(driver)?;
             }
-            // One rank (the only kind `new` accepts): every group is this rank alone, so an
-            // all-reduce is the identity and a gather or scatter a copy.
+            // A group of more than one rank: NCCL on the communication stream.
+            DeviceOp::AllReduce { axes, .. }
+            | DeviceOp::AllGather { axes, .. }
+            | DeviceOp::ReduceScatter { axes, .. }
+                if self.plan.mesh.group(self.rank, axes).len() > 1 =>
+            {
+                self.collective(op, ctx)?
+            }
+            // A group of this rank alone: an all-reduce is the identity, a gather or scatter
+            // a copy.
             DeviceOp::AllReduce { .. } => {}
             DeviceOp::AllGather {
                 send, recv, count, ..
@@ -452,6 +574,162 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// A collective over a group of several ranks through its NCCL communicator, on the
+    /// communication stream: it waits for the compute stream's work so far (an event), and
+    /// the compute stream waits for it (another).
+    fn collective(&self, op: &DeviceOp, ctx: &StepContext) -> Result<(), CudaError> {
+        use cudarc::nccl::sys;
+        let (comms, cs) = self.nccl.as_ref().ok_or_else(|| {
+            CudaError::Unsupported(
+                "a collective over several ranks without NCCL communicators".into(),
+            )
+        })?;
+        let addr = |a: &Arg| match self.resolve(a, ctx)? {
+            Val::U64(x) => Ok(x),
+            _ => Err(CudaError::Driver(
+                "a collective's buffer is not an address".into(),
+            )),
+        };
+        let comm_of = |axes: &[megac_ir::Axis]| {
+            comms.get(axes).ok_or_else(|| {
+                CudaError::Unsupported(format!("no NCCL communicator over {axes:?}"))
+            })
+        };
+        cs.join(&self.stream).map_err(driver)?;
+        let stream = cs.cu_stream() as sys::cudaStream_t;
+        let check = |what: &str, r: sys::ncclResult_t| {
+            if r == sys::ncclResult_t::ncclSuccess {
+                Ok(())
+            } else {
+                Err(CudaError::Driver(format!("NCCL {what}: {r:?}")))
+            }
+        };
+        // SAFETY: addresses inside the allocation with `count` elements (per member) as the
+        // lowering sized them; the communicators are live.
+        unsafe {
+            match op {
+                DeviceOp::AllReduce {
+                    axes,
+                    buf,
+                    count,
+                    f64,
+                    op: red,
+                } => {
+                    let p = addr(buf)?;
+                    let dt = if *f64 {
+                        sys::ncclDataType_t::ncclFloat64
+                    } else {
+                        sys::ncclDataType_t::ncclFloat32
+                    };
+                    let red = match red {
+                        lower::Reduce::Sum => sys::ncclRedOp_t::ncclSum,
+                        lower::Reduce::Max => sys::ncclRedOp_t::ncclMax,
+                    };
+                    let r = sys::ncclAllReduce(
+                        p as *const _,
+                        p as *mut _,
+                        *count as usize,
+                        dt,
+                        red,
+                        comm_of(axes)?,
+                        stream,
+                    );
+                    check("ncclAllReduce", r)?;
+                }
+                DeviceOp::AllGather {
+                    axes,
+                    send,
+                    recv,
+                    count,
+                } => {
+                    let r = sys::ncclAllGather(
+                        addr(send)? as *const _,
+                        addr(recv)? as *mut _,
+                        *count as usize,
+                        sys::ncclDataType_t::ncclFloat32,
+                        comm_of(axes)?,
+                        stream,
+                    );
+                    check("ncclAllGather", r)?;
+                }
+                DeviceOp::ReduceScatter {
+                    axes,
+                    send,
+                    recv,
+                    count,
+                } => {
+                    let r = sys::ncclReduceScatter(
+                        addr(send)? as *const _,
+                        addr(recv)? as *mut _,
+                        *count as usize,
+                        sys::ncclDataType_t::ncclFloat32,
+                        sys::ncclRedOp_t::ncclSum,
+                        comm_of(axes)?,
+                        stream,
+                    );
+                    check("ncclReduceScatter", r)?;
+                }
+                _ => return Err(CudaError::Driver("not a collective".into())),
+            }
+        }
+        self.stream.join(cs).map_err(driver)
+    }
+
+    /// [`DeviceOp::Route`]: the indices to the host (waits for the stream), the routing and
+    /// its tables built there ([`super::moe`]), the tables into the workspace.
+    fn route(&self, route: &Route) -> Result<(), CudaError> {
+        let s = self.stream.cu_stream();
+        let n = self.plan.buffers[route.indices as usize].len() as usize;
+        let mut indices = vec![0i32; n];
+        // SAFETY: the i32 buffer's storage lies inside the allocation.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut indices, self.raw(route.indices)?, s)
+                .map_err(driver)?;
+        }
+        self.stream.synchronize().map_err(driver)?;
+        let r = route
+            .routing(&indices)
+            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        for table in &route.tables {
+            let (at, bytes): (u64, Vec<u8>) = match table {
+                Table::Sources { first, count, at } => (
+                    self.workspace_base() + at,
+                    le_bytes(&moe::sources(&r, *first, *count, route.rows)),
+                ),
+                Table::Rows { first, count, at } => (
+                    self.workspace_base() + at,
+                    le_bytes(&moe::rows(&r, *first, *count, route.rows)),
+                ),
+                Table::Counts { buf } => (self.raw(*buf)?, le_bytes(&moe::counts(&r))),
+                Table::Addresses { bufs, h, at } => {
+                    let bases = bufs
+                        .iter()
+                        .map(|&b| self.f32_addr(b))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    // One buffer for several experts is the stacked [E, rows, h] (for one
+                    // expert both readings are the same).
+                    let stacked = bufs.len() == 1 && r.experts() > 1;
+                    let addrs: Vec<u64> = moe::addresses(&r, stacked, route.rows, *h)
+                        .into_iter()
+                        .map(|a| a.map_or(0, |(b, off)| bases[b] + off * 4))
+                        .collect();
+                    let mut bytes = Vec::with_capacity(addrs.len() * 8);
+                    for a in addrs {
+                        bytes.extend_from_slice(&a.to_le_bytes());
+                    }
+                    (self.workspace_base() + at, bytes)
+                }
+            };
+            if !bytes.is_empty() {
+                // SAFETY: the lowering sized the table's region for these bytes.
+                unsafe { cudarc::driver::result::memcpy_htod_async(at, &bytes, s) }
+                    .map_err(driver)?;
+            }
+        }
+        // The tables are host memory that goes out of scope here.
+        self.stream.synchronize().map_err(driver)
+    }
+
     /// Copy every arena of the host memory `mem` (initialised parameters, zeroed state)
     /// into the slabs.
     pub fn upload(&self, mem: &Memory) -> Result<(), CudaError> {
@@ -478,6 +756,48 @@ impl CudaExecutor {
             }
         }
         self.stream.synchronize().map_err(driver)
+    }
+
+    /// Copy the slabs of `classes` back into the host memory `mem` (the trained parameters
+    /// and master weights before saving); waits for the stream.
+    pub fn download(&self, mem: &mut Memory, classes: &[BufferClass]) -> Result<(), CudaError> {
+        for &class in classes {
+            let region = self.slab.slabs[class.index()];
+            let host = mem.arena_bytes_mut(class);
+            let n = host.len().min(region.bytes as usize);
+            if n > 0 {
+                // SAFETY: `n` bytes lie inside the slab (the same layout sized both).
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        &mut host[..n],
+                        self.base() + region.start,
+                        self.stream.cu_stream(),
+                    )
+                    .map_err(driver)?;
+                }
+                self.stream.synchronize().map_err(driver)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero the whole slab of `class` (every gradient at the start of a step, as the cpu
+    /// backend's `Memory::zero_grads`).
+    pub fn zero_class(&self, class: BufferClass) -> Result<(), CudaError> {
+        let region = self.slab.slabs[class.index()];
+        if region.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the slab lies inside the allocation.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.base() + region.start,
+                0,
+                region.bytes as usize,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver)
     }
 
     /// Zero buffer `b` if this rank holds it (the gradients at the start of a step).
@@ -539,4 +859,9 @@ impl Drop for CudaExecutor {
             let _ = cudarc::cublas::result::destroy_handle(self.handle);
         }
     }
+}
+
+/// Little-endian bytes of i32 values (a table for the device).
+fn le_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

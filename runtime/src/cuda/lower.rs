@@ -7,10 +7,8 @@
 //! ([`super::device`]) only issues the result, so everything decided here is host logic,
 //! tested without a GPU.
 //!
-//! Not lowered yet (the executor refuses the plan naming the op): the MoE ops (router,
-//! dispatch, combine, the load-balancing loss: their kernels exist in `moe.cu`, the routing
-//! tables they need are not built yet), context parallelism, all-gather/reduce-scatter over a
-//! dim with leading dims, expert all-to-all, and pipeline transfers.
+//! Not lowered yet (the executor refuses the plan naming the op): context parallelism, the
+//! expert all-to-all, and pipeline transfers.
 
 use std::collections::BTreeMap;
 
@@ -21,6 +19,7 @@ use megac_kernels::precision::Half;
 
 use super::gemm::{self, GemmCall, MatmulShape, Operand};
 use super::launch::{self, Launch, LaunchError};
+use super::moe::{Route, Table};
 
 /// A kernel argument, resolved to a value or an address when issued.
 #[derive(Clone, Debug, PartialEq)]
@@ -87,6 +86,10 @@ pub enum DeviceOp {
         /// (see `inputs`)
         outputs: Vec<BufId>,
     },
+    /// Copy the router's indices to the host, build the routing there (the cpu backend's
+    /// `Routing`) and copy its tables into the workspace (or a plan buffer): a
+    /// synchronisation of the stream.
+    Route(Route),
     /// Zero a buffer (its storage, whatever its dtype).
     Zero(BufId),
     /// Zero bytes of the workspace.
@@ -207,6 +210,18 @@ pub enum LowerError {
     },
 }
 
+/// Where one instruction's device operations begin in a lowered program (`--profile`
+/// times each instruction between CUDA events at these points).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mark {
+    /// Index of its first operation.
+    pub start: usize,
+    /// The op's name (`zero` for a zeroing), as the cpu profile names it.
+    pub name: &'static str,
+    /// Its matmul FLOPs (2·m·n·k per GEMM of a linear op; 0 for other ops).
+    pub flops: f64,
+}
+
 /// A role's programs lowered for one rank.
 #[derive(Clone, Debug, Default)]
 pub struct Lowered {
@@ -214,6 +229,10 @@ pub struct Lowered {
     pub microbatch: Vec<DeviceOp>,
     /// The optimizer program.
     pub optimizer: Vec<DeviceOp>,
+    /// Where each instruction of the micro-batch program begins.
+    pub microbatch_marks: Vec<Mark>,
+    /// Where each instruction of the optimizer program begins.
+    pub optimizer_marks: Vec<Mark>,
     /// Bytes of workspace the largest instruction needs (instructions run one after the
     /// other on one stream, so they share it).
     pub workspace_bytes: u64,
@@ -367,16 +386,60 @@ impl Lowerer<'_> {
     }
 
     fn program(&mut self, program: &[Instr]) -> Result<Vec<DeviceOp>, LowerError> {
+        Ok(self.program_marked(program)?.0)
+    }
+
+    /// The ops of `program` and where each instruction's begin ([`Mark`]).
+    fn program_marked(
+        &mut self,
+        program: &[Instr],
+    ) -> Result<(Vec<DeviceOp>, Vec<Mark>), LowerError> {
         let mut out = Vec::new();
+        let mut marks = Vec::new();
         for instr in program {
+            let start = out.len();
             match instr {
-                Instr::Zero { buffer } => out.push(DeviceOp::Zero(*buffer)),
+                Instr::Zero { buffer } => {
+                    out.push(DeviceOp::Zero(*buffer));
+                    marks.push(Mark {
+                        start,
+                        name: "zero",
+                        flops: 0.0,
+                    });
+                }
                 Instr::Kernel {
                     op,
                     inputs,
                     outputs,
                     path,
-                } => out.extend(self.instruction(op, inputs, outputs, path)?),
+                } => {
+                    out.extend(self.instruction(op, inputs, outputs, path)?);
+                    // The matmul FLOPs of the linear ops (the cpu profile's `matmul_flops`).
+                    let linear = matches!(
+                        op,
+                        OpKind::Linear { .. }
+                            | OpKind::LinearGradInput { .. }
+                            | OpKind::LinearGradWeight { .. }
+                    );
+                    let flops = if linear {
+                        out[start..]
+                            .iter()
+                            .map(|o| match o {
+                                DeviceOp::Gemm { call, .. } => {
+                                    2.0 * (call.m * call.n * call.k * call.batch) as f64
+                                }
+                                _ => 0.0,
+                            })
+                            .sum()
+                    } else {
+                        0.0
+                    };
+                    marks.push(Mark {
+                        start,
+                        name: op.name(),
+                        flops,
+                    });
+                }
                 Instr::Send { .. } | Instr::Recv { .. } => {
                     return Err(LowerError::Unsupported {
                         op: "send/recv",
@@ -386,7 +449,7 @@ impl Lowerer<'_> {
                 }
             }
         }
-        Ok(out)
+        Ok((out, marks))
     }
 
     /// The ops of one kernel instruction, staging included.
@@ -882,29 +945,72 @@ impl Lowerer<'_> {
             OpKind::AllGather { axes, dim } | OpKind::ReduceScatter { axes, dim } => {
                 let gather = matches!(c.op, OpKind::AllGather { .. });
                 let local = if gather { ins[0] } else { outs[0] };
-                let s = self.shape(local);
-                let outer: u64 = s[..(*dim as usize).min(s.len())].iter().product();
-                if outer != 1 {
-                    return Err(c.err("member-major reordering around the collective"));
-                }
-                let count = self.numel(local);
-                c.ops.push(if gather {
-                    DeviceOp::AllGather {
-                        axes: axes.clone(),
-                        send: Arg::Buf(ins[0]),
-                        recv: Arg::Buf(outs[0]),
-                        count,
-                    }
+                let (outer, block) = self.around(c, local, *dim)?;
+                let n = self.plan.mesh.group(self.rank, axes).len() as u64;
+                let chunk = outer * block;
+                if outer == 1 || n == 1 {
+                    // The member-major order is the buffer's own.
+                    c.ops.push(if gather {
+                        DeviceOp::AllGather {
+                            axes: axes.clone(),
+                            send: Arg::Buf(ins[0]),
+                            recv: Arg::Buf(outs[0]),
+                            count: chunk,
+                        }
+                    } else {
+                        DeviceOp::ReduceScatter {
+                            axes: axes.clone(),
+                            send: Arg::Buf(ins[0]),
+                            recv: Arg::Buf(outs[0]),
+                            count: chunk,
+                        }
+                    });
                 } else {
-                    DeviceOp::ReduceScatter {
-                        axes: axes.clone(),
-                        send: Arg::Buf(ins[0]),
-                        recv: Arg::Buf(outs[0]),
-                        count,
+                    // NCCL's buffers are member-major ([n, outer, block]); the plan's are
+                    // [outer, n·block]: reorder through the workspace, as the cpu backend's
+                    // scatter_member_major / gather_member_major.
+                    let mm = c.scratch(n * chunk * 4);
+                    let whole = if gather { outs[0] } else { ins[0] };
+                    if gather {
+                        c.ops.push(DeviceOp::AllGather {
+                            axes: axes.clone(),
+                            send: Arg::Buf(ins[0]),
+                            recv: Arg::Work(mm),
+                            count: chunk,
+                        });
                     }
-                });
+                    for m in 0..n {
+                        let part = Arg::Work(mm + m * chunk * 4);
+                        let (src, dst, sw, sc, dw, dc) = if gather {
+                            (part, Arg::Buf(whole), block, 0, n * block, m * block)
+                        } else {
+                            (Arg::Buf(whole), part, n * block, m * block, block, 0)
+                        };
+                        columns(c, [src, dst], [outer, block, sw, sc, dw, dc], false)?;
+                    }
+                    if !gather {
+                        c.ops.push(DeviceOp::ReduceScatter {
+                            axes: axes.clone(),
+                            send: Arg::Work(mm),
+                            recv: Arg::Buf(outs[0]),
+                            count: chunk,
+                        });
+                    }
+                }
             }
-            OpKind::Slice { .. } => return Err(c.err("slice's strided copy")),
+            OpKind::Slice { axes, dim } => {
+                // y[o] = x[o, me] over [outer, n, block]: this member's block of every row.
+                let (outer, block) = self.around(c, outs[0], *dim)?;
+                let members = self.plan.mesh.group(self.rank, axes);
+                let n = members.len() as u64;
+                let me = members.iter().position(|&r| r == self.rank).unwrap_or(0) as u64;
+                columns(
+                    c,
+                    [Arg::Buf(ins[0]), Arg::Buf(outs[0])],
+                    [outer, block, n * block, me * block, block, 0],
+                    false,
+                )?;
+            }
             OpKind::AllToAll { .. } => return Err(c.err("expert all-to-all")),
             OpKind::GradNorm { axes } => self.grad_norm(c, axes)?,
             OpKind::AdamW {
@@ -948,9 +1054,7 @@ impl Lowerer<'_> {
             | OpKind::CombineExperts
             | OpKind::CombineExpertsGrad
             | OpKind::Combine
-            | OpKind::CombineGrad => {
-                return Err(c.err("MoE routing tables (the kernels are in moe.cu)"))
-            }
+            | OpKind::CombineGrad => self.moe(c)?,
             OpKind::SplitHeads { .. } | OpKind::MergeHeads => {
                 return Err(self.shape_err(c, "a view is never an instruction"))
             }
@@ -964,6 +1068,284 @@ impl Lowerer<'_> {
             path: c.path.to_string(),
             why: why.to_string(),
         }
+    }
+
+    /// The MoE ops: the router and the load-balancing loss as kernels; dispatch and
+    /// combine as a [`Route`] (tables built on the host from the router's indices, as the
+    /// cpu backend's `routing`) then the row-moving kernels over them.
+    fn moe(&mut self, c: &mut Ctx) -> Result<(), LowerError> {
+        let (ins, outs) = (c.ins, c.outs);
+        let u32_of = |c: &Ctx, x: u64| {
+            u32::try_from(x).map_err(|_| LowerError::Shape {
+                op: c.op.name(),
+                path: c.path.to_string(),
+                why: format!("{x} does not fit the kernel's u32 parameter"),
+            })
+        };
+        // Slots per token and tokens, from the indices (input 1 of every op but the router's).
+        let slots = |b: BufId| {
+            let k = self.last(b).max(1);
+            (k, self.numel(b) / k)
+        };
+        let route =
+            |indices: BufId, experts: Option<usize>, hint: usize, rows: u64, tables: Vec<Table>| {
+                let (k, _) = slots(indices);
+                DeviceOp::Route(Route {
+                    indices,
+                    top_k: k as usize,
+                    experts,
+                    hint,
+                    rows: rows as usize,
+                    tables,
+                })
+            };
+        match c.op {
+            OpKind::Router { top_k, renorm } | OpKind::RouterGrad { top_k, renorm } => {
+                let e = self.last(ins[0]).max(1);
+                let t = self.numel(ins[0]) / e;
+                let l = c.launch(launch::elementwise(t))?;
+                let dims = [
+                    Arg::U32(u32_of(c, t)?),
+                    Arg::U32(u32_of(c, e)?),
+                    Arg::U32(u32_of(c, *top_k)?),
+                    Arg::I32(*renorm as i32),
+                ];
+                if matches!(c.op, OpKind::Router { .. }) {
+                    let mut args = vec![Arg::Buf(ins[0]), Arg::Buf(outs[0]), Arg::Raw(outs[1])];
+                    args.extend(dims);
+                    c.kernel("router_fwd", l, args);
+                } else {
+                    // The selection is recomputed from the logits, as the cpu backend does.
+                    let w = c.scratch(t * top_k * 4);
+                    let idx = c.scratch(t * top_k * 4);
+                    let mut args = vec![Arg::Buf(ins[0]), Arg::Work(w), Arg::Work(idx)];
+                    args.extend(dims.clone());
+                    c.kernel("router_fwd", l, args);
+                    let mut args = vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Work(idx),
+                        Arg::Buf(ins[1]),
+                        Arg::Buf(outs[0]),
+                    ];
+                    args.extend(dims);
+                    c.kernel("router_bwd", l, args);
+                }
+            }
+            OpKind::MoeAuxLoss { coeff } | OpKind::MoeAuxLossGrad { coeff } => {
+                let e = self.last(ins[0]).max(1);
+                let t = self.numel(ins[0]) / e;
+                let (k, _) = slots(ins[1]);
+                let share = t as f64 / self.plan.batch.tokens_per_step as f64;
+                let stats = c.scratch((2 * e + 1) * 8);
+                let le = c.launch(launch::elementwise(e))?;
+                c.kernel(
+                    "moe_aux_stats",
+                    le,
+                    vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Raw(ins[1]),
+                        Arg::Work(stats),
+                        Arg::U32(u32_of(c, t)?),
+                        Arg::U32(u32_of(c, e)?),
+                        Arg::U32(u32_of(c, k)?),
+                    ],
+                );
+                // Context parallelism: the statistics are summed over the group.
+                let split = c.op.implicit_collective().filter(|ic| {
+                    ins.get(ic.operand)
+                        .is_some_and(|&b| ic.applies(&self.buf(b).layout))
+                });
+                let members = match split {
+                    Some(ic) => {
+                        c.ops.push(DeviceOp::AllReduce {
+                            axes: vec![ic.axis],
+                            buf: Arg::Work(stats),
+                            count: 2 * e + 1,
+                            f64: true,
+                            op: Reduce::Sum,
+                        });
+                        self.plan.mesh.group(self.rank, &[ic.axis]).len() as f64
+                    }
+                    None => 1.0,
+                };
+                if matches!(c.op, OpKind::MoeAuxLoss { .. }) {
+                    c.kernel(
+                        "moe_aux_loss_finish",
+                        launch::single(),
+                        vec![
+                            Arg::Work(stats),
+                            Arg::Buf(outs[0]),
+                            Arg::U32(u32_of(c, e)?),
+                            Arg::U32(u32_of(c, k)?),
+                            Arg::F64(*coeff),
+                            Arg::F64(share),
+                        ],
+                    );
+                } else {
+                    let lt = c.launch(launch::elementwise(t))?;
+                    c.kernel(
+                        "moe_aux_loss_bwd",
+                        lt,
+                        vec![
+                            Arg::Buf(ins[0]),
+                            Arg::Work(stats),
+                            Arg::Buf(outs[0]),
+                            Arg::U32(u32_of(c, t)?),
+                            Arg::U32(u32_of(c, e)?),
+                            Arg::U32(u32_of(c, k)?),
+                            Arg::F64(*coeff),
+                            Arg::F64(share * members),
+                            Arg::LossScale,
+                        ],
+                    );
+                }
+            }
+            OpKind::Dispatch { expert, .. }
+            | OpKind::DispatchExperts {
+                experts: expert, ..
+            } => {
+                let stacked = matches!(c.op, OpKind::DispatchExperts { .. });
+                let s = self.shape(outs[0]).to_vec();
+                let (count, rows, h) = if stacked {
+                    (*expert, s[1], s[2])
+                } else {
+                    (1, s[0], self.last(ins[0]))
+                };
+                let (first, experts) = if stacked {
+                    (0, Some(*expert as usize))
+                } else {
+                    (*expert as usize, None)
+                };
+                let src = c.scratch(count * rows * 4);
+                let mut tables = vec![Table::Sources {
+                    first,
+                    count: count as usize,
+                    at: src,
+                }];
+                if stacked {
+                    tables.push(Table::Counts { buf: outs[1] });
+                }
+                c.ops.push(route(ins[1], experts, first, rows, tables));
+                let l = c.launch(launch::per_row(count * rows, h))?;
+                c.kernel(
+                    "moe_gather_rows",
+                    l,
+                    vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Work(src),
+                        Arg::Buf(outs[0]),
+                        Arg::U32(u32_of(c, h)?),
+                    ],
+                );
+            }
+            OpKind::DispatchGrad { .. } | OpKind::DispatchExpertsGrad => {
+                let s = self.shape(ins[0]).to_vec();
+                let (first, count, experts, rows) = match c.op {
+                    OpKind::DispatchGrad { expert } => (*expert as usize, 1, None, s[0]),
+                    _ => (0, s[0] as usize, Some(s[0] as usize), s[1]),
+                };
+                let h = self.last(ins[0]);
+                let (k, t) = slots(ins[1]);
+                let row = c.scratch(t * k * 4);
+                let tables = vec![Table::Rows {
+                    first,
+                    count,
+                    at: row,
+                }];
+                c.ops.push(route(ins[1], experts, first, rows, tables));
+                let l = c.launch(launch::per_row(t, h))?;
+                c.kernel(
+                    "moe_scatter_add_rows",
+                    l,
+                    vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Work(row),
+                        Arg::Buf(outs[0]),
+                        Arg::U32(u32_of(c, k)?),
+                        Arg::U32(u32_of(c, h)?),
+                    ],
+                );
+            }
+            OpKind::Combine
+            | OpKind::CombineExperts
+            | OpKind::CombineGrad
+            | OpKind::CombineExpertsGrad => {
+                let grad = matches!(c.op, OpKind::CombineGrad | OpKind::CombineExpertsGrad);
+                let stacked = matches!(c.op, OpKind::CombineExperts | OpKind::CombineExpertsGrad);
+                // The expert outputs (and, backward, their gradients) and dout.
+                let (ys, dys, dout): (Vec<BufId>, Vec<BufId>, Option<BufId>) = if stacked {
+                    let dys = if grad { vec![outs[1]] } else { Vec::new() };
+                    (vec![ins[2]], dys, grad.then(|| ins[3]))
+                } else if grad {
+                    let e = ins.len().saturating_sub(3);
+                    (ins[2..2 + e].to_vec(), outs[1..].to_vec(), Some(ins[2 + e]))
+                } else {
+                    (ins[2..].to_vec(), Vec::new(), None)
+                };
+                let s = self.shape(ys[0]).to_vec();
+                let (experts, rows, h) = if stacked {
+                    (s[0] as usize, s[1], s[2])
+                } else {
+                    (ys.len(), s[0], *s.last().unwrap_or(&1))
+                };
+                let (k, t) = slots(ins[1]);
+                let rows_at = c.scratch(t * k * 8);
+                let mut tables = vec![Table::Addresses {
+                    bufs: ys.clone(),
+                    h,
+                    at: rows_at,
+                }];
+                let drows_at = if grad {
+                    let at = c.scratch(t * k * 8);
+                    tables.push(Table::Addresses { bufs: dys, h, at });
+                    Some(at)
+                } else {
+                    None
+                };
+                c.ops.push(route(ins[1], Some(experts), 0, rows, tables));
+                let l = c.launch(launch::per_row(t, h))?;
+                let (k32, h32) = (Arg::U32(u32_of(c, k)?), Arg::U32(u32_of(c, h)?));
+                match (drows_at, dout) {
+                    (Some(drows), Some(dout)) => c.kernel(
+                        "moe_combine_bwd",
+                        l,
+                        vec![
+                            Arg::Buf(ins[0]),
+                            Arg::Work(rows_at),
+                            Arg::Work(drows),
+                            Arg::Buf(dout),
+                            Arg::Buf(outs[0]),
+                            k32,
+                            h32,
+                        ],
+                    ),
+                    _ => c.kernel(
+                        "moe_combine_fwd",
+                        l,
+                        vec![
+                            Arg::Buf(ins[0]),
+                            Arg::Work(rows_at),
+                            Arg::Buf(outs[0]),
+                            k32,
+                            h32,
+                        ],
+                    ),
+                }
+            }
+            _ => return Err(c.err("not an MoE op")),
+        }
+        Ok(())
+    }
+
+    /// A buffer's (rows before `dim`, elements from `dim` on), as the cpu collectives
+    /// read them.
+    fn around(&self, c: &Ctx, b: BufId, dim: u64) -> Result<(u64, u64), LowerError> {
+        let s = self.shape(b);
+        let d = dim as usize;
+        if d >= s.len() {
+            return Err(self.shape_err(c, &format!("dim {d} of a {}-d buffer", s.len())));
+        }
+        Ok((s[..d].iter().product(), s[d..].iter().product()))
     }
 
     /// Positions 0..s as a u32 constant table; its offset.
@@ -1341,6 +1723,24 @@ impl Lowerer<'_> {
     }
 }
 
+/// A `copy_columns` launch between two addresses: `[rows, cols, src_width, src_col,
+/// dst_width, dst_col]` (the kernel's u32 parameters; larger is an error).
+fn columns(c: &mut Ctx, [src, dst]: [Arg; 2], dims: [u64; 6], acc: bool) -> Result<(), LowerError> {
+    let l = c.launch(launch::elementwise(dims[0] * dims[1]))?;
+    let mut args = vec![src, dst];
+    for x in dims {
+        let x = u32::try_from(x).map_err(|_| LowerError::Shape {
+            op: c.op.name(),
+            path: c.path.to_string(),
+            why: format!("a column copy of {x} elements per row does not fit its u32 parameters"),
+        })?;
+        args.push(Arg::U32(x));
+    }
+    args.push(Arg::I32(acc as i32));
+    c.kernel("copy_columns", l, args);
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn copy_args(
     src: BufId,
@@ -1384,12 +1784,55 @@ pub fn lower_role(plan: &CheckedPlan, rank: usize) -> Result<Lowered, LowerError
         constants: Vec::new(),
         tables: BTreeMap::new(),
     };
-    let microbatch = l.program(&role.microbatch)?;
-    let optimizer = l.program(&role.optimizer)?;
+    let (microbatch, microbatch_marks) = l.program_marked(&role.microbatch)?;
+    let (optimizer, optimizer_marks) = l.program_marked(&role.optimizer)?;
     Ok(Lowered {
         microbatch,
         optimizer,
+        microbatch_marks,
+        optimizer_marks,
         workspace_bytes: l.workspace,
         constants: l.constants,
     })
+}
+
+/// One instruction of `plan` lowered for rank `rank` on its own: its device operations,
+/// the workspace bytes it needs and its constant tables (for tests that evaluate the
+/// lowering of one op against the cpu backend's).
+pub fn lower_instruction(
+    plan: &CheckedPlan,
+    rank: usize,
+    instr: &Instr,
+) -> Result<(Vec<DeviceOp>, u64, Vec<u8>), LowerError> {
+    let mut l = Lowerer {
+        plan,
+        rank,
+        workspace: 0,
+        constants: Vec::new(),
+        tables: BTreeMap::new(),
+    };
+    let ops = l.program(std::slice::from_ref(instr))?;
+    Ok((ops, l.workspace, l.constants))
+}
+
+/// The 16-bit format in which a lowered GEMM reads `A` and `B` straight from their storage
+/// (cuBLAS's bf16/fp16 inputs, f32 accumulation into the f32 view of `C`): when both are
+/// instruction inputs (not outputs, so not rewritten during the instruction) of the same
+/// 16-bit dtype. Their products are exact in f32, so this computes what the f32 GEMM over
+/// the staged copies computes, up to the order of the sum. None: both from their f32 views.
+pub fn gemm_half(call: &GemmCall, ins: &[BufId], outs: &[BufId], plan: &Plan) -> Option<Half> {
+    let half = |o: Operand| match o {
+        Operand::Input(i) => {
+            let b = *ins.get(i)?;
+            if outs.contains(&b) {
+                return None;
+            }
+            half_of(plan.buffers.get(b as usize)?.dtype)
+        }
+        _ => None,
+    };
+    match (half(call.a.0), half(call.b.0)) {
+        (Some(x), Some(y)) if x == y => Some(x),
+        _ => None,
+    }
 }

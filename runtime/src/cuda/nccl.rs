@@ -13,6 +13,12 @@
 //! rank calls `ncclCommSplit(world, color, key)` with its [`CommGroup::color`] and
 //! [`CommGroup::key`], which makes exactly these groups with NCCL ranks in member order
 //! (`key` = position). Every rank makes the same splits in the same order, as NCCL requires.
+//!
+//! Built: the split calls of each rank ([`Communicators::split_calls`], host logic, tested),
+//! and [`NcclComms::init`], which makes the world communicator from a unique id and then the
+//! splits; the executor issues a plan's collectives on them ([`super::device`]). Not built:
+//! the unique id's broadcast over MPI and the multi-rank run around it (`megac launch
+//! --comm nccl`). Not run on hardware.
 
 use std::collections::BTreeSet;
 
@@ -100,6 +106,24 @@ impl Communicators {
         Communicators { world, splits }
     }
 
+    /// The `ncclCommSplit` calls `rank` makes after the world communicator, in order:
+    /// (axes, colour, key). The same axis sets in the same order on every rank; the ranks
+    /// that pass one colour for one axis set are that group, keyed by member position.
+    /// A rank outside every group of an axis set (none, as the groups partition the
+    /// ranks) would pass `NCCL_SPLIT_NOCOLOR` (-1).
+    pub fn split_calls(&self, rank: usize) -> Vec<(Vec<Axis>, i32, i32)> {
+        self.splits
+            .iter()
+            .map(|(axes, groups)| {
+                let mine = groups
+                    .iter()
+                    .find_map(|g| g.key(rank).map(|k| (g.color, k)));
+                let (color, key) = mine.unwrap_or((-1, 0));
+                (axes.clone(), color, key)
+            })
+            .collect()
+    }
+
     /// The communicator of `rank`'s group over `axes` (in any order).
     pub fn group_of(&self, rank: usize, axes: &[Axis]) -> Option<&CommGroup> {
         let mut key = axes.to_vec();
@@ -134,4 +158,98 @@ pub fn partition(mesh: &Mesh, axes: &[Axis]) -> Vec<CommGroup> {
         });
     }
     groups
+}
+
+/// The NCCL communicators of one rank: the world's and one per axis set of the plan.
+pub struct NcclComms {
+    world: cudarc::nccl::sys::ncclComm_t,
+    by_axes: Vec<(Vec<Axis>, cudarc::nccl::sys::ncclComm_t)>,
+}
+
+fn nccl_err(what: &str, r: cudarc::nccl::sys::ncclResult_t) -> super::CudaError {
+    super::CudaError::Driver(format!("NCCL {what}: {r:?}"))
+}
+
+/// A new NCCL unique id (rank 0 makes it and sends it to the others), as its 128 bytes.
+pub fn unique_id() -> Result<[u8; 128], super::CudaError> {
+    // SAFETY: only opens the library.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(super::CudaError::Missing {
+            what: "NCCL",
+            looked_for: super::candidates("nccl"),
+            hint: "pip install nvidia-nccl-cu13 and link libnccl.so -> libnccl.so.2 in a folder on LD_LIBRARY_PATH",
+        });
+    }
+    let id = cudarc::nccl::result::get_uniqueid()
+        .map_err(|e| super::CudaError::Driver(format!("NCCL ncclGetUniqueId: {e:?}")))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+impl NcclComms {
+    /// Rank `rank`'s communicators: `ncclCommInitRank` of the world from `id` (every rank
+    /// passes the same id), then [`Communicators::split_calls`] in order. The device's
+    /// context must be current on this thread.
+    pub fn init(
+        comms: &Communicators,
+        rank: usize,
+        id: &[u8; 128],
+    ) -> Result<NcclComms, super::CudaError> {
+        use cudarc::nccl::sys;
+        let unique = sys::ncclUniqueId {
+            internal: id.map(|b| b as ::core::ffi::c_char),
+        };
+        let mut world: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; world size and rank as the plan's mesh.
+        let r =
+            unsafe { sys::ncclCommInitRank(&mut world, comms.world as i32, unique, rank as i32) };
+        if r != sys::ncclResult_t::ncclSuccess {
+            return Err(nccl_err("ncclCommInitRank", r));
+        }
+        let mut out = NcclComms {
+            world,
+            by_axes: Vec::new(),
+        };
+        for (axes, color, key) in comms.split_calls(rank) {
+            let mut sub: sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: the world communicator is live; a null config inherits its settings.
+            let r =
+                unsafe { sys::ncclCommSplit(world, color, key, &mut sub, std::ptr::null_mut()) };
+            if r != sys::ncclResult_t::ncclSuccess {
+                return Err(nccl_err("ncclCommSplit", r));
+            }
+            out.by_axes.push((axes, sub));
+        }
+        Ok(out)
+    }
+
+    /// The communicator over `axes` (in any order), if the plan uses that axis set.
+    pub fn get(&self, axes: &[Axis]) -> Option<cudarc::nccl::sys::ncclComm_t> {
+        let mut key = axes.to_vec();
+        key.sort_unstable();
+        key.dedup();
+        self.by_axes
+            .iter()
+            .find(|(a, _)| *a == key)
+            .map(|&(_, c)| c)
+    }
+
+    /// The world communicator (pipeline send/recv peers are world ranks).
+    pub fn world(&self) -> cudarc::nccl::sys::ncclComm_t {
+        self.world
+    }
+}
+
+impl Drop for NcclComms {
+    fn drop(&mut self) {
+        for &(_, c) in &self.by_axes {
+            // SAFETY: made by init, destroyed once.
+            unsafe {
+                let _ = cudarc::nccl::sys::ncclCommDestroy(c);
+            }
+        }
+        // SAFETY: as above.
+        unsafe {
+            let _ = cudarc::nccl::sys::ncclCommDestroy(self.world);
+        }
+    }
 }
