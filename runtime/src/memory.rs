@@ -567,6 +567,7 @@ impl Memory {
             BufferClass::OptState => bytes(&mut self.opt),
             BufferClass::Activation => bytes(&mut self.act),
             BufferClass::Input => bytes(&mut self.input),
+            BufferClass::KvCache => bytes(&mut self.kv),
         }
     }
 }
