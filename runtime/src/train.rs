@@ -72,6 +72,26 @@ pub struct RunOptions {
     pub scan: bool,
 }
 
+impl RunOptions {
+    /// The lead rank's run log (log lines, `--log`) for a run of `steps` steps: the
+    /// options' interval, log lines by default when stdout is not a terminal.
+    pub(crate) fn run_log(
+        &self,
+        steps: u64,
+        tokens_per_step: u64,
+    ) -> Result<crate::log::RunLog, RuntimeError> {
+        crate::log::RunLog::new(
+            self.log_interval
+                .unwrap_or(crate::log::DEFAULT_LOG_INTERVAL),
+            self.log_lines
+                .unwrap_or_else(|| !std::io::stdout().is_terminal()),
+            self.log.as_deref(),
+            steps,
+            tokens_per_step,
+        )
+    }
+}
+
 /// One step of the report.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepRecord {
@@ -1020,15 +1040,7 @@ fn train_rank(
     let mut records = Vec::new();
     // Rank 0 logs (log lines, `--log`).
     let mut log = if lead {
-        Some(crate::log::RunLog::new(
-            opts.log_interval
-                .unwrap_or(crate::log::DEFAULT_LOG_INTERVAL),
-            opts.log_lines
-                .unwrap_or_else(|| !std::io::stdout().is_terminal()),
-            opts.log.as_deref(),
-            steps,
-            b.tokens_per_step,
-        )?)
+        Some(opts.run_log(steps, b.tokens_per_step)?)
     } else {
         None
     };

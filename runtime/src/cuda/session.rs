@@ -308,15 +308,7 @@ fn run(
             .progress
             .unwrap_or_else(|| std::io::stderr().is_terminal());
     let mut log = if lead {
-        Some(crate::log::RunLog::new(
-            opts.log_interval
-                .unwrap_or(crate::log::DEFAULT_LOG_INTERVAL),
-            opts.log_lines
-                .unwrap_or_else(|| !std::io::stdout().is_terminal()),
-            opts.log.as_deref(),
-            steps,
-            b.tokens_per_step,
-        )?)
+        Some(opts.run_log(steps, b.tokens_per_step)?)
     } else {
         None
     };
