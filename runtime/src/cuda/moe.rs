@@ -193,7 +193,7 @@ mod tests {
         let mut out = Vec::new();
         for _ in 0..t {
             let mut chosen: Vec<i32> = Vec::new();
-            if rng.next() % 2 == 0 {
+            if rng.next().is_multiple_of(2) {
                 chosen.push(0);
             }
             while chosen.len() < k {
