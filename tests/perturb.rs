@@ -21,18 +21,51 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn plan(name: &str, sets: &[&str]) -> megac_ir::gate::CheckedPlan {
+    plan_with(name, sets, megac_passes::Instrument::default()).unwrap()
+}
+
+/// The plan of fixture `name` with `instrument`'s probes and perturbations compiled in (the
+/// `perturb` and `probe` passes), or the passes' error.
+fn plan_with(
+    name: &str,
+    sets: &[&str],
+    instrument: megac_passes::Instrument,
+) -> Result<megac_ir::gate::CheckedPlan, String> {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let spec = megac_frontend::load(&fixture(name).join("model.toml"), &sets)
         .unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
-    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let module =
+        megac_passes::run_pipeline_with(spec, instrument, None, true).map_err(|e| e.to_string())?;
     let plan =
         megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
-    megac_ir::gate::CheckedPlan::check(plan).unwrap()
+    Ok(megac_ir::gate::CheckedPlan::check(plan).unwrap())
 }
 
+/// The one-sample plan with every probe point.
 fn forward_plan(name: &str) -> megac_ir::gate::CheckedPlan {
-    plan(name, &["train.micro_batch=1", "train.global_batch=1"])
+    scope_plan(name, &[]).unwrap()
+}
+
+/// The one-sample plan with every probe point and the scope perturbations `perturb` of the
+/// 8 tokens of `A` (seed 0).
+fn scope_plan(name: &str, perturb: &[&str]) -> Result<megac_ir::gate::CheckedPlan, String> {
+    plan_with(
+        name,
+        &["train.micro_batch=1", "train.global_batch=1"],
+        megac_passes::Instrument {
+            probes: vec!["*".to_string()],
+            perturbations: perturb
+                .iter()
+                .map(|p| TrainPerturbation {
+                    perturbation: Perturbation::parse(p).unwrap(),
+                    step: None,
+                })
+                .collect(),
+            tokens: A.len() as u64,
+            ..Default::default()
+        },
+    )
 }
 
 const A: [u32; 8] = [3, 14, 15, 92, 65, 35, 89, 79];
@@ -76,11 +109,9 @@ fn save(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
 fn zero_head_matches_weights(name: &str, o_proj: &str, conv1d: bool, head: usize) {
     let plan = forward_plan(name);
     let init = fixture(name).join("init.safetensors");
-    let mut inf = Inference::new(&plan, &init).unwrap();
-    let clean = inf.logits(&A).unwrap();
-    inf.set_perturbations(&[perturb(&format!("layers.1.attn:zero-head({head})"))], 0)
-        .unwrap();
-    let knocked = inf.logits(&A).unwrap();
+    let clean = Inference::new(&plan, &init).unwrap().logits(&A).unwrap();
+    let knock = scope_plan(name, &[&format!("layers.1.attn:zero-head({head})")]).unwrap();
+    let knocked = Inference::new(&knock, &init).unwrap().logits(&A).unwrap();
     let d = 16; // hidden 64 over 4 heads
     let mut weights = read_all(&init);
     let (_, shape, w) = weights.iter_mut().find(|(n, _, _)| n == o_proj).unwrap();
@@ -123,9 +154,6 @@ fn zero_head_equals_zeroed_output_projection() {
 
 #[test]
 fn zero_head_rejects_bad_heads_and_points() {
-    let plan = forward_plan("llama");
-    let init = fixture("llama").join("init.safetensors");
-    let mut inf = Inference::new(&plan, &init).unwrap();
     for (p, want) in [
         ("layers.0.attn:zero-head(4)", "the layer has heads 0..4"),
         (
@@ -137,10 +165,7 @@ fn zero_head_rejects_bad_heads_and_points() {
             "change activations, not weights",
         ),
     ] {
-        let err = inf
-            .set_perturbations(&[perturb(p)], 0)
-            .unwrap_err()
-            .to_string();
+        let err = scope_plan("llama", &[p]).unwrap_err();
         assert!(err.contains(want), "{p}: {err}");
     }
     assert!(Perturbation::parse("layers.0.attn:zero-head(x)").is_err());
@@ -179,14 +204,16 @@ fn patch_replaces_activations() {
         );
         write_probes(&fa, &pa);
         write_probes(&fb, &pb);
-        let spec = |f: &Path| perturb(&format!("layers.0.out:patch({})", f.display()));
-        inf.set_perturbations(&[spec(&fa)], 0).unwrap();
+        let spec = |f: &Path| format!("layers.0.out:patch({})", f.display());
+        let patched = scope_plan(name, &[&spec(&fa)]).unwrap();
+        let mut inf = Inference::new(&patched, &init).unwrap();
+        inf.set_patches(&[perturb(&spec(&fa))]).unwrap();
         assert_eq!(
             probe_all(&mut inf, &A),
             pa,
             "{name}: patched with A's own values"
         );
-        inf.set_perturbations(&[spec(&fb)], 0).unwrap();
+        inf.set_patches(&[perturb(&spec(&fb))]).unwrap();
         let got = probe_all(&mut inf, &A);
         for ((g, a), b) in got.iter().zip(&pa).zip(&pb) {
             let later = g.name.starts_with("layers.1.") || g.name == "logits";
@@ -270,16 +297,24 @@ fn train_with(perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
 
 /// Three steps of the llama fixture in `layout` with `perturb`: (loss, grad norm) per step.
 fn train_in(layout: &[&str], perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
-    let plan = plan("llama", layout);
+    let perturb: Vec<TrainPerturbation> = perturb
+        .iter()
+        .map(|p| TrainPerturbation::parse(p).unwrap())
+        .collect();
+    // Activation perturbations are compiled into the plan; the runtime perturbs weights.
+    let instrument = megac_passes::Instrument {
+        perturbations: perturb.clone(),
+        seed,
+        train: true,
+        ..Default::default()
+    };
+    let plan = plan_with("llama", layout, instrument).unwrap();
     let opts = RunOptions {
         steps: Some(3),
         data: "synthetic".into(),
         init: Some(fixture("llama").join("init.safetensors")),
         progress: Some(false),
-        perturb: perturb
-            .iter()
-            .map(|p| TrainPerturbation::parse(p).unwrap())
-            .collect(),
+        perturb,
         perturb_seed: seed,
         ..Default::default()
     };
@@ -398,17 +433,23 @@ fn train_perturbations_multi_rank() {
             }
         }
     }
-    // A head no rank holds: one error.
+    // A head no rank holds: one error (from the perturb pass).
+    let instrument = megac_passes::Instrument {
+        perturbations: vec![TrainPerturbation::parse("layers.1.attn:zero-head(4)").unwrap()],
+        train: true,
+        ..Default::default()
+    };
+    let err = plan_with("llama", &["parallel.tp=2"], instrument).unwrap_err();
+    assert!(err.contains("the layer has heads 0..4"), "{err}");
+    // An activation perturbation the plan was compiled without: one error.
     let opts = RunOptions {
         steps: Some(1),
         data: "synthetic".into(),
         init: Some(fixture("llama").join("init.safetensors")),
         progress: Some(false),
-        perturb: vec![TrainPerturbation::parse("layers.1.attn:zero-head(4)").unwrap()],
+        perturb: vec![TrainPerturbation::parse("layers.1.out:noise(1)").unwrap()],
         ..Default::default()
     };
-    let err = train(&plan("llama", &["parallel.tp=2"]), &opts)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("the layer has heads 0..4"), "{err}");
+    let err = train(&plan("llama", &[]), &opts).unwrap_err().to_string();
+    assert!(err.contains("compiled into the plan"), "{err}");
 }

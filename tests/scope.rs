@@ -16,14 +16,29 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The one-sample plan of fixture `name` with every probe point compiled in (the `probe`
+/// pass).
 fn forward_plan(name: &str, extra: &[&str]) -> megac_ir::gate::CheckedPlan {
+    let probes = megac_passes::Instrument {
+        probes: vec!["*".to_string()],
+        ..Default::default()
+    };
+    forward_plan_with(name, extra, probes)
+}
+
+/// As [`forward_plan`], with `instrument`'s probes and perturbations.
+fn forward_plan_with(
+    name: &str,
+    extra: &[&str],
+    instrument: megac_passes::Instrument,
+) -> megac_ir::gate::CheckedPlan {
     let mut sets = vec!["train.micro_batch=1", "train.global_batch=1"];
     sets.extend_from_slice(extra);
     let sets: Vec<String> = sets.into_iter().map(String::from).collect();
     let spec = megac_frontend::load(&fixture(name).join("model.toml"), &sets)
         .unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
-    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let module = megac_passes::run_pipeline_with(spec, instrument, None, true).unwrap();
     let plan =
         megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
     megac_ir::gate::CheckedPlan::check(plan).unwrap()
@@ -363,13 +378,22 @@ fn perturbed_probes_and_bad_perturbations() {
     let plan = forward_plan("llama", &[]);
     let init = fixture("llama").join("init.safetensors");
     let pats = ["layers.1.mlp.out".to_string()];
-    let (clean, scaled) = with_ranks(&plan, &init, |inf| {
-        let clean = inf.probe(&TOKENS, &pats)?;
-        let p = megac_runtime::infer::Perturbation::parse("layers.1.mlp.out:scale(2)").unwrap();
-        inf.set_perturbations(&[p], 0)?;
-        Ok((clean, inf.probe(&TOKENS, &pats)?))
-    })
-    .unwrap();
+    let clean = with_ranks(&plan, &init, |inf| inf.probe(&TOKENS, &pats)).unwrap();
+    let p = megac_runtime::infer::Perturbation::parse("layers.1.mlp.out:scale(2)").unwrap();
+    let perturbed = forward_plan_with(
+        "llama",
+        &[],
+        megac_passes::Instrument {
+            probes: pats.to_vec(),
+            perturbations: vec![megac_runtime::perturb::TrainPerturbation {
+                perturbation: p,
+                step: None,
+            }],
+            tokens: TOKENS.len() as u64,
+            ..Default::default()
+        },
+    );
+    let scaled = with_ranks(&perturbed, &init, |inf| inf.probe(&TOKENS, &pats)).unwrap();
     assert!(clean[0]
         .values
         .iter()

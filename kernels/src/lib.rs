@@ -34,6 +34,7 @@ pub mod loss;
 pub mod moe;
 pub mod norm;
 pub mod optim;
+pub mod perturb;
 pub mod precision;
 pub mod rope;
 mod simd;
