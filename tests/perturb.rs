@@ -50,9 +50,20 @@ fn forward_plan(name: &str) -> megac_ir::gate::CheckedPlan {
 /// The one-sample plan with every probe point and the scope perturbations `perturb` of the
 /// 8 tokens of `A` (seed 0).
 fn scope_plan(name: &str, perturb: &[&str]) -> Result<megac_ir::gate::CheckedPlan, String> {
+    scope_plan_in(name, &[], perturb)
+}
+
+/// [`scope_plan`] in the layout `sets` gives.
+fn scope_plan_in(
+    name: &str,
+    sets: &[&str],
+    perturb: &[&str],
+) -> Result<megac_ir::gate::CheckedPlan, String> {
+    let mut all = vec!["train.micro_batch=1", "train.global_batch=1"];
+    all.extend_from_slice(sets);
     plan_with(
         name,
-        &["train.micro_batch=1", "train.global_batch=1"],
+        &all,
         megac_passes::Instrument {
             probes: vec!["*".to_string()],
             perturbations: perturb
@@ -387,6 +398,10 @@ fn train_perturbations_multi_rank() {
         &["parallel.tp=2"][..],
         &["parallel.tp=2", "parallel.sequence_parallel=true"],
         &["parallel.dp=2"],
+        // Pipeline stages run their chunks' perturb instructions; the weights are on
+        // stage 0 (down_proj) and stage 1 (the final norm).
+        &["parallel.pp=2"],
+        &["parallel.pp=2", "parallel.tp=2"],
     ] {
         let clean = train_in(layout, &[], 0);
         let zero = train_in(
@@ -452,4 +467,55 @@ fn train_perturbations_multi_rank() {
     };
     let err = train(&plan("llama", &[]), &opts).unwrap_err().to_string();
     assert!(err.contains("compiled into the plan"), "{err}");
+}
+
+/// `megac scope`'s perturbations in tp2 (with and without sequence parallelism), pp2 and
+/// pp2 × tp2: noise(0) leaves the logits bit-identical to the layout's clean run, scale(2)
+/// doubles the probed point exactly, and zero-head gives the one-device knockout's logits
+/// (within float rounding of the layouts).
+#[test]
+fn scope_perturbations_in_tp_and_pp() {
+    let init = fixture("llama").join("init.safetensors");
+    let logits = |plan: &megac_ir::gate::CheckedPlan| {
+        megac_runtime::infer::with_ranks(plan, &init, |inf| inf.logits(&A)).unwrap()
+    };
+    let point = |plan: &megac_ir::gate::CheckedPlan| {
+        megac_runtime::infer::with_ranks(plan, &init, |inf| {
+            inf.probe(&A, &["layers.1.mlp.out".to_string()])
+        })
+        .unwrap()
+        .remove(0)
+        .values
+    };
+    let knock_one = logits(&scope_plan("llama", &["layers.1.attn:zero-head(3)"]).unwrap());
+    for layout in [
+        &["parallel.tp=2"][..],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        &["parallel.pp=2"],
+        &["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    ] {
+        let clean_plan = scope_plan_in("llama", layout, &[]).unwrap();
+        let clean = logits(&clean_plan);
+        let zero = logits(&scope_plan_in("llama", layout, &["layers.0.out:noise(0)"]).unwrap());
+        assert!(
+            zero.iter().zip(&clean).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{layout:?}"
+        );
+        let scaled = point(&scope_plan_in("llama", layout, &["layers.1.mlp.out:scale(2)"]).unwrap());
+        let base = point(&clean_plan);
+        assert!(
+            scaled.iter().zip(&base).all(|(a, b)| *a == 2.0 * b),
+            "{layout:?}"
+        );
+        let knock =
+            logits(&scope_plan_in("llama", layout, &["layers.1.attn:zero-head(3)"]).unwrap());
+        let diff = knock
+            .iter()
+            .zip(&knock_one)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{layout:?}: zero-head(3) vs one device: max diff {diff:e}");
+        assert!(diff <= 1e-5, "{layout:?}: {diff}");
+        assert!(knock != clean, "{layout:?}");
+    }
 }

@@ -30,13 +30,25 @@ pub(super) fn run(
     if *step != 0 && *step != env.ctx.step {
         return Ok(());
     }
-    // The rows of the first `tokens` positions of the first sample (`[b, s, rest..]`).
+    // The rows of the first `tokens` positions of the first sample (`[b, s, rest..]`): of
+    // this rank's sequence shard where the sequence is split (sequence parallelism).
     let shape = shape(mem, outs[0]);
     let n = if *tokens == 0 {
         y.len()
     } else {
         let row = shape.get(2..).map_or(1, |r| r.iter().product::<u64>()) as usize;
-        (*tokens as usize * row).min(y.len())
+        let local = shape.get(1).copied().unwrap_or(1) as usize;
+        let axes = mem
+            .buffer(outs[0])
+            .layout
+            .get(1)
+            .cloned()
+            .unwrap_or_default();
+        let part = axes.iter().fold(0usize, |p, &ax| {
+            p * env.mesh.size(ax) as usize + env.mesh.coord(comm.rank(), ax)
+        });
+        let positions = (*tokens as usize).saturating_sub(part * local).min(local);
+        (positions * row).min(y.len())
     };
     let x = &mut y[..n];
     let stream = if *train {
