@@ -492,16 +492,23 @@ fn scope_perturbations_in_tp_and_pp() {
         &["parallel.tp=2"][..],
         &["parallel.tp=2", "parallel.sequence_parallel=true"],
         &["parallel.pp=2"],
-        &["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        &[
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
     ] {
         let clean_plan = scope_plan_in("llama", layout, &[]).unwrap();
         let clean = logits(&clean_plan);
         let zero = logits(&scope_plan_in("llama", layout, &["layers.0.out:noise(0)"]).unwrap());
         assert!(
-            zero.iter().zip(&clean).all(|(a, b)| a.to_bits() == b.to_bits()),
+            zero.iter()
+                .zip(&clean)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{layout:?}"
         );
-        let scaled = point(&scope_plan_in("llama", layout, &["layers.1.mlp.out:scale(2)"]).unwrap());
+        let scaled =
+            point(&scope_plan_in("llama", layout, &["layers.1.mlp.out:scale(2)"]).unwrap());
         let base = point(&clean_plan);
         assert!(
             scaled.iter().zip(&base).all(|(a, b)| *a == 2.0 * b),

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megac_runtime::infer::{glob, with_ranks};
+use megac_runtime::infer::{glob, with_ranks, with_ranks_scope};
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
@@ -71,7 +71,8 @@ const TOKENS: [u32; 8] = [3, 14, 15, 92, 65, 35, 89, 79];
 fn probes_match(name: &str, sets: &[&str]) {
     let plan = forward_plan(name, sets);
     let init = fixture(name).join("init.safetensors");
-    let mut got = with_ranks(&plan, &init, |inf| inf.probe(&TOKENS, &["*".to_string()])).unwrap();
+    let mut got =
+        with_ranks_scope(&plan, &init, |inf| inf.probe(&TOKENS, &["*".to_string()])).unwrap();
     got.sort_by(|a, b| a.name.cmp(&b.name));
     let want = tensors(&std::fs::read(fixture(name).join("scope.safetensors")).unwrap());
     let names = |v: Vec<&String>| v.into_iter().cloned().collect::<Vec<_>>();
@@ -144,6 +145,43 @@ fn probes_tp2_match_transformers() {
         "mixtral",
         &["parallel.tp=2", "parallel.sequence_parallel=true"],
     );
+}
+
+/// dp2 (each replica runs the sample; the probes' batch split over dp gathered by layout),
+/// also with tp2 and sequence parallelism: transformers' values, and bit for bit the
+/// one-device (or tp2-sp) probes.
+#[test]
+fn probes_dp2_match_transformers_and_one_device() {
+    let dp = ["parallel.dp=2", "train.global_batch=2"];
+    probes_match("llama", &dp);
+    let tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"];
+    let mut both = dp.to_vec();
+    both.extend_from_slice(&tp_sp);
+    probes_match("mixtral", &both);
+    for (name, base, with_dp) in [
+        ("llama", vec![], dp.to_vec()),
+        ("mixtral", tp_sp.to_vec(), both.clone()),
+    ] {
+        let init = fixture(name).join("init.safetensors");
+        let all = ["*".to_string()];
+        let one = with_ranks_scope(&forward_plan(name, &base), &init, |inf| {
+            inf.probe(&TOKENS, &all)
+        })
+        .unwrap();
+        let two = with_ranks_scope(&forward_plan(name, &with_dp), &init, |inf| {
+            inf.probe(&TOKENS, &all)
+        })
+        .unwrap();
+        assert_eq!(one, two, "{name} {with_dp:?}");
+    }
+    // generate's runs still refuse dp.
+    let plan = forward_plan("llama", &dp);
+    let init = fixture("llama").join("init.safetensors");
+    let err = match with_ranks(&plan, &init, |inf| inf.logits(&TOKENS)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("dp accepted"),
+    };
+    assert!(err.contains("dp = 2"), "{err}");
 }
 
 #[test]

@@ -1134,6 +1134,8 @@ mod tests {
             match key {
                 "w" => "out_in",
                 "to" => "f32",
+                "kind" => "noise",
+                "x" | "rate" => "0.5",
                 "axes" => "tp",
                 "eps" | "theta" | "coeff" | "lr" | "beta1" | "beta2" | "weight_decay"
                 | "max_norm" => "0.5",
@@ -1255,11 +1257,13 @@ mod tests {
             OpKind::AllToAll { .. } => (false, None),
             OpKind::GradNorm { .. } => (false, None),
             OpKind::AdamW { .. } => (false, None),
+            OpKind::Probe { .. } => (false, None),
+            OpKind::Perturb { .. } => (false, None),
         }
     }
 
     /// The number of `OpKind` variants (the arms of `expected`).
-    const VARIANTS: usize = 51;
+    const VARIANTS: usize = 53;
 
     #[test]
     fn op_names_name_every_variant_once() {
@@ -1330,6 +1334,9 @@ mod tests {
         ("slice", 1, 1),
         ("reduce_scatter", 1, 1),
         ("all_to_all", 2, 1),
+        ("probe", 1, 1),
+        // `any_attr` gives `noise`: one operand (`patch` takes its replacement too).
+        ("perturb", 1, 1),
     ];
 
     /// The ops whose input count varies.

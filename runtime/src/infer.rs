@@ -140,16 +140,32 @@ impl<'p> Inference<'p> {
     /// Check that forward-only runs support `plan`'s layout: one device, tensor and pipeline
     /// parallelism (no data, context or expert parallelism, no FBD).
     pub fn supports(plan: &CheckedPlan) -> Result<(), RuntimeError> {
+        Self::supports_layout(plan, false)
+    }
+
+    /// As [`Inference::supports`], with data parallelism too when `dp` (`megac scope`: every
+    /// data-parallel replica runs the same sample, and the probes' batch split over dp is
+    /// gathered like any other split).
+    pub fn supports_layout(plan: &CheckedPlan, dp: bool) -> Result<(), RuntimeError> {
         let m = &plan.mesh;
-        let others: Vec<String> = [Axis::Dp, Axis::Cp, Axis::Ep]
-            .into_iter()
+        let refused: &[Axis] = if dp {
+            &[Axis::Cp, Axis::Ep]
+        } else {
+            &[Axis::Dp, Axis::Cp, Axis::Ep]
+        };
+        let others: Vec<String> = refused
+            .iter()
+            .copied()
             .filter(|&a| m.size(a) > 1)
             .map(|a| format!("{} = {}", a.as_str(), m.size(a)))
             .collect();
-        if !others.is_empty() || m.world_size() as u64 != m.size(Axis::Tp) * m.size(Axis::Pp) {
+        let dp_size = if dp { m.size(Axis::Dp) } else { 1 };
+        if !others.is_empty()
+            || m.world_size() as u64 != m.size(Axis::Tp) * m.size(Axis::Pp) * dp_size
+        {
             return Err(RuntimeError::Unsupported(format!(
-                "forward-only runs (generate, scope) support tensor and pipeline parallel \
-                 layouts only so far; this layout has {} (set them to 1)",
+                "forward-only runs support tensor and pipeline parallel layouts (and \
+                 megac scope data parallelism) only so far; this layout has {} (set them to 1)",
                 if others.is_empty() {
                     "forward/backward decoupling (parallel.fbd)".to_string()
                 } else {
@@ -172,7 +188,7 @@ impl<'p> Inference<'p> {
         init: &std::path::Path,
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
-        Self::supports(plan)?;
+        Self::supports_layout(plan, true)?;
         let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
         Self::from_session(plan, session)
     }
@@ -186,7 +202,7 @@ impl<'p> Inference<'p> {
         other: &mut Inference<'_>,
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
-        Self::supports(plan)?;
+        Self::supports_layout(plan, true)?;
         let mut session = Session::with_comm(plan, "synthetic", None, comm)?;
         let src = &other.session;
         for p in &plan.params {
@@ -860,6 +876,25 @@ pub fn with_ranks<T: Send>(
     f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
 ) -> Result<T, RuntimeError> {
     Inference::supports(plan)?;
+    run_ranks(plan, init, f)
+}
+
+/// [`with_ranks`] for `megac scope`, data-parallel layouts included
+/// ([`Inference::supports_layout`]).
+pub fn with_ranks_scope<T: Send>(
+    plan: &CheckedPlan,
+    init: &std::path::Path,
+    f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
+) -> Result<T, RuntimeError> {
+    Inference::supports_layout(plan, true)?;
+    run_ranks(plan, init, f)
+}
+
+fn run_ranks<T: Send>(
+    plan: &CheckedPlan,
+    init: &std::path::Path,
+    f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
+) -> Result<T, RuntimeError> {
     let world = plan.mesh.world_size();
     if world == 1 {
         return f(&mut Inference::new(plan, init)?);

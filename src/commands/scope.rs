@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use megac_runtime::infer::{compare, with_ranks, Perturbation};
+use megac_runtime::infer::{compare, with_ranks_scope, Perturbation};
 
 use crate::ModelArgs;
 
@@ -120,9 +120,17 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
         args.tokens.as_deref(),
         tok.as_ref(),
     )?;
-    let model = ModelArgs {
+    // One sample per data-parallel replica: each runs the same tokens.
+    let dp = super::load_spec(&ModelArgs {
         model: args.model.clone(),
         sets: args.sets.clone(),
+    })
+    .map_or(1, |s| s.parallel.dp);
+    let mut sets = vec![format!("train.global_batch={dp}")];
+    sets.extend(args.sets.iter().cloned());
+    let model = ModelArgs {
+        model: args.model.clone(),
+        sets,
     };
     // The probes and perturbations are compiled into the plan (the `perturb` and `probe`
     // passes); the clean run of the report is the plan without them.
@@ -144,13 +152,14 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
     let clean = if perturbations.is_empty() {
         None
     } else {
-        let clean_plan = super::generate::compile_forward(&model)?;
+        let clean_plan =
+            super::generate::compile_forward_with(&model, &megac_passes::Instrument::default())?;
         Some(
-            with_ranks(&clean_plan, &args.init, |inf| inf.logits(&tokens))
+            with_ranks_scope(&clean_plan, &args.init, |inf| inf.logits(&tokens))
                 .map_err(|e| format!("error: {e}"))?,
         )
     };
-    let (probes, report) = with_ranks(&plan, &args.init, |inf| {
+    let (probes, report) = with_ranks_scope(&plan, &args.init, |inf| {
         if perturbations.is_empty() {
             return Ok((inf.probe(&tokens, &args.probes)?, None));
         }
