@@ -526,3 +526,51 @@ fn scope_perturbations_in_tp_and_pp() {
         assert!(knock != clean, "{layout:?}");
     }
 }
+
+/// Through the CLI: `megac train --perturb` compiles the activation perturbations into the
+/// plan (here pp2: noise(0) trains as the clean run, noise(0.5) not), and `megac run` of a
+/// plan compiled without them refuses an activation point with one error.
+#[test]
+fn train_and_run_commands_with_perturbations() {
+    let model = fixture("llama").join("model.toml");
+    let m = model.to_str().unwrap();
+    let losses = |perturb: &[&str]| -> String {
+        let mut args = vec!["train", m, "--steps", "2", "--set", "parallel.pp=2"];
+        for p in perturb {
+            args.extend(["--perturb", p]);
+        }
+        let out = megac(&args);
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // "trained 2 steps of model: loss A -> B (...)"
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("trained"))
+            .unwrap()
+            .to_string();
+        line.split(" (").next().unwrap().to_string()
+    };
+    let clean = losses(&[]);
+    assert_eq!(losses(&["layers.0.out:noise(0)"]), clean);
+    assert_ne!(losses(&["layers.0.out:noise(0.5)"]), clean);
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan");
+    assert!(megac(&["compile", m, "-o", plan.to_str().unwrap()])
+        .status
+        .success());
+    let run = megac(&[
+        "run",
+        plan.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--perturb",
+        "layers.0.out:noise(1)",
+    ]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(err.contains("compiled into the plan"), "{err}");
+}
