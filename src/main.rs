@@ -208,6 +208,13 @@ enum Command {
         /// Show rank R's local shapes instead of the global ones.
         #[arg(long, value_name = "R")]
         rank: Option<usize>,
+        /// Probe points the `probe` pass inserts (as `megac scope --probe`; repeatable).
+        #[arg(long = "probe", value_name = "PATTERN")]
+        probes: Vec<String>,
+        /// Perturbations the `perturb` pass inserts (as `megac train --perturb`, training
+        /// streams; repeatable).
+        #[arg(long = "perturb", value_name = "POINT:KIND[@STEP]")]
+        perturb: Vec<String>,
     },
     /// Compile a model.toml into a plan directory (PLAN_DIR/plan.json).
     #[command(
@@ -396,7 +403,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check { model } => commands::check::run(&model),
-        Command::Dump { model, after, rank } => commands::dump::run(&model, after.as_deref(), rank),
+        Command::Dump {
+            model,
+            after,
+            rank,
+            probes,
+            perturb,
+        } => commands::dump::run(&model, after.as_deref(), rank, &probes, &perturb),
         Command::Passes => commands::passes::run(),
         Command::ImportHf { config, out } => commands::import_hf::run(&config, &out),
         Command::Generate(args) => commands::generate::run(&args),

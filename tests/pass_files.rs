@@ -128,7 +128,9 @@ impl TestFile {
     }
 }
 
-const KEYS: [&str; 4] = ["pass", "model", "set", "error"];
+const KEYS: [&str; 8] = [
+    "pass", "model", "set", "error", "probe", "perturb", "seed", "tokens",
+];
 
 /// `; key: value` for a known key; every other `;` line is a comment.
 fn header_line(line: &str) -> Result<Option<(String, String)>, String> {
@@ -166,6 +168,25 @@ fn run_pass_file(pass_dir: &str, file: &TestFile) -> Result<String, String> {
     }
     let spec = load_spec(file)?;
     let mut module = Module::new(spec);
+    // What the `perturb` and `probe` passes insert: `; probe: PATTERN`, `; perturb:
+    // POINT:KIND[@STEP]` (training streams), `; seed: S`, `; tokens: N`.
+    module.instrument = megac_passes::Instrument {
+        probes: file.all("probe"),
+        perturbations: file
+            .all("perturb")
+            .iter()
+            .map(|p| megac_ir::perturb::TrainPerturbation::parse(p))
+            .collect::<Result<_, _>>()?,
+        seed: file
+            .get("seed")
+            .map_or(Ok(0), str::parse)
+            .map_err(|e| format!("; seed: {e}"))?,
+        tokens: file
+            .get("tokens")
+            .map_or(Ok(0), str::parse)
+            .map_err(|e| format!("; tokens: {e}"))?,
+        train: file.get("tokens").is_none(),
+    };
     if pass == "build" {
         if file.has_input() {
             return Err("a `build` file holds no input IR: its input is the model spec".into());

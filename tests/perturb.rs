@@ -21,18 +21,62 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn plan(name: &str, sets: &[&str]) -> megac_ir::gate::CheckedPlan {
+    plan_with(name, sets, megac_passes::Instrument::default()).unwrap()
+}
+
+/// The plan of fixture `name` with `instrument`'s probes and perturbations compiled in (the
+/// `perturb` and `probe` passes), or the passes' error.
+fn plan_with(
+    name: &str,
+    sets: &[&str],
+    instrument: megac_passes::Instrument,
+) -> Result<megac_ir::gate::CheckedPlan, String> {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let spec = megac_frontend::load(&fixture(name).join("model.toml"), &sets)
         .unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
-    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let module =
+        megac_passes::run_pipeline_with(spec, instrument, None, true).map_err(|e| e.to_string())?;
     let plan =
         megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
-    megac_ir::gate::CheckedPlan::check(plan).unwrap()
+    Ok(megac_ir::gate::CheckedPlan::check(plan).unwrap())
 }
 
+/// The one-sample plan with every probe point.
 fn forward_plan(name: &str) -> megac_ir::gate::CheckedPlan {
-    plan(name, &["train.micro_batch=1", "train.global_batch=1"])
+    scope_plan(name, &[]).unwrap()
+}
+
+/// The one-sample plan with every probe point and the scope perturbations `perturb` of the
+/// 8 tokens of `A` (seed 0).
+fn scope_plan(name: &str, perturb: &[&str]) -> Result<megac_ir::gate::CheckedPlan, String> {
+    scope_plan_in(name, &[], perturb)
+}
+
+/// [`scope_plan`] in the layout `sets` gives.
+fn scope_plan_in(
+    name: &str,
+    sets: &[&str],
+    perturb: &[&str],
+) -> Result<megac_ir::gate::CheckedPlan, String> {
+    let mut all = vec!["train.micro_batch=1", "train.global_batch=1"];
+    all.extend_from_slice(sets);
+    plan_with(
+        name,
+        &all,
+        megac_passes::Instrument {
+            probes: vec!["*".to_string()],
+            perturbations: perturb
+                .iter()
+                .map(|p| TrainPerturbation {
+                    perturbation: Perturbation::parse(p).unwrap(),
+                    step: None,
+                })
+                .collect(),
+            tokens: A.len() as u64,
+            ..Default::default()
+        },
+    )
 }
 
 const A: [u32; 8] = [3, 14, 15, 92, 65, 35, 89, 79];
@@ -76,11 +120,9 @@ fn save(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
 fn zero_head_matches_weights(name: &str, o_proj: &str, conv1d: bool, head: usize) {
     let plan = forward_plan(name);
     let init = fixture(name).join("init.safetensors");
-    let mut inf = Inference::new(&plan, &init).unwrap();
-    let clean = inf.logits(&A).unwrap();
-    inf.set_perturbations(&[perturb(&format!("layers.1.attn:zero-head({head})"))], 0)
-        .unwrap();
-    let knocked = inf.logits(&A).unwrap();
+    let clean = Inference::new(&plan, &init).unwrap().logits(&A).unwrap();
+    let knock = scope_plan(name, &[&format!("layers.1.attn:zero-head({head})")]).unwrap();
+    let knocked = Inference::new(&knock, &init).unwrap().logits(&A).unwrap();
     let d = 16; // hidden 64 over 4 heads
     let mut weights = read_all(&init);
     let (_, shape, w) = weights.iter_mut().find(|(n, _, _)| n == o_proj).unwrap();
@@ -123,9 +165,6 @@ fn zero_head_equals_zeroed_output_projection() {
 
 #[test]
 fn zero_head_rejects_bad_heads_and_points() {
-    let plan = forward_plan("llama");
-    let init = fixture("llama").join("init.safetensors");
-    let mut inf = Inference::new(&plan, &init).unwrap();
     for (p, want) in [
         ("layers.0.attn:zero-head(4)", "the layer has heads 0..4"),
         (
@@ -137,10 +176,7 @@ fn zero_head_rejects_bad_heads_and_points() {
             "change activations, not weights",
         ),
     ] {
-        let err = inf
-            .set_perturbations(&[perturb(p)], 0)
-            .unwrap_err()
-            .to_string();
+        let err = scope_plan("llama", &[p]).unwrap_err();
         assert!(err.contains(want), "{p}: {err}");
     }
     assert!(Perturbation::parse("layers.0.attn:zero-head(x)").is_err());
@@ -179,14 +215,16 @@ fn patch_replaces_activations() {
         );
         write_probes(&fa, &pa);
         write_probes(&fb, &pb);
-        let spec = |f: &Path| perturb(&format!("layers.0.out:patch({})", f.display()));
-        inf.set_perturbations(&[spec(&fa)], 0).unwrap();
+        let spec = |f: &Path| format!("layers.0.out:patch({})", f.display());
+        let patched = scope_plan(name, &[&spec(&fa)]).unwrap();
+        let mut inf = Inference::new(&patched, &init).unwrap();
+        inf.set_patches(&[perturb(&spec(&fa))]).unwrap();
         assert_eq!(
             probe_all(&mut inf, &A),
             pa,
             "{name}: patched with A's own values"
         );
-        inf.set_perturbations(&[spec(&fb)], 0).unwrap();
+        inf.set_patches(&[perturb(&spec(&fb))]).unwrap();
         let got = probe_all(&mut inf, &A);
         for ((g, a), b) in got.iter().zip(&pa).zip(&pb) {
             let later = g.name.starts_with("layers.1.") || g.name == "logits";
@@ -270,16 +308,24 @@ fn train_with(perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
 
 /// Three steps of the llama fixture in `layout` with `perturb`: (loss, grad norm) per step.
 fn train_in(layout: &[&str], perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
-    let plan = plan("llama", layout);
+    let perturb: Vec<TrainPerturbation> = perturb
+        .iter()
+        .map(|p| TrainPerturbation::parse(p).unwrap())
+        .collect();
+    // Activation perturbations are compiled into the plan; the runtime perturbs weights.
+    let instrument = megac_passes::Instrument {
+        perturbations: perturb.clone(),
+        seed,
+        train: true,
+        ..Default::default()
+    };
+    let plan = plan_with("llama", layout, instrument).unwrap();
     let opts = RunOptions {
         steps: Some(3),
         data: "synthetic".into(),
         init: Some(fixture("llama").join("init.safetensors")),
         progress: Some(false),
-        perturb: perturb
-            .iter()
-            .map(|p| TrainPerturbation::parse(p).unwrap())
-            .collect(),
+        perturb,
         perturb_seed: seed,
         ..Default::default()
     };
@@ -352,6 +398,10 @@ fn train_perturbations_multi_rank() {
         &["parallel.tp=2"][..],
         &["parallel.tp=2", "parallel.sequence_parallel=true"],
         &["parallel.dp=2"],
+        // Pipeline stages run their chunks' perturb instructions; the weights are on
+        // stage 0 (down_proj) and stage 1 (the final norm).
+        &["parallel.pp=2"],
+        &["parallel.pp=2", "parallel.tp=2"],
     ] {
         let clean = train_in(layout, &[], 0);
         let zero = train_in(
@@ -398,17 +448,129 @@ fn train_perturbations_multi_rank() {
             }
         }
     }
-    // A head no rank holds: one error.
+    // A head no rank holds: one error (from the perturb pass).
+    let instrument = megac_passes::Instrument {
+        perturbations: vec![TrainPerturbation::parse("layers.1.attn:zero-head(4)").unwrap()],
+        train: true,
+        ..Default::default()
+    };
+    let err = plan_with("llama", &["parallel.tp=2"], instrument).unwrap_err();
+    assert!(err.contains("the layer has heads 0..4"), "{err}");
+    // An activation perturbation the plan was compiled without: one error.
     let opts = RunOptions {
         steps: Some(1),
         data: "synthetic".into(),
         init: Some(fixture("llama").join("init.safetensors")),
         progress: Some(false),
-        perturb: vec![TrainPerturbation::parse("layers.1.attn:zero-head(4)").unwrap()],
+        perturb: vec![TrainPerturbation::parse("layers.1.out:noise(1)").unwrap()],
         ..Default::default()
     };
-    let err = train(&plan("llama", &["parallel.tp=2"]), &opts)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("the layer has heads 0..4"), "{err}");
+    let err = train(&plan("llama", &[]), &opts).unwrap_err().to_string();
+    assert!(err.contains("compiled into the plan"), "{err}");
+}
+
+/// `megac scope`'s perturbations in tp2 (with and without sequence parallelism), pp2 and
+/// pp2 × tp2: noise(0) leaves the logits bit-identical to the layout's clean run, scale(2)
+/// doubles the probed point exactly, and zero-head gives the one-device knockout's logits
+/// (within float rounding of the layouts).
+#[test]
+fn scope_perturbations_in_tp_and_pp() {
+    let init = fixture("llama").join("init.safetensors");
+    let logits = |plan: &megac_ir::gate::CheckedPlan| {
+        megac_runtime::infer::with_ranks(plan, &init, |inf| inf.logits(&A)).unwrap()
+    };
+    let point = |plan: &megac_ir::gate::CheckedPlan| {
+        megac_runtime::infer::with_ranks(plan, &init, |inf| {
+            inf.probe(&A, &["layers.1.mlp.out".to_string()])
+        })
+        .unwrap()
+        .remove(0)
+        .values
+    };
+    let knock_one = logits(&scope_plan("llama", &["layers.1.attn:zero-head(3)"]).unwrap());
+    for layout in [
+        &["parallel.tp=2"][..],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        &["parallel.pp=2"],
+        &[
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+    ] {
+        let clean_plan = scope_plan_in("llama", layout, &[]).unwrap();
+        let clean = logits(&clean_plan);
+        let zero = logits(&scope_plan_in("llama", layout, &["layers.0.out:noise(0)"]).unwrap());
+        assert!(
+            zero.iter()
+                .zip(&clean)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{layout:?}"
+        );
+        let scaled =
+            point(&scope_plan_in("llama", layout, &["layers.1.mlp.out:scale(2)"]).unwrap());
+        let base = point(&clean_plan);
+        assert!(
+            scaled.iter().zip(&base).all(|(a, b)| *a == 2.0 * b),
+            "{layout:?}"
+        );
+        let knock =
+            logits(&scope_plan_in("llama", layout, &["layers.1.attn:zero-head(3)"]).unwrap());
+        let diff = knock
+            .iter()
+            .zip(&knock_one)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{layout:?}: zero-head(3) vs one device: max diff {diff:e}");
+        assert!(diff <= 1e-5, "{layout:?}: {diff}");
+        assert!(knock != clean, "{layout:?}");
+    }
+}
+
+/// Through the CLI: `megac train --perturb` compiles the activation perturbations into the
+/// plan (here pp2: noise(0) trains as the clean run, noise(0.5) not), and `megac run` of a
+/// plan compiled without them refuses an activation point with one error.
+#[test]
+fn train_and_run_commands_with_perturbations() {
+    let model = fixture("llama").join("model.toml");
+    let m = model.to_str().unwrap();
+    let losses = |perturb: &[&str]| -> String {
+        let mut args = vec!["train", m, "--steps", "2", "--set", "parallel.pp=2"];
+        for p in perturb {
+            args.extend(["--perturb", p]);
+        }
+        let out = megac(&args);
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // "trained 2 steps of model: loss A -> B (...)"
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("trained"))
+            .unwrap()
+            .to_string();
+        line.split(" (").next().unwrap().to_string()
+    };
+    let clean = losses(&[]);
+    assert_eq!(losses(&["layers.0.out:noise(0)"]), clean);
+    assert_ne!(losses(&["layers.0.out:noise(0.5)"]), clean);
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan");
+    assert!(megac(&["compile", m, "-o", plan.to_str().unwrap()])
+        .status
+        .success());
+    let run = megac(&[
+        "run",
+        plan.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--perturb",
+        "layers.0.out:noise(1)",
+    ]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(err.contains("compiled into the plan"), "{err}");
 }

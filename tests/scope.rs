@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megac_runtime::infer::{glob, with_ranks};
+use megac_runtime::infer::{glob, with_ranks, with_ranks_scope};
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
@@ -16,14 +16,29 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The one-sample plan of fixture `name` with every probe point compiled in (the `probe`
+/// pass).
 fn forward_plan(name: &str, extra: &[&str]) -> megac_ir::gate::CheckedPlan {
+    let probes = megac_passes::Instrument {
+        probes: vec!["*".to_string()],
+        ..Default::default()
+    };
+    forward_plan_with(name, extra, probes)
+}
+
+/// As [`forward_plan`], with `instrument`'s probes and perturbations.
+fn forward_plan_with(
+    name: &str,
+    extra: &[&str],
+    instrument: megac_passes::Instrument,
+) -> megac_ir::gate::CheckedPlan {
     let mut sets = vec!["train.micro_batch=1", "train.global_batch=1"];
     sets.extend_from_slice(extra);
     let sets: Vec<String> = sets.into_iter().map(String::from).collect();
     let spec = megac_frontend::load(&fixture(name).join("model.toml"), &sets)
         .unwrap_or_else(|e| panic!("{}", e.render()));
     let flops = megac_passes::flops::step_flops(&spec).total;
-    let module = megac_passes::run_pipeline(spec, None, true).unwrap();
+    let module = megac_passes::run_pipeline_with(spec, instrument, None, true).unwrap();
     let plan =
         megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
     megac_ir::gate::CheckedPlan::check(plan).unwrap()
@@ -56,7 +71,8 @@ const TOKENS: [u32; 8] = [3, 14, 15, 92, 65, 35, 89, 79];
 fn probes_match(name: &str, sets: &[&str]) {
     let plan = forward_plan(name, sets);
     let init = fixture(name).join("init.safetensors");
-    let mut got = with_ranks(&plan, &init, |inf| inf.probe(&TOKENS, &["*".to_string()])).unwrap();
+    let mut got =
+        with_ranks_scope(&plan, &init, |inf| inf.probe(&TOKENS, &["*".to_string()])).unwrap();
     got.sort_by(|a, b| a.name.cmp(&b.name));
     let want = tensors(&std::fs::read(fixture(name).join("scope.safetensors")).unwrap());
     let names = |v: Vec<&String>| v.into_iter().cloned().collect::<Vec<_>>();
@@ -129,6 +145,43 @@ fn probes_tp2_match_transformers() {
         "mixtral",
         &["parallel.tp=2", "parallel.sequence_parallel=true"],
     );
+}
+
+/// dp2 (each replica runs the sample; the probes' batch split over dp gathered by layout),
+/// also with tp2 and sequence parallelism: transformers' values, and bit for bit the
+/// one-device (or tp2-sp) probes.
+#[test]
+fn probes_dp2_match_transformers_and_one_device() {
+    let dp = ["parallel.dp=2", "train.global_batch=2"];
+    probes_match("llama", &dp);
+    let tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"];
+    let mut both = dp.to_vec();
+    both.extend_from_slice(&tp_sp);
+    probes_match("mixtral", &both);
+    for (name, base, with_dp) in [
+        ("llama", vec![], dp.to_vec()),
+        ("mixtral", tp_sp.to_vec(), both.clone()),
+    ] {
+        let init = fixture(name).join("init.safetensors");
+        let all = ["*".to_string()];
+        let one = with_ranks_scope(&forward_plan(name, &base), &init, |inf| {
+            inf.probe(&TOKENS, &all)
+        })
+        .unwrap();
+        let two = with_ranks_scope(&forward_plan(name, &with_dp), &init, |inf| {
+            inf.probe(&TOKENS, &all)
+        })
+        .unwrap();
+        assert_eq!(one, two, "{name} {with_dp:?}");
+    }
+    // generate's runs still refuse dp.
+    let plan = forward_plan("llama", &dp);
+    let init = fixture("llama").join("init.safetensors");
+    let err = match with_ranks(&plan, &init, |inf| inf.logits(&TOKENS)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("dp accepted"),
+    };
+    assert!(err.contains("dp = 2"), "{err}");
 }
 
 #[test]
@@ -363,13 +416,22 @@ fn perturbed_probes_and_bad_perturbations() {
     let plan = forward_plan("llama", &[]);
     let init = fixture("llama").join("init.safetensors");
     let pats = ["layers.1.mlp.out".to_string()];
-    let (clean, scaled) = with_ranks(&plan, &init, |inf| {
-        let clean = inf.probe(&TOKENS, &pats)?;
-        let p = megac_runtime::infer::Perturbation::parse("layers.1.mlp.out:scale(2)").unwrap();
-        inf.set_perturbations(&[p], 0)?;
-        Ok((clean, inf.probe(&TOKENS, &pats)?))
-    })
-    .unwrap();
+    let clean = with_ranks(&plan, &init, |inf| inf.probe(&TOKENS, &pats)).unwrap();
+    let p = megac_runtime::infer::Perturbation::parse("layers.1.mlp.out:scale(2)").unwrap();
+    let perturbed = forward_plan_with(
+        "llama",
+        &[],
+        megac_passes::Instrument {
+            probes: pats.to_vec(),
+            perturbations: vec![megac_runtime::perturb::TrainPerturbation {
+                perturbation: p,
+                step: None,
+            }],
+            tokens: TOKENS.len() as u64,
+            ..Default::default()
+        },
+    );
+    let scaled = with_ranks(&perturbed, &init, |inf| inf.probe(&TOKENS, &pats)).unwrap();
     assert!(clean[0]
         .values
         .iter()

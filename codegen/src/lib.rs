@@ -121,7 +121,8 @@ fn emit(
     }
     let activation_bytes_unplanned = e.unplanned_activation_bytes();
     let liveness = e.programs_for_liveness();
-    let live_to_end = e.live_to_end.clone();
+    let mut live_to_end = e.live_to_end.clone();
+    live_to_end.extend(e.probes.iter().copied());
     let activation_arena = memory::assign_offsets(&mut e.buffers, &liveness, &live_to_end);
     let live_bytes = memory::live_peak(&e.buffers, &liveness, &live_to_end);
     // Arena extents (buffers may overlap: views, buckets, the distributed optimizer's
@@ -218,6 +219,9 @@ struct Emitter<'a> {
     result_axes: BTreeMap<String, Vec<megac_ir::Axis>>,
     /// Activation buffers read after the micro-batch program (results).
     live_to_end: Vec<BufId>,
+    /// The results of `probe` instructions (live to the end of the forward: the runtime
+    /// reads them after it).
+    probes: Vec<BufId>,
     /// Views: buffer -> the buffer whose storage it shares.
     view_of: BTreeMap<BufId, BufId>,
     /// An inference plan: no gradients, optimizer state or optimizer program.
@@ -238,6 +242,7 @@ impl<'a> Emitter<'a> {
             results: BTreeMap::new(),
             result_axes: BTreeMap::new(),
             live_to_end: Vec::new(),
+            probes: Vec::new(),
             view_of: BTreeMap::new(),
             inference: false,
         }
@@ -580,6 +585,9 @@ impl<'a> Emitter<'a> {
                         program.push(Instr::Zero { buffer: o });
                     }
                 }
+            }
+            if matches!(op.kind, OpKind::Probe { .. }) {
+                self.probes.extend(outs.iter().copied());
             }
             program.push(Instr::Kernel {
                 op: op.kind.clone(),

@@ -535,8 +535,11 @@ impl<'p> Gate<'p> {
             ));
         }
         let int = b.dtype == DType::I32;
+        // f32 inputs: only activation patching's replacements (`patch:POINT`).
         if int && !matches!(b.class, BufferClass::Input | BufferClass::Activation)
-            || !int && b.class == BufferClass::Input
+            || !int
+                && b.class == BufferClass::Input
+                && !(b.dtype == DType::F32 && b.name.starts_with("patch:"))
         {
             return Err(invalid(
                 format!("{at}.dtype"),
@@ -906,6 +909,20 @@ impl<'p> Gate<'p> {
         // Inputs and results.
         for (name, &b) in &role.inputs {
             let iat = format!("{at}.inputs.{name}");
+            if name.starts_with("patch:") {
+                // Activation patching's replacement (the `perturb` pass): f32, a micro-batch.
+                let buf = self.want(b, &iat, BufferClass::Input, DType::F32)?;
+                if buf.shape.first() != Some(&plan.batch.micro_batch) {
+                    return Err(invalid(
+                        iat,
+                        format!(
+                            "buffer {b} ({}) has shape {:?}, not a micro-batch of {}",
+                            buf.name, buf.shape, plan.batch.micro_batch
+                        ),
+                    ));
+                }
+                continue;
+            }
             if !matches!(name.as_str(), "tokens" | "labels") {
                 return Err(invalid(iat, "unknown input (expected tokens or labels)"));
             }

@@ -268,6 +268,23 @@ pub fn infer_types(kind: &OpKind, ins: &[&TensorType]) -> Result<Vec<TensorType>
             expect_arity(1)?;
             Ok(vec![ins[0].clone().replicate()])
         }
+        // Inserted on the laid-out graph: the result keeps the operand's layout.
+        OpKind::Probe { .. } => {
+            expect_arity(1)?;
+            Ok(vec![ins[0].clone()])
+        }
+        OpKind::Perturb { action, .. } => {
+            let patch = *action == crate::op::PerturbAction::Patch;
+            expect_arity(if patch { 2 } else { 1 })?;
+            if patch && (ins[1].dims != ins[0].dims || ins[1].dtype != ins[0].dtype) {
+                return Err(format!(
+                    "the replacement {} differs from the point {}",
+                    shape_str(ins[1]),
+                    shape_str(ins[0])
+                ));
+            }
+            Ok(vec![ins[0].clone()])
+        }
         OpKind::CrossEntropy => {
             expect_arity(2)?;
             let (logits, labels) = (ins[0], ins[1]);

@@ -27,6 +27,7 @@ pub mod infer;
 pub mod mesh;
 pub mod op;
 pub mod parse;
+pub mod perturb;
 pub mod pipeline;
 pub mod plan;
 pub mod plan_text;

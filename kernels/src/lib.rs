@@ -35,6 +35,7 @@ pub mod loss;
 pub mod moe;
 pub mod norm;
 pub mod optim;
+pub mod perturb;
 pub mod precision;
 pub mod rope;
 mod simd;

@@ -6,6 +6,7 @@
 //!   [`shard`]: layouts over the mesh, with each parameter's tp layout from
 //!   [`tensor_parallel`] and sequence parallelism's placement from [`collectives`] (both
 //!   egg rewrites over the real IR); [`optimizer`]: gradient norm, clipping, AdamW.
+//! - [`instrument`]: the `perturb` and `probe` passes of MegaScope (no-ops unless asked).
 //! - `flops`: model FLOPs per step, re-exported from their home, [`megac_ir::flops`].
 
 #![warn(missing_docs)]
@@ -13,15 +14,17 @@
 pub mod autodiff;
 pub mod build;
 pub mod collectives;
+pub mod instrument;
 pub mod manager;
 pub mod optimizer;
 pub mod recompute;
 pub mod shard;
 pub mod tensor_parallel;
 
+pub use instrument::Instrument;
 pub use manager::{
-    pass_names, pipeline, run_inference_pipeline, run_pass, run_pipeline, Module, Pass,
-    INFERENCE_PASSES,
+    pass_names, pipeline, run_inference_pipeline, run_inference_pipeline_with, run_pass,
+    run_pipeline, run_pipeline_with, Module, Pass, INFERENCE_PASSES,
 };
 /// Model FLOPs per step (analysis, not a transformation): their home is in ir.
 pub use megac_ir::flops;
@@ -50,6 +53,9 @@ pub enum PassError {
     /// A graph pass ran on a module without a graph (the build pass has not run).
     #[error("no graph: run the build pass first")]
     NoGraph,
+    /// A probe pattern or perturbation names no point, or a bad one for its kind.
+    #[error("{0}")]
+    Instrument(String),
     /// `--after` named no pass.
     #[error("no pass named `{name}`; passes: {known}")]
     UnknownPass {

@@ -5,6 +5,7 @@ use megac_ir::{print_graph, verify, Graph, ModelSpec};
 
 use crate::autodiff::differentiate;
 use crate::build::build_graph;
+use crate::instrument::{self, Instrument};
 use crate::optimizer::add_optimizer;
 use crate::recompute::{recompute, regather};
 use crate::shard::shard;
@@ -17,12 +18,18 @@ pub struct Module {
     pub spec: ModelSpec,
     /// The Graph IR, present after the `build` pass.
     pub graph: Option<Graph>,
+    /// What the `perturb` and `probe` passes insert (nothing by default).
+    pub instrument: Instrument,
 }
 
 impl Module {
     /// A module holding only the spec.
     pub fn new(spec: ModelSpec) -> Module {
-        Module { spec, graph: None }
+        Module {
+            spec,
+            graph: None,
+            instrument: Instrument::default(),
+        }
     }
 
     /// The text form of the current IR.
@@ -73,6 +80,22 @@ pub fn pipeline() -> Vec<Pass> {
             run: |m| {
                 let spec = m.spec.clone();
                 shard(graph_mut(m)?, &spec)
+            },
+        },
+        Pass {
+            name: "perturb",
+            description: "megac scope / train --perturb only: perturb(point, kind, seed) ops right after the ops that write the perturbed points (or on weights), read by every reader of the point",
+            run: |m| {
+                let ins = m.instrument.clone();
+                instrument::perturb(graph_mut(m)?, &ins)
+            },
+        },
+        Pass {
+            name: "probe",
+            description: "megac scope only: probe(name) ops copying the probed points into buffers live to the end of the forward (pending tp sums all-reduced first)",
+            run: |m| {
+                let ins = m.instrument.clone();
+                instrument::probe(graph_mut(m)?, &ins)
             },
         },
         Pass {
@@ -134,6 +157,16 @@ pub fn run_pipeline(
     after: Option<&str>,
     verify_each: bool,
 ) -> Result<Module, PassError> {
+    run_pipeline_with(spec, Instrument::default(), after, verify_each)
+}
+
+/// [`run_pipeline`] with the probes and perturbations of `instrument`.
+pub fn run_pipeline_with(
+    spec: ModelSpec,
+    instrument: Instrument,
+    after: Option<&str>,
+    verify_each: bool,
+) -> Result<Module, PassError> {
     let passes = pipeline();
     if let Some(name) = after {
         if !passes.iter().any(|p| p.name == name) {
@@ -144,6 +177,7 @@ pub fn run_pipeline(
         }
     }
     let mut module = Module::new(spec);
+    module.instrument = instrument;
     for pass in &passes {
         (pass.run)(&mut module)?;
         if verify_each {
@@ -162,13 +196,23 @@ pub fn run_pipeline(
 }
 
 /// The passes of an inference plan, in order: `build` and `shard` (the forward over the
-/// mesh; no backward, recomputation or optimizer).
-pub const INFERENCE_PASSES: [&str; 2] = ["build", "shard"];
+/// mesh; no backward, recomputation or optimizer), then `perturb` and `probe` (no-ops unless
+/// asked for).
+pub const INFERENCE_PASSES: [&str; 4] = ["build", "shard", "perturb", "probe"];
 
 /// Run the inference pipeline ([`INFERENCE_PASSES`]) on `spec`, verifying the graph after
 /// every pass: the forward graph `megac_codegen::emit_inference_plan` lowers.
 pub fn run_inference_pipeline(spec: ModelSpec) -> Result<Module, PassError> {
+    run_inference_pipeline_with(spec, Instrument::default())
+}
+
+/// [`run_inference_pipeline`] with the probes and perturbations of `instrument`.
+pub fn run_inference_pipeline_with(
+    spec: ModelSpec,
+    instrument: Instrument,
+) -> Result<Module, PassError> {
     let mut module = Module::new(spec);
+    module.instrument = instrument;
     for pass in pipeline()
         .into_iter()
         .filter(|p| INFERENCE_PASSES.contains(&p.name))

@@ -7,6 +7,7 @@ mod collective;
 mod dense;
 mod moe;
 mod optim;
+mod scope;
 
 use megac_ir::plan::{BufId, Instr, Plan};
 use megac_ir::{OpKind, WeightLayout};
@@ -310,6 +311,7 @@ fn run_kernel(
         | OpKind::ReduceScatter { .. }
         | OpKind::AllToAll { .. } => collective::run(op, ins, outs, env, comm),
         OpKind::GradNorm { .. } | OpKind::AdamW { .. } => optim::run(op, ins, outs, env, comm),
+        OpKind::Probe { .. } | OpKind::Perturb { .. } => scope::run(op, ins, outs, env, comm),
         OpKind::SplitHeads { .. } | OpKind::MergeHeads => Err(RuntimeError::Plan(format!(
             "`{}` is a view and never an instruction",
             op.name()

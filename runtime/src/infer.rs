@@ -30,12 +30,8 @@ pub struct Inference<'p> {
     logits: BufId,
     /// Whether this rank computes the logits (the last pipeline stage; every tp rank).
     owns_logits: bool,
-    /// Perturbations of activations, each after the instruction that writes its buffer.
-    act_perturb: Vec<ActPerturb>,
-    /// Perturbations of weights: parameter buffer, name, kind.
-    weight_perturb: Vec<(BufId, String, PerturbKind)>,
-    /// Seed of the perturbations.
-    perturb_seed: u64,
+    /// The replacements of `patch` perturbations: plan input, file, shape, values.
+    patches: Vec<(BufId, String, Vec<usize>, Vec<f32>)>,
     /// Tokens per position the logit lens keeps.
     lens_k: usize,
     /// Logits per position in the buffer (the padded vocabulary).
@@ -61,9 +57,20 @@ fn cut_at_logits(program: &[Instr]) -> Option<(&[Instr], BufId)> {
         return None;
     };
     let logits = *inputs.first()?;
-    let end = program[..ce]
+    let mut end = program[..ce]
         .iter()
         .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&logits)))?;
+    // With the probes of the logits (the `probe` pass puts them right after its writer).
+    while matches!(
+        program.get(end + 1),
+        Some(Instr::Kernel {
+            op: OpKind::Probe { .. },
+            ..
+        })
+    ) && end + 1 < ce
+    {
+        end += 1;
+    }
     Some((&program[..=end], logits))
 }
 
@@ -133,16 +140,32 @@ impl<'p> Inference<'p> {
     /// Check that forward-only runs support `plan`'s layout: one device, tensor and pipeline
     /// parallelism (no data, context or expert parallelism, no FBD).
     pub fn supports(plan: &CheckedPlan) -> Result<(), RuntimeError> {
+        Self::supports_layout(plan, false)
+    }
+
+    /// As [`Inference::supports`], with data parallelism too when `dp` (`megac scope`: every
+    /// data-parallel replica runs the same sample, and the probes' batch split over dp is
+    /// gathered like any other split).
+    pub fn supports_layout(plan: &CheckedPlan, dp: bool) -> Result<(), RuntimeError> {
         let m = &plan.mesh;
-        let others: Vec<String> = [Axis::Dp, Axis::Cp, Axis::Ep]
-            .into_iter()
+        let refused: &[Axis] = if dp {
+            &[Axis::Cp, Axis::Ep]
+        } else {
+            &[Axis::Dp, Axis::Cp, Axis::Ep]
+        };
+        let others: Vec<String> = refused
+            .iter()
+            .copied()
             .filter(|&a| m.size(a) > 1)
             .map(|a| format!("{} = {}", a.as_str(), m.size(a)))
             .collect();
-        if !others.is_empty() || m.world_size() as u64 != m.size(Axis::Tp) * m.size(Axis::Pp) {
+        let dp_size = if dp { m.size(Axis::Dp) } else { 1 };
+        if !others.is_empty()
+            || m.world_size() as u64 != m.size(Axis::Tp) * m.size(Axis::Pp) * dp_size
+        {
             return Err(RuntimeError::Unsupported(format!(
-                "forward-only runs (generate, scope) support tensor and pipeline parallel \
-                 layouts only so far; this layout has {} (set them to 1)",
+                "forward-only runs support tensor and pipeline parallel layouts (and \
+                 megac scope data parallelism) only so far; this layout has {} (set them to 1)",
                 if others.is_empty() {
                     "forward/backward decoupling (parallel.fbd)".to_string()
                 } else {
@@ -165,7 +188,7 @@ impl<'p> Inference<'p> {
         init: &std::path::Path,
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
-        Self::supports(plan)?;
+        Self::supports_layout(plan, true)?;
         let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
         Self::from_session(plan, session)
     }
@@ -179,7 +202,7 @@ impl<'p> Inference<'p> {
         other: &mut Inference<'_>,
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
-        Self::supports(plan)?;
+        Self::supports_layout(plan, true)?;
         let mut session = Session::with_comm(plan, "synthetic", None, comm)?;
         let src = &other.session;
         for p in &plan.params {
@@ -267,9 +290,7 @@ impl<'p> Inference<'p> {
             all,
             logits,
             owns_logits: mine == Some(logits),
-            act_perturb: Vec::new(),
-            weight_perturb: Vec::new(),
-            perturb_seed: 0,
+            patches: Vec::new(),
             lens_k: 5,
             row,
         })
@@ -338,18 +359,23 @@ impl<'p> Inference<'p> {
         let labels = vec![0i32; mb * s];
         self.session.write_inputs(&ids, &labels);
         let ctx = self.session.context(1);
-        // Weights: perturbed for this run, restored after it.
-        let mut saved = Vec::new();
-        for (b, name, kind) in &self.weight_perturb {
-            let mut w = self.session.mem.read_f32(*b);
-            saved.push((*b, w.clone()));
-            apply(kind, &mut w, stream_seed(self.perturb_seed, name));
-            self.session.mem.write_f32(*b, &w);
+        // The replacements of `patch` perturbations, at the real tokens' rows.
+        for (b, file, shape, values) in &self.patches {
+            let buf = self.session.mem.buffer(*b);
+            let row = buf.shape.get(2..).map_or(1, |r| r.iter().product::<u64>()) as usize;
+            let n = tokens.len() * row;
+            if values.len() != n {
+                return Err(RuntimeError::Unsupported(format!(
+                    "patch({file}): the file's tensor has shape {shape:?} ({} values), \
+                     this run's point has {n} values: patch from a probe file of an \
+                     input of the same length",
+                    values.len(),
+                )));
+            }
+            let mut x = self.session.mem.read_f32(*b);
+            x[..n].copy_from_slice(values);
+            self.session.mem.write_f32(*b, &x);
         }
-        let row_len = |mem: &crate::memory::Memory, b: BufId| {
-            let shape = &mem.buffer(b).shape;
-            shape.get(2..).map_or(1, |r| r.iter().product::<u64>()) as usize
-        };
         let mut result = Ok(());
         'run: for &(chunk, program) in &self.segments {
             if let Some(c) = chunk {
@@ -360,24 +386,8 @@ impl<'p> Inference<'p> {
                     result = Err(e);
                     break 'run;
                 }
-                for a in &self.act_perturb {
-                    if a.at == (chunk, i) {
-                        // The real tokens' rows only (the padding stays as it is).
-                        let n = tokens.len() * row_len(&self.session.mem, a.buf);
-                        let mut x = self.session.mem.read_f32(a.buf);
-                        let seed = stream_seed(self.perturb_seed, &a.name);
-                        if let Err(e) = a.action.apply(&mut x[..n], seed) {
-                            result = Err(e);
-                            break 'run;
-                        }
-                        self.session.mem.write_f32(a.buf, &x);
-                    }
-                }
                 visit(chunk, i, instr, &self.session.mem);
             }
-        }
-        for (b, w) in saved.into_iter().rev() {
-            self.session.mem.write_f32(b, &w);
         }
         result
     }
@@ -457,47 +467,6 @@ impl<'p> Inference<'p> {
     ) -> Result<(Vec<u64>, Vec<f32>), RuntimeError> {
         let buf = &self.session.plan.buffers[b as usize];
         self.gather(&buf.shape, &buf.layout, local, partial, owner)
-    }
-
-    /// The forward's buffers that hold pending sums over tp: the results of a vocab-parallel
-    /// embedding and of a linear that contracts a tp-split dim (row-parallel), and what adds
-    /// them, until an all-reduce or reduce-scatter completes the sum. (The plan keeps only
-    /// split layouts; this follows the sums through the program.)
-    fn partial_over_tp(&self) -> std::collections::BTreeSet<BufId> {
-        let plan = self.session.plan;
-        let split_tp = |b: BufId, dim: Option<usize>| {
-            let l = &plan.buffers[b as usize].layout;
-            let d = dim.unwrap_or(l.len().saturating_sub(1));
-            l.get(d).is_some_and(|ax| ax.contains(&Axis::Tp))
-        };
-        let mut partial = std::collections::BTreeSet::new();
-        if plan.mesh.size(Axis::Tp) == 1 {
-            return partial;
-        }
-        for instr in self.all.iter().flat_map(|(_, p)| p.iter()) {
-            let Instr::Kernel {
-                op,
-                inputs,
-                outputs,
-                ..
-            } = instr
-            else {
-                continue;
-            };
-            let p = match op {
-                OpKind::AllReduce { .. } | OpKind::ReduceScatter { .. } => false,
-                OpKind::Embedding => inputs.get(1).is_some_and(|&w| split_tp(w, Some(0))),
-                OpKind::Linear { .. } => {
-                    inputs.first().is_some_and(|&x| split_tp(x, None))
-                        || partial.contains(&inputs[0])
-                }
-                _ => inputs.iter().any(|b| partial.contains(b)),
-            };
-            if p {
-                partial.extend(outputs.iter().copied());
-            }
-        }
-        partial
     }
 
     /// The logits of every position of `tokens`: `tokens.len()` rows of `vocab()` values.
@@ -651,219 +620,121 @@ pub struct Probe {
 }
 
 /// Where a probe point is: (pipeline chunk or None, instruction index in its segment).
-pub(crate) type At = (Option<u32>, usize);
+pub use megac_ir::perturb::glob;
 
-/// What a probe point reads of its instruction, after the instruction has run.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Site {
-    /// The instruction's operand (an operand is never overwritten by its own instruction).
-    Input(usize),
-    /// The instruction's result.
-    Output(usize),
-    /// The attention probabilities, recomputed from the `causal_attention`'s q and k.
-    Probs,
-    /// The softmax over its last dim of the instruction's result (the MoE router's logits).
-    Softmax,
-    /// The logit lens of the instruction's result (a layer's output): the final norm and
-    /// the output layer applied to it, top-k tokens and probabilities.
-    Lens,
-    /// The attention's output per query head `[b, s, heads, head_dim]`, before the heads
-    /// are merged for the output projection (a perturbation point, not a probe).
-    Heads,
-}
-
-/// The transformer layer a provenance path names (`model.layers.3.mlp` or `transformer.h.3.mlp`).
-fn layer_of(path: &str) -> Option<usize> {
-    let parts: Vec<&str> = path.split('.').collect();
-    parts
-        .windows(2)
-        .find(|w| w[0] == "layers" || w[0] == "h")
-        .and_then(|w| w[1].parse().ok())
-}
-
-/// Whether `name` matches `pattern`, where `*` matches any run of characters.
-pub fn glob(pattern: &str, name: &str) -> bool {
-    let parts: Vec<&str> = pattern.split('*').collect();
-    if parts.len() == 1 {
-        return pattern == name;
-    }
-    let (first, last) = (parts[0], parts[parts.len() - 1]);
-    if !name.starts_with(first) || name.len() < first.len() + last.len() || !name.ends_with(last) {
-        return false;
-    }
-    let mut rest = &name[first.len()..name.len() - last.len()];
-    for part in &parts[1..parts.len() - 1] {
-        match rest.find(part) {
-            Some(at) => rest = &rest[at + part.len()..],
-            None => return false,
-        }
-    }
-    true
+/// A probe instruction of the plan: its segment's chunk, its point, its part and result.
+#[derive(Clone, Debug)]
+struct ProbeOp {
+    chunk: Option<u32>,
+    name: String,
+    part: String,
+    buf: BufId,
 }
 
 impl Inference<'_> {
-    /// Every probe point of the model, in forward order: (name, (chunk, instruction), site).
-    fn sites(&self) -> Vec<(String, At, Site)> {
-        sites_of(&self.all)
-            .into_iter()
-            .filter(|(_, _, site)| *site != Site::Heads)
-            .collect()
-    }
-}
-
-/// Every point of the forward `all` (its chunks' segments), in forward order: (name,
-/// (chunk, instruction), site); the probe points and `layers.{i}.attn`, the attention's
-/// per-head output (a perturbation point only).
-fn sites_of(all: &[Segment<'_>]) -> Vec<(String, At, Site)> {
-    {
+    /// The `probe` instructions of the plan's forward (the `probe` pass inserted them), in
+    /// forward order.
+    fn probe_ops(&self) -> Vec<ProbeOp> {
         let mut out = Vec::new();
-        for (chunk, program) in all {
-            for (i, instr) in program.iter().enumerate() {
-                let i = (*chunk, i);
-                let Instr::Kernel { op, path, .. } = instr else {
-                    continue;
-                };
-                let layer = layer_of(path);
-                match (op, layer) {
-                    (OpKind::Add, Some(l)) if path.ends_with(".residual.attn") => {
-                        if l == 0 {
-                            out.push(("embed".to_string(), i, Site::Input(0)));
-                        }
-                        out.push((format!("layers.{l}.attn.out"), i, Site::Input(1)));
-                    }
-                    (OpKind::Add, Some(l)) if path.ends_with(".residual.mlp") => {
-                        out.push((format!("layers.{l}.mlp.out"), i, Site::Input(1)));
-                        out.push((format!("layers.{l}.out"), i, Site::Output(0)));
-                        out.push((format!("layers.{l}.lens"), i, Site::Lens));
-                    }
-                    (OpKind::CausalAttention { .. }, Some(l)) => {
-                        out.push((format!("layers.{l}.attn.probs"), i, Site::Probs));
-                        out.push((format!("layers.{l}.attn"), i, Site::Heads));
-                    }
-                    (OpKind::Linear { .. }, Some(l))
-                        if path.ends_with(".block_sparse_moe.gate") =>
-                    {
-                        out.push((format!("layers.{l}.moe.router"), i, Site::Softmax));
-                    }
-                    _ => {}
+        for (chunk, program) in &self.all {
+            for instr in program.iter() {
+                if let Instr::Kernel {
+                    op: OpKind::Probe { name, part },
+                    outputs,
+                    ..
+                } = instr
+                {
+                    out.push(ProbeOp {
+                        chunk: *chunk,
+                        name: name.clone(),
+                        part: part.clone(),
+                        buf: outputs[0],
+                    });
                 }
             }
         }
-        if let Some((chunk, program)) = all.last() {
-            out.push((
-                "logits".to_string(),
-                (*chunk, program.len() - 1),
-                Site::Output(0),
-            ));
-        }
-        // `embed` first (its instruction, layer 0's residual add, follows the attention).
-        out.sort_by_key(|(name, _, _)| name != "embed");
         out
     }
-}
 
-impl Inference<'_> {
-    /// The names of every probe point, in forward order.
+    /// The names of the probe points the plan was compiled with, in forward order.
     pub fn probe_names(&self) -> Vec<String> {
-        self.sites().into_iter().map(|(n, _, _)| n).collect()
+        let mut names: Vec<String> = Vec::new();
+        for p in self.probe_ops() {
+            if !names.contains(&p.name) {
+                names.push(p.name);
+            }
+        }
+        names
     }
 
     /// Run the forward over `tokens` and return the probe points matching any of
-    /// `patterns` (`*` matches any run of characters), in forward order. A pattern that
-    /// matches no point is an error listing the points.
+    /// `patterns` (`*` matches any run of characters), in forward order: the points the
+    /// plan's `probe` instructions copied, gathered to their global shape from their
+    /// buffers' layouts (and the pipeline stage that ran them). A pattern that matches no
+    /// probe of the plan is an error listing them (the plan is compiled with its probes:
+    /// `megac_passes::Instrument::probes`).
     pub fn probe(
         &mut self,
         tokens: &[u32],
         patterns: &[String],
     ) -> Result<Vec<Probe>, RuntimeError> {
-        let sites = self.sites();
+        let names = self.probe_names();
         for p in patterns {
-            if !sites.iter().any(|(n, _, _)| glob(p, n)) {
-                let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
+            if !names.iter().any(|n| glob(p, n)) {
                 return Err(RuntimeError::Unsupported(format!(
-                    "--probe {p} matches no probe point of this model; the points are {}",
-                    names.join(", ")
+                    "--probe {p} matches no probe of this plan; it was compiled with probes \
+                     of {}",
+                    if names.is_empty() {
+                        "no point".to_string()
+                    } else {
+                        names.join(", ")
+                    }
                 )));
             }
         }
-        let wanted: Vec<(String, At, Site)> = sites
+        let wanted: Vec<ProbeOp> = self
+            .probe_ops()
             .into_iter()
-            .filter(|(n, _, _)| patterns.iter().any(|p| glob(p, n)))
+            .filter(|p| patterns.iter().any(|pat| glob(pat, &p.name)))
             .collect();
-        let plan = self.session.plan;
         let n = tokens.len();
         let vocab = self.vocab();
-        // What each point read on this rank: a buffer's local values, or local probabilities.
-        let mut captured: std::collections::BTreeMap<String, Vec<f32>> = Default::default();
-        self.run_with(tokens, |chunk, i, instr, mem| {
-            let Instr::Kernel {
-                inputs, outputs, ..
-            } = instr
-            else {
-                return;
+        self.run_with(tokens, |_, _, _, _| {})?;
+        // Every rank gathers every probe in the same order; the stage that ran it gives it.
+        let mut gathered: Vec<(ProbeOp, Vec<u64>, Vec<f32>)> = Vec::new();
+        for p in wanted {
+            let owner =
+                self.segments.iter().any(|(c, _)| *c == p.chunk) && self.session.mem.holds(p.buf);
+            let len = self.session.plan.buffers[p.buf as usize]
+                .shape
+                .iter()
+                .product::<u64>() as usize;
+            let local = if owner {
+                self.session.mem.read_f32(p.buf)
+            } else {
+                vec![0.0; len]
             };
-            for (name, _, site) in wanted.iter().filter(|(_, at, _)| *at == (chunk, i)) {
-                let buf = match site {
-                    Site::Input(k) => inputs[*k],
-                    Site::Output(k) => outputs[*k],
-                    Site::Softmax | Site::Lens | Site::Heads => outputs[0],
-                    Site::Probs => {
-                        let q = &plan.buffers[inputs[0] as usize];
-                        let k = &plan.buffers[inputs[1] as usize];
-                        let probe = attention_probs(
-                            name,
-                            n,
-                            (&q.shape, &mem.read_f32(inputs[0])),
-                            (&k.shape, &mem.read_f32(inputs[1])),
-                        );
-                        captured.insert(name.clone(), probe.values);
-                        continue;
-                    }
-                };
-                captured.insert(name.clone(), mem.read_f32(buf));
-            }
-        })?;
-        let partial = self.partial_over_tp();
+            let (shape, values) = self.gather_buffer(p.buf, &local, false, owner)?;
+            gathered.push((p, shape, values));
+        }
         let mut lens_head: Option<LensHead> = None;
         let mut probes = Vec::new();
-        // Every rank gathers every point in the same order; the stage that ran it gives it.
-        let all = self.all.clone();
-        for (name, (chunk, i), site) in &wanted {
-            let name = name.clone();
-            let seg = all.iter().find(|(c, _)| c == chunk).map(|(_, p)| *p);
-            let Some(Instr::Kernel {
-                inputs, outputs, ..
-            }) = seg.and_then(|p| p.get(*i))
-            else {
+        for (i, (p, shape, values)) in gathered.iter().enumerate() {
+            let name = p.name.clone();
+            if p.part == "k" {
                 continue;
-            };
-            let owner = self.segments.iter().any(|(c, _)| c == chunk);
-            let local = captured.remove(&name);
-            let buf = match site {
-                Site::Input(k) => inputs[*k],
-                Site::Output(k) => outputs[*k],
-                Site::Softmax | Site::Lens | Site::Heads => outputs[0],
-                Site::Probs => {
-                    // [1, heads, n, n], the heads split as q's.
-                    let q = &plan.buffers[inputs[0] as usize];
-                    let shape = vec![1, q.shape[2], n as u64, n as u64];
-                    let len = shape.iter().product::<u64>() as usize;
-                    let values = local.unwrap_or_else(|| vec![0.0; len]);
-                    let heads = q.layout.get(2).cloned().unwrap_or_default();
-                    let layout = vec![Vec::new(), heads, Vec::new(), Vec::new()];
-                    let (shape, values) = self.gather(&shape, &layout, &values, false, owner)?;
-                    probes.push(Probe {
-                        name,
-                        shape: shape.iter().map(|&d| d as usize).collect(),
-                        values,
-                    });
-                    continue;
-                }
-            };
-            let len = self.session.mem.buffer(buf).len() as usize;
-            let local = local.unwrap_or_else(|| vec![0.0; len]);
-            let partial = partial.contains(&buf);
-            let (shape, values) = self.gather_buffer(buf, &local, partial, owner)?;
+            }
+            if p.part == "q" {
+                // [1, heads, n, n] from the global q and k, after RoPE.
+                let Some((_, kshape, k)) = gathered[i + 1..]
+                    .iter()
+                    .find(|(o, _, _)| o.name == p.name && o.part == "k")
+                else {
+                    return Err(RuntimeError::Plan(format!("probe {name}: no k")));
+                };
+                probes.push(attention_probs(&name, n, (shape, values), (kshape, k)));
+                continue;
+            }
             // [batch, seq, rest...]: the first sample's real tokens.
             let row = shape[2..].iter().product::<u64>() as usize;
             let mut out_shape = vec![1, n];
@@ -876,7 +747,7 @@ impl Inference<'_> {
                     .collect();
                 out_shape[2] = vocab;
             }
-            if *site == Site::Lens {
+            if name.ends_with(".lens") {
                 let head = match &lens_head {
                     Some(h) => h,
                     None => lens_head.insert(self.lens_head()?),
@@ -895,7 +766,7 @@ impl Inference<'_> {
                 });
                 continue;
             }
-            if *site == Site::Softmax {
+            if name.ends_with(".moe.router") {
                 for r in values.chunks_mut(row) {
                     let max = r
                         .iter()
@@ -983,6 +854,25 @@ pub fn with_ranks<T: Send>(
     f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
 ) -> Result<T, RuntimeError> {
     Inference::supports(plan)?;
+    run_ranks(plan, init, f)
+}
+
+/// [`with_ranks`] for `megac scope`, data-parallel layouts included
+/// ([`Inference::supports_layout`]).
+pub fn with_ranks_scope<T: Send>(
+    plan: &CheckedPlan,
+    init: &std::path::Path,
+    f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
+) -> Result<T, RuntimeError> {
+    Inference::supports_layout(plan, true)?;
+    run_ranks(plan, init, f)
+}
+
+fn run_ranks<T: Send>(
+    plan: &CheckedPlan,
+    init: &std::path::Path,
+    f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
+) -> Result<T, RuntimeError> {
     let world = plan.mesh.world_size();
     if world == 1 {
         return f(&mut Inference::new(plan, init)?);
@@ -993,167 +883,31 @@ pub fn with_ranks<T: Send>(
     Ok(results.swap_remove(0))
 }
 
-/// A perturbation's kind (docs/scope.md).
-#[derive(Clone, Debug, PartialEq)]
-pub enum PerturbKind {
-    /// Add Gaussian noise of standard deviation `sigma` times the tensor's RMS.
-    Noise(f64),
-    /// Multiply by a factor.
-    Scale(f64),
-    /// Flip one random bit of the field in each element with probability `rate`.
-    Bitflip(BitField, f64),
-    /// Zero one query head's output (`layers.{i}.attn` only): attention knockout.
-    ZeroHead(u64),
-    /// Replace the activation by the tensor of the point's name in a probe file (`megac
-    /// scope -o`) of another input of the same length: activation patching.
-    Patch(std::path::PathBuf),
-}
-
-/// The bits of an IEEE-754 float32 a bit flip picks from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BitField {
-    /// Bit 31.
-    Sign,
-    /// Bits 23..=30.
-    Exponent,
-    /// Bits 0..=22.
-    Mantissa,
-}
-
-/// `POINT:KIND`: a probe point (or `weights.NAME`, a parameter) and what to do to it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Perturbation {
-    /// The point (`layers.0.out`) or `weights.` and a parameter name.
-    pub point: String,
-    /// What is done to it.
-    pub kind: PerturbKind,
-}
-
-impl Perturbation {
-    /// Parse `POINT:KIND`, KIND one of `noise(SIGMA)`, `scale(X)`,
-    /// `bitflip(sign|exponent|mantissa, RATE)`, `zero-head(HEAD)`, `patch(FILE)`.
-    pub fn parse(text: &str) -> Result<Perturbation, String> {
-        let bad = |why: &str| {
-            format!(
-                "--perturb {text}: {why} (expected POINT:KIND, KIND one of noise(SIGMA), \
-                 scale(X), bitflip(sign|exponent|mantissa, RATE), zero-head(HEAD), \
-                 patch(FILE))"
-            )
-        };
-        let (point, kind) = text.split_once(':').ok_or_else(|| bad("no `:`"))?;
-        let (name, args) = kind
-            .strip_suffix(')')
-            .and_then(|k| k.split_once('('))
-            .ok_or_else(|| bad(&format!("`{kind}` is not KIND(ARGS)")))?;
-        if name.trim() == "patch" {
-            if args.trim().is_empty() {
-                return Err(bad("patch needs a FILE"));
-            }
-            if point.is_empty() {
-                return Err(bad("no point"));
-            }
-            return Ok(Perturbation {
-                point: point.to_string(),
-                kind: PerturbKind::Patch(args.trim().into()),
-            });
-        }
-        let args: Vec<&str> = args.split(',').map(str::trim).collect();
-        let num = |s: &str| -> Result<f64, String> {
-            s.parse::<f64>()
-                .ok()
-                .filter(|x| x.is_finite())
-                .ok_or_else(|| bad(&format!("`{s}` is not a finite number")))
-        };
-        let kind = match (name.trim(), &args[..]) {
-            ("noise", [sigma]) => {
-                let s = num(sigma)?;
-                if s < 0.0 {
-                    return Err(bad("noise's SIGMA must be >= 0"));
-                }
-                PerturbKind::Noise(s)
-            }
-            ("scale", [x]) => PerturbKind::Scale(num(x)?),
-            ("zero-head", [h]) => PerturbKind::ZeroHead(
-                h.parse::<u64>()
-                    .map_err(|_| bad(&format!("`{h}` is not a head index")))?,
-            ),
-            ("bitflip", [field, rate]) => {
-                let field = match *field {
-                    "sign" => BitField::Sign,
-                    "exponent" => BitField::Exponent,
-                    "mantissa" => BitField::Mantissa,
-                    other => {
-                        return Err(bad(&format!(
-                            "bit field `{other}` is not sign, exponent or mantissa"
-                        )))
-                    }
-                };
-                let r = num(rate)?;
-                if !(0.0..=1.0).contains(&r) {
-                    return Err(bad("bitflip's RATE must be in [0, 1]"));
-                }
-                PerturbKind::Bitflip(field, r)
-            }
-            (other, _) => {
-                return Err(bad(&format!(
-                    "`{other}` with {} argument(s) is not a kind",
-                    args.len()
-                )))
-            }
-        };
-        if point.is_empty() {
-            return Err(bad("no point"));
-        }
-        Ok(Perturbation {
-            point: point.to_string(),
-            kind,
-        })
-    }
-}
+pub use megac_ir::perturb::{BitField, PerturbKind, Perturbation};
 
 /// The random stream of a perturbation: a function of the seed and the point's name only,
 /// so the same perturbation draws the same numbers (twice the same bit flip restores the
 /// tensor).
 pub(crate) fn stream_seed(seed: u64, name: &str) -> u64 {
-    let mut h = SplitMix64(seed);
-    let mut x = h.next_u64();
-    for b in name.bytes() {
-        x = SplitMix64(x ^ u64::from(b)).next_u64();
-    }
-    x
+    megac_kernels::perturb::stream_seed(seed, name)
 }
 
-/// Apply `kind` to `x` with the random stream `seed` (`zero-head` and `patch` need the
-/// point's shape or a file, and change nothing here: the runner applies them).
+/// Apply `kind` to `x` with the random stream `seed` (`megac_kernels::perturb`, the kernels
+/// of the `perturb` op; `zero-head` and `patch` need the point's shape or a file, and change
+/// nothing here).
 pub fn apply(kind: &PerturbKind, x: &mut [f32], seed: u64) {
-    let mut rng = SplitMix64(seed);
+    use megac_kernels::perturb as k;
     match *kind {
         PerturbKind::ZeroHead(_) | PerturbKind::Patch(_) => {}
-        PerturbKind::Scale(f) => x.iter_mut().for_each(|v| *v = (f64::from(*v) * f) as f32),
-        PerturbKind::Noise(sigma) => {
-            let n = x.len().max(1) as f64;
-            let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n).sqrt();
-            let std = (sigma * rms) as f32;
-            for v in x.iter_mut() {
-                // Box-Muller.
-                let (u1, u2) = (1.0 - rng.next_f64(), rng.next_f64());
-                let g = ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32;
-                *v += std * g;
-            }
-        }
+        PerturbKind::Scale(f) => k::scale(x, f),
+        PerturbKind::Noise(sigma) => k::noise(x, sigma, seed),
         PerturbKind::Bitflip(field, rate) => {
             let (first, count) = match field {
                 BitField::Sign => (31, 1),
                 BitField::Exponent => (23, 8),
                 BitField::Mantissa => (0, 23),
             };
-            for v in x.iter_mut() {
-                let hit = rng.next_f64() < rate;
-                let bit = first + (rng.next_u64() % count);
-                if hit {
-                    *v = f32::from_bits(v.to_bits() ^ (1u32 << bit));
-                }
-            }
+            k::bitflip(x, first, count, rate, seed)
         }
     }
 }
@@ -1227,192 +981,45 @@ pub fn compare(tokens: &[u32], clean: &[f32], perturbed: &[f32], vocab: usize) -
     }
 }
 
-/// A perturbation of an activation, resolved against a plan's forward.
-pub(crate) struct ActPerturb {
-    /// The instruction after which it applies (the writer of `buf`).
-    pub(crate) at: At,
-    /// The buffer it changes.
-    pub(crate) buf: BufId,
-    /// The point's name (seeds its random stream).
-    pub(crate) name: String,
-    /// What it does.
-    pub(crate) action: Action,
-}
-
-/// What a resolved perturbation does to the values of its buffer.
-pub(crate) enum Action {
-    /// `noise`, `scale`, `bitflip`: [`apply`].
-    Apply(PerturbKind),
-    /// Zero query head `head` (of `heads`, each `d` wide) in every row.
-    ZeroHead { head: usize, heads: usize, d: usize },
-    /// Replace the values by a probe file's tensor: the file and name (for messages), its
-    /// shape and values.
-    Patch {
-        file: String,
-        shape: Vec<usize>,
-        values: Vec<f32>,
-    },
-}
-
-impl Action {
-    /// Apply to `x` (the perturbed rows) with the random stream `seed`.
-    pub(crate) fn apply(&self, x: &mut [f32], seed: u64) -> Result<(), RuntimeError> {
-        match self {
-            Action::Apply(kind) => apply(kind, x, seed),
-            Action::ZeroHead { head, heads, d } => {
-                for row in x.chunks_mut(heads * d) {
-                    row[head * d..(head + 1) * d].fill(0.0);
-                }
-            }
-            Action::Patch {
-                file,
-                shape,
-                values,
-            } => {
-                if values.len() != x.len() {
-                    return Err(RuntimeError::Unsupported(format!(
-                        "patch({file}): the file's tensor has shape {shape:?} ({} values), \
-                         this run's point has {} values: patch from a probe file of an \
-                         input of the same length",
-                        values.len(),
-                        x.len()
-                    )));
-                }
-                x.copy_from_slice(values);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Resolve `perturbations` against the forward segments `all` of `plan`: activations
-/// (perturbed right after the instruction that writes them) and weights (parameter
-/// buffer, point, kind).
-#[allow(clippy::type_complexity)]
-pub(crate) fn resolve(
-    plan: &CheckedPlan,
-    all: &[Segment<'_>],
-    perturbations: &[Perturbation],
-) -> Result<(Vec<ActPerturb>, Vec<(BufId, String, PerturbKind)>), RuntimeError> {
-    let sites = sites_of(all);
-    let (mut acts, mut weights) = (Vec::new(), Vec::new());
-    for p in perturbations {
-        if let Some(name) = p.point.strip_prefix("weights.") {
-            let param = plan.params.iter().find(|q| q.name == name).ok_or_else(|| {
-                RuntimeError::Unsupported(format!(
-                    "--perturb {}: the model has no parameter `{name}` (the names are \
-                     Hugging Face's, e.g. `weights.{}`)",
-                    p.point,
-                    plan.params.first().map_or("", |q| q.name.as_str())
-                ))
-            })?;
-            if matches!(p.kind, PerturbKind::ZeroHead(_) | PerturbKind::Patch(_)) {
+impl Inference<'_> {
+    /// Load the replacements of the plan's `patch` perturbations (compiled by the `perturb`
+    /// pass, each reading plan input `patch:POINT`) from `perturbations`' probe files: the
+    /// tensor of the point's name. They are written into the inputs before each run (the
+    /// real tokens' rows). One-device and unsplit points only.
+    pub fn set_patches(&mut self, perturbations: &[Perturbation]) -> Result<(), RuntimeError> {
+        let plan = self.session.plan;
+        let role = plan
+            .rank_to_role
+            .get(self.session.comm.rank())
+            .and_then(|&r| plan.roles.get(r as usize))
+            .ok_or_else(|| RuntimeError::Plan("this rank has no role".into()))?;
+        self.patches.clear();
+        for p in perturbations {
+            let PerturbKind::Patch(file) = &p.kind else {
+                continue;
+            };
+            let Some(&b) = role.inputs.get(&format!("patch:{}", p.point)) else {
+                return Err(RuntimeError::Plan(format!(
+                    "--perturb {}: the plan has no patch input for it (compile the \
+                     perturbation into the plan)",
+                    p.point
+                )));
+            };
+            if plan.buffers[b as usize]
+                .layout
+                .iter()
+                .any(|d| !d.is_empty())
+            {
                 return Err(RuntimeError::Unsupported(format!(
-                    "--perturb {}: zero-head and patch change activations, not weights",
+                    "--perturb {}:patch(..): patching a point split over the mesh is not \
+                     supported yet",
                     p.point
                 )));
             }
-            weights.push((param.buffer, p.point.clone(), p.kind.clone()));
-            continue;
+            let (shape, values) = crate::hf::load_tensor(file, &p.point)?;
+            self.patches
+                .push((b, file.display().to_string(), shape, values));
         }
-        let names: Vec<&str> = sites.iter().map(|(n, _, _)| n.as_str()).collect();
-        let Some((_, at, site)) = sites.iter().find(|(n, _, _)| *n == p.point) else {
-            return Err(RuntimeError::Unsupported(format!(
-                "--perturb {}: no such point; the points are {} and weights.PARAMETER",
-                p.point,
-                names.join(", ")
-            )));
-        };
-        let program = all
-            .iter()
-            .find(|(c, _)| *c == at.0)
-            .map_or(&[][..], |(_, p)| *p);
-        let Some(Instr::Kernel {
-            inputs, outputs, ..
-        }) = program.get(at.1)
-        else {
-            continue;
-        };
-        let buf = match site {
-            Site::Input(k) => inputs[*k],
-            Site::Output(k) => outputs[*k],
-            Site::Heads => outputs[0],
-            Site::Probs | Site::Softmax | Site::Lens => {
-                return Err(RuntimeError::Unsupported(format!(
-                    "--perturb {}: attention and router probabilities are computed for \
-                     probing, not tensors of the forward; perturb layers.N.attn (the heads' \
-                     outputs), layers.N.attn.out or layers.N.mlp.out instead",
-                    p.point
-                )))
-            }
-        };
-        let action = match &p.kind {
-            PerturbKind::ZeroHead(h) => {
-                let shape = &plan.buffers[buf as usize].shape;
-                if *site != Site::Heads {
-                    return Err(RuntimeError::Unsupported(format!(
-                        "--perturb {}:zero-head({h}): zero-head applies to layers.N.attn, \
-                         the attention's per-head output",
-                        p.point
-                    )));
-                }
-                let (heads, d) = (shape[2] as usize, shape[3] as usize);
-                if *h as usize >= heads {
-                    return Err(RuntimeError::Unsupported(format!(
-                        "--perturb {}:zero-head({h}): the layer has heads 0..{heads}",
-                        p.point
-                    )));
-                }
-                Action::ZeroHead {
-                    head: *h as usize,
-                    heads,
-                    d,
-                }
-            }
-            PerturbKind::Patch(file) => {
-                let (shape, values) = crate::hf::load_tensor(file, &p.point)?;
-                Action::Patch {
-                    file: file.display().to_string(),
-                    shape,
-                    values,
-                }
-            }
-            kind => Action::Apply(kind.clone()),
-        };
-        // Right after the instruction that writes it.
-        let def = program[..=at.1]
-            .iter()
-            .rposition(|i| matches!(i, Instr::Kernel { outputs, .. } if outputs.contains(&buf)))
-            .ok_or_else(|| RuntimeError::Plan(format!("no instruction writes {}", p.point)))?;
-        acts.push(ActPerturb {
-            at: (at.0, def),
-            buf,
-            name: p.point.clone(),
-            action,
-        });
-    }
-    Ok((acts, weights))
-}
-
-impl Inference<'_> {
-    /// Set the perturbations of the following runs (none: clean runs). Activations are
-    /// perturbed right after the instruction that writes them, weights for the run only.
-    /// One-device plans only so far.
-    pub fn set_perturbations(
-        &mut self,
-        perturbations: &[Perturbation],
-        seed: u64,
-    ) -> Result<(), RuntimeError> {
-        let plan = self.session.plan;
-        if !perturbations.is_empty() && plan.mesh.world_size() != 1 {
-            return Err(RuntimeError::Unsupported(
-                "--perturb supports one-device layouts only so far".into(),
-            ));
-        }
-        let (acts, weights) = resolve(plan, &self.all, perturbations)?;
-        self.act_perturb = acts;
-        self.weight_perturb = weights;
-        self.perturb_seed = seed;
         Ok(())
     }
 }
@@ -1484,11 +1091,21 @@ impl Inference<'_> {
     fn lens_head(&mut self) -> Result<LensHead, RuntimeError> {
         let missing = || RuntimeError::Plan("the logit lens finds no final norm".into());
         let (chunk, program) = *self.all.last().ok_or_else(missing)?;
+        // The output layer: the last instruction but the logits' probes.
+        let last = program.iter().rev().find(|i| {
+            !matches!(
+                i,
+                Instr::Kernel {
+                    op: OpKind::Probe { .. },
+                    ..
+                }
+            )
+        });
         let Some(Instr::Kernel {
             op: OpKind::Linear { weight: layout },
             inputs: head_in,
             ..
-        }) = program.last()
+        }) = last
         else {
             return Err(missing());
         };

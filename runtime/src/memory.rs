@@ -139,9 +139,10 @@ impl RankLayout {
             *slot = (*slot).max(end);
             let int = b.dtype == DType::I32;
             // i32 lives in the input arena (token ids) or, as MoE expert indices, in the
-            // activation arena (4-byte slots, reinterpreted).
+            // activation arena (4-byte slots, reinterpreted); f32 inputs (activation
+            // patching's replacements, `patch:POINT`) in the input arena likewise.
             if int && !matches!(b.class, BufferClass::Input | BufferClass::Activation)
-                || !int && b.class == BufferClass::Input
+                || !int && b.class == BufferClass::Input && b.dtype != DType::F32
             {
                 return Err(bad(b, "has a dtype this runtime cannot hold in its class"));
             }
@@ -313,7 +314,10 @@ impl Memory {
             BufferClass::Activation => (self.act.as_ptr() as *mut u8, self.act.len()),
             BufferClass::KvCache => (self.kv.as_ptr() as *mut u8, self.kv.len()),
             BufferClass::Input => {
-                assert!(T::IS_I32, "non-i32 access to the i32 input buffer {b}");
+                assert!(
+                    T::IS_I32 || self.buffers[b as usize].dtype == DType::F32,
+                    "non-i32 access to the i32 input buffer {b}"
+                );
                 (self.input.as_ptr() as *mut u8, self.input.len())
             }
         };

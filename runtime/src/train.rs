@@ -491,16 +491,11 @@ impl<'p> Session<'p> {
     pub fn microbatch(&mut self, step: u64, mb: u64) -> Result<f64, RuntimeError> {
         let (tokens, labels) = self.load(step, mb);
         self.write_inputs(&tokens, &labels);
-        let ctx = self.context(step);
+        let mut ctx = self.context(step);
+        // The micro-batch seeds training `perturb` instructions' streams.
+        ctx.microbatch = mb;
         let t0 = Instant::now();
-        match self.perturber.take() {
-            None => self.run(&self.role().microbatch, &ctx)?,
-            Some(p) => {
-                let done = p.microbatch(self, step, mb, &ctx);
-                self.perturber = Some(p);
-                done?
-            }
-        }
+        self.run(&self.role().microbatch, &ctx)?;
         self.record(crate::scan::Kind::Microbatch, t0, 0, mb as u32);
         Ok(self.scalar(self.loss_buf))
     }
@@ -1008,6 +1003,7 @@ fn train_rank(
         &opts.perturb,
         opts.perturb_seed,
         session.comm.rank(),
+        &session.mem,
     )?;
     session.eval_data = eval_data.cloned();
     let b = &plan.batch;

@@ -14,6 +14,16 @@ pub fn build_plan(args: &ModelArgs) -> Result<Plan, String> {
 /// Compile the model into a plan of `kind`: a training plan, or a forward-only inference
 /// plan (the `build` and `shard` passes, no gradient or optimizer memory).
 pub fn build_plan_of(args: &ModelArgs, kind: PlanKind) -> Result<Plan, String> {
+    build_plan_with(args, kind, &megac_passes::Instrument::default())
+}
+
+/// [`build_plan_of`] with the probes and perturbations of `instrument` (the `perturb` and
+/// `probe` passes; `megac scope`, `megac train --perturb`).
+pub fn build_plan_with(
+    args: &ModelArgs,
+    kind: PlanKind,
+    instrument: &megac_passes::Instrument,
+) -> Result<Plan, String> {
     let spec = super::load_spec(args)?;
     // The plan records the `[cluster]`; a device that is no preset is refused now, not
     // when the plan is simulated.
@@ -22,10 +32,10 @@ pub fn build_plan_of(args: &ModelArgs, kind: PlanKind) -> Result<Plan, String> {
     }
     let flops = megac_passes::flops::step_flops(&spec).total;
     let module = match kind {
-        PlanKind::Train => super::compile(spec, None)?,
-        PlanKind::Inference => {
-            megac_passes::run_inference_pipeline(spec).map_err(|e| format!("error: {e}"))?
-        }
+        PlanKind::Train => megac_passes::run_pipeline_with(spec, instrument.clone(), None, true)
+            .map_err(|e| format!("error: {e}"))?,
+        PlanKind::Inference => megac_passes::run_inference_pipeline_with(spec, instrument.clone())
+            .map_err(|e| format!("error: {e}"))?,
     };
     let graph = module
         .graph

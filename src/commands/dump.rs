@@ -5,7 +5,15 @@ use std::io::Write;
 use crate::ModelArgs;
 
 /// Compile up to `after` and print the IR (rank `rank`'s local view if given).
-pub fn run(args: &ModelArgs, after: Option<&str>, rank: Option<usize>) -> Result<(), String> {
+/// `probes` and `perturb` are what the `probe` and `perturb` passes insert (none: they
+/// change nothing).
+pub fn run(
+    args: &ModelArgs,
+    after: Option<&str>,
+    rank: Option<usize>,
+    probes: &[String],
+    perturb: &[String],
+) -> Result<(), String> {
     if after == Some("fuse") {
         // The fusion pass runs on the plan's instruction streams: its groups, per role.
         let plan = super::compile::build_plan(args)?;
@@ -15,7 +23,20 @@ pub fn run(args: &ModelArgs, after: Option<&str>, rank: Option<usize>) -> Result
         return Ok(());
     }
     let spec = super::load_spec(args)?;
-    let module = super::compile(spec, after)?;
+    let instrument = megac_passes::Instrument {
+        probes: probes.to_vec(),
+        perturbations: perturb
+            .iter()
+            .map(|p| {
+                megac_runtime::perturb::TrainPerturbation::parse(p)
+                    .map_err(|e| format!("error: {e}"))
+            })
+            .collect::<Result<_, _>>()?,
+        train: true,
+        ..Default::default()
+    };
+    let module = megac_passes::run_pipeline_with(spec, instrument, after, true)
+        .map_err(|e| format!("error: {e}"))?;
     let text = match (rank, &module.graph) {
         (Some(r), Some(g)) => {
             let local = g

@@ -141,6 +141,26 @@ pub fn compile_forward(model: &ModelArgs) -> Result<CheckedPlan, String> {
     compile_with(model, &[])
 }
 
+/// [`compile_forward`] with `megac scope`'s probes and perturbations compiled in.
+pub fn compile_forward_with(
+    model: &ModelArgs,
+    instrument: &megac_passes::Instrument,
+) -> Result<CheckedPlan, String> {
+    let mut sets = vec![
+        "train.micro_batch=1".to_string(),
+        "train.global_batch=1".to_string(),
+    ];
+    sets.extend(model.sets.iter().cloned());
+    let args = ModelArgs {
+        model: model.model.clone(),
+        sets,
+    };
+    let plan =
+        super::compile::build_plan_with(&args, megac_ir::plan::PlanKind::Inference, instrument)?;
+    CheckedPlan::check(plan)
+        .map_err(|e| format!("error: the compiled plan does not pass the plan gate: {e}"))
+}
+
 /// As [`compile_forward`], with `after` set after the user's `--set`s.
 fn compile_with(model: &ModelArgs, after: &[String]) -> Result<CheckedPlan, String> {
     let mut sets = vec![

@@ -182,7 +182,16 @@ fn lead_process() -> bool {
 /// `megac train MODEL.toml`: check the options and output paths, compile, run.
 pub fn train_model(model: &crate::ModelArgs, args: &RunArgs) -> Result<(), String> {
     let mut opts = options(args)?;
-    let plan = super::compile::build_plan(model)?;
+    // Activation perturbations are compiled into the plan (the `perturb` pass); weights are
+    // perturbed by the runtime at their step.
+    let instrument = megac_passes::Instrument {
+        perturbations: opts.perturb.clone(),
+        seed: opts.perturb_seed,
+        train: true,
+        ..Default::default()
+    };
+    let plan =
+        super::compile::build_plan_with(model, megac_ir::plan::PlanKind::Train, &instrument)?;
     if opts.save.is_some() {
         let spec = super::load_spec(model)?;
         opts.hf_config = Some(megac_frontend::hf::export_config(&spec));

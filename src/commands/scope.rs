@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use megac_runtime::infer::{compare, with_ranks, Perturbation};
+use megac_runtime::infer::{compare, with_ranks_scope, Perturbation};
 
 use crate::ModelArgs;
 
@@ -91,7 +91,7 @@ pub struct ScopeArgs {
     /// SIGMA times the tensor's RMS), `scale(X)`, `bitflip(sign|exponent|mantissa, RATE)`,
     /// `zero-head(HEAD)` (on layers.{i}.attn: attention knockout) or `patch(FILE)` (the
     /// point's tensor from a probe file of another input of the same length) (repeatable;
-    /// one-device layouts; docs/scope.md).
+    /// docs/scope.md).
     #[arg(long = "perturb", value_name = "POINT:KIND")]
     pub perturb: Vec<String>,
     /// Seed of the perturbations (the same seed gives the same bits).
@@ -120,22 +120,55 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
         args.tokens.as_deref(),
         tok.as_ref(),
     )?;
-    let plan = super::generate::compile_forward(&ModelArgs {
+    // One sample per data-parallel replica: each runs the same tokens.
+    let dp = super::load_spec(&ModelArgs {
         model: args.model.clone(),
         sets: args.sets.clone(),
-    })?;
+    })
+    .map_or(1, |s| s.parallel.dp);
+    let mut sets = vec![format!("train.global_batch={dp}")];
+    sets.extend(args.sets.iter().cloned());
+    let model = ModelArgs {
+        model: args.model.clone(),
+        sets,
+    };
+    // The probes and perturbations are compiled into the plan (the `perturb` and `probe`
+    // passes); the clean run of the report is the plan without them.
+    let instrument = megac_passes::Instrument {
+        probes: args.probes.clone(),
+        perturbations: perturbations
+            .iter()
+            .map(|p| megac_runtime::perturb::TrainPerturbation {
+                perturbation: p.clone(),
+                step: None,
+            })
+            .collect(),
+        seed: args.seed,
+        tokens: tokens.len() as u64,
+        train: false,
+    };
+    let plan = super::generate::compile_forward_with(&model, &instrument)?;
     super::generate::check_tokenizer(tok.as_ref(), &plan)?;
-    let (probes, report) = with_ranks(&plan, &args.init, |inf| {
+    let clean = if perturbations.is_empty() {
+        None
+    } else {
+        let clean_plan =
+            super::generate::compile_forward_with(&model, &megac_passes::Instrument::default())?;
+        Some(
+            with_ranks_scope(&clean_plan, &args.init, |inf| inf.logits(&tokens))
+                .map_err(|e| format!("error: {e}"))?,
+        )
+    };
+    let (probes, report) = with_ranks_scope(&plan, &args.init, |inf| {
         if perturbations.is_empty() {
             return Ok((inf.probe(&tokens, &args.probes)?, None));
         }
-        inf.set_perturbations(&[], args.seed)?;
-        let clean = inf.logits(&tokens)?;
-        inf.set_perturbations(&perturbations, args.seed)?;
+        inf.set_patches(&perturbations)?;
         let probes = inf.probe(&tokens, &args.probes)?;
         let perturbed = inf.logits(&tokens)?;
-        let report = compare(&tokens, &clean, &perturbed, inf.vocab());
-        let tops = top_k_pairs(&clean, &perturbed, inf.vocab(), REPORT_TOP_K);
+        let clean = clean.as_deref().unwrap_or_default();
+        let report = compare(&tokens, clean, &perturbed, inf.vocab());
+        let tops = top_k_pairs(clean, &perturbed, inf.vocab(), REPORT_TOP_K);
         Ok((probes, Some((report, tops))))
     })
     .map_err(|e| format!("error: {e}"))?;

@@ -84,7 +84,9 @@ pub(super) fn stage_role(
         .filter(|k| e.results.contains_key(**k))
         .map(|k| k.to_string())
         .collect();
-    let live_to_end: Vec<BufId> = loss_keys.iter().map(|k| e.results[k]).collect();
+    let mut live_to_end: Vec<BufId> = loss_keys.iter().map(|k| e.results[k]).collect();
+    // Probes are read after the forward.
+    live_to_end.extend(e.probes.iter().copied());
     let placed = chunk_programs(e, s, geo, segs, slots, usage, &live_to_end);
     let opt_elems = place_optimizer_activations(e, &optimizer, placed.base);
     let stage_inputs: BTreeSet<BufId> = placed

@@ -118,7 +118,10 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
         let fits = if want == DType::I32 {
             b(x).dtype == DType::I32
         } else {
-            float(b(x).dtype) && b(x).class != BufferClass::Input
+            // An f32 input is only a patch's replacement, read by its `perturb`.
+            float(b(x).dtype)
+                && (b(x).class != BufferClass::Input
+                    || matches!(op, OpKind::Perturb { .. }) && b(x).name.starts_with("patch:"))
         };
         if !fits {
             return Err(format!(
@@ -476,7 +479,13 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
             let h = nonscalar(ins[0], "the gradient")?;
             eq(outs[0], &[h], "the bias gradient")
         }
-        OpKind::GeluTanh => eq(outs[0], sh(ins[0]), "the output"),
+        OpKind::GeluTanh | OpKind::Probe { .. } => eq(outs[0], sh(ins[0]), "the output"),
+        OpKind::Perturb { .. } => {
+            if let Some(&r) = ins.get(1) {
+                eq(r, sh(ins[0]), "the replacement")?;
+            }
+            eq(outs[0], sh(ins[0]), "the output")
+        }
         OpKind::GeluTanhGrad => {
             eq(ins[1], sh(ins[0]), "the output gradient")?;
             eq(outs[0], sh(ins[0]), "the input gradient")

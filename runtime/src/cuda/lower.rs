@@ -1058,6 +1058,9 @@ impl Lowerer<'_> {
             OpKind::SplitHeads { .. } | OpKind::MergeHeads => {
                 return Err(self.shape_err(c, "a view is never an instruction"))
             }
+            OpKind::Probe { .. } | OpKind::Perturb { .. } => {
+                return Err(c.err("MegaScope's probes and perturbations (cpu only so far)"))
+            }
         }
         Ok(())
     }
