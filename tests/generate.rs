@@ -241,7 +241,7 @@ fn bad_generate_input_is_one_error() {
         ),
         (
             vec!["--tokens", "1", "--set", "parallel.cp=2"],
-            "tensor and pipeline parallel layouts only so far; this layout has cp = 2",
+            "this layout has cp = 2 (set them to 1)",
         ),
     ] {
         let mut args = vec!["generate", m, "--init", i];
