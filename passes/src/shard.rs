@@ -12,9 +12,10 @@
 //!   read): on every family it is Megatron's, column-parallel linears (q/k/v, gate/up,
 //!   GPT-2's `c_attn` and `c_fc`) over their output dim, row-parallel linears (o_proj,
 //!   down_proj, GPT-2's `c_proj`) over their input dim, the embedding and output layer
-//!   over the vocabulary, the rest whole. Every op then has a layout rule
-//!   (heads stay sharded through RoPE and attention, a row-parallel linear gives a partial
-//!   sum, a column-parallel linear's input gradient is a partial sum, ...). Where an op
+//!   over the vocabulary, the rest whole. Every op is then emitted by one generic emitter
+//!   (`Sharder::emit_tp`) under a strategy of its layout algebra
+//!   ([`tensor_parallel::strategies`], the only statement of it): the one on its operands
+//!   as they are where listed, else the extracted term's choice for the op. Where an op
 //!   needs an operand in another layout, the pass inserts the collective that converts it:
 //!   `all_reduce` for a partial sum that must be whole, `all_gather` for a shard that must be
 //!   whole. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
