@@ -12,9 +12,10 @@
 //!   read): on every family it is Megatron's, column-parallel linears (q/k/v, gate/up,
 //!   GPT-2's `c_attn` and `c_fc`) over their output dim, row-parallel linears (o_proj,
 //!   down_proj, GPT-2's `c_proj`) over their input dim, the embedding and output layer
-//!   over the vocabulary, the rest whole. Every op then has a layout rule
-//!   (heads stay sharded through RoPE and attention, a row-parallel linear gives a partial
-//!   sum, a column-parallel linear's input gradient is a partial sum, ...). Where an op
+//!   over the vocabulary, the rest whole. Every op is then emitted by one generic emitter
+//!   (`Sharder::emit_tp`) under a strategy of its layout algebra
+//!   ([`tensor_parallel::strategies`], the only statement of it): the one on its operands
+//!   as they are where listed, else the extracted term's choice for the op. Where an op
 //!   needs an operand in another layout, the pass inserts the collective that converts it:
 //!   `all_reduce` for a partial sum that must be whole, `all_gather` for a shard that must be
 //!   whole. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
@@ -48,9 +49,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use megac_ir::infer::infer_types;
 use megac_ir::spec::ModelSpec;
-use megac_ir::{Axis, Graph, Layout, OpKind, ValueDef, ValueId, WeightLayout};
+use megac_ir::{Axis, Graph, Layout, OpKind, TensorType, ValueDef, ValueId};
 
+use crate::tensor_parallel::Dist;
 use crate::{collectives, tensor_parallel, PassError};
 
 /// Where a value stands with respect to the tensor-parallel axis.
@@ -76,14 +79,14 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
     }
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
     let sp = p.tp > 1 && p.sequence_parallel;
-    let tp_params = tensor_parallel_params(&old, spec, &tensor_parallel::rules())?;
-    let old = sum_partials_first(&old, spec, &tp_params)?.unwrap_or(old);
+    let tp = tp_placement(&old, spec, &tensor_parallel::rules())?;
+    let (old, tp) = sum_partials_first(&old, spec, &tp)?.unwrap_or((old, tp));
     let placed = if sp {
-        Some(sp_placement(&old, spec, &collectives::rules(), &tp_params)?.on_shards)
+        Some(sp_placement(&old, spec, &collectives::rules(), &tp)?.on_shards)
     } else {
         None
     };
-    lay_out(g, &old, spec, sp, placed, &tp_params)?;
+    lay_out(g, &old, spec, sp, placed, &tp)?;
     Ok(())
 }
 
@@ -96,8 +99,20 @@ pub fn tensor_parallel_params(
     spec: &ModelSpec,
     rules: &[egg::Rewrite<egg::SymbolLang, tensor_parallel::Layouts>],
 ) -> Result<BTreeMap<String, Option<usize>>, PassError> {
+    Ok(tp_placement(g, spec, rules)?.params)
+}
+
+/// What the tensor-parallel rewrites extract for `g` (see [`tensor_parallel_params`]):
+/// every parameter's layout and every op's choice, by its index in `g` (a forward-only
+/// graph's ops keep their indices in the differentiated one). Empty without tensor
+/// parallelism.
+fn tp_placement(
+    g: &Graph,
+    spec: &ModelSpec,
+    rules: &[egg::Rewrite<egg::SymbolLang, tensor_parallel::Layouts>],
+) -> Result<tensor_parallel::Placement, PassError> {
     if spec.parallel.tp <= 1 {
-        return Ok(BTreeMap::new());
+        return Ok(tensor_parallel::Placement::default());
     }
     // A forward-only graph (an inference plan) is laid out as training lays it out: the
     // layouts are chosen for the differentiated graph, so plans and checkpoints agree.
@@ -112,11 +127,7 @@ pub fn tensor_parallel_params(
         &trained
     };
     let micro_batch = spec.train.micro_batch as f64 / spec.train.global_batch.max(1) as f64;
-    Ok(
-        tensor_parallel::place(g, spec.parallel.tp, micro_batch, rules)
-            .map_err(PassError::Collectives)?
-            .params,
-    )
+    tensor_parallel::place(g, spec.parallel.tp, micro_batch, rules).map_err(PassError::Collectives)
 }
 
 /// The collective placement the rewrites find for `g` (the graph before `shard`) under
@@ -134,10 +145,10 @@ pub fn placement_with(
     spec: &ModelSpec,
     rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
 ) -> Result<collectives::Placement, PassError> {
-    let tp_params = tensor_parallel_params(g, spec, &tensor_parallel::rules())?;
-    match sum_partials_first(g, spec, &tp_params)? {
-        Some(g) => sp_placement(&g, spec, rules, &tp_params),
-        None => sp_placement(g, spec, rules, &tp_params),
+    let tp = tp_placement(g, spec, &tensor_parallel::rules())?;
+    match sum_partials_first(g, spec, &tp)? {
+        Some((g, tp)) => sp_placement(&g, spec, rules, &tp),
+        None => sp_placement(g, spec, rules, &tp),
     }
 }
 
@@ -145,10 +156,10 @@ fn sp_placement(
     g: &Graph,
     spec: &ModelSpec,
     rules: &[egg::Rewrite<collectives::Coll, collectives::Layouts>],
-    tp_params: &BTreeMap<String, Option<usize>>,
+    tp: &tensor_parallel::Placement,
 ) -> Result<collectives::Placement, PassError> {
     let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
-    let tags = lay_out(&mut tp_only, g, spec, true, None, tp_params)?.tags;
+    let tags = lay_out(&mut tp_only, g, spec, true, None, tp)?.tags;
     collectives::place(&tp_only, &tags, spec.parallel.tp, rules).map_err(PassError::Collectives)
 }
 
@@ -161,7 +172,7 @@ fn lay_out(
     spec: &ModelSpec,
     sp: bool,
     placed: Option<HashMap<(usize, usize), bool>>,
-    tp_params: &BTreeMap<String, Option<usize>>,
+    tp: &tensor_parallel::Placement,
 ) -> Result<Laid, PassError> {
     let p = &spec.parallel;
     let mut s = Sharder {
@@ -177,7 +188,9 @@ fn lay_out(
         sp,
         whole_of: HashMap::new(),
         seq_of: HashMap::new(),
-        head_slice_of: HashMap::new(),
+        slice_of: HashMap::new(),
+        n: p.tp,
+        choices: &tp.ops,
         ep: p.ep > 1,
         edp: p.dp * p.cp / p.ep.max(1) > 1,
         counts_of: HashMap::new(),
@@ -205,7 +218,7 @@ fn lay_out(
             }
             ValueDef::Param(name) => {
                 let v = s.g.add_param(name.clone(), value.ty.clone());
-                if let Some(&Some(d)) = tp_params.get(name) {
+                if let Some(&Some(d)) = tp.params.get(name) {
                     s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
                 }
                 if s.ep && s.is_experts(v) {
@@ -267,8 +280,8 @@ struct Laid {
 fn sum_partials_first(
     g: &Graph,
     spec: &ModelSpec,
-    tp_params: &BTreeMap<String, Option<usize>>,
-) -> Result<Option<Graph>, PassError> {
+    tp: &tensor_parallel::Placement,
+) -> Result<Option<(Graph, tensor_parallel::Placement)>, PassError> {
     if spec.parallel.tp <= 1 {
         return Ok(None);
     }
@@ -311,7 +324,7 @@ fn sum_partials_first(
         return Ok(None);
     }
     let mut tp_only = Graph::new(g.name.clone(), g.mesh.clone());
-    let laid = lay_out(&mut tp_only, g, spec, true, None, tp_params)?;
+    let laid = lay_out(&mut tp_only, g, spec, true, None, tp)?;
     let partial = |v: ValueId| tp_only.ty(laid.map[&v]).layout.partial.contains(&Axis::Tp);
     // The chains to rebuild, by their last op: (their ops, the contributions reordered).
     let mut rebuilt: HashMap<usize, (Vec<usize>, Vec<ValueId>)> = HashMap::new();
@@ -338,6 +351,8 @@ fn sum_partials_first(
     }
     let mut out = Graph::new(g.name.clone(), g.mesh.clone());
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    // The term's choices, by the ops' indices in `out`.
+    let mut ops_tp: BTreeMap<usize, Vec<Vec<Dist>>> = BTreeMap::new();
     for (i, value) in g.values.iter().enumerate() {
         let id = ValueId(i as u32);
         match &value.def {
@@ -351,12 +366,16 @@ fn sum_partials_first(
                 let i = op_id.0 as usize;
                 let op = &g.ops[i];
                 if let Some((ops, order)) = rebuilt.get(&i) {
+                    // A rebuilt sum is not the term's: it has no choice.
                     let mut acc = map[&order[0]];
                     for (&k, &x) in ops.iter().zip(&order[1..]) {
                         acc = out.add_op1(OpKind::GradSum, &[acc, map[&x]], &g.ops[k].path)?;
                     }
                     map.insert(op.outputs[0], acc);
                 } else if !dropped.contains(&i) {
+                    if let Some(c) = tp.ops.get(&i) {
+                        ops_tp.insert(out.ops.len(), c.clone());
+                    }
                     let ins: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();
                     let outs = out.add_op(op.kind.clone(), &ins, &op.path)?;
                     for (o, n) in op.outputs.iter().zip(outs) {
@@ -368,7 +387,11 @@ fn sum_partials_first(
         }
     }
     out.outputs = g.outputs.iter().map(|(n, v)| (n.clone(), map[v])).collect();
-    Ok(Some(out))
+    let tp = tensor_parallel::Placement {
+        ops: ops_tp,
+        ..tp.clone()
+    };
+    Ok(Some((out, tp)))
 }
 
 fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {
@@ -400,8 +423,13 @@ struct Sharder<'a> {
     whole_of: HashMap<ValueId, ValueId>,
     /// Values already split along the sequence.
     seq_of: HashMap<ValueId, ValueId>,
-    /// Repeated key/value heads already sliced to this rank's query heads.
-    head_slice_of: HashMap<ValueId, ValueId>,
+    /// Whole values already sliced over tp, by value and dim.
+    slice_of: HashMap<(ValueId, usize), ValueId>,
+    /// The tp size.
+    n: u64,
+    /// The extracted tensor-parallel term's choice for each op of the graph laid out: the
+    /// layouts of its operands ([`tensor_parallel::Placement::ops`]).
+    choices: &'a BTreeMap<usize, Vec<Vec<Dist>>>,
     /// Expert parallelism: stacked experts split over ep.
     ep: bool,
     /// Whether several ranks hold the same experts (dp·cp > ep).
@@ -439,10 +467,6 @@ impl Sharder<'_> {
             Some(d) => Tp::S(d),
             None => Tp::R,
         }
-    }
-
-    fn rank(&self, v: ValueId) -> usize {
-        self.g.ty(v).dims.len()
     }
 
     /// Append an op, set its results' layouts (tp as given, dp by the batch rule).
@@ -562,24 +586,25 @@ impl Sharder<'_> {
         }
     }
 
-    /// `v` (whole, `[b, s, heads, d]`) sliced to this rank's heads.
-    fn head_slice(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
-        if let Some(&w) = self.head_slice_of.get(&v) {
+    /// `v` (whole) sliced to this rank's part along `dim` (a local copy; the conversion is
+    /// inserted once per value and dim).
+    fn slice(&mut self, v: ValueId, dim: usize, path: &str) -> Result<ValueId, PassError> {
+        if let Some(&w) = self.slice_of.get(&(v, dim)) {
             return Ok(w);
         }
         let was = std::mem::replace(&mut self.converting, true);
         let w = self.op1(
             OpKind::Slice {
                 axes: vec![Axis::Tp],
-                dim: 2,
+                dim: dim as u64,
             },
             &[v],
             path,
-            Tp::S(2),
+            Tp::S(dim),
         );
         self.converting = was;
         let w = w?;
-        self.head_slice_of.insert(v, w);
+        self.slice_of.insert((v, dim), w);
         Ok(w)
     }
 
@@ -614,17 +639,10 @@ impl Sharder<'_> {
         Ok(w)
     }
 
-    /// `v` whole, unless it is already sharded (kept as is).
-    fn not_partial(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
-        match self.tp_state(v) {
-            Tp::P => self.whole(v, path),
-            _ => Ok(v),
-        }
-    }
-
-    /// Emit `kind` on operands `ins` with the layout rules; returns the results. Expert
-    /// parallelism's rules come first ([`Self::emit_expert`]), then tp's, one op family a
-    /// function; an op no family claims runs on whole operands ([`Self::emit_whole`]).
+    /// Emit `kind` on operands `ins`; returns the results. Expert parallelism's rules come
+    /// first ([`Self::emit_expert`]); a token-wise op the collective rewrites put on
+    /// sequence shards is emitted so ([`Self::emit_on_shards`]); every other op as the
+    /// tensor-parallel term says ([`Self::emit_tp`]).
     fn emit(
         &mut self,
         kind: &OpKind,
@@ -643,42 +661,15 @@ impl Sharder<'_> {
         if collectives::token_wise(kind) && self.placed_on_shards() {
             return self.emit_on_shards(kind, &ins, path);
         }
-        match kind {
-            OpKind::Embedding
-            | OpKind::EmbeddingGrad
-            | OpKind::CrossEntropy
-            | OpKind::CrossEntropyGrad => self.emit_embedding_loss(kind, &ins, path),
-            OpKind::Linear { weight }
-            | OpKind::LinearGradInput { weight }
-            | OpKind::LinearGradWeight { weight } => self.emit_linear(kind, *weight, &ins, path),
-            OpKind::BiasAdd | OpKind::BiasGrad => self.emit_bias(kind, &ins, path),
-            OpKind::SplitHeads { .. }
-            | OpKind::MergeHeads
-            | OpKind::Split { .. }
-            | OpKind::Concat => self.emit_view(kind, &ins, path),
-            OpKind::Rope { .. }
-            | OpKind::RopeGrad { .. }
-            | OpKind::Cast { .. }
-            | OpKind::GeluTanh => self.emit_unary(kind, &ins, path),
-            OpKind::CausalAttention { .. } | OpKind::AttentionGrad { .. } => {
-                self.emit_attention(kind, &ins, path)
-            }
-            OpKind::Add
-            | OpKind::GradSum
-            | OpKind::SwiGlu
-            | OpKind::SwiGluGrad
-            | OpKind::GeluTanhGrad => self.emit_elementwise(kind, &ins, path),
-            OpKind::RmsNorm { .. }
-            | OpKind::LayerNorm { .. }
-            | OpKind::RmsNormGrad { .. }
-            | OpKind::LayerNormGrad { .. } => self.emit_norm(kind, &ins, path),
-            OpKind::Combine | OpKind::CombineGrad | OpKind::DispatchGrad { .. } => {
-                self.emit_moe(kind, &ins, path)
-            }
-            // Everything else (position embeddings, the router, dispatch, collectives,
-            // optimizer) runs on whole operands and gives whole results.
-            _ => self.emit_whole(kind, &ins, path),
+        // The gradient of a bias added on sequence shards sums this rank's tokens.
+        if matches!(kind, OpKind::BiasGrad)
+            && self
+                .seq_dim(ins[0])
+                .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
+        {
+            return self.op(kind.clone(), &ins, path, &[Tp::P]);
         }
+        self.emit_tp(kind, &ins, path)
     }
 
     /// Whether the extracted term runs the next op emitted for the current one on sequence
@@ -728,379 +719,114 @@ impl Sharder<'_> {
         self.op(kind.clone(), &args, path, &tp)
     }
 
-    /// The default rule: every operand made whole, whole results (correct for any op, but it
-    /// communicates).
-    fn emit_whole(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let args = self.all_whole(ins, path)?;
-        self.op(kind.clone(), &args, path, &[])
-    }
-
-    /// The vocab-parallel embedding and cross-entropy (and their gradients): a table split
-    /// over the vocabulary gives partial sums (reduce-scattered onto sequence shards with
-    /// sequence parallelism); logits split over it give a whole loss and split gradients.
-    fn emit_embedding_loss(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let k = kind.clone();
-        match kind {
-            OpKind::Embedding => {
-                let out = if self.tp_state(ins[1]) == Tp::S(0) {
-                    Tp::P
-                } else {
-                    Tp::R
-                };
-                let y = self.op1(k, ins, path, out)?;
-                if self.sp && out == Tp::P {
-                    // Sequence parallelism: the residual stream starts on sequence shards
-                    // (Megatron reduce-scatters the vocab-parallel embedding's output).
-                    return Ok(vec![self.seq_shard(y, path)?]);
-                }
-                Ok(vec![y])
-            }
-            OpKind::EmbeddingGrad => {
-                let dy = self.whole(ins[2], path)?;
-                let out = if self.tp_state(ins[1]) == Tp::S(0) {
-                    Tp::S(0)
-                } else {
-                    Tp::R
-                };
-                self.op(k, &[ins[0], ins[1], dy], path, &[out])
-            }
-            _ => {
-                // Cross-entropy and its gradient.
-                let logits = self.not_partial(ins[0], path)?;
-                let out = match (kind, self.tp_state(logits)) {
-                    (OpKind::CrossEntropyGrad, Tp::S(d)) => Tp::S(d),
-                    _ => Tp::R,
-                };
-                self.op(k, &[logits, ins[1]], path, &[out])
-            }
+    /// The tp layout of `v`, as [`tensor_parallel::strategies`] names it.
+    fn dist(&self, v: ValueId) -> Dist {
+        match self.tp_state(v) {
+            Tp::R => Dist::R,
+            Tp::S(d) => Dist::S(d),
+            Tp::P => Dist::P,
         }
     }
 
-    /// Linears and their gradients: column-parallel (the weight split over its output
-    /// features: the input gathered whole, the output split), row-parallel (split over its
-    /// input features: a split input gives a partial sum, reduced before a bias), else whole.
-    fn emit_linear(
-        &mut self,
+    /// The strategy of `kind`'s layout algebra ([`tensor_parallel::strategies`]) the op
+    /// runs under: the one on its operands as they are, where the algebra lists one; else
+    /// the first the extracted term gives the current op whose operand layouts the emitted
+    /// operands can be converted to (a partial sum stays one, a whole value can be sliced,
+    /// anything made whole); else every operand whole. (The two differ only at a group's
+    /// edge: the term takes values from another group whole, where the first layer's
+    /// residual adds receive the vocab-parallel embedding's partial sum and add it as one.)
+    fn strategy(
+        &self,
         kind: &OpKind,
-        weight: WeightLayout,
         ins: &[ValueId],
         path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let last = |s: &Self, v: ValueId| s.rank(v) - 1;
-        let k = kind.clone();
-        let (in_dim, out_dim) = match weight {
-            WeightLayout::OutIn => (1, 0),
-            WeightLayout::InOut => (0, 1),
+    ) -> Result<tensor_parallel::Strategy, PassError> {
+        let tys: Vec<&TensorType> = ins.iter().map(|&x| self.g.ty(x)).collect();
+        let outs = infer_types(kind, &tys).map_err(|message| {
+            PassError::Ir(megac_ir::IrError::Type {
+                op: kind.name().to_string(),
+                path: path.to_string(),
+                message,
+            })
+        })?;
+        let outs: Vec<&TensorType> = outs.iter().collect();
+        let mut all = tensor_parallel::strategies(kind, &tys, &outs, self.n);
+        let now: Vec<Dist> = ins.iter().map(|&x| self.dist(x)).collect();
+        let reachable = |want: &[Dist]| {
+            now.iter().zip(want).all(|(&have, &want)| match want {
+                Dist::R => true,
+                Dist::S(d) => have == Dist::S(d) || have == Dist::R,
+                Dist::P => have == Dist::P,
+                Dist::Invalid => false,
+            })
         };
-        match kind {
-            OpKind::Linear { .. } => match self.tp_state(ins[1]) {
-                Tp::S(d) if d == out_dim => {
-                    let x = self.whole(ins[0], path)?;
-                    let mut args = vec![x, ins[1]];
-                    args.extend(ins.get(2));
-                    let out = Tp::S(self.rank(x) - 1);
-                    self.op(k, &args, path, &[out])
-                }
-                Tp::S(d) if d == in_dim => {
-                    let x = ins[0];
-                    if self.tp_state(x) != Tp::S(last(self, x)) {
-                        return Err(PassError::Autodiff(format!(
-                            "shard: {path}: a row-parallel linear needs its input split over tp"
-                        )));
-                    }
-                    let partial = self.op1(k.clone(), &[x, ins[1]], path, Tp::P)?;
-                    match ins.get(2) {
-                        None => Ok(vec![partial]),
-                        // The bias goes on after the partial sums are reduced: onto each
-                        // sequence shard where the rewrites placed the bias add there
-                        // (reduce-scattered, as Megatron does), else onto the all-reduced
-                        // whole.
-                        Some(&bias) if self.placed_on_shards() => {
-                            self.emit_on_shards(&OpKind::BiasAdd, &[partial, bias], path)
-                        }
-                        Some(&bias) => {
-                            let whole = self.whole(partial, path)?;
-                            Ok(vec![self.op1(
-                                OpKind::BiasAdd,
-                                &[whole, bias],
-                                path,
-                                Tp::R,
-                            )?])
-                        }
-                    }
-                }
-                _ => self.emit_whole(kind, ins, path),
-            },
-            OpKind::LinearGradInput { .. } => match self.tp_state(ins[1]) {
-                Tp::S(d) if d == out_dim => {
-                    let dy = ins[0];
-                    if self.tp_state(dy) != Tp::S(last(self, dy)) {
-                        return Err(PassError::Autodiff(format!(
-                            "shard: {path}: the output gradient of a column-parallel linear must be split over tp"
-                        )));
-                    }
-                    self.op(k, ins, path, &[Tp::P])
-                }
-                Tp::S(d) if d == in_dim => {
-                    let dy = self.whole(ins[0], path)?;
-                    let out = Tp::S(self.rank(dy) - 1);
-                    self.op(k, &[dy, ins[1]], path, &[out])
-                }
-                _ => self.emit_whole(kind, ins, path),
-            },
-            _ => {
-                // The weight gradient. Column-parallel: dy split over the output features, x
-                // whole. Row-parallel: x split over the input features, dy whole.
-                let (x, dy) = (ins[0], ins[1]);
-                let (x, dy, out) = if self.tp_state(dy) == Tp::S(last(self, dy)) {
-                    (self.whole(x, path)?, dy, Tp::S(out_dim))
-                } else if self.tp_state(x) == Tp::S(last(self, x)) {
-                    (x, self.whole(dy, path)?, Tp::S(in_dim))
-                } else {
-                    (self.whole(x, path)?, self.whole(dy, path)?, Tp::R)
-                };
-                self.op(k, &[x, dy], path, &[out])
-            }
-        }
+        let chosen = self.choices.get(&self.cur).and_then(|c| {
+            c.iter()
+                .filter(|ins| reachable(ins))
+                .find_map(|ins| all.iter().position(|s| &s.ins == ins))
+        });
+        let fits = all.iter().position(|s| s.ins == now);
+        let k = fits.or(chosen).unwrap_or(0);
+        Ok(all.swap_remove(k))
     }
 
-    /// Bias add and its gradient: on sequence shards with sequence parallelism (the bias
-    /// gradient then a partial sum), else on the input's layout (a split bias follows a
-    /// split input).
-    fn emit_bias(
+    /// An op laid out by its layout algebra ([`Self::strategy`]): each operand converted to
+    /// the strategy's layout (all-reduced or all-gathered whole, sliced from whole, kept;
+    /// an operand the op gathers itself made whole first), the results in its result
+    /// layouts. Two ops have more to them than their layouts: a linear with a bias whose
+    /// product is a partial sum adds the bias after the reduction (once; on sequence shards
+    /// where the collective rewrites put that add, as Megatron reduce-scatters), and under
+    /// sequence parallelism the vocab-parallel embedding's partial sum is reduce-scattered
+    /// onto sequence shards at once (the residual stream starts on them, as Megatron's).
+    fn emit_tp(
         &mut self,
         kind: &OpKind,
         ins: &[ValueId],
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        let k = kind.clone();
-        if matches!(kind, OpKind::BiasAdd) {
-            let x = self.not_partial(ins[0], path)?;
-            let out = self.tp_state(x);
-            let b = if out == Tp::R {
-                self.whole(ins[1], path)?
+        let s = self.strategy(kind, ins, path)?;
+        let mut args = Vec::with_capacity(ins.len());
+        for (i, (&x, &want)) in ins.iter().zip(&s.ins).enumerate() {
+            let want = if s.gathers.contains(&i) {
+                Dist::R
             } else {
-                ins[1]
+                want
             };
-            return self.op(k, &[x, b], path, &[out]);
+            args.push(match (want, self.dist(x)) {
+                (Dist::R, _) => self.whole(x, path)?,
+                (Dist::S(d), Dist::R) => self.slice(x, d, path)?,
+                _ => x,
+            });
         }
-        // The gradient of a bias added on sequence shards sums this rank's tokens.
-        if self
-            .seq_dim(ins[0])
-            .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
-        {
-            return self.op(k, ins, path, &[Tp::P]);
-        }
-        let dy = self.not_partial(ins[0], path)?;
-        let out = match self.tp_state(dy) {
-            Tp::S(_) => Tp::S(0),
-            _ => Tp::R,
-        };
-        self.op(k, &[dy], path, &[out])
-    }
-
-    /// Views, split and concat: on operands all sharded at the dim the view splits or merges
-    /// (its leading factor), or all whole; else gathered whole.
-    fn emit_view(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let k = kind.clone();
-        let args: Vec<ValueId> = ins
+        let outs: Vec<Tp> = s
+            .outs
             .iter()
-            .map(|&x| self.not_partial(x, path))
-            .collect::<Result<_, _>>()?;
-        let r = self.rank(args[0]);
-        // The sharded dim must be the one the view splits or merges at its leading
-        // factor: `heads*head_dim` <-> `heads`, `3*rest` <-> `rest`.
-        let expected = if matches!(kind, OpKind::MergeHeads) {
-            r - 2
-        } else {
-            r - 1
-        };
-        let all_sharded = args.iter().all(|&x| self.tp_state(x) == Tp::S(expected));
-        let all_whole = args.iter().all(|&x| self.tp_state(x) == Tp::R);
-        let n_out = match kind {
-            OpKind::Split { n } => *n as usize,
-            _ => 1,
-        };
-        if all_sharded {
-            let out = match kind {
-                OpKind::SplitHeads { .. } => Tp::S(r - 1),
-                OpKind::MergeHeads => Tp::S(r - 2),
-                _ => Tp::S(r - 1),
-            };
-            self.op(k, &args, path, &vec![out; n_out])
-        } else if all_whole {
-            self.op(k, &args, path, &[])
-        } else {
-            let args = self.all_whole(&args, path)?;
-            self.op(k, &args, path, &[])
-        }
-    }
-
-    /// One-operand elementwise ops (rope, cast, GELU): the result keeps the operand's layout
-    /// (a partial sum is reduced first).
-    fn emit_unary(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let x = self.not_partial(ins[0], path)?;
-        let out = self.tp_state(x);
-        self.op(kind.clone(), &[x], path, &[out])
-    }
-
-    /// Attention splits over heads: q, k, v (and in backward every operand) split. With more
-    /// tp ranks than kv heads, k and v are whole (heads repeated) and each rank takes the
-    /// repeated heads of its query heads.
-    fn emit_attention(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let k = kind.clone();
-        let fwd = matches!(kind, OpKind::CausalAttention { .. });
-        let outs: &[Tp] = if fwd {
-            &[Tp::S(2), Tp::S(1)]
-        } else {
-            &[Tp::S(2), Tp::S(2), Tp::S(2)]
-        };
-        if self.tp_state(ins[0]) == Tp::S(2) && self.tp_state(ins[1]) == Tp::R {
-            let mut args = ins.to_vec();
-            for a in [1, 2] {
-                args[a] = self.head_slice(ins[a], path)?;
+            .map(|&d| match d {
+                Dist::S(d) => Tp::S(d),
+                Dist::P => Tp::P,
+                _ => Tp::R,
+            })
+            .collect();
+        if matches!(kind, OpKind::Linear { .. }) && args.len() == 3 && outs[0] == Tp::P {
+            let partial = self.op1(kind.clone(), &args[..2], path, Tp::P)?;
+            let bias = args[2];
+            if self.placed_on_shards() {
+                return self.emit_on_shards(&OpKind::BiasAdd, &[partial, bias], path);
             }
-            return self.op(k, &args, path, outs);
+            let whole = self.whole(partial, path)?;
+            return Ok(vec![self.op1(
+                OpKind::BiasAdd,
+                &[whole, bias],
+                path,
+                Tp::R,
+            )?]);
         }
-        let split = if fwd {
-            [ins[0], ins[1], ins[2]]
-                .iter()
-                .all(|&x| self.tp_state(x) == Tp::S(2))
-        } else {
-            ins.iter().all(|&x| matches!(self.tp_state(x), Tp::S(_)))
-        };
-        if split {
-            return self.op(k, ins, path, outs);
+        let ys = self.op(kind.clone(), &args, path, &outs)?;
+        if self.sp && matches!(kind, OpKind::Embedding) && outs[0] == Tp::P {
+            return Ok(vec![self.seq_shard(ys[0], path)?]);
         }
-        self.emit_whole(kind, ins, path)
+        Ok(ys)
     }
-
-    /// Residual adds, gradient sums and the MLP's elementwise ops (SwiGLU, the GELU
-    /// gradient): on equal layouts (partial sums add up as partial sums), else whole. (Adds
-    /// and sums the collective rewrites put on sequence shards are emitted by
-    /// [`Self::emit_on_shards`].)
-    fn emit_elementwise(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let k = kind.clone();
-        let sums = matches!(kind, OpKind::Add | OpKind::GradSum);
-        let states: Vec<Tp> = ins.iter().map(|&x| self.tp_state(x)).collect();
-        let n_out = if matches!(kind, OpKind::SwiGluGrad) {
-            2
-        } else {
-            1
-        };
-        let same = states.iter().all(|&t| t == states[0]);
-        if same && (states[0] != Tp::P || sums) {
-            // Elementwise on equal layouts; partial sums add up as partial sums.
-            self.op(k, ins, path, &vec![states[0]; n_out])
-        } else {
-            self.emit_whole(kind, ins, path)
-        }
-    }
-
-    /// Norms and their gradients off sequence shards (where the collective rewrites put them
-    /// on shards, [`Self::emit_on_shards`] emits them): a per-head norm (qk-norm) split by
-    /// heads, else whole.
-    fn emit_norm(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let k = kind.clone();
-        // A norm of per-head rows (Qwen3's qk-norm over head_dim of q and k, `[b, s, heads,
-        // head_dim]`): never on sequence shards. Split by heads, each rank normalises its
-        // own rows with the replicated weight and the weight gradient is a partial sum over
-        // tp; otherwise whole.
-        if self.rank(ins[0]) == 4 {
-            let x_state = self.tp_state(ins[0]);
-            if x_state == Tp::S(2) {
-                let w = self.whole(ins[1], path)?;
-                if matches!(kind, OpKind::RmsNorm { .. }) {
-                    return self.op(k, &[ins[0], w], path, &[x_state]);
-                }
-                if matches!(kind, OpKind::RmsNormGrad { .. }) {
-                    let dy = self.not_partial(ins[2], path)?;
-                    if self.tp_state(dy) == x_state {
-                        return self.op(k, &[ins[0], w, dy], path, &[x_state, Tp::P]);
-                    }
-                }
-            }
-            return self.emit_whole(kind, ins, path);
-        }
-        self.emit_whole(kind, ins, path)
-    }
-
-    /// The per-expert MoE ops under expert tensor parallelism: every expert's output is a
-    /// partial sum over tp (its w2 is row-parallel); the combine is linear in them, so it
-    /// gives a partial sum, reduced once after it. Backward: the router-weight gradient (a
-    /// dot product with the expert outputs) is partial too, the experts' output gradients
-    /// whole, and the token gradients of the experts (their w1/w3 are column-parallel)
-    /// partial. Otherwise whole.
-    fn emit_moe(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Vec<ValueId>, PassError> {
-        let k = kind.clone();
-        match kind {
-            OpKind::Combine if ins[2..].iter().all(|&y| self.tp_state(y) == Tp::P) => {
-                let mut args = self.all_whole(&ins[..2], path)?;
-                args.extend_from_slice(&ins[2..]);
-                self.op(k, &args, path, &[Tp::P])
-            }
-            OpKind::CombineGrad
-                if ins.len() >= 4
-                    && ins[2..ins.len() - 1]
-                        .iter()
-                        .all(|&y| self.tp_state(y) == Tp::P) =>
-            {
-                let n = ins.len();
-                let mut args = self.all_whole(&ins[..2], path)?;
-                args.extend_from_slice(&ins[2..n - 1]);
-                args.push(self.whole(ins[n - 1], path)?);
-                let mut outs = vec![Tp::P];
-                outs.extend(std::iter::repeat_n(Tp::R, n - 3));
-                self.op(k, &args, path, &outs)
-            }
-            OpKind::DispatchGrad { .. } if self.tp_state(ins[0]) == Tp::P => {
-                let idx = self.whole(ins[1], path)?;
-                self.op(k, &[ins[0], idx], path, &[Tp::P])
-            }
-            _ => self.emit_whole(kind, ins, path),
-        }
-    }
-
     fn all_whole(&mut self, ins: &[ValueId], path: &str) -> Result<Vec<ValueId>, PassError> {
         ins.iter().map(|&x| self.whole(x, path)).collect()
     }

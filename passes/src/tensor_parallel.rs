@@ -768,6 +768,11 @@ pub struct GroupPlacement {
     pub cost: f64,
     /// See `cost`.
     pub whole_cost: f64,
+    /// The term's choice for each op of the group it holds: (the op's place among the
+    /// group's ops, in graph order; its operands' layouts). An op the term holds in two
+    /// layouts (read whole by one op, split by another) is listed once per layout, in the
+    /// term's order.
+    pub choices: Vec<(usize, Vec<Dist>)>,
 }
 
 /// What the rewrites found for the graph.
@@ -777,6 +782,10 @@ pub struct Placement {
     pub params: BTreeMap<String, Option<usize>>,
     /// Every group, in graph order.
     pub groups: Vec<GroupPlacement>,
+    /// For every op of the graph the extracted term holds (by its index in `g.ops`), the
+    /// layouts of its operands there, each list once, in the term's order (the strategy of
+    /// its [`strategies`] with these `ins` says its results'). `shard` emits each op so.
+    pub ops: BTreeMap<usize, Vec<Vec<Dist>>>,
 }
 
 /// The decoder layer an op's path belongs to (`model.layers.N`, `transformer.h.N`).
@@ -913,6 +922,16 @@ pub fn place(
     for (_, name, _) in g.params() {
         placement.params.entry(name.to_string()).or_insert(None);
     }
+    // Each op's choice, by its index in the graph (a repeated group's by its place).
+    for p in &placement.groups {
+        let ops = &ops_of[&p.group];
+        for (j, ins) in &p.choices {
+            let c = placement.ops.entry(ops[*j]).or_default();
+            if !c.contains(ins) {
+                c.push(ins.clone());
+            }
+        }
+    }
     Ok(placement)
 }
 
@@ -926,6 +945,8 @@ fn dim(l: Dist) -> Option<usize> {
 /// One group's e-graph before the rewrites.
 struct Group {
     name: String,
+    /// The group's ops (indices in the graph), in graph order.
+    ops: Vec<usize>,
     eg: Graphs,
     roots: Vec<Id>,
     /// Per parameter, its update root, if its gradient is produced in the group.
@@ -1067,6 +1088,7 @@ impl Group {
         eg.rebuild();
         Group {
             name: name.to_string(),
+            ops: ops.to_vec(),
             eg,
             roots,
             updates,
@@ -1150,6 +1172,19 @@ impl Group {
             .map(|k| used[k].iter().next().copied().unwrap_or(Dist::R))
             .collect();
         let (term, all_reduces) = term_text(g, eg, &ex, &roots, &layouts);
+        let place: HashMap<usize, usize> =
+            self.ops.iter().enumerate().map(|(j, &i)| (i, j)).collect();
+        let mut choices: Vec<(usize, Vec<Dist>)> = Vec::new();
+        for c in walk(eg, &ex, &roots) {
+            let nd = ex.find_best_node(c);
+            if let Some(Kind::Op(k)) = kind_of(nd.op) {
+                let ins: Vec<Dist> = nd.children.iter().map(|&ch| eg[ch].data.dist).collect();
+                let choice = (place[&eg.analysis.ops[k].op], ins);
+                if !choices.contains(&choice) {
+                    choices.push(choice);
+                }
+            }
+        }
         Ok((
             layouts,
             GroupPlacement {
@@ -1164,6 +1199,7 @@ impl Group {
                 all_reduces,
                 cost,
                 whole_cost,
+                choices,
             },
         ))
     }
