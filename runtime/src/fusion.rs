@@ -6,11 +6,13 @@
 //!
 //! Kernels are cached in the process by the hash of their MLIR text: ranks running as
 //! threads, and the groups of different layers with the same shapes, share one compiled
-//! kernel. (The ExecutionEngine cannot load a compiled object back, so there is no cache
-//! on disk: each process compiles its kernels once.) Fusion is off by default (the generated
-//! kernels are not faster yet); [`set_enabled`] (`--fusion on`) turns it on for the process
-//! in a build with the feature. A build without it has no fused kernels and runs every
-//! instruction itself.
+//! kernel. They are also cached on disk (`megac_codegen::mlir::jit::DiskCache`:
+//! `$MEGAC_KERNEL_CACHE`, else `$XDG_CACHE_HOME/megac/kernels` or `~/.cache/megac/kernels`;
+//! `MEGAC_KERNEL_CACHE=off` for none): a later process loads the shared object instead of
+//! compiling. A group that `megac_codegen::fuse::split_rows` allows to cut into row ranges
+//! runs as one call per rayon thread, at once. Fusion is on by default in a build with the
+//! feature; [`set_enabled`] (`--fusion off`) turns it off for the process. A build without
+//! it has no fused kernels and runs every instruction itself.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -19,10 +21,8 @@ use megac_ir::plan::{BufId, Instr};
 use crate::error::RuntimeError;
 use crate::memory::Memory;
 
-/// Off by default: the generated kernels are scalar loops and measured slower than the Rust
-/// kernels they replace (docs/mlir.md), so fusion is opt-in (`--fusion on`) until they are
-/// vectorised.
-static ENABLED: AtomicBool = AtomicBool::new(false);
+/// On by default (in a build with the feature: [`enabled`]); `--fusion off` turns it off.
+static ENABLED: AtomicBool = AtomicBool::new(true);
 
 /// Turn fusion on or off for sessions created afterwards in this process.
 pub fn set_enabled(on: bool) {
