@@ -6,8 +6,9 @@
 #
 # Fusion (issue 19): where LLVM/MLIR 22 is installed (/usr/lib/llvm-22, or MLIR=0 to skip)
 # megac is built with the `mlir` feature and runs twice per round, `--fusion off` then
-# `--fusion on`, interleaved with PyTorch over ROUNDS rounds (the machine may be loaded:
-# compare the ratios of one round). Each megac run also reports the share of its step time
+# `--fusion on` (on first in even rounds), interleaved with PyTorch over ROUNDS rounds (the
+# machine may be loaded: compare the ratios of one round). Fused kernels come from the disk
+# cache after the first run (MEGAC_KERNEL_CACHE, docs/mlir.md). Each megac run also reports the share of its step time
 # outside the GEMMs (1 - linear* kernel seconds / step seconds over steps 2..N).
 #
 #   bash bench/step_throughput.sh [STEPS] [ROUNDS]
@@ -54,7 +55,10 @@ PY
 
 for round in $(seq 1 "$rounds"); do
   echo "round $round:"
-  for mode in "${modes[@]}"; do
+  # Fusion off then on in odd rounds, on then off in even ones: no order bias over rounds.
+  order=("${modes[@]}")
+  if [ "${#modes[@]}" = 2 ] && [ $((round % 2)) = 0 ]; then order=(on off); fi
+  for mode in "${order[@]}"; do
     read -r tps share < <(megac_run "$mode" | tail -n 1)
     [ "$round" = "$rounds" ] && { echo "  megac profile (fusion $mode):"; sed 's/^/    /' "$plan/out-$mode.txt"; }
     echo "  megac (fusion $mode) tokens/s: $tps, step time outside GEMMs: $share%"

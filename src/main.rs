@@ -176,10 +176,11 @@ pub struct RunArgs {
     /// finding (the rank or link, the step, the score) on stderr; see docs/scan.md.
     #[arg(long)]
     pub scan: bool,
-    /// Fused kernels (issue 19; docs/mlir.md): `on` (in a build with the `mlir` feature)
-    /// runs each fused group of elementwise and row-reduction instructions as one kernel
-    /// generated through MLIR and JIT-compiled at startup; `off` (the default: the generated
-    /// kernels are not faster yet) runs every instruction with the Rust kernels.
+    /// Fused kernels (issue 19; docs/mlir.md): `on` (the default in a build with the `mlir`
+    /// feature; an error without it) runs each fused group of elementwise and row-reduction
+    /// instructions as one kernel generated through MLIR, compiled at startup or loaded
+    /// from the kernel cache; `off` (the default without the feature) runs every
+    /// instruction with the Rust kernels.
     #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
     pub fusion: Option<String>,
 }

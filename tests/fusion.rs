@@ -243,3 +243,92 @@ fn training_with_fusion_equals_training_without() {
         }
     }
 }
+
+/// Micro-benchmark (not part of `cargo test`; run with `cargo test --release --features
+/// mlir --test fusion -- --ignored --nocapture fused_kernel_speed`): every distinct fused
+/// group of the bench model (bench/llama-bench.toml), its instructions run by the Rust
+/// kernels against its fused kernel, on the same buffers in the same process, best of
+/// `MEGAC_FUSE_REPS` (default 20) runs each. Prints one line per group.
+#[test]
+#[ignore]
+fn fused_kernel_speed() {
+    use std::time::Instant;
+    let reps: usize = std::env::var("MEGAC_FUSE_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let checked = CheckedPlan::check(plan("bench/llama-bench.toml", &[])).unwrap();
+    let p: &Plan = &checked;
+    megac_runtime::fusion::set_enabled(false);
+    let mut rng = megac_runtime::rng::SplitMix64(7);
+    let mut seen = std::collections::HashSet::new();
+    let mut mem = Memory::new(&checked, 0).unwrap();
+    let ctx = StepContext {
+        step: 1,
+        lr: 1e-3,
+        microbatch: 0,
+        loss_scale: 1.0,
+    };
+    let (mut total_rust, mut total_fused) = (0f64, 0f64);
+    for (_, program) in megac_codegen::fuse::programs(&p.roles[0]) {
+        let groups = megac_codegen::fuse::groups(program);
+        for g in &groups {
+            let instrs = g.instrs(program);
+            let text = megac_runtime::fusion::group_source(p, instrs).unwrap();
+            let count = groups
+                .iter()
+                .filter(|h| {
+                    megac_runtime::fusion::group_source(p, h.instrs(program)).as_ref()
+                        == Some(&text)
+                })
+                .count();
+            if !seen.insert(text) {
+                continue;
+            }
+            let (all, _) = buffers(instrs);
+            for &buf in &all {
+                let n = p.buffers[buf as usize].len() as usize;
+                let v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+                mem.write_f32(buf, &v);
+            }
+            let t = Instant::now();
+            let fused = megac_runtime::fusion::prepare_group(&checked, instrs)
+                .unwrap()
+                .unwrap();
+            let compile = t.elapsed().as_secs_f64();
+            let copy: Vec<Instr> = instrs.to_vec();
+            let best = |f: &mut dyn FnMut()| {
+                f();
+                (0..reps)
+                    .map(|_| {
+                        let t = Instant::now();
+                        f();
+                        t.elapsed().as_secs_f64()
+                    })
+                    .fold(f64::INFINITY, f64::min)
+            };
+            let rust = best(&mut || {
+                run_program(&copy, &checked, &mem, &ctx, &mut SingleRank, None).unwrap()
+            });
+            let fast = best(&mut || fused.run(&mem).unwrap());
+            total_rust += rust * count as f64;
+            total_fused += fast * count as f64;
+            eprintln!(
+                "{:<40} x{count:<2} rust {:8.1} us  fused {:8.1} us  fused/rust {:5.2}  (compile {:.2} s)",
+                g.pattern(program),
+                rust * 1e6,
+                fast * 1e6,
+                fast / rust,
+                compile
+            );
+        }
+    }
+    eprintln!(
+        "all groups of one step (by count): rust {:.1} us, fused {:.1} us, fused/rust {:.2} ({:?} cores, RAYON_NUM_THREADS={:?})",
+        total_rust * 1e6,
+        total_fused * 1e6,
+        total_fused / total_rust,
+        std::thread::available_parallelism().map(|n| n.get()).ok(),
+        std::env::var("RAYON_NUM_THREADS").ok()
+    );
+}

@@ -28,6 +28,15 @@
 //! instead of several, and every `zero` followed by a kernel that accumulates into it
 //! elementwise is not run at all: that kernel writes `0 + value` instead of reading the
 //! zeroed buffer (the same bits), which saves a write and a read of the buffer.
+//!
+//! ## Splitting a group over threads
+//! A group whose every member is *row-local* (each output row depends only on the same row
+//! of the row-shaped inputs: every member but `rms_norm_grad`, whose weight gradient sums
+//! over rows) may run as `parts` calls on disjoint row ranges at once ([`split_rows`]):
+//! every buffer of rank 2 or more has the same leading dimension `B`, a multiple of
+//! `parts`, and is cut along it; buffers of rank 0 or 1 (norm weights, biases) are only
+//! read, whole, by every part. Each row is computed by the same operations in the same
+//! order as in one call.
 
 use megac_ir::plan::{BufId, Instr};
 use megac_ir::OpKind;
@@ -84,6 +93,42 @@ pub fn fusible_op(op: &OpKind) -> bool {
             | OpKind::RmsNormGrad { .. }
             | OpKind::LayerNorm { .. }
     ) && op.implicit_collective().is_none()
+}
+
+/// The leading dimension `B` along which a group's buffers can be cut into `parts` row
+/// ranges run at once (see the module doc), if the group allows it.
+pub fn split_rows(plan: &megac_ir::plan::Plan, instrs: &[Instr], parts: u64) -> Option<u64> {
+    if parts < 2 {
+        return None;
+    }
+    let mut lead: Option<u64> = None;
+    for i in instrs {
+        if let Instr::Kernel { op, .. } = i {
+            if matches!(op, OpKind::RmsNormGrad { .. }) || !fusible_op(op) {
+                return None;
+            }
+        }
+        let (r, w) = access(i);
+        for (b, written) in r
+            .iter()
+            .map(|b| (b, false))
+            .chain(w.iter().map(|b| (b, true)))
+        {
+            let shape = &plan.buffers[*b as usize].shape;
+            if shape.len() < 2 {
+                if written {
+                    return None;
+                }
+                continue;
+            }
+            match lead {
+                None => lead = Some(shape[0]),
+                Some(l) if l != shape[0] => return None,
+                Some(_) => {}
+            }
+        }
+    }
+    lead.filter(|&l| l % parts == 0)
 }
 
 /// Whether instruction `i` may be a member of a group.

@@ -6,11 +6,13 @@
 //!
 //! Kernels are cached in the process by the hash of their MLIR text: ranks running as
 //! threads, and the groups of different layers with the same shapes, share one compiled
-//! kernel. (The ExecutionEngine cannot load a compiled object back, so there is no cache
-//! on disk: each process compiles its kernels once.) Fusion is off by default (the generated
-//! kernels are not faster yet); [`set_enabled`] (`--fusion on`) turns it on for the process
-//! in a build with the feature. A build without it has no fused kernels and runs every
-//! instruction itself.
+//! kernel. They are also cached on disk (`megac_codegen::mlir::jit::DiskCache`:
+//! `$MEGAC_KERNEL_CACHE`, else `$XDG_CACHE_HOME/megac/kernels` or `~/.cache/megac/kernels`;
+//! `MEGAC_KERNEL_CACHE=off` for none): a later process loads the shared object instead of
+//! compiling. A group that `megac_codegen::fuse::split_rows` allows to cut into row ranges
+//! runs as one call per rayon thread, at once. Fusion is on by default in a build with the
+//! feature; [`set_enabled`] (`--fusion off`) turns it off for the process. A build without
+//! it has no fused kernels and runs every instruction itself.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -19,10 +21,8 @@ use megac_ir::plan::{BufId, Instr};
 use crate::error::RuntimeError;
 use crate::memory::Memory;
 
-/// Off by default: the generated kernels are scalar loops and measured slower than the Rust
-/// kernels they replace (docs/mlir.md), so fusion is opt-in (`--fusion on`) until they are
-/// vectorised.
-static ENABLED: AtomicBool = AtomicBool::new(false);
+/// On by default (in a build with the feature: [`enabled`]); `--fusion off` turns it off.
+static ENABLED: AtomicBool = AtomicBool::new(true);
 
 /// Turn fusion on or off for sessions created afterwards in this process.
 pub fn set_enabled(on: bool) {
@@ -42,6 +42,13 @@ pub(crate) struct Call {
     pub len: usize,
     /// The buffers it takes, in argument order.
     buffers: Vec<BufId>,
+    /// How many row ranges it runs as, at once (1: one call).
+    #[cfg_attr(not(feature = "mlir"), allow(dead_code))]
+    parts: usize,
+    /// Per buffer: cut into `parts` row ranges (else passed whole to every part), and its
+    /// element size in bytes.
+    #[cfg_attr(not(feature = "mlir"), allow(dead_code))]
+    cut: Vec<(bool, usize)>,
     #[cfg(feature = "mlir")]
     kernel: std::sync::Arc<jit::Kernel>,
 }
@@ -52,12 +59,49 @@ impl Call {
         #[cfg(feature = "mlir")]
         {
             let bufs: Vec<(*mut u8, i64)> = self.buffers.iter().map(|&b| mem.raw(b)).collect();
-            // SAFETY: every pointer is a buffer this rank holds, valid for its element
-            // count (`Memory::raw`); the group's instructions are the executor's current
-            // instructions, so nothing else reads or writes these buffers meanwhile, and
-            // the group computes what they compute in their order.
-            unsafe { self.kernel.jit.call_buffers("fused", &bufs) }
-                .map_err(|e| RuntimeError::Plan(format!("fused kernel: {e}")))
+            if self.parts <= 1 {
+                // SAFETY: every pointer is a buffer this rank holds, valid for its element
+                // count (`Memory::raw`); the group's instructions are the executor's
+                // current instructions, so nothing else reads or writes these buffers
+                // meanwhile, and the group computes what they compute in their order.
+                return unsafe { self.kernel.jit.call_buffers("fused", &bufs) }
+                    .map_err(|e| RuntimeError::Plan(format!("fused kernel: {e}")));
+            }
+            // Row ranges at once: part `k` gets rows `k/parts..(k+1)/parts` of every cut
+            // buffer and the others whole (`megac_codegen::fuse::split_rows`).
+            let parts = self.parts;
+            let bufs: Vec<(usize, i64)> = bufs.iter().map(|&(p, n)| (p as usize, n)).collect();
+            let part_bufs = |k: usize| -> Vec<(usize, i64)> {
+                bufs.iter()
+                    .zip(&self.cut)
+                    .map(|(&(p, n), &(cut, size))| {
+                        if cut {
+                            let m = n / parts as i64;
+                            (p + k * m as usize * size, m)
+                        } else {
+                            (p, n)
+                        }
+                    })
+                    .collect()
+            };
+            let results: Vec<Result<(), RuntimeError>> = {
+                use rayon::prelude::*;
+                (0..parts)
+                    .into_par_iter()
+                    .map(|k| {
+                        let b: Vec<(*mut u8, i64)> = part_bufs(k)
+                            .into_iter()
+                            .map(|(p, n)| (p as *mut u8, n))
+                            .collect();
+                        // SAFETY: as above, and the parts write disjoint row ranges: only
+                        // cut buffers are written (`split_rows` leaves whole only buffers
+                        // the group reads), each part its own rows.
+                        unsafe { self.kernel.jit.call_buffers("fused", &b) }
+                            .map_err(|e| RuntimeError::Plan(format!("fused kernel: {e}")))
+                    })
+                    .collect()
+            };
+            results.into_iter().collect()
         }
         #[cfg(not(feature = "mlir"))]
         {
@@ -105,31 +149,51 @@ impl Fused {
     }
 }
 
-/// Run `instrs` (a fused group of a program of `plan`, [`megac_codegen::fuse::groups`]) on
-/// `mem` as one fused kernel, compiled now or taken from the cache. Returns false, running
-/// nothing, when the group has no fused form. (For tests and tools; the executor runs the
-/// kernels [`Fused::build`] prepared.)
+/// A fused group compiled (or taken from the cache) and ready to run on a rank's memory
+/// ([`prepare_group`]; for tests and tools, the executor runs the kernels [`Fused::build`]
+/// prepared).
+#[cfg(feature = "mlir")]
+pub struct Prepared(Call);
+
+#[cfg(feature = "mlir")]
+impl Prepared {
+    /// Run the group's kernel on `mem` (a rank's memory holding every buffer it uses).
+    pub fn run(&self, mem: &Memory) -> Result<(), RuntimeError> {
+        if let Some(b) = self.0.buffers.iter().find(|&&b| !mem.holds(b)) {
+            return Err(RuntimeError::Plan(format!(
+                "this rank does not hold buffer {b}"
+            )));
+        }
+        self.0.run(mem)
+    }
+}
+
+/// The fused kernel of `instrs` (a fused group of a program of `plan`,
+/// [`megac_codegen::fuse::groups`]), compiled now or taken from the cache; `None` when the
+/// group has no fused form.
+#[cfg(feature = "mlir")]
+pub fn prepare_group(
+    plan: &megac_ir::gate::CheckedPlan,
+    instrs: &[Instr],
+) -> Result<Option<Prepared>, RuntimeError> {
+    Ok(jit::call(plan, instrs)?.map(Prepared))
+}
+
+/// Run `instrs` (a fused group of a program of `plan`) on `mem` as one fused kernel
+/// ([`prepare_group`]). Returns false, running nothing, when the group has no fused form.
 #[cfg(feature = "mlir")]
 pub fn run_group(
     plan: &megac_ir::gate::CheckedPlan,
     mem: &Memory,
     instrs: &[Instr],
 ) -> Result<bool, RuntimeError> {
-    let Some((text, buffers)) = megac_codegen::mlir::fused_source(plan, instrs) else {
-        return Ok(false);
-    };
-    if let Some(b) = buffers.iter().find(|&&b| !mem.holds(b)) {
-        return Err(RuntimeError::Plan(format!(
-            "this rank does not hold buffer {b}"
-        )));
+    match prepare_group(plan, instrs)? {
+        Some(p) => {
+            p.run(mem)?;
+            Ok(true)
+        }
+        None => Ok(false),
     }
-    let call = Call {
-        len: instrs.len(),
-        buffers,
-        kernel: jit::kernel(&text)?,
-    };
-    call.run(mem)?;
-    Ok(true)
 }
 
 /// The MLIR text of the fused kernel of `instrs` (see [`run_group`]), if it has one.
@@ -143,7 +207,7 @@ mod jit {
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
-    use megac_codegen::mlir::jit::Jit;
+    use megac_codegen::mlir::jit::{self, DiskCache, Jit};
 
     use super::{Call, Fused};
     use crate::error::RuntimeError;
@@ -176,6 +240,13 @@ mod jit {
         CACHE.get_or_init(Default::default)
     }
 
+    /// The disk cache of compiled kernels ([`DiskCache::from_env`]: `$MEGAC_KERNEL_CACHE`,
+    /// else the XDG cache directory), looked up once per process.
+    fn disk_cache() -> &'static Option<DiskCache> {
+        static DISK: OnceLock<Option<DiskCache>> = OnceLock::new();
+        DISK.get_or_init(DiskCache::from_env)
+    }
+
     pub(super) fn kernel(text: &str) -> Result<Arc<Kernel>, RuntimeError> {
         let h = hash(text);
         let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
@@ -184,11 +255,55 @@ mod jit {
                 return Ok(k.clone());
             }
         }
-        let jit = Jit::compile_with(text, megac_codegen::mlir::jit::FUSED_PIPELINE, [0; 5], 0)
-            .map_err(|e| RuntimeError::Plan(format!("fused kernel: {e}")))?;
+        let (jit, _origin) =
+            jit::compile_cached(text, jit::FUSED_PIPELINE, "fused", disk_cache().as_ref())
+                .map_err(|e| RuntimeError::Plan(format!("fused kernel: {e}")))?;
         let k = Arc::new(Kernel { jit });
         c.insert(h, (text.to_string(), k.clone()));
         Ok(k)
+    }
+
+    /// The fewest elements in a group's largest buffer for it to be split over threads.
+    const SPLIT_MIN_ELEMS: u64 = 1 << 16;
+
+    /// The call of the fused kernel of `instrs`: split into as many row ranges as rayon has
+    /// threads where the group allows it and is large enough, else one call.
+    pub(super) fn call(
+        plan: &megac_ir::plan::Plan,
+        instrs: &[megac_ir::plan::Instr],
+    ) -> Result<Option<Call>, RuntimeError> {
+        let threads = rayon::current_num_threads() as u64;
+        let Some((_, all)) = megac_codegen::mlir::fused_source(plan, instrs) else {
+            return Ok(None);
+        };
+        let largest = all
+            .iter()
+            .map(|&b| plan.buffers[b as usize].len())
+            .max()
+            .unwrap_or(0);
+        let parts = if threads > 1 && largest >= SPLIT_MIN_ELEMS {
+            megac_codegen::fuse::split_rows(plan, instrs, threads).map_or(1, |_| threads)
+        } else {
+            1
+        };
+        let Some((text, buffers)) = megac_codegen::mlir::fused_source_split(plan, instrs, parts)
+        else {
+            return Ok(None);
+        };
+        let cut = buffers
+            .iter()
+            .map(|&b| {
+                let buf = &plan.buffers[b as usize];
+                (buf.shape.len() >= 2, buf.dtype.size_bytes() as usize)
+            })
+            .collect();
+        Ok(Some(Call {
+            len: instrs.len(),
+            buffers,
+            parts: parts as usize,
+            cut,
+            kernel: kernel(&text)?,
+        }))
     }
 
     pub(super) fn build(
@@ -205,15 +320,7 @@ mod jit {
             }
             let mut calls: Vec<Option<Call>> = (0..program.len()).map(|_| None).collect();
             for g in groups {
-                let Some((text, buffers)) = megac_codegen::mlir::fused_source(p, g.instrs(program))
-                else {
-                    continue;
-                };
-                calls[g.start] = Some(Call {
-                    len: g.len,
-                    buffers,
-                    kernel: kernel(&text)?,
-                });
+                calls[g.start] = call(p, g.instrs(program))?;
             }
             out.programs
                 .push((program.as_ptr() as usize, program.len(), calls));

@@ -123,7 +123,9 @@ fn options(args: &RunArgs) -> Result<RunOptions, String> {
             )
         }
         Some("on") => megac_runtime::fusion::set_enabled(true),
-        _ => megac_runtime::fusion::set_enabled(false),
+        Some(_) => megac_runtime::fusion::set_enabled(false),
+        // The default: on in a build with the feature (`fusion::enabled` is false without).
+        None => megac_runtime::fusion::set_enabled(true),
     }
     Ok(RunOptions {
         steps: args.steps,

@@ -74,6 +74,11 @@ impl From<View> for Arg {
 struct Body {
     lines: Vec<String>,
     next: usize,
+    /// Fused-kernel form ([`Func::fast`]): `exp` as the Rust kernels' polynomial, and the
+    /// accumulation of a reduction marked reassociable so LLVM sums it in vector lanes.
+    fast: bool,
+    /// The op this body belongs to has reduction loops.
+    reduce: bool,
 }
 
 impl Body {
@@ -90,6 +95,11 @@ impl Body {
         self.op(format!("arith.{op} {a}, {b} : f32"))
     }
     fn add(&mut self, a: &str, b: &str) -> String {
+        if self.fast && self.reduce && (a.starts_with("%out") || b.starts_with("%out")) {
+            // The accumulation into a reduction's output: reassociable, so LLVM may keep
+            // partial sums in vector lanes (docs/mlir.md: the fused kernels' tolerance).
+            return self.op(format!("arith.addf {a}, {b} fastmath<reassoc> : f32"));
+        }
         self.bin("addf", a, b)
     }
     fn sub(&mut self, a: &str, b: &str) -> String {
@@ -105,7 +115,63 @@ impl Body {
         self.op(format!("arith.constant {} : f32", float_lit(x)))
     }
     fn math(&mut self, f: &str, a: &str) -> String {
+        if self.fast && f == "exp" {
+            return self.exp(a);
+        }
         self.op(format!("math.{f} {a} : f32"))
+    }
+    fn cf(&mut self, x: f32) -> String {
+        self.c(f64::from(x))
+    }
+    /// `e^x` as the Rust kernels compute it (`megac_kernels`' `simd::exp`, the Cephes
+    /// `expf` polynomial): the same f32 operations in the same order, branch-free, so it
+    /// vectorizes where libm's `expf` does not and gives the same bits.
+    fn exp(&mut self, x: &str) -> String {
+        const EXP_HI: f32 = 88.37;
+        const EXP_LO: f32 = -87.33;
+        let (hi, lo) = (self.cf(EXP_HI), self.cf(EXP_LO));
+        let m = self.op(format!("arith.minimumf {x}, {hi} : f32"));
+        let xc = self.op(format!("arith.maximumf {m}, {lo} : f32"));
+        let log2e = self.cf(std::f32::consts::LOG2_E);
+        let magic = self.cf(12_582_912.0);
+        let t = self.mul(&xc, &log2e);
+        let t = self.add(&t, &magic);
+        let n = self.sub(&t, &magic);
+        let (l1, l2) = (self.cf(0.693_359_4), self.cf(-2.121_944_4e-4));
+        let a = self.mul(&n, &l1);
+        let r = self.sub(&xc, &a);
+        let a = self.mul(&n, &l2);
+        let r = self.sub(&r, &a);
+        let r2 = self.mul(&r, &r);
+        let mut p = self.cf(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3f32,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            let q = self.mul(&p, &r);
+            let c = self.cf(c);
+            p = self.add(&q, &c);
+        }
+        let p = self.mul(&p, &r2);
+        let p = self.add(&p, &r);
+        let one = self.cf(1.0);
+        let p = self.add(&p, &one);
+        let ti = self.op(format!("arith.bitcast {t} : f32 to i32"));
+        let k23 = self.op("arith.constant 23 : i32".into());
+        let sh = self.op(format!("arith.shli {ti}, {k23} : i32"));
+        let bias = self.op(format!("arith.constant {} : i32", 127i32 << 23));
+        let e = self.op(format!("arith.addi {sh}, {bias} : i32"));
+        let scale = self.op(format!("arith.bitcast {e} : i32 to f32"));
+        let y = self.mul(&p, &scale);
+        let inf = self.op("arith.constant 0x7F800000 : f32".into());
+        let zero = self.cf(0.0);
+        let over = self.op(format!("arith.cmpf ogt, {x}, {hi} : f32"));
+        let under = self.op(format!("arith.cmpf olt, {x}, {lo} : f32"));
+        let y = self.op(format!("arith.select {under}, {zero}, {y} : f32"));
+        self.op(format!("arith.select {over}, {inf}, {y} : f32"))
     }
     /// `1 / (1 + exp(-x))`.
     fn sigmoid(&mut self, x: &str) -> String {
@@ -174,6 +240,8 @@ fn generic(
     let mut b = Body {
         lines: Vec::new(),
         next: 0,
+        fast: f.fast,
+        reduce: !reductions.is_empty(),
     };
     let mut args = Vec::new();
     let mut in_vals = Vec::new();
@@ -1067,16 +1135,27 @@ fn lower_compute(
                         vec![b.add(&o[0], &g)]
                     },
                 );
-                // loops: h, rows.. (reduction)
-                let mut rows_m = ds(1..rr);
-                rows_m.push(d(0));
-                let red: Vec<usize> = (1..rr).collect();
+                // loops: h, rows.. (reduction); in the fused form rows.. (reduction), h,
+                // so the inner loop runs along the rows in memory order and vectorizes.
+                let (rows_m, ss_m, dw_m, red): (Vec<String>, Vec<String>, Vec<String>, Vec<usize>) =
+                    if f.fast {
+                        (
+                            xid.clone(),
+                            lead.clone(),
+                            vec![d(rr - 1)],
+                            (0..rr - 1).collect(),
+                        )
+                    } else {
+                        let mut rows_m = ds(1..rr);
+                        rows_m.push(d(0));
+                        (rows_m, ds(1..rr), vec![d(0)], (1..rr).collect())
+                    };
                 generic(
                     f,
                     rr,
                     &red,
-                    &[(x, rows_m.clone()), (dyv, rows_m), (&ssa, ds(1..rr))],
-                    &[(dw, vec![d(0)])],
+                    &[(x, rows_m.clone()), (dyv, rows_m), (&ssa, ss_m)],
+                    &[(dw, dw_m)],
                     |b, i, o| {
                         let t = b.mul(&i[0], &i[2]);
                         let t = b.mul(&i[1], &t);

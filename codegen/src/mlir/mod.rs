@@ -263,10 +263,27 @@ pub fn write_modules(plan: &Plan, dir: &Path) -> Result<Vec<PathBuf>, MlirError>
 /// otherwise). Returns the text and the buffers in argument order, or `None` when an
 /// instruction has no lowering in this form (its text would call a runtime symbol).
 pub fn fused_source(plan: &Plan, instrs: &[Instr]) -> Option<(String, Vec<BufId>)> {
+    fused_source_split(plan, instrs, 1)
+}
+
+/// [`fused_source`] for one of `parts` row ranges of a group that
+/// [`crate::fuse::split_rows`] allows to split: every buffer of rank 2 or more holds
+/// `1 / parts` of its rows (the caller passes each part's rows; the others whole).
+/// `None` also when the group cannot be split so.
+pub fn fused_source_split(
+    plan: &Plan,
+    instrs: &[Instr],
+    parts: u64,
+) -> Option<(String, Vec<BufId>)> {
+    if parts > 1 {
+        crate::fuse::split_rows(plan, instrs, parts)?;
+    }
     let mut decls = BTreeMap::new();
     let mut collectives = 0u64;
     let mut f = Func::new(plan, [0; 5], &mut decls, &mut collectives);
     f.buffer_args = Some(Vec::new());
+    f.fast = true;
+    f.split = parts.max(1);
     for i in instrs {
         match i {
             Instr::Zero { buffer } if plan.buffers[*buffer as usize].dtype == DType::F32 => {
@@ -290,7 +307,12 @@ pub fn fused_source(plan: &Plan, instrs: &[Instr]) -> Option<(String, Vec<BufId>
         .enumerate()
         .map(|(k, &b)| {
             let buf = &plan.buffers[b as usize];
-            format!("%a{k}: {}", memref_ty(&[buf.len()], text::elem(buf.dtype)))
+            let len = if buf.shape.len() >= 2 {
+                buf.len() / parts.max(1)
+            } else {
+                buf.len()
+            };
+            format!("%a{k}: {}", memref_ty(&[len], text::elem(buf.dtype)))
         })
         .collect();
     let mut out = String::from("module {\n");

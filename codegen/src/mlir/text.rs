@@ -93,6 +93,12 @@ pub(crate) struct Func<'p> {
     /// of them elementwise as its output uses 0 for its old value; any other use zeroes it
     /// first ([`Func::materialize`]).
     pub fresh: BTreeMap<String, View>,
+    /// The fused-kernel form (set by [`super::fused_source`]): `exp` as the Rust kernels'
+    /// polynomial, reductions reassociable and ordered for vector loops.
+    pub fast: bool,
+    /// Buffer-argument mode: the buffers of rank 2 or more hold `1 / split` of their rows
+    /// (a row range of a group split over threads, `crate::fuse::split_rows`); 1 otherwise.
+    pub split: u64,
 }
 
 /// The classes in arena-argument order.
@@ -128,6 +134,8 @@ impl<'p> Func<'p> {
             collectives,
             buffer_args: None,
             fresh: BTreeMap::new(),
+            fast: false,
+            split: 1,
         }
     }
 
@@ -223,10 +231,14 @@ impl<'p> Func<'p> {
         if let Some(args) = self.buffer_args.as_mut() {
             let k = args.len();
             args.push(id);
-            let ty = memref_ty(&b.shape, elem(b.dtype));
-            let flat = memref_ty(&[b.len()], elem(b.dtype));
+            let mut shape = b.shape.clone();
+            if shape.len() >= 2 {
+                shape[0] /= self.split;
+            }
+            let ty = memref_ty(&shape, elem(b.dtype));
+            let flat = memref_ty(&[shape.iter().product()], elem(b.dtype));
             let arg = format!("%a{k}");
-            let (name, dtype, shape) = (self.fresh("b"), b.dtype, b.shape.clone());
+            let (name, dtype) = (self.fresh("b"), b.dtype);
             let dims: Vec<String> = shape.iter().map(|n| n.to_string()).collect();
             if shape.is_empty() {
                 self.line(format!(
