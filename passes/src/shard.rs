@@ -56,17 +56,6 @@ use megac_ir::{Axis, Graph, Layout, OpKind, TensorType, ValueDef, ValueId};
 use crate::tensor_parallel::{Dist, Ep};
 use crate::{collectives, tensor_parallel, PassError};
 
-/// Where a value stands with respect to the tensor-parallel axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Tp {
-    /// Whole on every tp rank.
-    R,
-    /// Split over tp along this dim.
-    S(usize),
-    /// Each tp rank holds a partial sum.
-    P,
-}
-
 /// Annotate `g` with the layouts of `spec`'s parallel layout, inserting collectives.
 ///
 /// With sequence parallelism, the graph is first laid out with tensor parallelism alone;
@@ -257,7 +246,7 @@ fn lay_out(
             // Partial gradients (norm weights under sequence parallelism) are reduced by the
             // optimizer pass; a split must match the parameter's.
             let (pg, pp) = (s.tp_state(v), s.tp_state(params[pname]));
-            if pg != pp && pg != Tp::P {
+            if pg != pp && pg != Dist::P {
                 return Err(PassError::Autodiff(format!(
                     "shard: the gradient of {pname} is {pg:?} over tp but the parameter is {pp:?}"
                 )));
@@ -399,6 +388,16 @@ fn sum_partials_first(
     Ok(Some((out, tp)))
 }
 
+/// Mark `l` with tp layout `d` (a layout of the algebra: never `Invalid`, which marks
+/// nothing).
+fn mark_tp(l: &mut Layout, d: Dist) {
+    match d {
+        Dist::R | Dist::Invalid => {}
+        Dist::S(d) => l.shards[d].push(Axis::Tp),
+        Dist::P => l.partial.push(Axis::Tp),
+    }
+}
+
 fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {
     g.ty(v)
         .dims
@@ -465,14 +464,14 @@ impl Sharder<'_> {
         &self.g.ty(v).layout
     }
 
-    fn tp_state(&self, v: ValueId) -> Tp {
+    fn tp_state(&self, v: ValueId) -> Dist {
         let l = self.layout(v);
         if l.partial.contains(&Axis::Tp) {
-            return Tp::P;
+            return Dist::P;
         }
         match l.shards.iter().position(|s| s.contains(&Axis::Tp)) {
-            Some(d) => Tp::S(d),
-            None => Tp::R,
+            Some(d) => Dist::S(d),
+            None => Dist::R,
         }
     }
 
@@ -482,7 +481,7 @@ impl Sharder<'_> {
         kind: OpKind,
         ins: &[ValueId],
         path: &str,
-        tp: &[Tp],
+        tp: &[Dist],
     ) -> Result<Vec<ValueId>, PassError> {
         let dp_in = self.dp
             && ins.iter().any(|&x| {
@@ -502,13 +501,9 @@ impl Sharder<'_> {
         for (k, &o) in outs.iter().enumerate() {
             let bd = batch_dim(self.g, o);
             let sd = self.seq_dim(o);
-            let t = tp.get(k).copied().unwrap_or(Tp::R);
+            let t = tp.get(k).copied().unwrap_or(Dist::R);
             let l = &mut self.g.values[o.0 as usize].ty.layout;
-            match t {
-                Tp::R => {}
-                Tp::S(d) => l.shards[d].push(Axis::Tp),
-                Tp::P => l.partial.push(Axis::Tp),
-            }
+            mark_tp(l, t);
             if dp_in {
                 match bd {
                     Some(d) => l.shards[d].insert(0, Axis::Dp),
@@ -534,7 +529,7 @@ impl Sharder<'_> {
         kind: OpKind,
         ins: &[ValueId],
         path: &str,
-        tp: Tp,
+        tp: Dist,
     ) -> Result<ValueId, PassError> {
         Ok(self.op(kind, ins, path, &[tp])?[0])
     }
@@ -572,23 +567,23 @@ impl Sharder<'_> {
 
     fn convert_whole_tp_inner(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
         match self.tp_state(v) {
-            Tp::R => Ok(v),
-            Tp::P => self.op1(
+            Dist::R | Dist::Invalid => Ok(v),
+            Dist::P => self.op1(
                 OpKind::AllReduce {
                     axes: vec![Axis::Tp],
                 },
                 &[v],
                 path,
-                Tp::R,
+                Dist::R,
             ),
-            Tp::S(d) => self.op1(
+            Dist::S(d) => self.op1(
                 OpKind::AllGather {
                     axes: vec![Axis::Tp],
                     dim: d as u64,
                 },
                 &[v],
                 path,
-                Tp::R,
+                Dist::R,
             ),
         }
     }
@@ -607,7 +602,7 @@ impl Sharder<'_> {
             },
             &[v],
             path,
-            Tp::S(dim),
+            Dist::S(dim),
         );
         self.converting = was;
         let w = w?;
@@ -639,12 +634,14 @@ impl Sharder<'_> {
         let dim = d as u64;
         let was = std::mem::replace(&mut self.converting, true);
         let w = match self.tp_state(v) {
-            Tp::S(x) if x == d => Ok(v),
-            Tp::P => self.op1(OpKind::ReduceScatter { axes, dim }, &[v], path, Tp::S(d)),
-            Tp::R => self.op1(OpKind::Slice { axes, dim }, &[v], path, Tp::S(d)),
-            Tp::S(_) => self
-                .whole(v, path)
-                .and_then(|whole| self.op1(OpKind::Slice { axes, dim }, &[whole], path, Tp::S(d))),
+            Dist::S(x) if x == d => Ok(v),
+            Dist::P => self.op1(OpKind::ReduceScatter { axes, dim }, &[v], path, Dist::S(d)),
+            Dist::R | Dist::Invalid => {
+                self.op1(OpKind::Slice { axes, dim }, &[v], path, Dist::S(d))
+            }
+            Dist::S(_) => self.whole(v, path).and_then(|whole| {
+                self.op1(OpKind::Slice { axes, dim }, &[whole], path, Dist::S(d))
+            }),
         };
         self.converting = was;
         let w = w?;
@@ -684,9 +681,9 @@ impl Sharder<'_> {
         if matches!(kind, OpKind::BiasGrad)
             && self
                 .seq_dim(ins[0])
-                .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
+                .is_some_and(|d| self.tp_state(ins[0]) == Dist::S(d))
         {
-            return self.op(kind.clone(), &ins, path, &[Tp::P]);
+            return self.op(kind.clone(), &ins, path, &[Dist::P]);
         }
         self.emit_tp(kind, &ins, path)
     }
@@ -728,23 +725,14 @@ impl Sharder<'_> {
                 message,
             })
         })?;
-        let tp: Vec<Tp> = outs
+        let tp: Vec<Dist> = outs
             .iter()
             .map(|t| match t.dims.iter().position(|d| d.name == "s") {
-                Some(d) => Tp::S(d),
-                None => Tp::P,
+                Some(d) => Dist::S(d),
+                None => Dist::P,
             })
             .collect();
         self.op(kind.clone(), &args, path, &tp)
-    }
-
-    /// The tp layout of `v`, as [`tensor_parallel::strategies`] names it.
-    fn dist(&self, v: ValueId) -> Dist {
-        match self.tp_state(v) {
-            Tp::R => Dist::R,
-            Tp::S(d) => Dist::S(d),
-            Tp::P => Dist::P,
-        }
     }
 
     /// Which side of ep `v` is on: the experts' ranks where its experts dim is split over
@@ -793,7 +781,7 @@ impl Sharder<'_> {
         let outs: Vec<&TensorType> = outs.iter().collect();
         let mut all = tensor_parallel::strategies(kind, &tys, &outs, self.n, self.ep_n);
         let now = tensor_parallel::Operands {
-            tp: ins.iter().map(|&x| self.dist(x)).collect(),
+            tp: ins.iter().map(|&x| self.tp_state(x)).collect(),
             ep: ins.iter().map(|&x| self.side(x)).collect(),
         };
         let reachable = |want: &tensor_parallel::Operands| {
@@ -854,23 +842,15 @@ impl Sharder<'_> {
             } else {
                 want
             };
-            args.push(match (want, self.dist(x)) {
+            args.push(match (want, self.tp_state(x)) {
                 (Dist::R, _) => self.whole(x, path)?,
                 (Dist::S(d), Dist::R) => self.slice(x, d, path)?,
                 _ => x,
             });
         }
-        let outs: Vec<Tp> = s
-            .outs
-            .iter()
-            .map(|&d| match d {
-                Dist::S(d) => Tp::S(d),
-                Dist::P => Tp::P,
-                _ => Tp::R,
-            })
-            .collect();
-        if matches!(kind, OpKind::Linear { .. }) && args.len() == 3 && outs[0] == Tp::P {
-            let partial = self.op1(kind.clone(), &args[..2], path, Tp::P)?;
+        let outs = &s.outs;
+        if matches!(kind, OpKind::Linear { .. }) && args.len() == 3 && outs[0] == Dist::P {
+            let partial = self.op1(kind.clone(), &args[..2], path, Dist::P)?;
             let bias = args[2];
             if self.placed_on_shards() {
                 return self.emit_on_shards(&OpKind::BiasAdd, &[partial, bias], path);
@@ -880,7 +860,7 @@ impl Sharder<'_> {
                 OpKind::BiasAdd,
                 &[whole, bias],
                 path,
-                Tp::R,
+                Dist::R,
             )?]);
         }
         let edp_in = self.edp
@@ -888,7 +868,7 @@ impl Sharder<'_> {
                 let l = self.layout(x);
                 l.partial.contains(&Axis::Edp) || l.shards.iter().any(|s| s.contains(&Axis::Edp))
             });
-        let ys = self.op(kind.clone(), &args, path, &outs)?;
+        let ys = self.op(kind.clone(), &args, path, outs)?;
         if let OpKind::DispatchExperts { .. } = kind {
             // Its token counts (this rank's, per expert) size the block's all-to-alls.
             self.g.values[ys[1].0 as usize].ty.layout = Layout::replicated(1);
@@ -909,16 +889,12 @@ impl Sharder<'_> {
             if on_experts {
                 l.shards[0].push(Axis::Ep);
             }
-            match outs[k] {
-                Tp::R => {}
-                Tp::S(d) => l.shards[d].push(Axis::Tp),
-                Tp::P => l.partial.push(Axis::Tp),
-            }
+            mark_tp(l, outs[k]);
             if edp_in {
                 l.partial.push(Axis::Edp);
             }
         }
-        if self.sp && matches!(kind, OpKind::Embedding) && outs[0] == Tp::P {
+        if self.sp && matches!(kind, OpKind::Embedding) && outs[0] == Dist::P {
             return Ok(vec![self.seq_shard(ys[0], path)?]);
         }
         Ok(ys)
@@ -932,7 +908,7 @@ impl Sharder<'_> {
     /// token rows of the ep group) or on the tokens' ranks (this rank's tokens); `tp` says
     /// where they stand over tp (expert tensor parallelism: the ffn dim split, or the
     /// experts' outputs partial sums).
-    fn set_expert_layout(&mut self, v: ValueId, on_experts: bool, tp: Tp) {
+    fn set_expert_layout(&mut self, v: ValueId, on_experts: bool, tp: Dist) {
         let tokens = if on_experts {
             if self.edp {
                 vec![Axis::Edp]
@@ -957,11 +933,7 @@ impl Sharder<'_> {
         let l = &mut self.g.values[v.0 as usize].ty.layout;
         l.shards = vec![experts, tokens, Vec::new()];
         l.partial.clear();
-        match tp {
-            Tp::R => {}
-            Tp::S(d) => l.shards[d].push(Axis::Tp),
-            Tp::P => l.partial.push(Axis::Tp),
-        }
+        mark_tp(l, tp);
     }
 
     /// The all-to-all over ep that moves stacked expert tokens `v` to their experts' ranks
