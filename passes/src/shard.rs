@@ -12,13 +12,20 @@
 //!   read): on every family it is Megatron's, column-parallel linears (q/k/v, gate/up,
 //!   GPT-2's `c_attn` and `c_fc`) over their output dim, row-parallel linears (o_proj,
 //!   down_proj, GPT-2's `c_proj`) over their input dim, the embedding and output layer
-//!   over the vocabulary, the rest whole. Every op is then emitted by one generic emitter
-//!   (`Sharder::emit_tp`) under a strategy of its layout algebra
-//!   ([`tensor_parallel::strategies`], the only statement of it): the one on its operands
-//!   as they are where listed, else the extracted term's choice for the op. Where an op
-//!   needs an operand in another layout, the pass inserts the collective that converts it:
-//!   `all_reduce` for a partial sum that must be whole, `all_gather` for a shard that must be
-//!   whole. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
+//!   over the vocabulary, the rest whole. Every op but the token-wise ones sequence
+//!   parallelism puts on shards is then emitted by one generic emitter (`Sharder::emit_tp`)
+//!   under a strategy of its layout algebra over (ep, tp) ([`tensor_parallel::strategies`],
+//!   the only statement of it): the one on its operands as they are where listed, else
+//!   the first of the extracted term's choices for the op its operands can be converted
+//!   to. The two differ at a group's edge (the term takes values from another group
+//!   whole, where the first layer's residual adds receive the vocab-parallel embedding's
+//!   partial sum and add it as one) and where the term holds an op in more than one
+//!   layout (a per-expert MoE combine under tp+sp with a fixed capacity: the term's first
+//!   choice is whole, the operands fit the partial strategy); taking the term's choice
+//!   first changes the plans of such cases, so the operands' strategy comes first. Where
+//!   an op needs an operand in another layout, the pass inserts the collective that
+//!   converts it: `all_reduce` for a partial sum that must be whole, `all_gather` for a
+//!   shard that must be whole, `slice` for a whole value that must be split. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
 //!   so it is added once. Vocab-parallel embedding and cross-entropy are the ordinary ops
 //!   on a vocab-sharded table/logits; the runtime reads the layout and reduces over tp.
 //!   Before the layout, each chain of gradient sums that mixes partial contributions (an
@@ -27,17 +34,25 @@
 //!   (`sum_partials_first`).
 //!
 //! - **Expert parallelism** (Megatron's MoE parallel folding): stacked expert weights
-//!   (`[experts, ..]`) are split over `ep` along the experts dim. Tokens dispatched to all
-//!   experts (`dispatch_experts`, `[experts, tokens, h]`, this rank's tokens) go to their
-//!   experts' ranks with an `all_to_all` over ep (experts split over `ep`, the token rows of
-//!   the whole ep group: `tokens` marked `edp`), and come back with the mirror all-to-all
-//!   before `combine_experts`; backward mirrors both. Expert weight gradients are pending
-//!   sums over the expert-data-parallel group (`Partial(edp)`), the other gradients over dp
+//!   (`[experts, out, in]`) are split over `ep` along the experts dim. Where each op on
+//!   stacked expert values runs over ep is its layout algebra's
+//!   ([`tensor_parallel::strategies`]: ops on stacked weights on the experts' ranks, ops on
+//!   expert tokens alone on either side, the dispatch, the combine and the dispatch's
+//!   gradient on the tokens' ranks) and the extracted term's choice, emitted by
+//!   `Sharder::emit_tp` like every op: where an operand of expert tokens
+//!   (`[experts, tokens, h]`) is on the other side, it inserts the `all_to_all` over ep
+//!   that moves it (sized by the block's dispatch's token counts; one per value). On the
+//!   experts' ranks the experts dim is split over `ep` and the token rows are the whole ep
+//!   group's (`tokens` marked `edp`); on the tokens' ranks they are this rank's (dp, cp).
+//!   The term puts the exchanges where Megatron does: to the experts before w1/w3, back
+//!   before `combine_experts`; backward mirrors both. A stacked result without token rows
+//!   computed from the experts' token rows (an expert weight's gradient) is a pending sum
+//!   over the expert-data-parallel group (`Partial(edp)`), the other gradients over dp
 //!   (and cp) as before.
 //! - **Expert tensor parallelism** (Megatron's ETP = tp): experts are tensor-parallel over
-//!   tp like a dense MLP, per expert (`experts.{j}.w1/w2/w3`, ep = 1) or stacked (ep > 1):
-//!   w1 and w3 column-parallel (the ffn dim split), w2 row-parallel (its ffn input split).
-//!   The router stays replicated over tp (the tp ranks of a group route the same tokens, so
+//!   tp like a dense MLP, per expert (`experts.{j}.w1/w2/w3`, ep = 1) or stacked (ep > 1),
+//!   as extraction chooses: w1 and w3 column-parallel (the ffn dim split), w2 row-parallel
+//!   (its ffn input split). The router stays replicated over tp (the tp ranks of a group route the same tokens, so
 //!   their dispatches agree); each expert's output is a partial sum over tp, the combine is
 //!   linear in them, and its result is reduced once (all-reduce, or reduce-scatter to
 //!   sequence shards under sequence parallelism). Backward mirrors it: the experts' output
@@ -767,9 +782,7 @@ impl Sharder<'_> {
     /// the first the extracted term gives the current op whose operand layouts the emitted
     /// operands can be converted to (a partial sum stays one, a whole value can be sliced,
     /// anything made whole; expert tokens moved to either side of ep); else the first
-    /// strategy (every operand whole over tp). (The two differ only at a group's
-    /// edge: the term takes values from another group whole, where the first layer's
-    /// residual adds receive the vocab-parallel embedding's partial sum and add it as one.)
+    /// strategy (every operand whole over tp). Where the two differ: the module doc.
     fn strategy(
         &self,
         kind: &OpKind,

@@ -1,5 +1,7 @@
-//! Tensor-parallel placement by rewrites (egg): which parameters tp splits, and along
-//! which dim (column-parallel, row-parallel, vocab-parallel or replicated).
+//! Tensor- and expert-parallel placement by rewrites (egg): which parameters tp splits,
+//! and along which dim (column-parallel, row-parallel, vocab-parallel or replicated); and,
+//! under expert parallelism, on which side of ep each op on stacked experts runs (where
+//! the all-to-alls go).
 //!
 //! The `shard` pass asks this module for the layout of every parameter over tp before it
 //! lays the graph out. The graph before `shard` (forward, backward and recomputation, all
@@ -14,18 +16,30 @@
 //! - `ar(x)`: the all-reduce of a partial sum over tp; `slice.D(x)`: this rank's part of a
 //!   whole value along dim D (a local copy, no communication);
 //! - `uK.L(g)`: the optimizer's update of parameter K stored in layout L from its gradient
-//!   `g` in that layout (a root).
+//!   `g` in that layout (a root);
+//! - under expert parallelism, `a2a.E(x)` / `a2a.T(x)`: the all-to-all over ep that moves
+//!   stacked expert tokens `x` to the experts' ranks (the experts dim split over ep, the
+//!   ep group's token rows) or back to the tokens' ranks ([`Ep`]).
 //!
 //! Each e-class holds one value in one distribution over tp (whole, split along a dim,
-//! partial sum). The only per-op code is the op's layout algebra, [`strategies`]: the
-//! operand layouts an op accepts and the result layouts they give (a linear split over its
-//! output features takes a whole input and gives a split output; over its input features,
-//! a split input and a partial sum; ...). Every op accepts whole operands and gives whole
-//! results. The rewrites ([`rules`], names in [`RULE_NAMES`]) are the collective algebra:
+//! partial sum) and on one side of ep (stacked expert weights are stored on the experts'
+//! ranks; every value but stacked expert tokens is on the tokens' side). The only per-op
+//! code is the op's layout algebra, [`strategies`]: the operand layouts an op accepts and
+//! the result layouts they give, over tp and over ep (a linear split over its output
+//! features takes a whole input and gives a split output; over its input features, a
+//! split input and a partial sum; a linear on stacked expert weights runs on the experts'
+//! ranks; ...). Every op accepts whole operands over tp and gives whole results. Where an
+//! op's algebra wants an operand on the other side of ep than the graph gives it, the
+//! e-graph is built with the operand's all-to-all. The rewrites ([`rules`], names in
+//! [`RULE_NAMES`]) are the collective algebra:
 //!
 //! - `op-on-shards-reduces`: an op on operands in another layout its algebra accepts is
 //!   the op, when that gives a whole result, and its all-reduce, when it gives a partial
-//!   sum (`linear(x, w) = ar(linear(slice x, slice w))`);
+//!   sum (`linear(x, w) = ar(linear(slice x, slice w))`); on the other side of ep, the
+//!   op's all-to-all (`swiglu(a, b) = a2a.E(swiglu(a2a.T a, a2a.T b))`). An operand is
+//!   reached through a slice, the partial sums inside an all-reduce, or an all-to-all (of
+//!   the value, or of the partial sums inside its all-reduce: the exchange commutes with
+//!   the all-reduce);
 //! - `slice-of-op-is-op-on-shards`: the slice of an op's result is the op on operands its
 //!   algebra turns into that slice (`slice(linear(x, w)) = linear(x, slice w)`);
 //! - `slice-of-parameter-is-its-shard`: a parameter's slice is the parameter stored split.
@@ -37,7 +51,7 @@
 //! never tp's: sequence parallelism ([`crate::collectives`]) and expert parallelism own them.
 //!
 //! The rules run to saturation (anything else is an error). Extraction under
-//! [`CostModel`] (bytes an all-reduce moves times [`LINK_COST`], plus every result's
+//! [`CostModel`] (bytes an all-reduce or all-to-all moves times [`LINK_COST`], plus every result's
 //! activation memory on a rank, plus [`PARAM_COST`] times the parameter memory of every use
 //! and of the update; activations and their bytes for one micro-batch) chooses, per use, a
 //! layout of each parameter; a parameter used in two layouts is then fixed, first in graph
@@ -50,7 +64,10 @@
 //! row-parallel (their bias whole, added once); embedding and output layer split over the
 //! vocabulary; norms, the router and the shared-expert gate whole (split, their results
 //! could not meet the whole ops that read them without an all-gather); every expert's MLP
-//! split like the dense one; k/v whole when tp does not divide the kv heads.
+//! split like the dense one; k/v whole when tp does not divide the kv heads. Under ep it
+//! arrives at Megatron's exchanges: expert tokens to the experts' ranks before w1/w3 (one
+//! all-to-all both read), back before the combine (the row-parallel w2's partial sums,
+//! reduced after the combine), and the mirror pair in the backward.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
