@@ -968,6 +968,11 @@ impl Sharder<'_> {
         if self.on_experts(v) == to_experts {
             return Ok(v);
         }
+        if !tensor_parallel::expert_tokens(self.g.ty(v)) {
+            return Err(PassError::Autodiff(format!(
+                "shard: {path}: only expert tokens move between the tokens' and the experts' ranks"
+            )));
+        }
         let counts = *self.counts_of.get(moe_block(path)).ok_or_else(|| {
             PassError::Autodiff(format!(
                 "shard: {path}: expert tokens without the dispatch that counts them"
