@@ -12,13 +12,20 @@
 //!   read): on every family it is Megatron's, column-parallel linears (q/k/v, gate/up,
 //!   GPT-2's `c_attn` and `c_fc`) over their output dim, row-parallel linears (o_proj,
 //!   down_proj, GPT-2's `c_proj`) over their input dim, the embedding and output layer
-//!   over the vocabulary, the rest whole. Every op is then emitted by one generic emitter
-//!   (`Sharder::emit_tp`) under a strategy of its layout algebra
-//!   ([`tensor_parallel::strategies`], the only statement of it): the one on its operands
-//!   as they are where listed, else the extracted term's choice for the op. Where an op
-//!   needs an operand in another layout, the pass inserts the collective that converts it:
-//!   `all_reduce` for a partial sum that must be whole, `all_gather` for a shard that must be
-//!   whole. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
+//!   over the vocabulary, the rest whole. Every op but the token-wise ones sequence
+//!   parallelism puts on shards is then emitted by one generic emitter (`Sharder::emit_tp`)
+//!   under a strategy of its layout algebra over (ep, tp) ([`tensor_parallel::strategies`],
+//!   the only statement of it): the one on its operands as they are where listed, else
+//!   the first of the extracted term's choices for the op its operands can be converted
+//!   to. The two differ at a group's edge (the term takes values from another group
+//!   whole, where the first layer's residual adds receive the vocab-parallel embedding's
+//!   partial sum and add it as one) and where the term holds an op in more than one
+//!   layout (a per-expert MoE combine under tp+sp with a fixed capacity: the term's first
+//!   choice is whole, the operands fit the partial strategy); taking the term's choice
+//!   first changes the plans of such cases, so the operands' strategy comes first. Where
+//!   an op needs an operand in another layout, the pass inserts the collective that
+//!   converts it: `all_reduce` for a partial sum that must be whole, `all_gather` for a
+//!   shard that must be whole, `slice` for a whole value that must be split. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
 //!   so it is added once. Vocab-parallel embedding and cross-entropy are the ordinary ops
 //!   on a vocab-sharded table/logits; the runtime reads the layout and reduces over tp.
 //!   Before the layout, each chain of gradient sums that mixes partial contributions (an
@@ -27,17 +34,25 @@
 //!   (`sum_partials_first`).
 //!
 //! - **Expert parallelism** (Megatron's MoE parallel folding): stacked expert weights
-//!   (`[experts, ..]`) are split over `ep` along the experts dim. Tokens dispatched to all
-//!   experts (`dispatch_experts`, `[experts, tokens, h]`, this rank's tokens) go to their
-//!   experts' ranks with an `all_to_all` over ep (experts split over `ep`, the token rows of
-//!   the whole ep group: `tokens` marked `edp`), and come back with the mirror all-to-all
-//!   before `combine_experts`; backward mirrors both. Expert weight gradients are pending
-//!   sums over the expert-data-parallel group (`Partial(edp)`), the other gradients over dp
+//!   (`[experts, out, in]`) are split over `ep` along the experts dim. Where each op on
+//!   stacked expert values runs over ep is its layout algebra's
+//!   ([`tensor_parallel::strategies`]: ops on stacked weights on the experts' ranks, ops on
+//!   expert tokens alone on either side, the dispatch, the combine and the dispatch's
+//!   gradient on the tokens' ranks) and the extracted term's choice, emitted by
+//!   `Sharder::emit_tp` like every op: where an operand of expert tokens
+//!   (`[experts, tokens, h]`) is on the other side, it inserts the `all_to_all` over ep
+//!   that moves it (sized by the block's dispatch's token counts; one per value). On the
+//!   experts' ranks the experts dim is split over `ep` and the token rows are the whole ep
+//!   group's (`tokens` marked `edp`); on the tokens' ranks they are this rank's (dp, cp).
+//!   The term puts the exchanges where Megatron does: to the experts before w1/w3, back
+//!   before `combine_experts`; backward mirrors both. A stacked result without token rows
+//!   computed from the experts' token rows (an expert weight's gradient) is a pending sum
+//!   over the expert-data-parallel group (`Partial(edp)`), the other gradients over dp
 //!   (and cp) as before.
 //! - **Expert tensor parallelism** (Megatron's ETP = tp): experts are tensor-parallel over
-//!   tp like a dense MLP, per expert (`experts.{j}.w1/w2/w3`, ep = 1) or stacked (ep > 1):
-//!   w1 and w3 column-parallel (the ffn dim split), w2 row-parallel (its ffn input split).
-//!   The router stays replicated over tp (the tp ranks of a group route the same tokens, so
+//!   tp like a dense MLP, per expert (`experts.{j}.w1/w2/w3`, ep = 1) or stacked (ep > 1),
+//!   as extraction chooses: w1 and w3 column-parallel (the ffn dim split), w2 row-parallel
+//!   (its ffn input split). The router stays replicated over tp (the tp ranks of a group route the same tokens, so
 //!   their dispatches agree); each expert's output is a partial sum over tp, the combine is
 //!   linear in them, and its result is reduced once (all-reduce, or reduce-scatter to
 //!   sequence shards under sequence parallelism). Backward mirrors it: the experts' output
@@ -53,19 +68,8 @@ use megac_ir::infer::infer_types;
 use megac_ir::spec::ModelSpec;
 use megac_ir::{Axis, Graph, Layout, OpKind, TensorType, ValueDef, ValueId};
 
-use crate::tensor_parallel::Dist;
+use crate::tensor_parallel::{Dist, Ep};
 use crate::{collectives, tensor_parallel, PassError};
-
-/// Where a value stands with respect to the tensor-parallel axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Tp {
-    /// Whole on every tp rank.
-    R,
-    /// Split over tp along this dim.
-    S(usize),
-    /// Each tp rank holds a partial sum.
-    P,
-}
 
 /// Annotate `g` with the layouts of `spec`'s parallel layout, inserting collectives.
 ///
@@ -99,19 +103,22 @@ pub fn tensor_parallel_params(
     spec: &ModelSpec,
     rules: &[egg::Rewrite<egg::SymbolLang, tensor_parallel::Layouts>],
 ) -> Result<BTreeMap<String, Option<usize>>, PassError> {
+    if spec.parallel.tp <= 1 {
+        return Ok(BTreeMap::new());
+    }
     Ok(tp_placement(g, spec, rules)?.params)
 }
 
 /// What the tensor-parallel rewrites extract for `g` (see [`tensor_parallel_params`]):
-/// every parameter's layout and every op's choice, by its index in `g` (a forward-only
-/// graph's ops keep their indices in the differentiated one). Empty without tensor
-/// parallelism.
+/// every parameter's layout and every op's choice over (ep, tp), by its index in `g` (a
+/// forward-only graph's ops keep their indices in the differentiated one). Empty without
+/// tensor or expert parallelism.
 fn tp_placement(
     g: &Graph,
     spec: &ModelSpec,
     rules: &[egg::Rewrite<egg::SymbolLang, tensor_parallel::Layouts>],
 ) -> Result<tensor_parallel::Placement, PassError> {
-    if spec.parallel.tp <= 1 {
+    if spec.parallel.tp <= 1 && spec.parallel.ep <= 1 {
         return Ok(tensor_parallel::Placement::default());
     }
     // A forward-only graph (an inference plan) is laid out as training lays it out: the
@@ -127,7 +134,8 @@ fn tp_placement(
         &trained
     };
     let micro_batch = spec.train.micro_batch as f64 / spec.train.global_batch.max(1) as f64;
-    tensor_parallel::place(g, spec.parallel.tp, micro_batch, rules).map_err(PassError::Collectives)
+    let p = &spec.parallel;
+    tensor_parallel::place(g, p.tp, p.ep, micro_batch, rules).map_err(PassError::Collectives)
 }
 
 /// The collective placement the rewrites find for `g` (the graph before `shard`) under
@@ -190,6 +198,7 @@ fn lay_out(
         seq_of: HashMap::new(),
         slice_of: HashMap::new(),
         n: p.tp,
+        ep_n: p.ep,
         choices: &tp.ops,
         ep: p.ep > 1,
         edp: p.dp * p.cp / p.ep.max(1) > 1,
@@ -221,7 +230,7 @@ fn lay_out(
                 if let Some(&Some(d)) = tp.params.get(name) {
                     s.g.values[v.0 as usize].ty.layout.shards[d] = vec![Axis::Tp];
                 }
-                if s.ep && s.is_experts(v) {
+                if s.ep && tensor_parallel::stacked(s.g.ty(v)) {
                     s.g.values[v.0 as usize].ty.layout.shards[0] = vec![Axis::Ep];
                 }
                 map.insert(id, v);
@@ -252,7 +261,7 @@ fn lay_out(
             // Partial gradients (norm weights under sequence parallelism) are reduced by the
             // optimizer pass; a split must match the parameter's.
             let (pg, pp) = (s.tp_state(v), s.tp_state(params[pname]));
-            if pg != pp && pg != Tp::P {
+            if pg != pp && pg != Dist::P {
                 return Err(PassError::Autodiff(format!(
                     "shard: the gradient of {pname} is {pg:?} over tp but the parameter is {pp:?}"
                 )));
@@ -352,7 +361,7 @@ fn sum_partials_first(
     let mut out = Graph::new(g.name.clone(), g.mesh.clone());
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     // The term's choices, by the ops' indices in `out`.
-    let mut ops_tp: BTreeMap<usize, Vec<Vec<Dist>>> = BTreeMap::new();
+    let mut ops_tp: BTreeMap<usize, Vec<tensor_parallel::Operands>> = BTreeMap::new();
     for (i, value) in g.values.iter().enumerate() {
         let id = ValueId(i as u32);
         match &value.def {
@@ -394,6 +403,16 @@ fn sum_partials_first(
     Ok(Some((out, tp)))
 }
 
+/// Mark `l` with tp layout `d` (a layout of the algebra: never `Invalid`, which marks
+/// nothing).
+fn mark_tp(l: &mut Layout, d: Dist) {
+    match d {
+        Dist::R | Dist::Invalid => {}
+        Dist::S(d) => l.shards[d].push(Axis::Tp),
+        Dist::P => l.partial.push(Axis::Tp),
+    }
+}
+
 fn batch_dim(g: &Graph, v: ValueId) -> Option<usize> {
     g.ty(v)
         .dims
@@ -427,9 +446,11 @@ struct Sharder<'a> {
     slice_of: HashMap<(ValueId, usize), ValueId>,
     /// The tp size.
     n: u64,
+    /// The ep size.
+    ep_n: u64,
     /// The extracted tensor-parallel term's choice for each op of the graph laid out: the
     /// layouts of its operands ([`tensor_parallel::Placement::ops`]).
-    choices: &'a BTreeMap<usize, Vec<Vec<Dist>>>,
+    choices: &'a BTreeMap<usize, Vec<tensor_parallel::Operands>>,
     /// Expert parallelism: stacked experts split over ep.
     ep: bool,
     /// Whether several ranks hold the same experts (dp·cp > ep).
@@ -458,14 +479,14 @@ impl Sharder<'_> {
         &self.g.ty(v).layout
     }
 
-    fn tp_state(&self, v: ValueId) -> Tp {
+    fn tp_state(&self, v: ValueId) -> Dist {
         let l = self.layout(v);
         if l.partial.contains(&Axis::Tp) {
-            return Tp::P;
+            return Dist::P;
         }
         match l.shards.iter().position(|s| s.contains(&Axis::Tp)) {
-            Some(d) => Tp::S(d),
-            None => Tp::R,
+            Some(d) => Dist::S(d),
+            None => Dist::R,
         }
     }
 
@@ -475,7 +496,7 @@ impl Sharder<'_> {
         kind: OpKind,
         ins: &[ValueId],
         path: &str,
-        tp: &[Tp],
+        tp: &[Dist],
     ) -> Result<Vec<ValueId>, PassError> {
         let dp_in = self.dp
             && ins.iter().any(|&x| {
@@ -495,13 +516,9 @@ impl Sharder<'_> {
         for (k, &o) in outs.iter().enumerate() {
             let bd = batch_dim(self.g, o);
             let sd = self.seq_dim(o);
-            let t = tp.get(k).copied().unwrap_or(Tp::R);
+            let t = tp.get(k).copied().unwrap_or(Dist::R);
             let l = &mut self.g.values[o.0 as usize].ty.layout;
-            match t {
-                Tp::R => {}
-                Tp::S(d) => l.shards[d].push(Axis::Tp),
-                Tp::P => l.partial.push(Axis::Tp),
-            }
+            mark_tp(l, t);
             if dp_in {
                 match bd {
                     Some(d) => l.shards[d].insert(0, Axis::Dp),
@@ -527,7 +544,7 @@ impl Sharder<'_> {
         kind: OpKind,
         ins: &[ValueId],
         path: &str,
-        tp: Tp,
+        tp: Dist,
     ) -> Result<ValueId, PassError> {
         Ok(self.op(kind, ins, path, &[tp])?[0])
     }
@@ -544,7 +561,7 @@ impl Sharder<'_> {
 
     fn convert_whole(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
         let w = self.convert_whole_tp(v, path)?;
-        if w != v && self.ep && self.is_experts(v) {
+        if w != v && self.ep && tensor_parallel::stacked(self.g.ty(v)) {
             // Stacked expert tokens keep their place over ep (and dp, cp, edp).
             let mut l = self.layout(v).clone();
             for s in &mut l.shards {
@@ -565,23 +582,23 @@ impl Sharder<'_> {
 
     fn convert_whole_tp_inner(&mut self, v: ValueId, path: &str) -> Result<ValueId, PassError> {
         match self.tp_state(v) {
-            Tp::R => Ok(v),
-            Tp::P => self.op1(
+            Dist::R | Dist::Invalid => Ok(v),
+            Dist::P => self.op1(
                 OpKind::AllReduce {
                     axes: vec![Axis::Tp],
                 },
                 &[v],
                 path,
-                Tp::R,
+                Dist::R,
             ),
-            Tp::S(d) => self.op1(
+            Dist::S(d) => self.op1(
                 OpKind::AllGather {
                     axes: vec![Axis::Tp],
                     dim: d as u64,
                 },
                 &[v],
                 path,
-                Tp::R,
+                Dist::R,
             ),
         }
     }
@@ -600,10 +617,16 @@ impl Sharder<'_> {
             },
             &[v],
             path,
-            Tp::S(dim),
+            Dist::S(dim),
         );
         self.converting = was;
         let w = w?;
+        if self.ep && tensor_parallel::stacked(self.g.ty(v)) {
+            // Stacked expert values keep their place over ep (and dp, cp, edp).
+            let mut l = self.layout(v).clone();
+            l.shards[dim].push(Axis::Tp);
+            self.g.values[w.0 as usize].ty.layout = l;
+        }
         self.slice_of.insert((v, dim), w);
         Ok(w)
     }
@@ -626,12 +649,14 @@ impl Sharder<'_> {
         let dim = d as u64;
         let was = std::mem::replace(&mut self.converting, true);
         let w = match self.tp_state(v) {
-            Tp::S(x) if x == d => Ok(v),
-            Tp::P => self.op1(OpKind::ReduceScatter { axes, dim }, &[v], path, Tp::S(d)),
-            Tp::R => self.op1(OpKind::Slice { axes, dim }, &[v], path, Tp::S(d)),
-            Tp::S(_) => self
-                .whole(v, path)
-                .and_then(|whole| self.op1(OpKind::Slice { axes, dim }, &[whole], path, Tp::S(d))),
+            Dist::S(x) if x == d => Ok(v),
+            Dist::P => self.op1(OpKind::ReduceScatter { axes, dim }, &[v], path, Dist::S(d)),
+            Dist::R | Dist::Invalid => {
+                self.op1(OpKind::Slice { axes, dim }, &[v], path, Dist::S(d))
+            }
+            Dist::S(_) => self.whole(v, path).and_then(|whole| {
+                self.op1(OpKind::Slice { axes, dim }, &[whole], path, Dist::S(d))
+            }),
         };
         self.converting = was;
         let w = w?;
@@ -639,20 +664,26 @@ impl Sharder<'_> {
         Ok(w)
     }
 
-    /// Emit `kind` on operands `ins`; returns the results. Expert parallelism's rules come
-    /// first ([`Self::emit_expert`]); a token-wise op the collective rewrites put on
-    /// sequence shards is emitted so ([`Self::emit_on_shards`]); every other op as the
-    /// tensor-parallel term says ([`Self::emit_tp`]).
+    /// Emit `kind` on operands `ins`; returns the results. A token-wise op the collective
+    /// rewrites put on sequence shards is emitted so ([`Self::emit_on_shards`]); every
+    /// other op as the extracted term says ([`Self::emit_tp`]; under expert parallelism,
+    /// every op with a stacked expert operand or result, on whichever side of ep its
+    /// layout algebra and the term put it).
     fn emit(
         &mut self,
         kind: &OpKind,
         ins: Vec<ValueId>,
         path: &str,
     ) -> Result<Vec<ValueId>, PassError> {
-        if self.ep {
-            if let Some(outs) = self.emit_expert(kind, &ins, path)? {
-                return Ok(outs);
-            }
+        let experts = self.ep && {
+            let outs = self.infer(kind, &ins, path)?;
+            ins.iter()
+                .map(|&x| self.g.ty(x))
+                .chain(&outs)
+                .any(tensor_parallel::stacked)
+        };
+        if experts {
+            return self.emit_tp(kind, &ins, path);
         }
         if !self.tp {
             let n = self.op(kind.clone(), &ins, path, &[])?;
@@ -665,9 +696,9 @@ impl Sharder<'_> {
         if matches!(kind, OpKind::BiasGrad)
             && self
                 .seq_dim(ins[0])
-                .is_some_and(|d| self.tp_state(ins[0]) == Tp::S(d))
+                .is_some_and(|d| self.tp_state(ins[0]) == Dist::S(d))
         {
-            return self.op(kind.clone(), &ins, path, &[Tp::P]);
+            return self.op(kind.clone(), &ins, path, &[Dist::P]);
         }
         self.emit_tp(kind, &ins, path)
     }
@@ -709,71 +740,98 @@ impl Sharder<'_> {
                 message,
             })
         })?;
-        let tp: Vec<Tp> = outs
+        let tp: Vec<Dist> = outs
             .iter()
             .map(|t| match t.dims.iter().position(|d| d.name == "s") {
-                Some(d) => Tp::S(d),
-                None => Tp::P,
+                Some(d) => Dist::S(d),
+                None => Dist::P,
             })
             .collect();
         self.op(kind.clone(), &args, path, &tp)
     }
 
-    /// The tp layout of `v`, as [`tensor_parallel::strategies`] names it.
-    fn dist(&self, v: ValueId) -> Dist {
-        match self.tp_state(v) {
-            Tp::R => Dist::R,
-            Tp::S(d) => Dist::S(d),
-            Tp::P => Dist::P,
+    /// Which side of ep `v` is on: the experts' ranks where its experts dim is split over
+    /// ep.
+    fn side(&self, v: ValueId) -> Ep {
+        if self.ep && tensor_parallel::stacked(self.g.ty(v)) && self.on_experts(v) {
+            Ep::Experts
+        } else {
+            Ep::Tokens
         }
+    }
+
+    /// The result types of `kind` on `ins`.
+    fn infer(
+        &self,
+        kind: &OpKind,
+        ins: &[ValueId],
+        path: &str,
+    ) -> Result<Vec<TensorType>, PassError> {
+        let tys: Vec<&TensorType> = ins.iter().map(|&x| self.g.ty(x)).collect();
+        infer_types(kind, &tys).map_err(|message| {
+            PassError::Ir(megac_ir::IrError::Type {
+                op: kind.name().to_string(),
+                path: path.to_string(),
+                message,
+            })
+        })
     }
 
     /// The strategy of `kind`'s layout algebra ([`tensor_parallel::strategies`]) the op
     /// runs under: the one on its operands as they are, where the algebra lists one; else
     /// the first the extracted term gives the current op whose operand layouts the emitted
     /// operands can be converted to (a partial sum stays one, a whole value can be sliced,
-    /// anything made whole); else every operand whole. (The two differ only at a group's
-    /// edge: the term takes values from another group whole, where the first layer's
-    /// residual adds receive the vocab-parallel embedding's partial sum and add it as one.)
+    /// anything made whole; expert tokens moved to either side of ep); else the first
+    /// strategy (every operand whole over tp). Where the two differ: the module doc.
     fn strategy(
         &self,
         kind: &OpKind,
         ins: &[ValueId],
         path: &str,
     ) -> Result<tensor_parallel::Strategy, PassError> {
+        let outs = self.infer(kind, ins, path)?;
         let tys: Vec<&TensorType> = ins.iter().map(|&x| self.g.ty(x)).collect();
-        let outs = infer_types(kind, &tys).map_err(|message| {
-            PassError::Ir(megac_ir::IrError::Type {
-                op: kind.name().to_string(),
-                path: path.to_string(),
-                message,
-            })
-        })?;
         let outs: Vec<&TensorType> = outs.iter().collect();
-        let mut all = tensor_parallel::strategies(kind, &tys, &outs, self.n);
-        let now: Vec<Dist> = ins.iter().map(|&x| self.dist(x)).collect();
-        let reachable = |want: &[Dist]| {
-            now.iter().zip(want).all(|(&have, &want)| match want {
-                Dist::R => true,
-                Dist::S(d) => have == Dist::S(d) || have == Dist::R,
-                Dist::P => have == Dist::P,
-                Dist::Invalid => false,
-            })
+        let mut all = tensor_parallel::strategies(kind, &tys, &outs, self.n, self.ep_n);
+        let now = tensor_parallel::Operands {
+            tp: ins.iter().map(|&x| self.tp_state(x)).collect(),
+            ep: ins.iter().map(|&x| self.side(x)).collect(),
+        };
+        let reachable = |want: &tensor_parallel::Operands| {
+            let tp = now
+                .tp
+                .iter()
+                .zip(&want.tp)
+                .all(|(&have, &want)| match want {
+                    Dist::R => true,
+                    Dist::S(d) => have == Dist::S(d) || have == Dist::R,
+                    Dist::P => have == Dist::P,
+                    Dist::Invalid => false,
+                });
+            let ep = ins
+                .iter()
+                .zip(now.ep.iter().zip(&want.ep))
+                .all(|(&x, (a, b))| a == b || tensor_parallel::expert_tokens(self.g.ty(x)));
+            tp && ep
         };
         let chosen = self.choices.get(&self.cur).and_then(|c| {
             c.iter()
                 .filter(|ins| reachable(ins))
-                .find_map(|ins| all.iter().position(|s| &s.ins == ins))
+                .find_map(|ins| all.iter().position(|s| s.takes(ins)))
         });
-        let fits = all.iter().position(|s| s.ins == now);
+        let fits = all.iter().position(|s| s.takes(&now));
         let k = fits.or(chosen).unwrap_or(0);
         Ok(all.swap_remove(k))
     }
 
     /// An op laid out by its layout algebra ([`Self::strategy`]): each operand converted to
-    /// the strategy's layout (all-reduced or all-gathered whole, sliced from whole, kept;
-    /// an operand the op gathers itself made whole first), the results in its result
-    /// layouts. Two ops have more to them than their layouts: a linear with a bias whose
+    /// the strategy's layout, first over ep (expert tokens on the other side moved by an
+    /// all-to-all, [`Self::all_to_all`]), then over tp (all-reduced or all-gathered whole,
+    /// sliced from whole, kept; an operand the op gathers itself made whole first); the
+    /// results in its result layouts (stacked expert results also over ep and the
+    /// expert-data-parallel group, [`Self::set_expert_layout`]: a result without token rows
+    /// computed from the experts' token rows, an expert weight's gradient, is a pending sum
+    /// over edp). Two ops have more to them than their layouts: a linear with a bias whose
     /// product is a partial sum adds the bias after the reduction (once; on sequence shards
     /// where the collective rewrites put that add, as Megatron reduce-scatters), and under
     /// sequence parallelism the vocab-parallel embedding's partial sum is reduce-scattered
@@ -787,28 +845,25 @@ impl Sharder<'_> {
         let s = self.strategy(kind, ins, path)?;
         let mut args = Vec::with_capacity(ins.len());
         for (i, (&x, &want)) in ins.iter().zip(&s.ins).enumerate() {
+            let x = if self.side(x) == s.ep_ins[i] {
+                x
+            } else {
+                self.all_to_all(x, path, s.ep_ins[i] == Ep::Experts)?
+            };
             let want = if s.gathers.contains(&i) {
                 Dist::R
             } else {
                 want
             };
-            args.push(match (want, self.dist(x)) {
+            args.push(match (want, self.tp_state(x)) {
                 (Dist::R, _) => self.whole(x, path)?,
                 (Dist::S(d), Dist::R) => self.slice(x, d, path)?,
                 _ => x,
             });
         }
-        let outs: Vec<Tp> = s
-            .outs
-            .iter()
-            .map(|&d| match d {
-                Dist::S(d) => Tp::S(d),
-                Dist::P => Tp::P,
-                _ => Tp::R,
-            })
-            .collect();
-        if matches!(kind, OpKind::Linear { .. }) && args.len() == 3 && outs[0] == Tp::P {
-            let partial = self.op1(kind.clone(), &args[..2], path, Tp::P)?;
+        let outs = &s.outs;
+        if matches!(kind, OpKind::Linear { .. }) && args.len() == 3 && outs[0] == Dist::P {
+            let partial = self.op1(kind.clone(), &args[..2], path, Dist::P)?;
             let bias = args[2];
             if self.placed_on_shards() {
                 return self.emit_on_shards(&OpKind::BiasAdd, &[partial, bias], path);
@@ -818,25 +873,45 @@ impl Sharder<'_> {
                 OpKind::BiasAdd,
                 &[whole, bias],
                 path,
-                Tp::R,
+                Dist::R,
             )?]);
         }
-        let ys = self.op(kind.clone(), &args, path, &outs)?;
-        if self.sp && matches!(kind, OpKind::Embedding) && outs[0] == Tp::P {
+        let edp_in = self.edp
+            && args.iter().any(|&x| {
+                let l = self.layout(x);
+                l.partial.contains(&Axis::Edp) || l.shards.iter().any(|s| s.contains(&Axis::Edp))
+            });
+        let ys = self.op(kind.clone(), &args, path, outs)?;
+        if let OpKind::DispatchExperts { .. } = kind {
+            // Its token counts (this rank's, per expert) size the block's all-to-alls.
+            self.g.values[ys[1].0 as usize].ty.layout = Layout::replicated(1);
+            self.counts_of.insert(moe_block(path).to_string(), ys[1]);
+        }
+        for (k, &y) in ys.iter().enumerate() {
+            if !(self.ep && tensor_parallel::stacked(self.g.ty(y))) {
+                continue;
+            }
+            let on_experts = s.ep_outs[k] == Ep::Experts;
+            if tensor_parallel::expert_tokens(self.g.ty(y)) {
+                self.set_expert_layout(y, on_experts, outs[k]);
+                continue;
+            }
+            let rank = self.g.ty(y).dims.len();
+            let l = &mut self.g.values[y.0 as usize].ty.layout;
+            *l = Layout::replicated(rank);
+            if on_experts {
+                l.shards[0].push(Axis::Ep);
+            }
+            mark_tp(l, outs[k]);
+            if edp_in {
+                l.partial.push(Axis::Edp);
+            }
+        }
+        if self.sp && matches!(kind, OpKind::Embedding) && outs[0] == Dist::P {
             return Ok(vec![self.seq_shard(ys[0], path)?]);
         }
         Ok(ys)
     }
-    fn all_whole(&mut self, ins: &[ValueId], path: &str) -> Result<Vec<ValueId>, PassError> {
-        ins.iter().map(|&x| self.whole(x, path)).collect()
-    }
-
-    /// Whether `v`'s first dim is the stacked experts dim.
-    fn is_experts(&self, v: ValueId) -> bool {
-        let ty = self.g.ty(v);
-        ty.dims.len() == 3 && ty.dims[0].name == "experts"
-    }
-
     /// Whether `v` (stacked experts) is split over ep, i.e. lives on its experts' ranks.
     fn on_experts(&self, v: ValueId) -> bool {
         self.layout(v).shards[0].contains(&Axis::Ep)
@@ -846,7 +921,7 @@ impl Sharder<'_> {
     /// token rows of the ep group) or on the tokens' ranks (this rank's tokens); `tp` says
     /// where they stand over tp (expert tensor parallelism: the ffn dim split, or the
     /// experts' outputs partial sums).
-    fn set_expert_layout(&mut self, v: ValueId, on_experts: bool, tp: Tp) {
+    fn set_expert_layout(&mut self, v: ValueId, on_experts: bool, tp: Dist) {
         let tokens = if on_experts {
             if self.edp {
                 vec![Axis::Edp]
@@ -871,11 +946,7 @@ impl Sharder<'_> {
         let l = &mut self.g.values[v.0 as usize].ty.layout;
         l.shards = vec![experts, tokens, Vec::new()];
         l.partial.clear();
-        match tp {
-            Tp::R => {}
-            Tp::S(d) => l.shards[d].push(Axis::Tp),
-            Tp::P => l.partial.push(Axis::Tp),
-        }
+        mark_tp(l, tp);
     }
 
     /// The all-to-all over ep that moves stacked expert tokens `v` to their experts' ranks
@@ -896,6 +967,11 @@ impl Sharder<'_> {
         }
         if self.on_experts(v) == to_experts {
             return Ok(v);
+        }
+        if !tensor_parallel::expert_tokens(self.g.ty(v)) {
+            return Err(PassError::Autodiff(format!(
+                "shard: {path}: only expert tokens move between the tokens' and the experts' ranks"
+            )));
         }
         let counts = *self.counts_of.get(moe_block(path)).ok_or_else(|| {
             PassError::Autodiff(format!(
@@ -921,141 +997,5 @@ impl Sharder<'_> {
             self.tokens_of.insert(v, w);
         }
         Ok(w)
-    }
-
-    /// Expert parallelism's rules for the MoE ops on stacked experts; `None` for other ops.
-    fn emit_expert(
-        &mut self,
-        kind: &OpKind,
-        ins: &[ValueId],
-        path: &str,
-    ) -> Result<Option<Vec<ValueId>>, PassError> {
-        let k = kind.clone();
-        let st = |s: &Self, v: ValueId| s.tp_state(v);
-        let outs = match kind {
-            OpKind::DispatchExperts { .. } => {
-                let args = self.all_whole(ins, path)?;
-                let outs = self.op(k, &args, path, &[])?;
-                self.set_expert_layout(outs[0], false, Tp::R);
-                let l = &mut self.g.values[outs[1].0 as usize].ty.layout;
-                *l = Layout::replicated(1);
-                self.counts_of.insert(moe_block(path).to_string(), outs[1]);
-                outs
-            }
-            // Expert tensor parallelism on stacked weights `[experts, out, in]`: w1/w3
-            // column-parallel (dim 1 over tp), w2 row-parallel (dim 2 over tp).
-            OpKind::Linear { .. } if self.is_experts(ins[1]) => {
-                let x = self.all_to_all(ins[0], path, true)?;
-                let (x, out) = match st(self, ins[1]) {
-                    Tp::S(1) => (self.whole(x, path)?, Tp::S(2)),
-                    Tp::S(2) if st(self, x) == Tp::S(2) => (x, Tp::P),
-                    Tp::S(_) => {
-                        return Err(PassError::Autodiff(format!(
-                        "shard: {path}: a row-parallel expert linear needs its input split over tp"
-                    )))
-                    }
-                    _ => (self.whole(x, path)?, Tp::R),
-                };
-                let out_v = self.op1(k, &[x, ins[1]], path, Tp::R)?;
-                self.set_expert_layout(out_v, true, out);
-                vec![out_v]
-            }
-            OpKind::LinearGradInput { .. } if self.is_experts(ins[1]) => {
-                let dy = self.all_to_all(ins[0], path, true)?;
-                let (dy, out) = match st(self, ins[1]) {
-                    Tp::S(1) if st(self, dy) == Tp::S(2) => (dy, Tp::P),
-                    Tp::S(2) => (self.whole(dy, path)?, Tp::S(2)),
-                    Tp::S(_) => return Err(PassError::Autodiff(format!(
-                        "shard: {path}: the output gradient of a column-parallel expert linear must be split over tp"
-                    ))),
-                    _ => (self.whole(dy, path)?, Tp::R),
-                };
-                let out_v = self.op1(k, &[dy, ins[1]], path, Tp::R)?;
-                self.set_expert_layout(out_v, true, out);
-                vec![out_v]
-            }
-            OpKind::LinearGradWeight { .. } if self.is_experts(ins[0]) => {
-                let x = self.all_to_all(ins[0], path, true)?;
-                let dy = self.all_to_all(ins[1], path, true)?;
-                // Column-parallel: dy split over the ffn dim; row-parallel: x split.
-                let (x, dy, tp) = if st(self, dy) == Tp::S(2) {
-                    (self.whole(x, path)?, dy, Some(1))
-                } else if st(self, x) == Tp::S(2) {
-                    (x, self.whole(dy, path)?, Some(2))
-                } else {
-                    (self.whole(x, path)?, self.whole(dy, path)?, None)
-                };
-                let out = self.op1(k, &[x, dy], path, Tp::R)?;
-                let l = &mut self.g.values[out.0 as usize].ty.layout;
-                l.shards = vec![vec![Axis::Ep], Vec::new(), Vec::new()];
-                if let Some(d) = tp {
-                    l.shards[d].push(Axis::Tp);
-                }
-                l.partial = if self.edp {
-                    vec![Axis::Edp]
-                } else {
-                    Vec::new()
-                };
-                vec![out]
-            }
-            OpKind::SwiGlu | OpKind::SwiGluGrad | OpKind::GradSum | OpKind::Add
-                if self.is_experts(ins[0]) =>
-            {
-                let mut args: Vec<ValueId> = ins
-                    .iter()
-                    .map(|&x| self.all_to_all(x, path, true))
-                    .collect::<Result<_, _>>()?;
-                // Elementwise on equal tp layouts (partial sums only add up); else whole.
-                let states: Vec<Tp> = args.iter().map(|&x| st(self, x)).collect();
-                let sums = matches!(kind, OpKind::GradSum | OpKind::Add);
-                let mut tp = states[0];
-                if !(states.iter().all(|&t| t == tp) && (tp != Tp::P || sums)) {
-                    args = self.all_whole(&args, path)?;
-                    tp = Tp::R;
-                }
-                let outs = self.op(k, &args, path, &[])?;
-                for &o in &outs {
-                    self.set_expert_layout(o, true, tp);
-                }
-                outs
-            }
-            // The combine is linear in the expert outputs: partial over tp in, partial out
-            // (reduced once after it); its gradient's router-weight part is partial too.
-            OpKind::CombineExperts | OpKind::CombineExpertsGrad => {
-                let mut args = self.all_whole(&ins[..2], path)?;
-                let y = self.all_to_all(ins[2], path, false)?;
-                let y = match st(self, y) {
-                    Tp::P => y,
-                    _ => self.whole(y, path)?,
-                };
-                let partial = st(self, y) == Tp::P;
-                args.push(y);
-                for &x in &ins[3..] {
-                    args.push(self.whole(x, path)?);
-                }
-                let first = if partial { Tp::P } else { Tp::R };
-                let outs = self.op(k, &args, path, &[first])?;
-                if let Some(&dy) = outs.get(1) {
-                    self.set_expert_layout(dy, false, Tp::R);
-                }
-                outs
-            }
-            OpKind::DispatchExpertsGrad => {
-                let dy = self.all_to_all(ins[0], path, false)?;
-                let out = match st(self, dy) {
-                    Tp::P => Tp::P,
-                    _ => Tp::R,
-                };
-                let dy = if out == Tp::P {
-                    dy
-                } else {
-                    self.whole(dy, path)?
-                };
-                let idx = self.whole(ins[1], path)?;
-                self.op(k, &[dy, idx], path, &[out])?
-            }
-            _ => return Ok(None),
-        };
-        Ok(Some(outs))
     }
 }

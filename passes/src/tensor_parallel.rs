@@ -1,5 +1,7 @@
-//! Tensor-parallel placement by rewrites (egg): which parameters tp splits, and along
-//! which dim (column-parallel, row-parallel, vocab-parallel or replicated).
+//! Tensor- and expert-parallel placement by rewrites (egg): which parameters tp splits,
+//! and along which dim (column-parallel, row-parallel, vocab-parallel or replicated); and,
+//! under expert parallelism, on which side of ep each op on stacked experts runs (where
+//! the all-to-alls go).
 //!
 //! The `shard` pass asks this module for the layout of every parameter over tp before it
 //! lays the graph out. The graph before `shard` (forward, backward and recomputation, all
@@ -14,18 +16,30 @@
 //! - `ar(x)`: the all-reduce of a partial sum over tp; `slice.D(x)`: this rank's part of a
 //!   whole value along dim D (a local copy, no communication);
 //! - `uK.L(g)`: the optimizer's update of parameter K stored in layout L from its gradient
-//!   `g` in that layout (a root).
+//!   `g` in that layout (a root);
+//! - under expert parallelism, `a2a.E(x)` / `a2a.T(x)`: the all-to-all over ep that moves
+//!   stacked expert tokens `x` to the experts' ranks (the experts dim split over ep, the
+//!   ep group's token rows) or back to the tokens' ranks ([`Ep`]).
 //!
 //! Each e-class holds one value in one distribution over tp (whole, split along a dim,
-//! partial sum). The only per-op code is the op's layout algebra, [`strategies`]: the
-//! operand layouts an op accepts and the result layouts they give (a linear split over its
-//! output features takes a whole input and gives a split output; over its input features,
-//! a split input and a partial sum; ...). Every op accepts whole operands and gives whole
-//! results. The rewrites ([`rules`], names in [`RULE_NAMES`]) are the collective algebra:
+//! partial sum) and on one side of ep (stacked expert weights are stored on the experts'
+//! ranks; every value but stacked expert tokens is on the tokens' side). The only per-op
+//! code is the op's layout algebra, [`strategies`]: the operand layouts an op accepts and
+//! the result layouts they give, over tp and over ep (a linear split over its output
+//! features takes a whole input and gives a split output; over its input features, a
+//! split input and a partial sum; a linear on stacked expert weights runs on the experts'
+//! ranks; ...). Every op accepts whole operands over tp and gives whole results. Where an
+//! op's algebra wants an operand on the other side of ep than the graph gives it, the
+//! e-graph is built with the operand's all-to-all. The rewrites ([`rules`], names in
+//! [`RULE_NAMES`]) are the collective algebra:
 //!
 //! - `op-on-shards-reduces`: an op on operands in another layout its algebra accepts is
 //!   the op, when that gives a whole result, and its all-reduce, when it gives a partial
-//!   sum (`linear(x, w) = ar(linear(slice x, slice w))`);
+//!   sum (`linear(x, w) = ar(linear(slice x, slice w))`); on the other side of ep, the
+//!   op's all-to-all (`swiglu(a, b) = a2a.E(swiglu(a2a.T a, a2a.T b))`). An operand is
+//!   reached through a slice, the partial sums inside an all-reduce, or an all-to-all (of
+//!   the value, or of the partial sums inside its all-reduce: the exchange commutes with
+//!   the all-reduce);
 //! - `slice-of-op-is-op-on-shards`: the slice of an op's result is the op on operands its
 //!   algebra turns into that slice (`slice(linear(x, w)) = linear(x, slice w)`);
 //! - `slice-of-parameter-is-its-shard`: a parameter's slice is the parameter stored split.
@@ -37,7 +51,7 @@
 //! never tp's: sequence parallelism ([`crate::collectives`]) and expert parallelism own them.
 //!
 //! The rules run to saturation (anything else is an error). Extraction under
-//! [`CostModel`] (bytes an all-reduce moves times [`LINK_COST`], plus every result's
+//! [`CostModel`] (bytes an all-reduce or all-to-all moves times [`LINK_COST`], plus every result's
 //! activation memory on a rank, plus [`PARAM_COST`] times the parameter memory of every use
 //! and of the update; activations and their bytes for one micro-batch) chooses, per use, a
 //! layout of each parameter; a parameter used in two layouts is then fixed, first in graph
@@ -50,7 +64,10 @@
 //! row-parallel (their bias whole, added once); embedding and output layer split over the
 //! vocabulary; norms, the router and the shared-expert gate whole (split, their results
 //! could not meet the whole ops that read them without an all-gather); every expert's MLP
-//! split like the dense one; k/v whole when tp does not divide the kv heads.
+//! split like the dense one; k/v whole when tp does not divide the kv heads. Under ep it
+//! arrives at Megatron's exchanges: expert tokens to the experts' ranks before w1/w3 (one
+//! all-to-all both read), back before the combine (the row-parallel w2's partial sums,
+//! reduced after the combine), and the mirror pair in the backward.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
@@ -87,27 +104,80 @@ impl Dist {
     }
 }
 
-/// One way to run an op over tp: its operands' layouts and its results'.
+impl Dist {
+    /// The dim this layout splits along, if it is a split.
+    pub fn dim(self) -> Option<usize> {
+        match self {
+            Dist::S(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+/// Where a value stands over ep (expert parallelism's axis). Only stacked expert values
+/// (a leading `experts` dim) are ever on the experts' ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Ep {
+    /// Token-parallel: this rank's own tokens, every expert (every value that is not a
+    /// stacked expert value, and expert tokens before the dispatch's all-to-all).
+    Tokens,
+    /// Expert-parallel: the experts dim split over ep (this rank's experts), with the token
+    /// rows of the whole ep group.
+    Experts,
+}
+
+impl Ep {
+    fn symbol(self) -> &'static str {
+        match self {
+            Ep::Tokens => "T",
+            Ep::Experts => "E",
+        }
+    }
+}
+
+/// One way to run an op over (ep, tp): its operands' layouts and its results'.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Strategy {
-    /// Operand layouts.
+    /// Operand layouts over tp.
     pub ins: Vec<Dist>,
-    /// Result layouts.
+    /// Result layouts over tp.
     pub outs: Vec<Dist>,
     /// Operands the op gathers whole over tp itself, under this strategy (their bytes are
     /// costed as an all-gather's).
     pub gathers: Vec<usize>,
+    /// Operand layouts over ep.
+    pub ep_ins: Vec<Ep>,
+    /// Result layouts over ep.
+    pub ep_outs: Vec<Ep>,
+}
+
+/// An op's operand layouts in the extracted term (over tp and over ep): which of its
+/// [`strategies`] it runs under.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Operands {
+    /// Over tp.
+    pub tp: Vec<Dist>,
+    /// Over ep.
+    pub ep: Vec<Ep>,
+}
+
+impl Strategy {
+    /// Whether this strategy takes operands laid out as `ins`.
+    pub fn takes(&self, ins: &Operands) -> bool {
+        self.ins == ins.tp && self.ep_ins == ins.ep
+    }
 }
 
 /// Dims tensor parallelism never splits: the token dims (data, context and sequence
 /// parallelism's) and the stacked experts (expert parallelism's).
 const NOT_TP: [&str; 4] = ["b", "s", "tokens", "experts"];
 
-/// Whether `n` tp ranks can split `t` along dim `d`.
+/// Whether `n` tp ranks can split `t` along dim `d` (one rank splits nothing).
 fn splits(t: &TensorType, d: usize, n: u64) -> bool {
-    t.dims.get(d).is_some_and(|dim| {
-        !dim.dynamic && dim.size % n == 0 && !NOT_TP.contains(&dim.name.as_str())
-    })
+    n > 1
+        && t.dims.get(d).is_some_and(|dim| {
+            !dim.dynamic && dim.size % n == 0 && !NOT_TP.contains(&dim.name.as_str())
+        })
 }
 
 fn last(t: &TensorType) -> usize {
@@ -124,30 +194,88 @@ fn features(weight: WeightLayout, rank: usize) -> (usize, usize) {
     }
 }
 
-/// The layout algebra of `kind` over `n` tp ranks, on operands `ins` with results `outs`
-/// (global types): every strategy it supports. The first is always every operand whole and
-/// every result whole. This is what a new op states to be placed by the rewrites.
+/// Whether `t` is a stacked expert value (`[experts, _, _]`): expert tokens
+/// `[experts, tokens, h]`, stacked expert weights `[experts, out, in]` and their gradients.
+pub fn stacked(t: &TensorType) -> bool {
+    t.dims.len() == 3 && t.dims[0].name == "experts"
+}
+
+/// Whether `t` holds stacked expert tokens (`[experts, tokens, ..]`), which an all-to-all
+/// over ep moves between the tokens' and the experts' ranks.
+pub fn expert_tokens(t: &TensorType) -> bool {
+    stacked(t) && t.dims.get(1).is_some_and(|d| d.name == "tokens")
+}
+
+/// Whether `t` is a stacked expert weight (or its gradient): `[experts, out, in]`.
+fn expert_weights(t: &TensorType) -> bool {
+    stacked(t) && !expert_tokens(t)
+}
+
+/// The layout algebra of `kind` over `n` tp ranks and `ep` expert-parallel ranks, on
+/// operands `ins` with results `outs` (global types): every strategy it supports. The
+/// first is always every operand and result whole over tp. This is what a new op states
+/// to be placed by the rewrites.
+///
+/// Over ep (only where `ep > 1`): an op on stacked expert weights (a linear, its input and
+/// weight gradients, anything else reading or giving a stacked weight) runs on the
+/// experts' ranks, every operand and result there; an op on stacked expert tokens alone
+/// (elementwise: SwiGLU, sums) runs on either side, as its operands are; every other op
+/// on the tokens' ranks (the dispatch gives expert tokens there, the combine and the
+/// dispatch's gradient read them there).
 pub fn strategies(
+    kind: &OpKind,
+    ins: &[&TensorType],
+    outs: &[&TensorType],
+    n: u64,
+    ep: u64,
+) -> Vec<Strategy> {
+    let mut v = tp_strategies(kind, ins, outs, n);
+    if ep <= 1 {
+        return v;
+    }
+    let all = || ins.iter().chain(outs);
+    let weights = all().any(|t| expert_weights(t));
+    let tokens_only = !ins.is_empty() && all().all(|t| expert_tokens(t));
+    if weights {
+        for s in &mut v {
+            s.ep_ins = vec![Ep::Experts; ins.len()];
+            s.ep_outs = vec![Ep::Experts; outs.len()];
+        }
+    } else if tokens_only {
+        v = v
+            .into_iter()
+            .flat_map(|s| {
+                let e = Strategy {
+                    ep_ins: vec![Ep::Experts; ins.len()],
+                    ep_outs: vec![Ep::Experts; outs.len()],
+                    ..s.clone()
+                };
+                [s, e]
+            })
+            .collect();
+    }
+    v
+}
+
+/// [`strategies`] over tp alone (every operand and result on the tokens' ranks over ep).
+fn tp_strategies(
     kind: &OpKind,
     ins: &[&TensorType],
     outs: &[&TensorType],
     n: u64,
 ) -> Vec<Strategy> {
     use Dist::{P, R, S};
-    let whole = Strategy {
-        ins: vec![R; ins.len()],
-        outs: vec![R; outs.len()],
-        gathers: Vec::new(),
+    let strategy = |i: Vec<Dist>, o: Vec<Dist>, gathers: Vec<usize>| Strategy {
+        ep_ins: vec![Ep::Tokens; i.len()],
+        ep_outs: vec![Ep::Tokens; o.len()],
+        ins: i,
+        outs: o,
+        gathers,
     };
+    let whole = strategy(vec![R; ins.len()], vec![R; outs.len()], Vec::new());
     let mut v = vec![whole];
     let mut gathering = Vec::new();
-    let mut add = |ins: Vec<Dist>, outs: Vec<Dist>| {
-        v.push(Strategy {
-            ins,
-            outs,
-            gathers: Vec::new(),
-        })
-    };
+    let mut add = |ins: Vec<Dist>, outs: Vec<Dist>| v.push(strategy(ins, outs, Vec::new()));
     let s = |t: &TensorType, d: usize| splits(t, d, n);
     match kind {
         // Vocab-parallel embedding: a table split over the vocabulary gives partial sums.
@@ -244,11 +372,9 @@ pub fn strategies(
         ),
         // The sum of each key/value head's repeats (tp above the kv heads) takes the query
         // heads split and gathers them itself.
-        OpKind::RepeatKvGrad { .. } if s(ins[0], 2) => gathering.push(Strategy {
-            ins: vec![S(2)],
-            outs: vec![R],
-            gathers: vec![0],
-        }),
+        OpKind::RepeatKvGrad { .. } if s(ins[0], 2) => {
+            gathering.push(strategy(vec![S(2)], vec![R], vec![0]))
+        }
         // Elementwise on equal layouts; partial sums add up as partial sums.
         OpKind::Add
         | OpKind::GradSum
@@ -333,6 +459,8 @@ struct ParamInfo {
     /// Dims tp may split it along.
     dims: Vec<usize>,
     bytes: f64,
+    /// Stored on the experts' ranks (a stacked expert weight under ep), or not.
+    ep: Ep,
 }
 
 /// The analysis: the group's ops, leaves and parameters, and the first merge of classes in
@@ -343,6 +471,8 @@ pub struct Layouts {
     leaves: Vec<f64>,
     params: Vec<ParamInfo>,
     n: f64,
+    /// The ep size.
+    ep: f64,
     conflict: Option<String>,
 }
 
@@ -350,11 +480,22 @@ pub struct Layouts {
 #[derive(Clone, Debug)]
 pub struct Data {
     dist: Dist,
+    ep: Ep,
     bytes: f64,
+}
+
+impl Data {
+    fn name(&self) -> String {
+        match self.ep {
+            Ep::Tokens => self.dist.name(),
+            Ep::Experts => format!("{} 0:ep", self.dist.name()),
+        }
+    }
 }
 
 const INVALID: Data = Data {
     dist: Dist::Invalid,
+    ep: Ep::Tokens,
     bytes: 0.0,
 };
 
@@ -363,6 +504,8 @@ const INVALID: Data = Data {
 enum Kind {
     Ar,
     Slice(usize),
+    /// The all-to-all over ep that moves stacked expert tokens to this side.
+    Exchange(Ep),
     Op(usize),
     Leaf(usize),
     Param(usize, Dist),
@@ -385,6 +528,11 @@ fn kind_of(sym: Symbol) -> Option<Kind> {
     if let Some(d) = s.strip_prefix("slice.") {
         return d.parse().ok().map(Kind::Slice);
     }
+    match s {
+        "a2a.T" => return Some(Kind::Exchange(Ep::Tokens)),
+        "a2a.E" => return Some(Kind::Exchange(Ep::Experts)),
+        _ => {}
+    }
     let (head, rest) = s.split_at(1);
     match head {
         "o" => rest.parse().ok().map(Kind::Op),
@@ -399,6 +547,15 @@ fn kind_of(sym: Symbol) -> Option<Kind> {
             })
         }
         _ => None,
+    }
+}
+
+/// The layouts of an op node's operands.
+fn operands_of(node: &SymbolLang, child: impl Fn(Id) -> Data) -> Operands {
+    let data: Vec<Data> = node.children.iter().map(|&c| child(c)).collect();
+    Operands {
+        tp: data.iter().map(|d| d.dist).collect(),
+        ep: data.iter().map(|d| d.ep).collect(),
     }
 }
 
@@ -432,34 +589,45 @@ fn node_data(a: &Layouts, node: &SymbolLang, child: impl Fn(Id) -> Data) -> Data
                 INVALID
             }
         }
+        Kind::Exchange(to) => {
+            let c = one();
+            if c.ep != to && c.dist != Dist::Invalid {
+                Data { ep: to, ..c }
+            } else {
+                INVALID
+            }
+        }
         Kind::Op(k) => {
             let Some(info) = a.ops.get(k) else {
                 return INVALID;
             };
-            let ins: Vec<Dist> = node.children.iter().map(|&c| child(c).dist).collect();
-            let dist = info
-                .strategies
-                .iter()
-                .find(|s| s.ins == ins)
-                .map_or(Dist::Invalid, |s| s.outs[info.out]);
-            Data {
-                dist,
-                bytes: info.bytes,
+            let ins = operands_of(node, child);
+            match info.strategies.iter().find(|s| s.takes(&ins)) {
+                Some(s) => Data {
+                    dist: s.outs[info.out],
+                    ep: s.ep_outs[info.out],
+                    bytes: info.bytes,
+                },
+                None => INVALID,
             }
         }
         Kind::Leaf(k) => Data {
             dist: Dist::R,
+            ep: Ep::Tokens,
             bytes: a.leaves.get(k).copied().unwrap_or(0.0),
         },
         Kind::Param(k, l) => Data {
             dist: l,
+            ep: a.params.get(k).map_or(Ep::Tokens, |p| p.ep),
             bytes: a.params.get(k).map_or(0.0, |p| p.bytes),
         },
         Kind::Update(k, l) => {
-            let c = one().dist;
-            let ok = c == l || (l == Dist::R && c == Dist::P);
+            let c = one();
+            let ep = a.params.get(k).map_or(Ep::Tokens, |p| p.ep);
+            let ok = (c.dist == l || (l == Dist::R && c.dist == Dist::P)) && c.ep == ep;
             Data {
                 dist: if ok { Dist::R } else { Dist::Invalid },
+                ep,
                 bytes: a.params.get(k).map_or(0.0, |p| p.bytes),
             }
         }
@@ -474,11 +642,11 @@ impl Analysis<SymbolLang> for Layouts {
     }
 
     fn merge(&mut self, to: &mut Data, from: Data) -> DidMerge {
-        if to.dist != from.dist && self.conflict.is_none() {
+        if (to.dist != from.dist || to.ep != from.ep) && self.conflict.is_none() {
             self.conflict = Some(format!(
                 "a rewrite equated a {} value with a {} one",
-                to.dist.name(),
-                from.dist.name()
+                to.name(),
+                from.name()
             ));
         }
         DidMerge(false, false)
@@ -491,7 +659,7 @@ type Graphs = EGraph<SymbolLang, Layouts>;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Rule {
     /// `op(x..) = op(x'..)` or `ar(op(x'..))` for another strategy with a whole or partial
-    /// result.
+    /// result; or `a2a(op(x'..))` for one on the other side of ep.
     Reduces,
     /// `slice.d(op(x..)) = op(x'..)` for a strategy whose result is split along d.
     SliceOfOp,
@@ -524,6 +692,16 @@ enum Arg {
     Slice(Id, usize),
     /// The partial sums inside an all-reduced operand.
     Partial(Id),
+    /// The operand moved to the other side of ep by an all-to-all.
+    Exchange(Id, Ep),
+}
+
+/// The partial sums a whole class all-reduces, if it holds an all-reduce.
+fn reduced(eg: &Graphs, class: Id) -> Option<Id> {
+    eg[class]
+        .nodes
+        .iter()
+        .find_map(|n| (kind_of(n.op) == Some(Kind::Ar)).then(|| n.children[0]))
 }
 
 /// The operands of op node `args` of info `info` under strategy `s`, if its classes can
@@ -531,15 +709,44 @@ enum Arg {
 fn operands(eg: &Graphs, args: &[Id], s: &Strategy) -> Option<Vec<Arg>> {
     args.iter()
         .zip(&s.ins)
-        .map(|(&a, &w)| {
+        .zip(&s.ep_ins)
+        .map(|((&a, &w), &we)| {
             let d = eg[a].data.dist;
+            if eg[a].data.ep != we {
+                // Across ep, in the same layout over tp: the value inside an all-to-all, or
+                // its all-to-all.
+                if d != w {
+                    return None;
+                }
+                let inside = eg[a].nodes.iter().find_map(|n| {
+                    (kind_of(n.op) == Some(Kind::Exchange(eg[a].data.ep)))
+                        .then(|| n.children[0])
+                        .filter(|&c| eg[c].data.ep == we)
+                });
+                if d == w {
+                    return Some(inside.map_or(Arg::Exchange(a, we), Arg::Keep));
+                }
+                // The partial sums inside an all-reduce, moved (the all-to-all commutes
+                // with the all-reduce).
+                return match (d, w) {
+                    (Dist::R, Dist::P) => reduced(eg, a).map(|p| Arg::Exchange(p, we)),
+                    _ => None,
+                };
+            }
             if d == w {
                 return Some(Arg::Keep(a));
             }
             match (d, w) {
                 (Dist::R, Dist::S(x)) => Some(Arg::Slice(a, x)),
-                (Dist::R, Dist::P) => eg[a].nodes.iter().find_map(|n| {
-                    (kind_of(n.op) == Some(Kind::Ar)).then(|| Arg::Partial(n.children[0]))
+                (Dist::R, Dist::P) => reduced(eg, a).map(Arg::Partial).or_else(|| {
+                    // Moved whole from the other side of ep: the partial sums there, moved.
+                    let side = eg[a].data.ep;
+                    eg[a].nodes.iter().find_map(|n| {
+                        (kind_of(n.op) == Some(Kind::Exchange(side)))
+                            .then(|| reduced(eg, n.children[0]))
+                            .flatten()
+                            .map(|p| Arg::Exchange(p, side))
+                    })
                 }),
                 _ => None,
             }
@@ -556,11 +763,14 @@ enum Join {
     Same,
     Reduce,
     Slice(usize),
+    /// Under an all-to-all to the class's side of ep.
+    Exchange(Ep),
 }
 
 fn plans(eg: &Graphs, class: Id, rule: Rule) -> Vec<Plan> {
     let mut out = Vec::new();
     let cur = eg[class].data.dist;
+    let cur_ep = eg[class].data.ep;
     match rule {
         Rule::SliceOfParam => {}
         Rule::Reduces | Rule::SliceOfOp => {
@@ -569,12 +779,17 @@ fn plans(eg: &Graphs, class: Id, rule: Rule) -> Vec<Plan> {
                     continue;
                 };
                 let info = &eg.analysis.ops[k];
-                let now: Vec<Dist> = n.children.iter().map(|&c| eg[c].data.dist).collect();
+                let now = operands_of(n, |c| eg[c].data.clone());
                 for s in info.strategies.iter() {
-                    if s.ins == now {
+                    if s.takes(&now) {
                         continue;
                     }
-                    let join = match (rule, cur, s.outs[info.out]) {
+                    let (res, out_ep) = (s.outs[info.out], s.ep_outs[info.out]);
+                    let join = match (rule, cur, res) {
+                        (Rule::Reduces, c, o) if c == o && out_ep != cur_ep => {
+                            Join::Exchange(cur_ep)
+                        }
+                        _ if out_ep != cur_ep => continue,
                         (Rule::Reduces, c, o) if c == o => Join::Same,
                         (Rule::Reduces, Dist::R, Dist::P) => Join::Reduce,
                         (Rule::SliceOfOp, Dist::R, Dist::S(d)) => Join::Slice(d),
@@ -659,6 +874,9 @@ impl Applier<SymbolLang, Layouts> for Rule {
                 .map(|a| match a {
                     Arg::Keep(x) | Arg::Partial(x) => x,
                     Arg::Slice(x, d) => egraph.add(node(format!("slice.{d}"), vec![x])),
+                    Arg::Exchange(x, to) => {
+                        egraph.add(node(format!("a2a.{}", to.symbol()), vec![x]))
+                    }
                 })
                 .collect();
             let new = egraph.add(SymbolLang::new(op, args));
@@ -666,6 +884,10 @@ impl Applier<SymbolLang, Layouts> for Rule {
                 Join::Same => (eclass, new),
                 Join::Reduce => (eclass, egraph.add(node("ar".into(), vec![new]))),
                 Join::Slice(d) => (egraph.add(node(format!("slice.{d}"), vec![eclass])), new),
+                Join::Exchange(to) => (
+                    eclass,
+                    egraph.add(node(format!("a2a.{}", to.symbol()), vec![new])),
+                ),
             };
             if egraph.union(a, b) {
                 changed.push(b);
@@ -679,7 +901,9 @@ impl Applier<SymbolLang, Layouts> for Rule {
 /// times [`LINK_COST`], plus the memory of every result on one rank (the whole value, or
 /// `1/n` of it when split), plus [`PARAM_COST`] times a parameter's memory on a rank at
 /// every use and at its update (with the optimizer's all-reduce of a partial gradient).
-/// `fixed` excludes the other layouts of parameters already fixed.
+/// An all-to-all over ep moves the `(ep-1)/ep` of a rank's part that other ranks hold,
+/// times [`LINK_COST`], and holds its result. `fixed` excludes the other layouts of
+/// parameters already fixed.
 pub struct CostModel<'a> {
     egraph: &'a Graphs,
     fixed: &'a HashMap<usize, Dist>,
@@ -704,17 +928,17 @@ impl CostFunction<SymbolLang> for CostModel<'_> {
         let own = match kind_of(enode.op) {
             Some(Kind::Ar) => wire(data.bytes) + data.bytes,
             Some(Kind::Slice(_)) => local(data.dist, data.bytes),
+            Some(Kind::Exchange(_)) => {
+                let b = local(data.dist, data.bytes);
+                LINK_COST * b * (a.ep - 1.0) / a.ep + b
+            }
             Some(Kind::Op(k)) => {
-                let ins: Vec<Dist> = enode
-                    .children
-                    .iter()
-                    .map(|&c| self.egraph[c].data.dist)
-                    .collect();
+                let ins = operands_of(enode, |c| self.egraph[c].data.clone());
                 let gathered: f64 =
                     a.ops[k]
                         .strategies
                         .iter()
-                        .find(|s| s.ins == ins)
+                        .find(|s| s.takes(&ins))
                         .map_or(0.0, |s| {
                             s.gathers
                                 .iter()
@@ -772,7 +996,7 @@ pub struct GroupPlacement {
     /// group's ops, in graph order; its operands' layouts). An op the term holds in two
     /// layouts (read whole by one op, split by another) is listed once per layout, in the
     /// term's order.
-    pub choices: Vec<(usize, Vec<Dist>)>,
+    pub choices: Vec<(usize, Operands)>,
 }
 
 /// What the rewrites found for the graph.
@@ -785,7 +1009,7 @@ pub struct Placement {
     /// For every op of the graph the extracted term holds (by its index in `g.ops`), the
     /// layouts of its operands there, each list once, in the term's order (the strategy of
     /// its [`strategies`] with these `ins` says its results'). `shard` emits each op so.
-    pub ops: BTreeMap<usize, Vec<Vec<Dist>>>,
+    pub ops: BTreeMap<usize, Vec<Operands>>,
 }
 
 /// The decoder layer an op's path belongs to (`model.layers.N`, `transformer.h.N`).
@@ -801,13 +1025,15 @@ fn bytes(t: &TensorType) -> f64 {
     t.dims.iter().map(|d| d.size as f64).product::<f64>() * t.dtype.size_bytes() as f64
 }
 
-/// The placement of every parameter of `g` (the graph before `shard`) over `n` tp ranks,
-/// with the rewrites `rules` (tests remove one). `micro_batch`: the share of the graph's
+/// The placement of every parameter of `g` (the graph before `shard`) over `n` tp ranks
+/// and `ep` expert-parallel ranks (stacked expert weights are stored on their experts'
+/// ranks), with the rewrites `rules` (tests remove one). `micro_batch`: the share of the graph's
 /// batch one rank holds at once (`train.micro_batch / train.global_batch`); activations and
 /// the bytes they move are costed for one micro-batch.
 pub fn place(
     g: &Graph,
     n: u64,
+    ep: u64,
     micro_batch: f64,
     rules: &[Rewrite<SymbolLang, Layouts>],
 ) -> Result<Placement, String> {
@@ -886,7 +1112,7 @@ pub fn place(
             g,
             &ops_of[b],
             b,
-            (n, micro_batch),
+            (n, ep, micro_batch),
             &producer,
             &readers,
             &outputs,
@@ -894,7 +1120,7 @@ pub fn place(
         );
         if let Some((first, layouts, p)) = solved.get(&group.signature) {
             for (info, &l) in group.eg.analysis.params.iter().zip(layouts) {
-                placement.params.insert(info.name.clone(), dim(l));
+                placement.params.insert(info.name.clone(), l.dim());
             }
             placement.groups.push(GroupPlacement {
                 group: b.clone(),
@@ -913,7 +1139,7 @@ pub fn place(
             .collect();
         let (layouts, p) = group.solve(g, rules)?;
         for (name, &l) in names.into_iter().zip(&layouts) {
-            placement.params.insert(name, dim(l));
+            placement.params.insert(name, l.dim());
         }
         solved.insert(signature, (b.clone(), layouts.clone(), p.clone()));
         placement.groups.push(p);
@@ -935,13 +1161,6 @@ pub fn place(
     Ok(placement)
 }
 
-fn dim(l: Dist) -> Option<usize> {
-    match l {
-        Dist::S(d) => Some(d),
-        _ => None,
-    }
-}
-
 /// One group's e-graph before the rewrites.
 struct Group {
     name: String,
@@ -960,7 +1179,7 @@ impl Group {
         g: &Graph,
         ops: &[usize],
         name: &str,
-        (n, scale): (u64, f64),
+        (n, ep, scale): (u64, u64, f64),
         producer: &HashMap<ValueId, usize>,
         readers: &HashMap<ValueId, HashSet<&str>>,
         outputs: &HashSet<ValueId>,
@@ -968,6 +1187,7 @@ impl Group {
     ) -> Group {
         let mut eg: Graphs = EGraph::new(Layouts {
             n: n as f64,
+            ep: ep as f64,
             ..Layouts::default()
         });
         let mut class: HashMap<ValueId, Id> = HashMap::new();
@@ -988,10 +1208,12 @@ impl Group {
                     ValueDef::Param(pname) => {
                         let k = eg.analysis.params.len();
                         let dims = (0..ty.dims.len()).filter(|&d| splits(ty, d, n)).collect();
+                        let on_experts = ep > 1 && expert_weights(ty);
                         eg.analysis.params.push(ParamInfo {
                             name: pname.clone(),
                             dims,
                             bytes: bytes(ty),
+                            ep: if on_experts { Ep::Experts } else { Ep::Tokens },
                         });
                         local.insert(x, format!("p{k}"));
                         eg.add(node(format!("p{k}.R"), Vec::new()))
@@ -1008,7 +1230,22 @@ impl Group {
             }
             let ins: Vec<&TensorType> = op.inputs.iter().map(|&x| g.ty(x)).collect();
             let outs: Vec<&TensorType> = op.outputs.iter().map(|&x| g.ty(x)).collect();
-            let strategies = Rc::new(strategies(&op.kind, &ins, &outs, n));
+            let strategies = Rc::new(strategies(&op.kind, &ins, &outs, n, ep));
+            // Every operand whole over tp; over ep, as the first whole strategy on the
+            // operands' sides wants them, else as the first whole one does, each operand on
+            // the wrong side moved by an all-to-all.
+            let sides: Vec<Ep> = args.iter().map(|&c| eg[c].data.ep).collect();
+            let whole: Vec<&Strategy> = strategies
+                .iter()
+                .filter(|s| s.ins.iter().all(|&d| d == Dist::R))
+                .collect();
+            if let Some(s) = whole.iter().find(|s| s.ep_ins == sides).or(whole.first()) {
+                for (a, (&have, &want)) in args.iter_mut().zip(sides.iter().zip(&s.ep_ins)) {
+                    if have != want {
+                        *a = eg.add(node(format!("a2a.{}", want.symbol()), vec![*a]));
+                    }
+                }
+            }
             sig.push_str(&format!(
                 "{:?}({}) -> {:?}\n",
                 op.kind,
@@ -1174,11 +1411,11 @@ impl Group {
         let (term, all_reduces) = term_text(g, eg, &ex, &roots, &layouts);
         let place: HashMap<usize, usize> =
             self.ops.iter().enumerate().map(|(j, &i)| (i, j)).collect();
-        let mut choices: Vec<(usize, Vec<Dist>)> = Vec::new();
+        let mut choices: Vec<(usize, Operands)> = Vec::new();
         for c in walk(eg, &ex, &roots) {
             let nd = ex.find_best_node(c);
             if let Some(Kind::Op(k)) = kind_of(nd.op) {
-                let ins: Vec<Dist> = nd.children.iter().map(|&ch| eg[ch].data.dist).collect();
+                let ins = operands_of(nd, |ch| eg[ch].data.clone());
                 let choice = (place[&eg.analysis.ops[k].op], ins);
                 if !choices.contains(&choice) {
                     choices.push(choice);
@@ -1305,6 +1542,8 @@ fn term_text(
                 format!("ar({})", args[0])
             }
             Some(Kind::Slice(d)) => format!("slice.{d}({})", args[0]),
+            Some(Kind::Exchange(Ep::Experts)) => format!("all_to_all.to_experts({})", args[0]),
+            Some(Kind::Exchange(Ep::Tokens)) => format!("all_to_all.to_tokens({})", args[0]),
             Some(Kind::Leaf(k)) => format!("leaf {k}"),
             Some(Kind::Param(k, _)) => a.params[k].name.clone(),
             Some(Kind::Update(k, l)) => {
@@ -1324,7 +1563,7 @@ fn term_text(
         };
         let k = num.len();
         num.insert(c, k);
-        lines.push(format!("%{k} = {text} : {}", eg[c].data.dist.name()));
+        lines.push(format!("%{k} = {text} : {}", eg[c].data.name()));
     }
     let names: Vec<String> = roots
         .iter()

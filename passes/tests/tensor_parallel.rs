@@ -60,6 +60,15 @@ const CASES: &[Case] = &[
         true,
         &["model.layers.0"],
     ),
+    // Expert parallelism with expert tensor parallelism: stacked experts over ep.
+    (
+        "mixtral_ep",
+        "moe-1l",
+        &["parallel.dp=2", "parallel.ep=2"],
+        2,
+        true,
+        &["model.layers.0"],
+    ),
     (
         "qwen2_moe_dense_first",
         "qwen2-moe-1l",
@@ -86,7 +95,7 @@ fn placement(
 ) -> Placement {
     let g = graph_after(spec, "recompute");
     let mb = spec.train.micro_batch as f64 / spec.train.global_batch as f64;
-    place(&g, spec.parallel.tp, mb, rules).expect("the rewrites find a placement")
+    place(&g, spec.parallel.tp, spec.parallel.ep, mb, rules).expect("the rewrites find a placement")
 }
 
 fn bless() -> bool {
@@ -153,6 +162,11 @@ fn every_family_saturates_and_its_layer_term_is_the_snapshot() {
 /// under ETP = tp split like the dense MLP), with HF's names and storage orders; `kv_split`:
 /// whether tp divides the kv heads (megac keeps k/v whole otherwise, Megatron refuses).
 fn megatron(name: &str, kv_split: bool) -> Option<usize> {
+    // Stacked experts (`experts.w1.weight`, `[experts, ffn, h]`, under ep): the same split,
+    // one dim further in.
+    if name.contains(".experts.w") {
+        return megatron(&name.replace(".experts.", ".experts.0."), kv_split).map(|d| d + 1);
+    }
     let ends = |s: &[&str]| s.iter().any(|x| name.ends_with(x));
     if name.starts_with("transformer.") {
         // GPT-2's Conv1D weights are [in, out].
@@ -239,6 +253,45 @@ fn emitted_all_reduces_are_the_terms() {
     }
 }
 
+/// Under expert parallelism the emitted all-to-alls of each MoE layer are the extracted
+/// term's: the exchanges between the tokens' and the experts' ranks are where the term put
+/// them (forward: to the experts before w1/w3, back before the combine; backward: the
+/// mirror pair), each value moved once.
+#[test]
+fn emitted_all_to_alls_are_the_terms() {
+    let mut checked = 0;
+    for c in CASES
+        .iter()
+        .filter(|c| c.2.iter().any(|s| s.starts_with("parallel.ep=")))
+    {
+        for tp in [1, 2] {
+            let (_, model, extra, _, _, layers) = c;
+            let mut sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+            sets.push(format!("parallel.tp={tp}"));
+            if tp > 1 {
+                sets.push("parallel.sequence_parallel=true".into());
+            }
+            let spec = spec(model, &sets);
+            let p = placement(&spec, &rules());
+            let sharded = graph_after(&spec, "shard");
+            for layer in *layers {
+                let g = p.groups.iter().find(|g| g.group == *layer).unwrap();
+                let in_term = g.term.matches("all_to_all.").count();
+                let emitted = sharded
+                    .ops
+                    .iter()
+                    .filter(|op| block(&op.path) == *layer)
+                    .filter(|op| matches!(&op.kind, OpKind::AllToAll { .. }))
+                    .count();
+                assert_eq!(emitted, in_term, "{} tp {tp}: {layer}", c.0);
+                assert_eq!(in_term, 4, "{} tp {tp}: {layer}\n{}", c.0, g.term);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 2, "{checked}");
+}
+
 /// Each rule matters on the real llama layer: without it the placement changes (without
 /// the slices of parameters or of ops nothing is split; without the reduction no
 /// row-parallel or vocab-parallel layout is found).
@@ -280,7 +333,7 @@ fn removing_a_rule_changes_the_placement() {
 /// on agree, op by op, on every family under tp and tp+sp.
 #[test]
 fn emitted_layouts_follow_each_ops_algebra() {
-    use megac_passes::tensor_parallel::{strategies, Dist};
+    use megac_passes::tensor_parallel::{stacked, strategies, Dist, Ep};
     let dist = |g: &Graph, v: megac_ir::ValueId| -> Option<Dist> {
         let ty = g.ty(v);
         if ty.layout.partial.contains(&Axis::Tp) {
@@ -304,7 +357,17 @@ fn emitted_layouts_follow_each_ops_algebra() {
             if sp {
                 sets.push("parallel.sequence_parallel=true".into());
             }
-            let g = graph_after(&spec(model, &sets), "shard");
+            let spec = spec(model, &sets);
+            let ep = spec.parallel.ep;
+            let g = graph_after(&spec, "shard");
+            let side = |v: megac_ir::ValueId| {
+                let ty = g.ty(v);
+                if stacked(ty) && ty.layout.shards[0].contains(&Axis::Ep) {
+                    Ep::Experts
+                } else {
+                    Ep::Tokens
+                }
+            };
             for op in &g.ops {
                 if matches!(
                     op.kind,
@@ -312,6 +375,7 @@ fn emitted_layouts_follow_each_ops_algebra() {
                         | OpKind::AllGather { .. }
                         | OpKind::ReduceScatter { .. }
                         | OpKind::Slice { .. }
+                        | OpKind::AllToAll { .. }
                 ) {
                     continue;
                 }
@@ -323,12 +387,14 @@ fn emitted_layouts_follow_each_ops_algebra() {
                 let tys: Vec<&megac_ir::TensorType> = op.inputs.iter().map(|&v| g.ty(v)).collect();
                 let otys: Vec<&megac_ir::TensorType> =
                     op.outputs.iter().map(|&v| g.ty(v)).collect();
-                let listed = strategies(&op.kind, &tys, &otys, *tp)
-                    .iter()
-                    .any(|s| s.ins == ins && s.outs == outs);
+                let ep_ins: Vec<Ep> = op.inputs.iter().map(|&v| side(v)).collect();
+                let ep_outs: Vec<Ep> = op.outputs.iter().map(|&v| side(v)).collect();
+                let listed = strategies(&op.kind, &tys, &otys, *tp, ep).iter().any(|s| {
+                    s.ins == ins && s.outs == outs && s.ep_ins == ep_ins && s.ep_outs == ep_outs
+                });
                 assert!(
                     listed,
-                    "{} (sp {sp}): {} at {}: {ins:?} -> {outs:?} is not in its algebra",
+                    "{} (sp {sp}): {} at {}: {ins:?} {ep_ins:?} -> {outs:?} {ep_outs:?} is not in its algebra",
                     c.0,
                     op.kind.name(),
                     op.path
@@ -407,6 +473,6 @@ fn an_unsaturated_run_is_an_error() {
     grow.push(Rewrite::new("grow", Grow, Grow).unwrap());
     let spec = case_spec(&CASES[0]);
     let g = graph_after(&spec, "recompute");
-    let err = place(&g, 2, 0.5, &grow).unwrap_err();
+    let err = place(&g, 2, 1, 0.5, &grow).unwrap_err();
     assert!(err.contains("did not saturate"), "{err}");
 }
