@@ -273,6 +273,9 @@ pub struct Clock {
     /// Per rank, the bounds its fit used (collectives and messages; 0 for rank 0, ranks
     /// aligned by ping-pong and unaligned ranks).
     pub anchors: Vec<usize>,
+    /// Per rank aligned by ping-pong, the largest error its drift can have (a fraction, from
+    /// the best rounds' turnarounds, [`SyncFit::drift_bound`]); `None` for other ranks.
+    pub drift_bound: Vec<Option<f64>>,
     /// Per rank, how it was aligned: `reference` (rank 0), `ping-pong` ([`sync_fit`]),
     /// `bounds` (collectives and messages, [`fit_bounds`]) or `none`.
     pub method: Vec<&'static str>,
@@ -370,13 +373,25 @@ fn fit_bounds(bounds: &[Bound]) -> Option<(f64, f64)> {
     Some((0.5 * (lo + hi) - d * tm, d))
 }
 
+/// A ping-pong alignment of one rank's clock ([`sync_fit`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SyncFit {
+    /// The rank's offset (ns) at rank 0's time zero.
+    pub offset_ns: f64,
+    /// The rank's drift (a fraction).
+    pub drift: f64,
+    /// The largest error `drift` can have: half of each phase's best turnaround over the
+    /// time between the phases (0 with one phase, whose drift is not measured but set to 0).
+    pub drift_bound: f64,
+}
+
 /// Rank `r`'s clock against rank 0's from the ping-pongs of
 /// [`super::ScanComm::sync_clocks`]: per phase, the round with the shortest turnaround (rank
 /// 0's round trip less the peer's hold) gives one point, rank 0's midpoint against the
 /// peer's, off by at most half that turnaround (the round trip's asymmetry). The two phases'
 /// points (before the first step, after the last) give the offset and the drift; one phase
 /// gives the offset only. None without ping-pongs.
-pub fn sync_fit(ranks: &[RankTrace], r: usize) -> Option<(f64, f64)> {
+pub fn sync_fit(ranks: &[RankTrace], r: usize) -> Option<SyncFit> {
     if r == 0 || r >= ranks.len() {
         return None;
     }
@@ -407,15 +422,24 @@ pub fn sync_fit(ranks: &[RankTrace], r: usize) -> Option<(f64, f64)> {
             *b = point;
         }
     }
-    let points: Vec<(f64, f64)> = best.values().map(|p| (p.1, p.2)).collect();
+    let points: Vec<(f64, f64, f64)> = best.values().map(|p| (p.1, p.2, p.0)).collect();
+    let offset_only = |t: f64, x: f64| SyncFit {
+        offset_ns: x - t,
+        drift: 0.0,
+        drift_bound: 0.0,
+    };
     match points.as_slice() {
         [] => None,
-        [(t, x)] => Some((x - t, 0.0)),
-        [(t0, x0), .., (t1, x1)] if t1 - t0 > 0.0 => {
+        [(t, x, _)] => Some(offset_only(*t, *x)),
+        [(t0, x0, turn0), .., (t1, x1, turn1)] if t1 - t0 > 0.0 => {
             let rate = (x1 - x0) / (t1 - t0);
-            Some((x0 - rate * t0, rate - 1.0))
+            Some(SyncFit {
+                offset_ns: x0 - rate * t0,
+                drift: rate - 1.0,
+                drift_bound: 0.5 * (turn0.max(0.0) + turn1.max(0.0)) / (t1 - t0),
+            })
         }
-        [(t, x), ..] => Some((x - t, 0.0)),
+        [(t, x, _), ..] => Some(offset_only(*t, *x)),
     }
 }
 
@@ -463,6 +487,7 @@ pub fn align(ranks: &[RankTrace]) -> Clock {
     let mut clock = Clock {
         offset_ns: vec![0.0; n],
         drift: vec![0.0; n],
+        drift_bound: vec![None; n],
         anchors: vec![0; n],
         method: vec!["none"; n],
     };
@@ -473,9 +498,10 @@ pub fn align(ranks: &[RankTrace]) -> Clock {
     }
     // Ranks that played ping-pong with rank 0 are aligned by it; the others by bounds.
     for (r, done) in aligned.iter_mut().enumerate().skip(1) {
-        if let Some((o, d)) = sync_fit(ranks, r) {
-            clock.offset_ns[r] = o;
-            clock.drift[r] = d;
+        if let Some(fit) = sync_fit(ranks, r) {
+            clock.offset_ns[r] = fit.offset_ns;
+            clock.drift[r] = fit.drift;
+            clock.drift_bound[r] = Some(fit.drift_bound);
             clock.method[r] = "ping-pong";
             *done = true;
         }
@@ -948,6 +974,7 @@ impl Scan {
             "clock": {
                 "offsets_us": self.clock.offset_ns.iter().map(|o| round(o / 1e3, 1000.0)).collect::<Vec<_>>(),
                 "drift_ppm": self.clock.drift.iter().map(|d| round(d * 1e6, 1000.0)).collect::<Vec<_>>(),
+                "drift_bound_ppm": self.clock.drift_bound.iter().map(|b| b.map(|b| round(b * 1e6, 1000.0))).collect::<Vec<_>>(),
                 "anchors": self.clock.anchors,
                 "method": self.clock.method,
             },
@@ -993,9 +1020,12 @@ impl Scan {
         }
         s.push_str("clock (against rank 0):\n");
         for (r, label) in self.labels.iter().enumerate().skip(1) {
-            let how = match self.clock.method[r] {
-                "bounds" => format!("{} bounds", self.clock.anchors[r]),
-                m => m.to_string(),
+            let how = match (self.clock.method[r], self.clock.drift_bound[r]) {
+                ("bounds", _) => format!("{} bounds", self.clock.anchors[r]),
+                ("ping-pong", Some(b)) if b > 0.0 => {
+                    format!("ping-pong, drift ±{:.2} ppm", b * 1e6)
+                }
+                (m, _) => m.to_string(),
             };
             s.push_str(&format!(
                 "  {label}: offset {:+.1} us, drift {:+.2} ppm ({how})\n",
@@ -1175,7 +1205,11 @@ mod tests {
                 ranks[1].events.push(ev(skew(at), skew(at), 0));
             }
         }
-        let (o, d) = sync_fit(&ranks, 1).unwrap();
+        let fit = sync_fit(&ranks, 1).unwrap();
+        let (o, d) = (fit.offset_ns, fit.drift);
+        // The bound holds the fit's real error (200 ppm injected).
+        assert!((d - 200e-6).abs() <= fit.drift_bound, "{fit:?}");
+        assert!(fit.drift_bound > 0.0 && fit.drift_bound < 1e-5, "{fit:?}");
         for t in [1e6, 2e9] {
             let err = (o + (1.0 + d) * t) - (50e6 + (1.0 + 200e-6) * t);
             assert!(err.abs() < 1_000.0, "at {t}: {err} ns");
