@@ -4,10 +4,11 @@
 //! The plan is the training plan of the model (one micro-batch of one sample); the runtime
 //! runs its micro-batch program's forward instructions only, up to the one that writes the
 //! logits (the cross-entropy's first operand), and never the loss, the backward or the
-//! optimizer. Tensor- and pipeline-parallel plans run one thread per rank (the local
-//! communicator; a pipeline stage runs its chunks' forward programs in chunk order, as a
-//! forward pipeline), and the logits and probed tensors are gathered to their global shape
-//! from the buffers' layouts and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
+//! optimizer. Tensor-, pipeline- and context-parallel plans run one thread per rank (the
+//! local communicator; a pipeline stage runs its chunks' forward programs in chunk order, as
+//! a forward pipeline; a cp rank is fed its load-balanced chunks of the sequence), and the
+//! logits and probed tensors are gathered to their global shape from the buffers' layouts
+//! (the cp chunks put back in order) and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
 //! padded with token 0, which changes no logit at its real positions because attention is
 //! causal (and MoE routing is per token and dropless). [`Inference::generate`] reruns the
 //! forward over the whole prefix for each new token; [`crate::kv`] decodes with a KV cache.
