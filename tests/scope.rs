@@ -184,16 +184,17 @@ fn probes_dp2_match_transformers_and_one_device() {
     assert!(err.contains("dp = 2"), "{err}");
 }
 
-/// cp2 and cp2 × tp2 (mixtral with sequence parallelism; the sequence split over cp into
-/// the load-balanced chunks 0 and 3, 1 and 2 of four; the probes put back in order by their
-/// buffers' layouts): transformers' values, and the one-device probes within 1e-6
+/// cp2, cp2 × tp2 (mixtral with sequence parallelism) and cp2 × pp2 (llama); the sequence
+/// is split over cp into the load-balanced chunks 0 and 3, 1 and 2 of four, and the probes
+/// are put back in order by their buffers' layouts: transformers' values, and the one-device
+/// probes within 1e-6
 /// (absolute, scaled by the tensor's largest magnitude above 1): the ranks' attention sums
 /// its keys in another order, so the layouts differ from one device by float32 rounding.
 #[test]
 fn probes_cp2_match_transformers_and_one_device() {
     for name in ["llama", "gpt", "mixtral"] {
-        let layouts: [&[&str]; 2] = if name == "mixtral" {
-            [
+        let mut layouts: Vec<&[&str]> = if name == "mixtral" {
+            vec![
                 &["parallel.cp=2"],
                 &[
                     "parallel.cp=2",
@@ -202,8 +203,11 @@ fn probes_cp2_match_transformers_and_one_device() {
                 ],
             ]
         } else {
-            [&["parallel.cp=2"], &["parallel.cp=2", "parallel.tp=2"]]
+            vec![&["parallel.cp=2"], &["parallel.cp=2", "parallel.tp=2"]]
         };
+        if name == "llama" {
+            layouts.push(&["parallel.cp=2", "parallel.pp=2"]);
+        }
         let init = fixture(name).join("init.safetensors");
         let all = ["*".to_string()];
         let one = with_ranks_scope(&forward_plan(name, &[]), &init, |inf| {
