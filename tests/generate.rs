@@ -60,6 +60,11 @@ fn join(t: &[u64]) -> String {
 
 /// Every greedy case of the fixture gives transformers' ids exactly, with `sets` (a layout).
 fn greedy_matches(name: &str, sets: &[&str]) {
+    greedy_matches_with(name, sets, &[]);
+}
+
+/// [`greedy_matches`] with the command-line options `flags` too.
+fn greedy_matches_with(name: &str, sets: &[&str], flags: &[&str]) {
     let text = std::fs::read_to_string(fixture(name).join("generate.json")).unwrap();
     let golden: serde_json::Value = serde_json::from_str(&text).unwrap();
     let cases = golden["cases"].as_array().unwrap();
@@ -73,6 +78,7 @@ fn greedy_matches(name: &str, sets: &[&str]) {
         for s in sets {
             args.extend(["--set", s]);
         }
+        args.extend_from_slice(flags);
         let got = generate(name, &args);
         assert_eq!(ids(&got["prompt_tokens"]), prompt);
         assert_eq!(
@@ -124,6 +130,59 @@ fn greedy_tp2_matches_transformers() {
         "mixtral",
         &["parallel.tp=2", "parallel.sequence_parallel=true"],
     );
+}
+
+/// Context parallelism (the sequence split over two ranks in load-balanced chunks; the
+/// logits put back in order by their layout), recomputing the prefix for every new token
+/// (`--no-kv-cache`: the KV cache refuses cp): transformers' ids, which are the one-device
+/// run's (`greedy_*_matches_transformers`); also with tp2 (mixtral: and sequence
+/// parallelism).
+#[test]
+fn greedy_cp2_matches_transformers() {
+    let flags = ["--no-kv-cache"];
+    greedy_matches_with("llama", &["parallel.cp=2"], &flags);
+    greedy_matches_with("gpt", &["parallel.cp=2"], &flags);
+    greedy_matches_with("mixtral", &["parallel.cp=2"], &flags);
+    greedy_matches_with("llama", &["parallel.cp=2", "parallel.tp=2"], &flags);
+    greedy_matches_with(
+        "mixtral",
+        &[
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+        &flags,
+    );
+}
+
+/// `megac compile --inference --kv-cache` under cp is one error that names the layout.
+#[test]
+fn kv_cache_plan_refuses_cp() {
+    let dir = fixture("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("plan");
+    let (m, o) = (dir.join("model.toml"), out.to_str().unwrap().to_string());
+    let args = [
+        "compile",
+        m.to_str().unwrap(),
+        "--inference",
+        "--kv-cache",
+        "--set",
+        "parallel.cp=2",
+        "-o",
+        &o,
+    ];
+    let run = megac(&args);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "KV-cache decoding does not support context parallelism yet; this layout has cp = 2"
+        ),
+        "{err}"
+    );
+    assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1);
+    assert!(!out.exists());
 }
 
 /// The checked one-sample plan of fixture `name`.
@@ -241,7 +300,8 @@ fn bad_generate_input_is_one_error() {
         ),
         (
             vec!["--tokens", "1", "--set", "parallel.cp=2"],
-            "this layout has cp = 2 (set them to 1)",
+            "KV-cache decoding does not support context parallelism yet; this layout has \
+             cp = 2: pass --no-kv-cache",
         ),
     ] {
         let mut args = vec!["generate", m, "--init", i];

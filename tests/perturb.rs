@@ -469,8 +469,9 @@ fn train_perturbations_multi_rank() {
     assert!(err.contains("compiled into the plan"), "{err}");
 }
 
-/// `megac scope`'s perturbations in tp2 (with and without sequence parallelism), pp2 and
-/// pp2 × tp2: noise(0) leaves the logits bit-identical to the layout's clean run, scale(2)
+/// `megac scope`'s perturbations in tp2 (with and without sequence parallelism), pp2,
+/// pp2 × tp2, cp2 and cp2 × tp2 (cp: each rank perturbs the real rows of its load-balanced
+/// chunks, 0-3 and 4-7 of 8 tokens over 16 positions): noise(0) leaves the logits bit-identical to the layout's clean run, scale(2)
 /// doubles the probed point exactly, and zero-head gives the one-device knockout's logits
 /// (within float rounding of the layouts).
 #[test]
@@ -497,6 +498,8 @@ fn scope_perturbations_in_tp_and_pp() {
             "parallel.tp=2",
             "parallel.sequence_parallel=true",
         ],
+        &["parallel.cp=2"],
+        &["parallel.cp=2", "parallel.tp=2"],
     ] {
         let clean_plan = scope_plan_in("llama", layout, &[]).unwrap();
         let clean = logits(&clean_plan);

@@ -184,6 +184,65 @@ fn probes_dp2_match_transformers_and_one_device() {
     assert!(err.contains("dp = 2"), "{err}");
 }
 
+/// cp2, cp2 × tp2 (mixtral with sequence parallelism) and cp2 × pp2 (llama); the sequence
+/// is split over cp into the load-balanced chunks 0 and 3, 1 and 2 of four, and the probes
+/// are put back in order by their buffers' layouts: transformers' values, and the one-device
+/// probes within 1e-6
+/// (absolute, scaled by the tensor's largest magnitude above 1): the ranks' attention sums
+/// its keys in another order, so the layouts differ from one device by float32 rounding.
+#[test]
+fn probes_cp2_match_transformers_and_one_device() {
+    for name in ["llama", "gpt", "mixtral"] {
+        let mut layouts: Vec<&[&str]> = if name == "mixtral" {
+            vec![
+                &["parallel.cp=2"],
+                &[
+                    "parallel.cp=2",
+                    "parallel.tp=2",
+                    "parallel.sequence_parallel=true",
+                ],
+            ]
+        } else {
+            vec![&["parallel.cp=2"], &["parallel.cp=2", "parallel.tp=2"]]
+        };
+        if name == "llama" {
+            layouts.push(&["parallel.cp=2", "parallel.pp=2"]);
+        }
+        let init = fixture(name).join("init.safetensors");
+        let all = ["*".to_string()];
+        let one = with_ranks_scope(&forward_plan(name, &[]), &init, |inf| {
+            inf.probe(&TOKENS, &all)
+        })
+        .unwrap();
+        for sets in layouts {
+            probes_match(name, sets);
+            let cp = with_ranks_scope(&forward_plan(name, sets), &init, |inf| {
+                inf.probe(&TOKENS, &all)
+            })
+            .unwrap();
+            assert_eq!(cp.len(), one.len());
+            for (a, b) in cp.iter().zip(&one) {
+                assert_eq!((&a.name, &a.shape), (&b.name, &b.shape), "{name} {sets:?}");
+                let scale = b.values.iter().fold(1f32, |m, x| m.max(x.abs()));
+                let diff = a
+                    .values
+                    .iter()
+                    .zip(&b.values)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                eprintln!("{name} {sets:?} {}: vs one device {diff:e}", a.name);
+                assert!(diff <= 1e-6 * scale, "{name} {sets:?} {}: {diff}", a.name);
+            }
+        }
+        // generate's forward runs cp too: the same logits.
+        let plan = forward_plan(name, &["parallel.cp=2"]);
+        let cp = with_ranks(&plan, &init, |inf| inf.logits(&TOKENS)).unwrap();
+        let want = &one.iter().find(|p| p.name == "logits").unwrap().values;
+        assert_eq!(cp.len(), want.len());
+        assert!(cp.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6));
+    }
+}
+
 #[test]
 fn glob_patterns() {
     assert!(glob("layers.*.attn.probs", "layers.1.attn.probs"));
@@ -268,6 +327,11 @@ fn scope_command_writes_the_selected_points() {
 
 /// `megac scope ... --perturb P... --report R.json` on llama; the parsed report.
 fn perturb_report(perturb: &[&str], seed: &str) -> serde_json::Value {
+    perturb_report_in(&[], perturb, seed)
+}
+
+/// [`perturb_report`] with the `--set`s `sets` (a layout).
+fn perturb_report_in(sets: &[&str], perturb: &[&str], seed: &str) -> serde_json::Value {
     let tmp = tempfile::tempdir().unwrap();
     let (out, report) = (tmp.path().join("p.safetensors"), tmp.path().join("r.json"));
     let dir = fixture("llama");
@@ -291,6 +355,9 @@ fn perturb_report(perturb: &[&str], seed: &str) -> serde_json::Value {
     for p in perturb {
         args.extend(["--perturb", p]);
     }
+    for s in sets {
+        args.extend(["--set", s]);
+    }
     let run = megac(&args);
     assert!(
         run.status.success(),
@@ -301,6 +368,29 @@ fn perturb_report(perturb: &[&str], seed: &str) -> serde_json::Value {
 }
 
 const DOWN: &str = "weights.model.layers.0.mlp.down_proj.weight";
+
+/// `megac scope --report` under cp2: noise(0) gives kl exactly 0 and agreement 1, and a
+/// knockout (`layers.0.attn.out:scale(0)`, the same on every layout) the one-device report's
+/// losses and kl within float rounding.
+#[test]
+fn perturbation_report_under_cp() {
+    let cp = ["parallel.cp=2"];
+    let r = perturb_report_in(&cp, &["layers.0.out:noise(0)"], "1");
+    assert_eq!(r["kl"].as_f64(), Some(0.0));
+    assert_eq!(r["top1_agreement"].as_f64(), Some(1.0));
+    assert_eq!(r["clean_loss"], r["perturbed_loss"]);
+    let knock = ["layers.0.attn.out:scale(0)"];
+    let (one, two) = (
+        perturb_report(&knock, "1"),
+        perturb_report_in(&cp, &knock, "1"),
+    );
+    for key in ["clean_loss", "perturbed_loss", "kl", "top1_agreement"] {
+        let (a, b) = (one[key].as_f64().unwrap(), two[key].as_f64().unwrap());
+        eprintln!("cp2 report {key}: {b} vs one device {a}");
+        assert!((a - b).abs() <= 1e-5, "{key}: {b} vs {a}");
+    }
+    assert!(one["kl"].as_f64().unwrap() > 0.0);
+}
 
 #[test]
 fn perturbation_identities() {

@@ -458,11 +458,11 @@ fn insert_probes(g: &mut Graph, ins: &Instrument) -> Result<(), PassError> {
                         vec![v],
                         path.clone(),
                     )?;
-                    g.values[r.0 as usize]
-                        .ty
-                        .layout
-                        .partial
-                        .retain(|&a| a != Axis::Tp);
+                    // The operand's layout less the pending sum over tp (its splits,
+                    // e.g. the sequence over cp, stay: the all-reduce is over tp only).
+                    let mut layout = g.ty(v).layout.clone();
+                    layout.partial.retain(|&a| a != Axis::Tp);
+                    g.values[r.0 as usize].ty.layout = layout;
                     reduced.insert(v, r);
                     r
                 }

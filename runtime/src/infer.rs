@@ -4,10 +4,11 @@
 //! The plan is the training plan of the model (one micro-batch of one sample); the runtime
 //! runs its micro-batch program's forward instructions only, up to the one that writes the
 //! logits (the cross-entropy's first operand), and never the loss, the backward or the
-//! optimizer. Tensor- and pipeline-parallel plans run one thread per rank (the local
-//! communicator; a pipeline stage runs its chunks' forward programs in chunk order, as a
-//! forward pipeline), and the logits and probed tensors are gathered to their global shape
-//! from the buffers' layouts and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
+//! optimizer. Tensor-, pipeline- and context-parallel plans run one thread per rank (the
+//! local communicator; a pipeline stage runs its chunks' forward programs in chunk order, as
+//! a forward pipeline; a cp rank is fed its load-balanced chunks of the sequence), and the
+//! logits and probed tensors are gathered to their global shape from the buffers' layouts
+//! (the cp chunks put back in order) and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
 //! padded with token 0, which changes no logit at its real positions because attention is
 //! causal (and MoE routing is per token and dropless). [`Inference::generate`] reruns the
 //! forward over the whole prefix for each new token; [`crate::kv`] decodes with a KV cache.
@@ -137,8 +138,8 @@ pub struct Generated {
 }
 
 impl<'p> Inference<'p> {
-    /// Check that forward-only runs support `plan`'s layout: one device, tensor and pipeline
-    /// parallelism (no data, context or expert parallelism, no FBD).
+    /// Check that forward-only runs support `plan`'s layout: one device, tensor, pipeline
+    /// and context parallelism (no data or expert parallelism, no FBD).
     pub fn supports(plan: &CheckedPlan) -> Result<(), RuntimeError> {
         Self::supports_layout(plan, false)
     }
@@ -149,9 +150,9 @@ impl<'p> Inference<'p> {
     pub fn supports_layout(plan: &CheckedPlan, dp: bool) -> Result<(), RuntimeError> {
         let m = &plan.mesh;
         let refused: &[Axis] = if dp {
-            &[Axis::Cp, Axis::Ep]
+            &[Axis::Ep]
         } else {
-            &[Axis::Dp, Axis::Cp, Axis::Ep]
+            &[Axis::Dp, Axis::Ep]
         };
         let others: Vec<String> = refused
             .iter()
@@ -161,16 +162,32 @@ impl<'p> Inference<'p> {
             .collect();
         let dp_size = if dp { m.size(Axis::Dp) } else { 1 };
         if !others.is_empty()
-            || m.world_size() as u64 != m.size(Axis::Tp) * m.size(Axis::Pp) * dp_size
+            || m.world_size() as u64
+                != m.size(Axis::Tp) * m.size(Axis::Pp) * m.size(Axis::Cp) * dp_size
         {
             return Err(RuntimeError::Unsupported(format!(
-                "forward-only runs support tensor and pipeline parallel layouts (and \
+                "forward-only runs support tensor, pipeline and context parallel layouts (and \
                  megac scope data parallelism) only so far; this layout has {} (set them to 1)",
                 if others.is_empty() {
                     "forward/backward decoupling (parallel.fbd)".to_string()
                 } else {
                     others.join(", ")
                 }
+            )));
+        }
+        Ok(())
+    }
+
+    /// As [`Inference::supports`], for KV-cache decoding ([`crate::kv`]), which does not
+    /// shard the cache over context parallelism yet.
+    pub fn supports_kv(plan: &CheckedPlan) -> Result<(), RuntimeError> {
+        Self::supports(plan)?;
+        let cp = plan.mesh.size(Axis::Cp);
+        if cp > 1 {
+            return Err(RuntimeError::Unsupported(format!(
+                "KV-cache decoding does not support context parallelism yet; this layout has \
+                 cp = {cp}: pass --no-kv-cache (the whole prefix is recomputed over cp for \
+                 every new token) or set parallel.cp=1"
             )));
         }
         Ok(())
@@ -357,6 +374,8 @@ impl<'p> Inference<'p> {
             *x = t as i32;
         }
         let labels = vec![0i32; mb * s];
+        // Under context parallelism, this rank's load-balanced chunks of the sequence.
+        let (ids, labels) = self.session.local_inputs(&ids, &labels);
         self.session.write_inputs(&ids, &labels);
         let ctx = self.session.context(1);
         // The replacements of `patch` perturbations, at the real tokens' rows.
@@ -425,13 +444,10 @@ impl<'p> Inference<'p> {
                     || plan.mesh.coord(rank, *a) == 0
             });
         let local_shape: Vec<usize> = local_shape.iter().map(|&d| d as usize).collect();
-        let offsets: Vec<usize> = (0..shape.len())
-            .map(|d| {
-                let idx = axes_of(d).iter().fold(0u64, |acc, &a| {
-                    acc * plan.mesh.size(a) + plan.mesh.coord(rank, a) as u64
-                });
-                idx as usize * local_shape[d]
-            })
+        // Per dim, the global index of each local index (the sequence under cp: the
+        // load-balanced chunks, put back in order).
+        let positions: Vec<Vec<usize>> = (0..shape.len())
+            .map(|d| crate::sharded::dim_positions(&plan.mesh, rank, &axes_of(d), local_shape[d]))
             .collect();
         let total: usize = shape.iter().product::<u64>() as usize;
         let mut global = vec![0f32; total];
@@ -446,7 +462,7 @@ impl<'p> Inference<'p> {
                 }
                 let (mut g, mut stride) = (0usize, 1usize);
                 for d in (0..shape.len()).rev() {
-                    g += (at[d] + offsets[d]) * stride;
+                    g += positions[d][at[d]] * stride;
                     stride *= shape[d] as usize;
                 }
                 global[g] = x;

@@ -240,7 +240,7 @@ pub fn with_ranks_kv<T: Send>(
     init: &std::path::Path,
     f: impl Fn(&mut KvDecoder) -> Result<T, RuntimeError> + Sync,
 ) -> Result<T, RuntimeError> {
-    Inference::supports(plan)?;
+    Inference::supports_kv(plan)?;
     let world = plan.mesh.world_size();
     if world == 1 {
         let comm = Box::new(crate::comm::SingleRank);

@@ -285,3 +285,66 @@ pub(crate) fn expert_all_to_all(
     }
     Ok(())
 }
+
+/// The global index of each of the `local` entries this rank holds of a dim split over
+/// `axes` (outermost first): contiguous parts in mesh order, except that a dim whose
+/// outermost axis is cp (the sequence under context parallelism) is split over cp into the
+/// load-balanced chunks (`megac_kernels::context::cp_local_positions`: chunk r and chunk
+/// 2·cp-1-r), and the axes after cp split each cp rank's part contiguously. Ascending.
+pub(crate) fn dim_positions(
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+    axes: &[megac_ir::Axis],
+    local: usize,
+) -> Vec<usize> {
+    let part = axes.iter().fold(0usize, |p, &ax| {
+        p * mesh.size(ax) as usize + mesh.coord(rank, ax)
+    });
+    let first = part * local;
+    let contiguous: Vec<usize> = (first..first + local).collect();
+    if axes.first() != Some(&megac_ir::Axis::Cp) {
+        return contiguous;
+    }
+    let parts: usize = axes.iter().map(|&a| mesh.size(a) as usize).product();
+    let cp = mesh.size(megac_ir::Axis::Cp) as usize;
+    let s = local * parts;
+    if !s.is_multiple_of(2 * cp) {
+        return contiguous;
+    }
+    // Entry j of the cp ranks' parts laid end to end (cp rank m's 2c positions at
+    // m·2c..) is at global position all[j].
+    let all: Vec<u32> = (0..cp)
+        .flat_map(|m| k::context::cp_local_positions(s, cp, m))
+        .collect();
+    contiguous.iter().map(|&j| all[j] as usize).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dim_positions;
+    use megac_ir::{Axis, Mesh};
+
+    #[test]
+    fn dim_positions_undo_the_load_balanced_chunks() {
+        // tp2 × cp2 (tp innermost): rank r has tp coordinate r % 2, cp coordinate r / 2.
+        let mesh = Mesh {
+            axes: vec![
+                (Axis::Tp, 2),
+                (Axis::Cp, 2),
+                (Axis::Ep, 1),
+                (Axis::Dp, 1),
+                (Axis::Pp, 1),
+            ],
+        };
+        // 8 positions over cp2: chunks of 2, rank 0 holds chunks 0 and 3, rank 1 chunks 1, 2.
+        assert_eq!(dim_positions(&mesh, 0, &[Axis::Cp], 4), [0, 1, 6, 7]);
+        assert_eq!(dim_positions(&mesh, 2, &[Axis::Cp], 4), [2, 3, 4, 5]);
+        // Sequence parallelism under cp: tp splits each cp rank's part contiguously.
+        let cp_tp = [Axis::Cp, Axis::Tp];
+        let all: Vec<Vec<usize>> = (0..4).map(|r| dim_positions(&mesh, r, &cp_tp, 2)).collect();
+        assert_eq!(all, [vec![0, 1], vec![6, 7], vec![2, 3], vec![4, 5]]);
+        // No cp: contiguous parts in mesh order; unsplit: everything.
+        assert_eq!(dim_positions(&mesh, 1, &[Axis::Tp], 3), [3, 4, 5]);
+        assert_eq!(dim_positions(&mesh, 3, &[], 3), [0, 1, 2]);
+    }
+}

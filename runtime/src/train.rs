@@ -546,6 +546,20 @@ impl<'p> Session<'p> {
         }
     }
 
+    /// This rank's part of a whole `[mb, S]` micro-batch of tokens and labels (under
+    /// context parallelism its load-balanced chunks of every sample; else all of it).
+    pub(crate) fn local_inputs(&self, tokens: &[i32], labels: &[i32]) -> (Vec<i32>, Vec<i32>) {
+        let (rank, plan) = (self.comm.rank(), self.plan);
+        let local = |full: &[i32], b: Option<megac_ir::plan::BufId>| match b {
+            Some(b) => local_tokens(full, &plan.buffers[b as usize], &plan.mesh, rank),
+            None => Vec::new(),
+        };
+        (
+            local(tokens, self.tokens_buf),
+            local(labels, self.labels_buf),
+        )
+    }
+
     /// This rank's part of micro-batch `mb` of 1-based `step`: (tokens, labels).
     pub(crate) fn load(&mut self, step: u64, mb: u64) -> (Vec<i32>, Vec<i32>) {
         let t0 = Instant::now();

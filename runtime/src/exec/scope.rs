@@ -31,7 +31,8 @@ pub(super) fn run(
         return Ok(());
     }
     // The rows of the first `tokens` positions of the first sample (`[b, s, rest..]`): of
-    // this rank's sequence shard where the sequence is split (sequence parallelism).
+    // this rank's sequence shard where the sequence is split (sequence parallelism; under
+    // context parallelism its load-balanced chunks).
     let shape = shape(mem, outs[0]);
     let n = if *tokens == 0 {
         y.len()
@@ -44,10 +45,12 @@ pub(super) fn run(
             .get(1)
             .cloned()
             .unwrap_or_default();
-        let part = axes.iter().fold(0usize, |p, &ax| {
-            p * env.mesh.size(ax) as usize + env.mesh.coord(comm.rank(), ax)
-        });
-        let positions = (*tokens as usize).saturating_sub(part * local).min(local);
+        // The rows' global positions ascend (under cp: the load-balanced chunks), so the
+        // real ones are a prefix.
+        let positions = crate::sharded::dim_positions(env.mesh, comm.rank(), &axes, local)
+            .iter()
+            .filter(|&&p| p < *tokens as usize)
+            .count();
         (positions * row).min(y.len())
     };
     let x = &mut y[..n];
