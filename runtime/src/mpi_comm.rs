@@ -97,6 +97,28 @@ pub fn world_rank() -> Option<usize> {
     WORLD_RANK.get().copied()
 }
 
+/// Initialise MPI (serialized threading), run `body` on the universe, then finalise MPI
+/// when it succeeded. On an error MPI is not finalised: the other ranks may wait in a
+/// collective, and mpirun ends them. `flag` names the option that asked for MPI, for the
+/// error when this process has initialised MPI already.
+pub fn in_universe<T>(
+    flag: &str,
+    body: impl FnOnce(&mpi::environment::Universe) -> Result<T, RuntimeError>,
+) -> Result<T, RuntimeError> {
+    let (universe, _) = mpi::initialize_with_threading(Threading::Serialized).ok_or_else(|| {
+        RuntimeError::Unsupported(format!(
+            "{flag}: MPI is already initialised in this process (one MPI run per process)"
+        ))
+    })?;
+    let result = body(&universe);
+    if result.is_ok() {
+        drop(universe); // MPI_Finalize
+    } else {
+        std::mem::forget(universe);
+    }
+    result
+}
+
 static ERROR_ON_EVERY_RANK: AtomicBool = AtomicBool::new(false);
 
 /// Record that the error this process is about to return is one every rank of the job

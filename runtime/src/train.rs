@@ -878,95 +878,81 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
              run `megac launch -n {world} PLAN_DIR` or `mpirun -np {world} megac run PLAN_DIR --comm mpi`"
         )));
     }
-    let (universe, _) =
-        mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| {
-            RuntimeError::Unsupported(
-                "--comm mpi: MPI is already initialised in this process (one MPI run per process)"
-                    .to_string(),
-            )
-        })?;
-    let result = crate::mpi_comm::MpiComm::new(universe.world()).and_then(|mut comm| {
-        comm.set_deterministic(opts.deterministic);
-        let started = crate::comm::Communicator::size(&comm);
-        if started != world {
-            crate::mpi_comm::set_error_on_every_rank();
-            return Err(RuntimeError::Unsupported(format!(
-                "the plan has {world} rank{} but mpirun started {started} process{}; \
-                 launch it with `megac launch -n {world}` (or `mpirun -np {world}`)",
-                if world == 1 { "" } else { "s" },
-                if started == 1 { "" } else { "es" },
-            )));
-        }
-        let ckpt = open_checkpoint(plan, opts).inspect_err(|_| {
-            crate::mpi_comm::set_error_on_every_rank();
-        })?;
-        let data = open_data(plan, opts).inspect_err(|_| {
-            crate::mpi_comm::set_error_on_every_rank();
-        })?;
-        let eval = open_eval_data(plan, opts).inspect_err(|_| {
-            crate::mpi_comm::set_error_on_every_rank();
-        })?;
-        train_rank(
-            plan,
-            opts,
-            ckpt.as_ref(),
-            &data,
-            eval.as_ref(),
-            Box::new(comm),
-        )
-        .inspect_err(|e| {
-            // The loss and the norm are reduced over the world: every rank stops at the same
-            // step with the same values, and rank 0's message is enough.
-            if matches!(e, RuntimeError::NonFinite(_)) {
+    crate::mpi_comm::in_universe("--comm mpi", |universe| {
+        let result = crate::mpi_comm::MpiComm::new(universe.world()).and_then(|mut comm| {
+            comm.set_deterministic(opts.deterministic);
+            let started = crate::comm::Communicator::size(&comm);
+            if started != world {
                 crate::mpi_comm::set_error_on_every_rank();
+                return Err(RuntimeError::Unsupported(format!(
+                    "the plan has {world} rank{} but mpirun started {started} process{}; \
+                 launch it with `megac launch -n {world}` (or `mpirun -np {world}`)",
+                    if world == 1 { "" } else { "s" },
+                    if started == 1 { "" } else { "es" },
+                )));
             }
-        })
-    });
-    // One report: rank 0 gathers every rank's peak RSS and step times (losses and norms are
-    // the same on every rank: they are reduced over the world).
-    let result = result.and_then(|mut report| {
-        use crate::comm::Communicator as _;
-        report.start_rss_bytes = start_rss;
-        let mut comm = crate::mpi_comm::MpiComm::new(universe.world())?;
-        let (rank, n) = (comm.rank(), comm.size());
-        let steps = report.steps.len();
-        // Row r of the table is rank r's: peak RSS, tokens/s, then the step times; every
-        // other rank adds zeros, so the sum is exact.
-        let width = 2 + steps;
-        let mut table = vec![0f64; n * width];
-        let row = &mut table[rank * width..(rank + 1) * width];
-        row[0] = report.peak_rss_bytes as f64;
-        row[1] = report.tokens_per_s;
-        for (x, s) in row[2..].iter_mut().zip(&report.steps) {
-            *x = s.seconds;
-        }
-        let world_ranks: Vec<usize> = (0..n).collect();
-        comm.all_reduce_sum_f64(&world_ranks, &mut table)?;
-        let rows: Vec<&[f64]> = table.chunks_exact(width).collect();
-        report.peak_rss_bytes_per_rank = rows.iter().map(|r| r[0] as u64).collect();
-        report.peak_rss_bytes = report
-            .peak_rss_bytes_per_rank
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(0);
-        // The job runs at the pace of its slowest rank.
-        report.tokens_per_s = rows.iter().map(|r| r[1]).fold(f64::INFINITY, f64::min);
-        for (i, s) in report.steps.iter_mut().enumerate() {
-            s.seconds = rows.iter().map(|r| r[2 + i]).fold(0.0, f64::max);
-        }
-        Ok(report)
-    });
-    match result {
-        Ok(report) => {
-            drop(universe); // MPI_Finalize
+            let ckpt = open_checkpoint(plan, opts).inspect_err(|_| {
+                crate::mpi_comm::set_error_on_every_rank();
+            })?;
+            let data = open_data(plan, opts).inspect_err(|_| {
+                crate::mpi_comm::set_error_on_every_rank();
+            })?;
+            let eval = open_eval_data(plan, opts).inspect_err(|_| {
+                crate::mpi_comm::set_error_on_every_rank();
+            })?;
+            train_rank(
+                plan,
+                opts,
+                ckpt.as_ref(),
+                &data,
+                eval.as_ref(),
+                Box::new(comm),
+            )
+            .inspect_err(|e| {
+                // The loss and the norm are reduced over the world: every rank stops at the same
+                // step with the same values, and rank 0's message is enough.
+                if matches!(e, RuntimeError::NonFinite(_)) {
+                    crate::mpi_comm::set_error_on_every_rank();
+                }
+            })
+        });
+        // One report: rank 0 gathers every rank's peak RSS and step times (losses and norms are
+        // the same on every rank: they are reduced over the world).
+        let result = result.and_then(|mut report| {
+            use crate::comm::Communicator as _;
+            report.start_rss_bytes = start_rss;
+            let mut comm = crate::mpi_comm::MpiComm::new(universe.world())?;
+            let (rank, n) = (comm.rank(), comm.size());
+            let steps = report.steps.len();
+            // Row r of the table is rank r's: peak RSS, tokens/s, then the step times; every
+            // other rank adds zeros, so the sum is exact.
+            let width = 2 + steps;
+            let mut table = vec![0f64; n * width];
+            let row = &mut table[rank * width..(rank + 1) * width];
+            row[0] = report.peak_rss_bytes as f64;
+            row[1] = report.tokens_per_s;
+            for (x, s) in row[2..].iter_mut().zip(&report.steps) {
+                *x = s.seconds;
+            }
+            let world_ranks: Vec<usize> = (0..n).collect();
+            comm.all_reduce_sum_f64(&world_ranks, &mut table)?;
+            let rows: Vec<&[f64]> = table.chunks_exact(width).collect();
+            report.peak_rss_bytes_per_rank = rows.iter().map(|r| r[0] as u64).collect();
+            report.peak_rss_bytes = report
+                .peak_rss_bytes_per_rank
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0);
+            // The job runs at the pace of its slowest rank.
+            report.tokens_per_s = rows.iter().map(|r| r[1]).fold(f64::INFINITY, f64::min);
+            for (i, s) in report.steps.iter_mut().enumerate() {
+                s.seconds = rows.iter().map(|r| r[2 + i]).fold(0.0, f64::max);
+            }
             Ok(report)
-        }
-        Err(e) => {
-            std::mem::forget(universe);
-            Err(e)
-        }
-    }
+        });
+        result
+    })
 }
 
 fn train_rank(

@@ -249,13 +249,7 @@ pub fn train_nccl(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Ru
              mpirun; run `megac launch -n {world} PLAN_DIR --device cuda --comm nccl`"
         )));
     }
-    let (universe, _) =
-        mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| {
-            RuntimeError::Unsupported(
-                "--comm nccl: MPI is already initialised in this process".to_string(),
-            )
-        })?;
-    let result = (|| {
+    crate::mpi_comm::in_universe("--comm nccl", |universe| {
         let mut comm = crate::mpi_comm::MpiComm::new(universe.world())?;
         if comm.size() != world {
             crate::mpi_comm::set_error_on_every_rank();
@@ -278,20 +272,10 @@ pub fn train_nccl(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Ru
             Some(&id),
         )
         .map_err(cuda_err)?;
-        run(plan, opts, s, rank == 0)
-    })();
-    match result {
-        Ok(mut report) => {
-            report.start_rss_bytes = start_rss;
-            drop(universe); // MPI_Finalize
-            Ok(report)
-        }
-        Err(e) => {
-            // The other ranks may wait in a collective: mpirun ends them.
-            std::mem::forget(universe);
-            Err(e)
-        }
-    }
+        let mut report = run(plan, opts, s, rank == 0)?;
+        report.start_rss_bytes = start_rss;
+        Ok(report)
+    })
 }
 
 /// The training loop around a session; `lead` (rank 0) prints and logs.
