@@ -10,6 +10,7 @@ use std::process::Command;
 
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::{BufId, Instr, Plan};
+use megac_ir::DType;
 use megac_runtime::comm::SingleRank;
 use megac_runtime::exec::{run_program, StepContext};
 use megac_runtime::memory::Memory;
@@ -53,12 +54,31 @@ fn buffers(instrs: &[Instr]) -> (Vec<BufId>, Vec<BufId>) {
     (all, written)
 }
 
-/// Distance in units in the last place of `bits`-bit floats (f32 or the top half, bf16).
-fn ulps(a: f32, b: f32, half: bool) -> u64 {
-    let key = |x: f32| {
+/// Distance in units in the last place of floats of `dtype` (f32, bf16 or fp16; the
+/// values are read back as f32, exactly).
+fn ulps(a: f32, b: f32, dtype: DType) -> u64 {
+    // The value's position among the format's values, in order (negative below zero).
+    let key = |x: f32| -> i64 {
         let i = x.to_bits() as i32;
-        let k = if i < 0 { i32::MIN - i } else { i };
-        i64::from(if half { k >> 16 } else { k })
+        let mag = i64::from(i & 0x7fff_ffff);
+        let k = match dtype {
+            DType::Bf16 => mag >> 16,
+            // fp16: 10 fraction bits, exponent bias 15; below 2^-14 subnormal in 2^-24 steps.
+            DType::F16 => {
+                let (e, m) = ((mag >> 23) - 127, mag & 0x7f_ffff);
+                if e >= -14 {
+                    ((e + 15) << 10) | (m >> 13)
+                } else {
+                    (f64::from(x.abs()) * 2f64.powi(24)) as i64
+                }
+            }
+            _ => mag,
+        };
+        if i < 0 {
+            -k
+        } else {
+            k
+        }
     };
     key(a).abs_diff(key(b))
 }
@@ -116,13 +136,18 @@ fn check(file: &str, sets: &[&str]) -> BTreeMap<String, Diff> {
                 assert!(megac_runtime::fusion::run_group(&checked, &b, instrs).unwrap());
                 let mut d = Diff::default();
                 for &buf in &written {
-                    let half = p.buffers[buf as usize].dtype.is_half();
-                    let eps = if half { 2f64.powi(-8) } else { 2f64.powi(-23) };
+                    let dtype = p.buffers[buf as usize].dtype;
+                    // f32's epsilon; for the 16-bit formats their unit roundoff.
+                    let eps = match dtype {
+                        DType::Bf16 => 2f64.powi(-8),
+                        DType::F16 => 2f64.powi(-11),
+                        _ => 2f64.powi(-23),
+                    };
                     let (x, y) = (a.read_f32(buf), b.read_f32(buf));
                     let scale = x.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
                     for (u, v) in x.iter().zip(&y) {
                         assert!(v.is_finite(), "{file} {}: non-finite", g.pattern(program));
-                        d.ulps = d.ulps.max(ulps(*u, *v, half));
+                        d.ulps = d.ulps.max(ulps(*u, *v, dtype));
                         let e = f64::from((u - v).abs()) / (scale.max(1e-30) * eps);
                         d.scaled = d.scaled.max(e);
                     }
@@ -148,6 +173,19 @@ fn fused_kernels_compute_what_the_rust_kernels_compute() {
             &["train.precision=\"bf16\""][..],
         ),
         ("examples/gpt-tiny.toml", &["parallel.tp=2"][..]),
+        // The golden fixtures' other patterns: MoE's shared-expert gate (`sigmoid_mul`),
+        // qwen3's q/k norms; fp16 and bf16 casts; sequence parallelism's row shards.
+        ("tests/golden/qwen2_moe/model.toml", &[][..]),
+        (
+            "tests/golden/qwen2_moe/model.toml",
+            &["train.precision=\"bf16\""][..],
+        ),
+        ("tests/golden/qwen3/model.toml", &[][..]),
+        ("examples/gpt-tiny.toml", &["train.precision=\"fp16\""][..]),
+        (
+            "examples/llama-tiny.toml",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+        ),
     ] {
         let w = check(file, sets);
         assert!(!w.is_empty(), "{file} {sets:?}: no fused groups");
