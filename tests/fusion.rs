@@ -196,10 +196,14 @@ fn fused_kernels_compute_what_the_rust_kernels_compute() {
         }
     }
     for (pattern, d) in &all {
-        // Sums in the same order (the zero elided before an accumulating add): bitwise.
-        let same_order = pattern
-            .split('+')
-            .all(|op| matches!(op, "zero" | "add" | "grad_sum" | "bias_add" | "cast"));
+        // Sums in the same order (the zero elided before an accumulating add), and RoPE
+        // (the Rust kernel's tables, the same products and sums): bitwise.
+        let same_order = pattern.split('+').all(|op| {
+            matches!(
+                op,
+                "zero" | "add" | "grad_sum" | "bias_add" | "cast" | "rope" | "rope_grad"
+            )
+        });
         if same_order {
             assert_eq!(d.ulps, 0, "{pattern}: {d:?}");
         }
@@ -369,4 +373,25 @@ fn fused_kernel_speed() {
         std::thread::available_parallelism().map(|n| n.get()).ok(),
         std::env::var("RAYON_NUM_THREADS").ok()
     );
+}
+
+/// RoPE's fused form holds the tables of positions `0..s`: under context parallelism
+/// (a rank's tokens sit at other positions) a group with `rope_grad` has none, and the
+/// runtime runs its instructions unfused (the layout tests train such plans).
+#[test]
+fn rope_has_no_fused_form_under_context_parallelism() {
+    let mut seen = 0;
+    for (sets, fused) in [(&[][..], true), (&["parallel.cp=2"][..], false)] {
+        let p = plan("examples/llama-tiny.toml", sets);
+        for (_, program) in megac_codegen::fuse::programs(&p.roles[0]) {
+            for g in megac_codegen::fuse::groups(program) {
+                if g.pattern(program).contains("rope") {
+                    seen += 1;
+                    let src = megac_runtime::fusion::group_source(&p, g.instrs(program));
+                    assert_eq!(src.is_some(), fused, "{sets:?}: {}", g.pattern(program));
+                }
+            }
+        }
+    }
+    assert!(seen >= 4, "{seen} rope groups");
 }

@@ -564,7 +564,10 @@ fn kernel(f: &mut Func, op: &OpKind, inputs: &[BufId], outputs: &[BufId], path: 
         f.call(&format!("megac.{}", op.name()), &views, &attrs);
         return;
     }
-    if lowered(op) && lower(f, op, inputs, outputs).is_some() {
+    // RoPE has a linalg form only in a fused kernel (its tables are module constants);
+    // the role modules call the runtime's kernel.
+    let fused_only = f.fast && matches!(op, OpKind::Rope { .. } | OpKind::RopeGrad { .. });
+    if (lowered(op) || fused_only) && lower(f, op, inputs, outputs).is_some() {
         return;
     }
     // A runtime kernel.
@@ -706,6 +709,43 @@ fn lower(f: &mut Func, op: &OpKind, inputs: &[BufId], outputs: &[BufId]) -> Opti
     }
 }
 
+/// RoPE's cos and sin tables for positions `0..s` (`[s, inv_freq.len()]`, f32, computed
+/// as `megac_kernels::rope::rope_tables_freq` does: `cos`/`sin` of the f32 product
+/// `pos · inv_freq[i]`), as module constants of `f` (one pair per distinct table): their
+/// symbols' `memref.get_global` values.
+fn rope_tables(f: &mut Func, s: usize, inv_freq: &[f32]) -> (String, String) {
+    let half = inv_freq.len();
+    let ty = memref_ty(&[s as u64, half as u64], "f32");
+    let mut names = Vec::new();
+    for trig in [f32::cos, f32::sin] {
+        let mut hex = String::with_capacity(2 + 8 * s * half);
+        hex.push_str("0x");
+        for p in 0..s {
+            for &fr in inv_freq {
+                for byte in trig(p as f32 * fr).to_le_bytes() {
+                    let _ = write!(hex, "{byte:02X}");
+                }
+            }
+        }
+        let body = format!("{ty} = dense<\"{hex}\">");
+        let existing = f
+            .globals
+            .iter()
+            .position(|g| g.ends_with(&format!(": {body}")));
+        let k = existing.unwrap_or_else(|| {
+            let k = f.globals.len();
+            f.globals.push(format!(
+                "memref.global \"private\" constant @rope{k} : {body}"
+            ));
+            k
+        });
+        let n = f.fresh("rope");
+        f.line(format!("{n} = memref.get_global @rope{k} : {ty}"));
+        names.push(n);
+    }
+    (names[0].clone(), names[1].clone())
+}
+
 /// Kernels with arithmetic: computed in f32 on staged outputs.
 fn lower_compute(
     f: &mut Func,
@@ -718,6 +758,12 @@ fn lower_compute(
     match op {
         OpKind::PosEmbedding if !split_axes(f, inputs[0], 1).is_empty() => return None,
         OpKind::PosEmbeddingGrad if !split_axes(f, inputs[1], 1).is_empty() => return None,
+        // Positions 0..s only: a sequence split (context parallelism) has others.
+        OpKind::Rope { .. } | OpKind::RopeGrad { .. }
+            if !split_axes(f, inputs[0], 1).is_empty() || ins[0].shape.len() != 4 =>
+        {
+            return None
+        }
         _ => {}
     }
     let st = stage(f, outs);
@@ -765,6 +811,56 @@ fn lower_compute(
                 &[(&ins[0], id.clone())],
                 &[(y, id.clone())],
                 |_, i, _| vec![i[0].clone()],
+            );
+        }
+        OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
+            // `megac_kernels::rope`'s rotation, element by element: with `x'` the element
+            // half a head away, y = x·cos + (−x')·sin in the first half and x·cos + x'·sin
+            // in the second (forward); the backward adds x·cos + x'·sin and x·cos + (−x')·sin
+            // (`a − b` is `a + (−b)` exactly). The cos and sin tables are the kernel's own
+            // f32 values (positions 0..s), module constants.
+            let inverse = matches!(op, OpKind::RopeGrad { .. });
+            let x = &ins[0];
+            let (s_len, dim) = (x.shape[1] as usize, x.shape[3] as usize);
+            let half = dim / 2;
+            let inv_freq = megac_ir::spec::rope_inv_freq(dim, *theta, scaling.as_ref());
+            let (cos, sin) = rope_tables(f, s_len, &inv_freq);
+            let table = |n: String| Arg {
+                ty: memref_ty(&[s_len as u64, half as u64], "f32"),
+                name: n,
+                dtype: DType::F32,
+                shape: vec![s_len as u64, half as u64],
+            };
+            let (cos, sin) = (table(cos), table(sin));
+            let partner = vec![d(0), d(1), d(2), format!("(d3 + {half}) mod {dim}")];
+            let t = vec![d(1), format!("d3 mod {half}")];
+            generic(
+                f,
+                4,
+                &[],
+                &[(x, id.clone()), (x, partner), (&cos, t.clone()), (&sin, t)],
+                &[(y, id.clone())],
+                |b, i, o| {
+                    let j = b.op("linalg.index 3 : index".into());
+                    let h = b.op(format!("arith.constant {half} : index"));
+                    let first = b.op(format!("arith.cmpi ult, {j}, {h} : index"));
+                    let neg = b.op(format!("arith.negf {} : f32", i[1]));
+                    // Forward: −x' in the first half; backward: in the second.
+                    let (a, c) = if inverse {
+                        (i[1].clone(), neg)
+                    } else {
+                        (neg, i[1].clone())
+                    };
+                    let xq = b.op(format!("arith.select {first}, {a}, {c} : f32"));
+                    let xc = b.mul(&i[0], &i[2]);
+                    let xs = b.mul(&xq, &i[3]);
+                    let v = b.add(&xc, &xs);
+                    if acc {
+                        vec![b.add(&o[0], &v)]
+                    } else {
+                        vec![v]
+                    }
+                },
             );
         }
         OpKind::SwiGlu => {
