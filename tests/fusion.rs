@@ -395,3 +395,57 @@ fn rope_has_no_fused_form_under_context_parallelism() {
     }
     assert!(seen >= 4, "{seen} rope groups");
 }
+
+/// The forward `rope` (q and k rotate independently, so it forms no group in these
+/// models): its fused form, run alone on random data, against the Rust kernel, bitwise;
+/// with default frequencies and with llama 3.1's scaled ones.
+#[test]
+fn fused_forward_rope_is_bitwise_the_rust_kernel() {
+    megac_runtime::fusion::set_enabled(false);
+    let mut rng = megac_runtime::rng::SplitMix64(11);
+    let mut checked_ropes = 0;
+    for file in [
+        "examples/llama-tiny.toml",
+        "tests/golden/llama31/model.toml",
+    ] {
+        let checked = CheckedPlan::check(plan(file, &[])).unwrap();
+        let p: &Plan = &checked;
+        let (mut a, mut b) = (
+            Memory::new(&checked, 0).unwrap(),
+            Memory::new(&checked, 0).unwrap(),
+        );
+        let ropes: Vec<Instr> = p.roles[0]
+            .microbatch
+            .iter()
+            .filter(|i| matches!(i, Instr::Kernel { op, .. } if op.name() == "rope"))
+            .cloned()
+            .collect();
+        assert!(!ropes.is_empty(), "{file}: no rope");
+        // One of each shape (q and k) suffices: the layers repeat them.
+        for r in ropes.iter().take(2) {
+            let one = std::slice::from_ref(r);
+            let (all, written) = buffers(one);
+            for &buf in &all {
+                let n = p.buffers[buf as usize].len() as usize;
+                let v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+                a.write_f32(buf, &v);
+                b.write_f32(buf, &v);
+            }
+            let ctx = StepContext {
+                step: 1,
+                lr: 1e-3,
+                microbatch: 0,
+                loss_scale: 1.0,
+            };
+            run_program(one, &checked, &a, &ctx, &mut SingleRank, None).unwrap();
+            assert!(megac_runtime::fusion::run_group(&checked, &b, one).unwrap());
+            for &buf in &written {
+                let (x, y) = (a.read_f32(buf), b.read_f32(buf));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&x), bits(&y), "{file}: rope differs");
+            }
+            checked_ropes += 1;
+        }
+    }
+    assert_eq!(checked_ropes, 4);
+}
