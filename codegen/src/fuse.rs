@@ -28,7 +28,8 @@
 //! RMSNorm, a gradient kernel then the `grad_sum` of its result), or it is a `zero`
 //! (which the next member may accumulate into: the `zero`s before the two `rope_grad`s
 //! of an attention backward, which then write their results instead of adding them to
-//! zeroed buffers). Trailing `zero`s that nothing in the
+//! zeroed buffers; on the bench model that group runs in 0.87 of the Rust kernels'
+//! time, docs/mlir.md). Trailing `zero`s that nothing in the
 //! group writes afterwards are left out, and a group must hold at least two instructions
 //! and one kernel; at most [`MAX_GROUP`] instructions. What a group saves: one call
 //! instead of several, and every `zero` followed by a kernel that accumulates into it

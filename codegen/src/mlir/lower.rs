@@ -814,14 +814,14 @@ fn lower_compute(
             );
         }
         OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
-            // `megac_kernels::rope`'s rotation, element by element: with `x'` the element
-            // half a head away, y = x·cos + (−x')·sin in the first half and x·cos + x'·sin
-            // in the second (forward); the backward adds x·cos + x'·sin and x·cos + (−x')·sin
-            // (`a − b` is `a + (−b)` exactly). The cos and sin tables are the kernel's own
-            // f32 values (positions 0..s), module constants.
+            // `megac_kernels::rope`'s rotation, element by element, on `[b, s, heads, 2,
+            // d/2]` views (the two halves of each head): with `x'` the element in the other
+            // half, y = x·cos + (−x')·sin in the first half and x·cos + x'·sin in the second
+            // (forward); the backward adds x·cos + x'·sin and x·cos + (−x')·sin (`a − b` is
+            // `a + (−b)` exactly). The cos and sin tables are the kernel's own f32 values
+            // (positions 0..s), module constants. The innermost loop runs along memory.
             let inverse = matches!(op, OpKind::RopeGrad { .. });
-            let x = &ins[0];
-            let (s_len, dim) = (x.shape[1] as usize, x.shape[3] as usize);
+            let (s_len, dim) = (ins[0].shape[1] as usize, ins[0].shape[3] as usize);
             let half = dim / 2;
             let inv_freq = megac_ir::spec::rope_inv_freq(dim, *theta, scaling.as_ref());
             let (cos, sin) = rope_tables(f, s_len, &inv_freq);
@@ -832,18 +832,56 @@ fn lower_compute(
                 shape: vec![s_len as u64, half as u64],
             };
             let (cos, sin) = (table(cos), table(sin));
-            let partner = vec![d(0), d(1), d(2), format!("(d3 + {half}) mod {dim}")];
-            let t = vec![d(1), format!("d3 mod {half}")];
+            // The halves as a dimension of their own. A deferred zero of the input is
+            // done first; one of the output moves to its view.
+            f.materialize(&ins[0].name);
+            let halves = |f: &mut Func, a: &Arg| -> Arg {
+                let mut shape = a.shape[..3].to_vec();
+                shape.extend([2, half as u64]);
+                let ty = memref_ty(&shape, elem(a.dtype));
+                let name = f.fresh("rope");
+                f.line(format!(
+                    "{name} = memref.expand_shape {} [[0], [1], [2], [3, 4]] output_shape [{}] : {} into {ty}",
+                    a.name,
+                    shape.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+                    a.ty
+                ));
+                Arg {
+                    name,
+                    ty,
+                    dtype: a.dtype,
+                    shape,
+                }
+            };
+            let x = halves(f, &ins[0]);
+            let y5 = halves(f, y);
+            if let Some(v) = f.fresh.remove(&y.name) {
+                let moved = View {
+                    name: y5.name.clone(),
+                    ty: y5.ty.clone(),
+                    dtype: v.dtype,
+                    shape: y5.shape.clone(),
+                };
+                f.fresh.insert(y5.name.clone(), moved);
+            }
+            let id5 = ds(0..5);
+            let partner = vec![d(0), d(1), d(2), "1 - d3".to_string(), d(4)];
+            let t = vec![d(1), d(4)];
             generic(
                 f,
-                4,
+                5,
                 &[],
-                &[(x, id.clone()), (x, partner), (&cos, t.clone()), (&sin, t)],
-                &[(y, id.clone())],
+                &[
+                    (&x, id5.clone()),
+                    (&x, partner),
+                    (&cos, t.clone()),
+                    (&sin, t),
+                ],
+                &[(&y5, id5)],
                 |b, i, o| {
-                    let j = b.op("linalg.index 3 : index".into());
-                    let h = b.op(format!("arith.constant {half} : index"));
-                    let first = b.op(format!("arith.cmpi ult, {j}, {h} : index"));
+                    let k = b.op("linalg.index 3 : index".into());
+                    let zero = b.op("arith.constant 0 : index".into());
+                    let first = b.op(format!("arith.cmpi eq, {k}, {zero} : index"));
                     let neg = b.op(format!("arith.negf {} : f32", i[1]));
                     // Forward: −x' in the first half; backward: in the second.
                     let (a, c) = if inverse {
