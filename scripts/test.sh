@@ -128,8 +128,8 @@ cargo clippy --workspace --all-targets --features mpi,mlir -- -D warnings
 # `cfg(feature = "mpi")` or `cfg(feature = "mlir")` cases belongs in this list. The golden,
 # layout and mixed-precision tests run here too: their code is the same, but in this build
 # every run goes through the fused kernels (on by default with `mlir`, docs/mlir.md), which
-# round differently from the Rust kernels. Together about 56 s with an empty kernel cache
-# and 24 s with it filled (a loaded 2-core machine).
+# round differently from the Rust kernels. Together 40 to 55 s with an empty kernel cache
+# and 19 to 24 s with it filled (a loaded 2-core machine).
 feature_tests=(--lib --test mpi --test mlir --test fusion --test cli --test examples --test mpi_collectives
   --test golden --test layouts --test mixed_precision)
 step "--features mpi,mlir: cargo test --workspace --features mpi,mlir ${feature_tests[*]}"
