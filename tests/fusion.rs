@@ -10,6 +10,7 @@ use std::process::Command;
 
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::{BufId, Instr, Plan};
+use megac_ir::DType;
 use megac_runtime::comm::SingleRank;
 use megac_runtime::exec::{run_program, StepContext};
 use megac_runtime::memory::Memory;
@@ -53,12 +54,31 @@ fn buffers(instrs: &[Instr]) -> (Vec<BufId>, Vec<BufId>) {
     (all, written)
 }
 
-/// Distance in units in the last place of `bits`-bit floats (f32 or the top half, bf16).
-fn ulps(a: f32, b: f32, half: bool) -> u64 {
-    let key = |x: f32| {
+/// Distance in units in the last place of floats of `dtype` (f32, bf16 or fp16; the
+/// values are read back as f32, exactly).
+fn ulps(a: f32, b: f32, dtype: DType) -> u64 {
+    // The value's position among the format's values, in order (negative below zero).
+    let key = |x: f32| -> i64 {
         let i = x.to_bits() as i32;
-        let k = if i < 0 { i32::MIN - i } else { i };
-        i64::from(if half { k >> 16 } else { k })
+        let mag = i64::from(i & 0x7fff_ffff);
+        let k = match dtype {
+            DType::Bf16 => mag >> 16,
+            // fp16: 10 fraction bits, exponent bias 15; below 2^-14 subnormal in 2^-24 steps.
+            DType::F16 => {
+                let (e, m) = ((mag >> 23) - 127, mag & 0x7f_ffff);
+                if e >= -14 {
+                    ((e + 15) << 10) | (m >> 13)
+                } else {
+                    (f64::from(x.abs()) * 2f64.powi(24)) as i64
+                }
+            }
+            _ => mag,
+        };
+        if i < 0 {
+            -k
+        } else {
+            k
+        }
     };
     key(a).abs_diff(key(b))
 }
@@ -116,13 +136,18 @@ fn check(file: &str, sets: &[&str]) -> BTreeMap<String, Diff> {
                 assert!(megac_runtime::fusion::run_group(&checked, &b, instrs).unwrap());
                 let mut d = Diff::default();
                 for &buf in &written {
-                    let half = p.buffers[buf as usize].dtype.is_half();
-                    let eps = if half { 2f64.powi(-8) } else { 2f64.powi(-23) };
+                    let dtype = p.buffers[buf as usize].dtype;
+                    // f32's epsilon; for the 16-bit formats their unit roundoff.
+                    let eps = match dtype {
+                        DType::Bf16 => 2f64.powi(-8),
+                        DType::F16 => 2f64.powi(-11),
+                        _ => 2f64.powi(-23),
+                    };
                     let (x, y) = (a.read_f32(buf), b.read_f32(buf));
                     let scale = x.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
                     for (u, v) in x.iter().zip(&y) {
                         assert!(v.is_finite(), "{file} {}: non-finite", g.pattern(program));
-                        d.ulps = d.ulps.max(ulps(*u, *v, half));
+                        d.ulps = d.ulps.max(ulps(*u, *v, dtype));
                         let e = f64::from((u - v).abs()) / (scale.max(1e-30) * eps);
                         d.scaled = d.scaled.max(e);
                     }
@@ -148,6 +173,19 @@ fn fused_kernels_compute_what_the_rust_kernels_compute() {
             &["train.precision=\"bf16\""][..],
         ),
         ("examples/gpt-tiny.toml", &["parallel.tp=2"][..]),
+        // The golden fixtures' other patterns: MoE's shared-expert gate (`sigmoid_mul`),
+        // qwen3's q/k norms; fp16 and bf16 casts; sequence parallelism's row shards.
+        ("tests/golden/qwen2_moe/model.toml", &[][..]),
+        (
+            "tests/golden/qwen2_moe/model.toml",
+            &["train.precision=\"bf16\""][..],
+        ),
+        ("tests/golden/qwen3/model.toml", &[][..]),
+        ("examples/gpt-tiny.toml", &["train.precision=\"fp16\""][..]),
+        (
+            "examples/llama-tiny.toml",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+        ),
     ] {
         let w = check(file, sets);
         assert!(!w.is_empty(), "{file} {sets:?}: no fused groups");
@@ -158,10 +196,14 @@ fn fused_kernels_compute_what_the_rust_kernels_compute() {
         }
     }
     for (pattern, d) in &all {
-        // Sums in the same order (the zero elided before an accumulating add): bitwise.
-        let same_order = pattern
-            .split('+')
-            .all(|op| matches!(op, "zero" | "add" | "grad_sum" | "bias_add" | "cast"));
+        // Sums in the same order (the zero elided before an accumulating add), and RoPE
+        // (the Rust kernel's tables, the same products and sums): bitwise.
+        let same_order = pattern.split('+').all(|op| {
+            matches!(
+                op,
+                "zero" | "add" | "grad_sum" | "bias_add" | "cast" | "rope" | "rope_grad"
+            )
+        });
         if same_order {
             assert_eq!(d.ulps, 0, "{pattern}: {d:?}");
         }
@@ -331,4 +373,79 @@ fn fused_kernel_speed() {
         std::thread::available_parallelism().map(|n| n.get()).ok(),
         std::env::var("RAYON_NUM_THREADS").ok()
     );
+}
+
+/// RoPE's fused form holds the tables of positions `0..s`: under context parallelism
+/// (a rank's tokens sit at other positions) a group with `rope_grad` has none, and the
+/// runtime runs its instructions unfused (the layout tests train such plans).
+#[test]
+fn rope_has_no_fused_form_under_context_parallelism() {
+    let mut seen = 0;
+    for (sets, fused) in [(&[][..], true), (&["parallel.cp=2"][..], false)] {
+        let p = plan("examples/llama-tiny.toml", sets);
+        for (_, program) in megac_codegen::fuse::programs(&p.roles[0]) {
+            for g in megac_codegen::fuse::groups(program) {
+                if g.pattern(program).contains("rope") {
+                    seen += 1;
+                    let src = megac_runtime::fusion::group_source(&p, g.instrs(program));
+                    assert_eq!(src.is_some(), fused, "{sets:?}: {}", g.pattern(program));
+                }
+            }
+        }
+    }
+    assert!(seen >= 4, "{seen} rope groups");
+}
+
+/// The forward `rope` (q and k rotate independently, so it forms no group in these
+/// models): its fused form, run alone on random data, against the Rust kernel, bitwise;
+/// with default frequencies and with llama 3.1's scaled ones.
+#[test]
+fn fused_forward_rope_is_bitwise_the_rust_kernel() {
+    megac_runtime::fusion::set_enabled(false);
+    let mut rng = megac_runtime::rng::SplitMix64(11);
+    let mut checked_ropes = 0;
+    for file in [
+        "examples/llama-tiny.toml",
+        "tests/golden/llama31/model.toml",
+    ] {
+        let checked = CheckedPlan::check(plan(file, &[])).unwrap();
+        let p: &Plan = &checked;
+        let (mut a, mut b) = (
+            Memory::new(&checked, 0).unwrap(),
+            Memory::new(&checked, 0).unwrap(),
+        );
+        let ropes: Vec<Instr> = p.roles[0]
+            .microbatch
+            .iter()
+            .filter(|i| matches!(i, Instr::Kernel { op, .. } if op.name() == "rope"))
+            .cloned()
+            .collect();
+        assert!(!ropes.is_empty(), "{file}: no rope");
+        // One of each shape (q and k) suffices: the layers repeat them.
+        for r in ropes.iter().take(2) {
+            let one = std::slice::from_ref(r);
+            let (all, written) = buffers(one);
+            for &buf in &all {
+                let n = p.buffers[buf as usize].len() as usize;
+                let v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+                a.write_f32(buf, &v);
+                b.write_f32(buf, &v);
+            }
+            let ctx = StepContext {
+                step: 1,
+                lr: 1e-3,
+                microbatch: 0,
+                loss_scale: 1.0,
+            };
+            run_program(one, &checked, &a, &ctx, &mut SingleRank, None).unwrap();
+            assert!(megac_runtime::fusion::run_group(&checked, &b, one).unwrap());
+            for &buf in &written {
+                let (x, y) = (a.read_f32(buf), b.read_f32(buf));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&x), bits(&y), "{file}: rope differs");
+            }
+            checked_ropes += 1;
+        }
+    }
+    assert_eq!(checked_ropes, 4);
 }

@@ -564,7 +564,10 @@ fn kernel(f: &mut Func, op: &OpKind, inputs: &[BufId], outputs: &[BufId], path: 
         f.call(&format!("megac.{}", op.name()), &views, &attrs);
         return;
     }
-    if lowered(op) && lower(f, op, inputs, outputs).is_some() {
+    // RoPE has a linalg form only in a fused kernel (its tables are module constants);
+    // the role modules call the runtime's kernel.
+    let fused_only = f.fast && matches!(op, OpKind::Rope { .. } | OpKind::RopeGrad { .. });
+    if (lowered(op) || fused_only) && lower(f, op, inputs, outputs).is_some() {
         return;
     }
     // A runtime kernel.
@@ -706,6 +709,43 @@ fn lower(f: &mut Func, op: &OpKind, inputs: &[BufId], outputs: &[BufId]) -> Opti
     }
 }
 
+/// RoPE's cos and sin tables for positions `0..s` (`[s, inv_freq.len()]`, f32, computed
+/// as `megac_kernels::rope::rope_tables_freq` does: `cos`/`sin` of the f32 product
+/// `pos · inv_freq[i]`), as module constants of `f` (one pair per distinct table): their
+/// symbols' `memref.get_global` values.
+fn rope_tables(f: &mut Func, s: usize, inv_freq: &[f32]) -> (String, String) {
+    let half = inv_freq.len();
+    let ty = memref_ty(&[s as u64, half as u64], "f32");
+    let mut names = Vec::new();
+    for trig in [f32::cos, f32::sin] {
+        let mut hex = String::with_capacity(2 + 8 * s * half);
+        hex.push_str("0x");
+        for p in 0..s {
+            for &fr in inv_freq {
+                for byte in trig(p as f32 * fr).to_le_bytes() {
+                    let _ = write!(hex, "{byte:02X}");
+                }
+            }
+        }
+        let body = format!("{ty} = dense<\"{hex}\">");
+        let existing = f
+            .globals
+            .iter()
+            .position(|g| g.ends_with(&format!(": {body}")));
+        let k = existing.unwrap_or_else(|| {
+            let k = f.globals.len();
+            f.globals.push(format!(
+                "memref.global \"private\" constant @rope{k} : {body}"
+            ));
+            k
+        });
+        let n = f.fresh("rope");
+        f.line(format!("{n} = memref.get_global @rope{k} : {ty}"));
+        names.push(n);
+    }
+    (names[0].clone(), names[1].clone())
+}
+
 /// Kernels with arithmetic: computed in f32 on staged outputs.
 fn lower_compute(
     f: &mut Func,
@@ -718,6 +758,12 @@ fn lower_compute(
     match op {
         OpKind::PosEmbedding if !split_axes(f, inputs[0], 1).is_empty() => return None,
         OpKind::PosEmbeddingGrad if !split_axes(f, inputs[1], 1).is_empty() => return None,
+        // Positions 0..s only: a sequence split (context parallelism) has others.
+        OpKind::Rope { .. } | OpKind::RopeGrad { .. }
+            if !split_axes(f, inputs[0], 1).is_empty() || ins[0].shape.len() != 4 =>
+        {
+            return None
+        }
         _ => {}
     }
     let st = stage(f, outs);
@@ -765,6 +811,94 @@ fn lower_compute(
                 &[(&ins[0], id.clone())],
                 &[(y, id.clone())],
                 |_, i, _| vec![i[0].clone()],
+            );
+        }
+        OpKind::Rope { theta, scaling } | OpKind::RopeGrad { theta, scaling } => {
+            // `megac_kernels::rope`'s rotation, element by element, on `[b, s, heads, 2,
+            // d/2]` views (the two halves of each head): with `x'` the element in the other
+            // half, y = x·cos + (−x')·sin in the first half and x·cos + x'·sin in the second
+            // (forward); the backward adds x·cos + x'·sin and x·cos + (−x')·sin (`a − b` is
+            // `a + (−b)` exactly). The cos and sin tables are the kernel's own f32 values
+            // (positions 0..s), module constants. The innermost loop runs along memory.
+            let inverse = matches!(op, OpKind::RopeGrad { .. });
+            let (s_len, dim) = (ins[0].shape[1] as usize, ins[0].shape[3] as usize);
+            let half = dim / 2;
+            let inv_freq = megac_ir::spec::rope_inv_freq(dim, *theta, scaling.as_ref());
+            let (cos, sin) = rope_tables(f, s_len, &inv_freq);
+            let table = |n: String| Arg {
+                ty: memref_ty(&[s_len as u64, half as u64], "f32"),
+                name: n,
+                dtype: DType::F32,
+                shape: vec![s_len as u64, half as u64],
+            };
+            let (cos, sin) = (table(cos), table(sin));
+            // The halves as a dimension of their own. A deferred zero of the input is
+            // done first; one of the output moves to its view.
+            f.materialize(&ins[0].name);
+            let halves = |f: &mut Func, a: &Arg| -> Arg {
+                let mut shape = a.shape[..3].to_vec();
+                shape.extend([2, half as u64]);
+                let ty = memref_ty(&shape, elem(a.dtype));
+                let name = f.fresh("rope");
+                f.line(format!(
+                    "{name} = memref.expand_shape {} [[0], [1], [2], [3, 4]] output_shape [{}] : {} into {ty}",
+                    a.name,
+                    shape.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+                    a.ty
+                ));
+                Arg {
+                    name,
+                    ty,
+                    dtype: a.dtype,
+                    shape,
+                }
+            };
+            let x = halves(f, &ins[0]);
+            let y5 = halves(f, y);
+            if let Some(v) = f.fresh.remove(&y.name) {
+                let moved = View {
+                    name: y5.name.clone(),
+                    ty: y5.ty.clone(),
+                    dtype: v.dtype,
+                    shape: y5.shape.clone(),
+                };
+                f.fresh.insert(y5.name.clone(), moved);
+            }
+            let id5 = ds(0..5);
+            let partner = vec![d(0), d(1), d(2), "1 - d3".to_string(), d(4)];
+            let t = vec![d(1), d(4)];
+            generic(
+                f,
+                5,
+                &[],
+                &[
+                    (&x, id5.clone()),
+                    (&x, partner),
+                    (&cos, t.clone()),
+                    (&sin, t),
+                ],
+                &[(&y5, id5)],
+                |b, i, o| {
+                    let k = b.op("linalg.index 3 : index".into());
+                    let zero = b.op("arith.constant 0 : index".into());
+                    let first = b.op(format!("arith.cmpi eq, {k}, {zero} : index"));
+                    let neg = b.op(format!("arith.negf {} : f32", i[1]));
+                    // Forward: −x' in the first half; backward: in the second.
+                    let (a, c) = if inverse {
+                        (i[1].clone(), neg)
+                    } else {
+                        (neg, i[1].clone())
+                    };
+                    let xq = b.op(format!("arith.select {first}, {a}, {c} : f32"));
+                    let xc = b.mul(&i[0], &i[2]);
+                    let xs = b.mul(&xq, &i[3]);
+                    let v = b.add(&xc, &xs);
+                    if acc {
+                        vec![b.add(&o[0], &v)]
+                    } else {
+                        vec![v]
+                    }
+                },
             );
         }
         OpKind::SwiGlu => {

@@ -316,6 +316,9 @@ pub fn fused_source_split(
         })
         .collect();
     let mut out = String::from("module {\n");
+    for g in &f.globals {
+        let _ = writeln!(out, "  {g}");
+    }
     let _ = writeln!(
         out,
         "  func.func @fused({}) attributes {{llvm.emit_c_interface}} {{",

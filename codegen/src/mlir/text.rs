@@ -99,6 +99,9 @@ pub(crate) struct Func<'p> {
     /// Buffer-argument mode: the buffers of rank 2 or more hold `1 / split` of their rows
     /// (a row range of a group split over threads, `crate::fuse::split_rows`); 1 otherwise.
     pub split: u64,
+    /// Module-level constants (fused kernels: RoPE's cos and sin tables), as
+    /// `memref.global` lines, in first-use order.
+    pub globals: Vec<String>,
 }
 
 /// The classes in arena-argument order.
@@ -136,6 +139,7 @@ impl<'p> Func<'p> {
             fresh: BTreeMap::new(),
             fast: false,
             split: 1,
+            globals: Vec::new(),
         }
     }
 
