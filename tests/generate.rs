@@ -187,6 +187,8 @@ fn kv_cache_plan_under_cp() {
     // 2 layers × (k, v); 16 positions over cp = 2: 8 per rank.
     assert_eq!(caches.len(), 4);
     assert!(caches.iter().all(|b| b.shape[0] == 8), "{caches:?}");
+    // Each rank's kv_cache arena: 4 caches × 8 positions × 2 kv heads × 16 × 4 bytes.
+    assert_eq!(plan.memory.kv_cache_bytes, 4 * 8 * 2 * 16 * 4);
 }
 
 /// The checked one-sample plan of fixture `name`.
