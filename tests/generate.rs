@@ -133,31 +133,33 @@ fn greedy_tp2_matches_transformers() {
 }
 
 /// Context parallelism (the sequence split over two ranks in load-balanced chunks; the
-/// logits put back in order by their layout), recomputing the prefix for every new token
-/// (`--no-kv-cache`: the KV cache refuses cp): transformers' ids, which are the one-device
-/// run's (`greedy_*_matches_transformers`); also with tp2 (mixtral: and sequence
-/// parallelism).
+/// logits put back in order by their layout), with the KV cache (each cp rank caches the
+/// positions it holds, the step's attention merged over cp) and recomputing the prefix for
+/// every new token (`--no-kv-cache`): transformers' ids, which are the one-device run's
+/// (`greedy_*_matches_transformers`); also with tp2 (mixtral: and sequence parallelism).
 #[test]
 fn greedy_cp2_matches_transformers() {
-    let flags = ["--no-kv-cache"];
-    greedy_matches_with("llama", &["parallel.cp=2"], &flags);
-    greedy_matches_with("gpt", &["parallel.cp=2"], &flags);
-    greedy_matches_with("mixtral", &["parallel.cp=2"], &flags);
-    greedy_matches_with("llama", &["parallel.cp=2", "parallel.tp=2"], &flags);
-    greedy_matches_with(
-        "mixtral",
-        &[
-            "parallel.cp=2",
-            "parallel.tp=2",
-            "parallel.sequence_parallel=true",
-        ],
-        &flags,
-    );
+    for flags in [&[][..], &["--no-kv-cache"][..]] {
+        greedy_matches_with("llama", &["parallel.cp=2"], flags);
+        greedy_matches_with("gpt", &["parallel.cp=2"], flags);
+        greedy_matches_with("mixtral", &["parallel.cp=2"], flags);
+        greedy_matches_with("llama", &["parallel.cp=2", "parallel.tp=2"], flags);
+        greedy_matches_with(
+            "mixtral",
+            &[
+                "parallel.cp=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            flags,
+        );
+    }
 }
 
-/// `megac compile --inference --kv-cache` under cp is one error that names the layout.
+/// `megac compile --inference --kv-cache` under cp writes a KV-cache plan whose caches
+/// hold each rank's half of the window's positions.
 #[test]
-fn kv_cache_plan_refuses_cp() {
+fn kv_cache_plan_under_cp() {
     let dir = fixture("llama");
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("plan");
@@ -174,15 +176,19 @@ fn kv_cache_plan_refuses_cp() {
     ];
     let run = megac(&args);
     let err = String::from_utf8_lossy(&run.stderr);
-    assert_eq!(run.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains(
-            "KV-cache decoding does not support context parallelism yet; this layout has cp = 2"
-        ),
-        "{err}"
-    );
-    assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1);
-    assert!(!out.exists());
+    assert!(run.status.success(), "{err}");
+    let plan = megac_ir::plan::Plan::load(&out.join("plan.json")).unwrap();
+    assert!(plan.decode.is_some());
+    let caches: Vec<_> = plan
+        .buffers
+        .iter()
+        .filter(|b| b.class == megac_ir::plan::BufferClass::KvCache)
+        .collect();
+    // 2 layers × (k, v); 16 positions over cp = 2: 8 per rank.
+    assert_eq!(caches.len(), 4);
+    assert!(caches.iter().all(|b| b.shape[0] == 8), "{caches:?}");
+    // Each rank's kv_cache arena: 4 caches × 8 positions × 2 kv heads × 16 × 4 bytes.
+    assert_eq!(plan.memory.kv_cache_bytes, 4 * 8 * 2 * 16 * 4);
 }
 
 /// The checked one-sample plan of fixture `name`.
@@ -297,11 +303,6 @@ fn bad_generate_input_is_one_error() {
         (
             vec!["--tokens", "1", "--top-p", "0"],
             "--top-p 0: expected a number in (0, 1]",
-        ),
-        (
-            vec!["--tokens", "1", "--set", "parallel.cp=2"],
-            "KV-cache decoding does not support context parallelism yet; this layout has \
-             cp = 2: pass --no-kv-cache",
         ),
     ] {
         let mut args = vec!["generate", m, "--init", i];

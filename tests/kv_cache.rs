@@ -157,7 +157,7 @@ fn kv_plan_gate() {
     // A cache of fewer positions than the window.
     let mut p = good.clone();
     p.buffers[cache as usize].shape[0] = 8;
-    refuse(p, "holds the window's 16 positions");
+    refuse(p, "holds the window's 16 positions of this rank");
     // Any other instruction writing a cache.
     let mut p = good.clone();
     p.roles[0]
@@ -213,12 +213,13 @@ fn kv_plan_refuses() {
         &["model.moe.capacity_factor=1.5"],
         "dropless MoE routing",
     );
-    // (A one-token block cannot be split over cp at all: the window stands for it.)
+    // Under cp the block is the layout without cp (one token is not split over cp): the
+    // window itself does not stand for it.
     let cp = plan("llama", &["parallel.cp=2".to_string()]);
     let e = megac_codegen::kv::kv_plan(&cp, &cp)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("context-parallel"), "{e}");
+    assert!(e.contains("does not fit the window plan"), "{e}");
     // Two plans that are not a window and its block.
     let (a, b) = (plan("llama", &[]), plan("gpt", &[]));
     assert!(megac_codegen::kv::kv_plan(&a, &b).is_err());
@@ -357,6 +358,38 @@ fn kv_moe_equals_recompute() {
         &["parallel.pp=2", "parallel.stage_layers=\"balanced\""],
         3,
     );
+}
+
+/// Context parallelism: each cp rank caches its load-balanced positions and the step's
+/// attention partials are merged over cp (llama: RoPE, GQA; gpt: learned positions; both
+/// also with tp2, and the ring and all-gather cp attention of the prefill).
+#[test]
+fn kv_cp_equals_recompute() {
+    for name in ["llama", "gpt"] {
+        for prompt in [1, 5] {
+            kv_vs_recompute(name, &["parallel.cp=2"], prompt);
+        }
+        kv_vs_recompute(name, &["parallel.cp=2", "parallel.tp=2"], 3);
+    }
+    kv_vs_recompute(
+        "llama",
+        &["parallel.cp=2", "parallel.cp_comm=\"all-gather\""],
+        4,
+    );
+    // A sliding window shorter than the context, over cp.
+    kv_vs_recompute("mistral", &["parallel.cp=2"], 3);
+    // Dropless MoE, with tp2 and sequence parallelism.
+    kv_vs_recompute(
+        "mixtral",
+        &[
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+        3,
+    );
+    // cp2 × pp2: the decode step's pipeline runs in each cp slice.
+    kv_vs_recompute("llama", &["parallel.cp=2", "parallel.pp=2"], 3);
 }
 
 #[test]

@@ -6,8 +6,8 @@
 //! `model.seq_len` = the block, one token per tensor-parallel rank). The result is the
 //! window plan with
 //! - **caches**: per attention instruction (by provenance path, which both plans share),
-//!   a key and a value buffer of class `kv_cache`, `[seq_len, kv_heads, head_dim]` of this
-//!   rank's kv heads (its shard under tp), on the pipeline stage of the layer, laid out in
+//!   a key and a value buffer of class `kv_cache`, `[seq_len / cp, kv_heads, head_dim]` of
+//!   this rank's kv heads (its shard under tp), on the pipeline stage of the layer, laid out in
 //!   the `kv_cache` arena of the stage (`memory.kv_cache_bytes`);
 //! - **the position**: one `i32[1]` data input (`decode.position`) the runtime writes
 //!   before the prefill (0) and before each step;
@@ -21,6 +21,12 @@
 //!   chunk's slot), its inputs after the window's; `rope` becomes `rope_at`,
 //!   `pos_embedding` `pos_embedding_at` and `causal_attention` `kv_attention`, each reading
 //!   the position input.
+//!
+//! Under context parallelism the block is the layout without cp (one token is not split
+//! over cp; `megac_runtime::kv::block_sets` compiles it with `parallel.cp=1`): every cp
+//! rank runs the same decode step, and each caches only the window positions it holds in
+//! the load-balanced layout (`seq_len / cp` rows per cache; the runtime's `kv_attention`
+//! merges the ranks' partial attention over cp).
 //!
 //! The plan gate checks the result, the decode step as a plan of its own
 //! ([`megac_ir::plan::Plan::decode_view`]).
@@ -54,7 +60,7 @@ fn rank_of(plan: &Plan, r: usize) -> Option<usize> {
 /// Build the KV-cache plan of `window` (the one-sample forward over the context) and
 /// `block` (the same model and layout compiled with `model.seq_len` = the block): see the
 /// module documentation. Refuses what the cache cannot hold exactly: more than one sample,
-/// context parallelism, MoE routing with a capacity.
+/// MoE routing with a capacity; under cp, a block plan that is not the layout without cp.
 pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
     if window.kind != PlanKind::Inference || block.kind != PlanKind::Inference {
         return Err(unsupported(
@@ -65,8 +71,30 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
         return Err(unsupported("the plans already decode with a KV cache"));
     }
     let (w, b) = (&window.batch, &block.batch);
-    if window.mesh != block.mesh
-        || window.rank_to_role != block.rank_to_role
+    // Under cp the block is one token, which cannot be split over cp: the block plan is the
+    // layout without cp, and every cp rank runs it (see the module documentation).
+    let cp = window.mesh.size(Axis::Cp);
+    let mut block_mesh = window.mesh.clone();
+    for (a, n) in &mut block_mesh.axes {
+        if *a == Axis::Cp {
+            *n = 1;
+        }
+    }
+    let block_rank = |rank: usize| -> Option<usize> {
+        (0..block.mesh.world_size()).find(|&x| {
+            [Axis::Tp, Axis::Dp, Axis::Pp]
+                .iter()
+                .all(|&a| block.mesh.coord(x, a) == window.mesh.coord(rank, a))
+        })
+    };
+    let same_roles = (0..window.mesh.world_size()).all(|rank| {
+        block_rank(rank).is_some_and(|x| {
+            window.rank_to_role.get(rank) == block.rank_to_role.get(x)
+                && window.rank_to_role.len() == window.mesh.world_size()
+        })
+    });
+    if block.mesh != block_mesh
+        || !same_roles
         || window.roles.len() != block.roles.len()
         || w.vocab != b.vocab
         || b.seq_len > w.seq_len
@@ -78,10 +106,12 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
             b.seq_len, b.micro_batch, w.seq_len, w.micro_batch
         )));
     }
-    if window.mesh.size(Axis::Cp) > 1 {
-        return Err(unsupported(
-            "the KV cache is not split over context-parallel ranks (parallel.cp > 1)",
-        ));
+    if cp > 1 && !w.seq_len.is_multiple_of(2 * cp) {
+        return Err(unsupported(format!(
+            "the window of {} tokens is not split in 2·cp = {} chunks",
+            w.seq_len,
+            2 * cp
+        )));
     }
     let drops = kernels(window).any(|i| {
         matches!(
@@ -110,7 +140,8 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
         if let Some(s) = stage_of_role(window, r) {
             let rank = rank_of(window, r).unwrap_or(0);
             win_mem.insert(s, window.memory_of(rank).clone());
-            blk_mem.insert(s, block.memory_of(rank).clone());
+            let brank = rank_of(block, r).unwrap_or(0);
+            blk_mem.insert(s, block.memory_of(brank).clone());
         }
     }
     let stage_mem = |m: &BTreeMap<u32, MemoryPlan>, s: Option<u32>| -> MemoryPlan {
@@ -263,7 +294,7 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
                 name: format!("kv_cache:{path}.{what}"),
                 class: BufferClass::KvCache,
                 dtype: k.dtype,
-                shape: vec![w.seq_len, nkv, d],
+                shape: vec![w.seq_len / cp, nkv, d],
                 offset: *at,
                 layout: Vec::new(),
                 rank_offset: None,
@@ -271,7 +302,7 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
                 chunk: None,
                 routed_rows: None,
             });
-            *at += w.seq_len * nkv * d;
+            *at += w.seq_len / cp * nkv * d;
         }
         caches.insert(path.clone(), (pair[0], pair[1]));
     }

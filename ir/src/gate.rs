@@ -295,15 +295,18 @@ impl<'p> Gate<'p> {
                 ),
             ));
         }
+        // Under cp each rank caches the window positions it holds: seq_len / cp of them.
+        let rows = w.seq_len / plan.mesh.size(Axis::Cp).max(1);
         for (i, c) in plan.buffers.iter().enumerate() {
             if c.class == BufferClass::KvCache
-                && (c.shape.first() != Some(&w.seq_len) || c.chunk.is_some())
+                && (c.shape.first() != Some(&rows) || c.chunk.is_some())
             {
                 return Err(invalid(
                     format!("buffers[{i}].shape"),
                     format!(
-                        "the cache {} has shape {:?}, but it holds the window's {} positions (dim 0)",
-                        c.name, c.shape, w.seq_len
+                        "the cache {} has shape {:?}, but it holds the window's {rows} positions \
+                         of this rank (dim 0)",
+                        c.name, c.shape
                     ),
                 ));
             }

@@ -178,19 +178,10 @@ impl<'p> Inference<'p> {
         Ok(())
     }
 
-    /// As [`Inference::supports`], for KV-cache decoding ([`crate::kv`]), which does not
-    /// shard the cache over context parallelism yet.
+    /// As [`Inference::supports`], for KV-cache decoding ([`crate::kv`]): the same layouts
+    /// (under cp each rank caches the positions it holds).
     pub fn supports_kv(plan: &CheckedPlan) -> Result<(), RuntimeError> {
-        Self::supports(plan)?;
-        let cp = plan.mesh.size(Axis::Cp);
-        if cp > 1 {
-            return Err(RuntimeError::Unsupported(format!(
-                "KV-cache decoding does not support context parallelism yet; this layout has \
-                 cp = {cp}: pass --no-kv-cache (the whole prefix is recomputed over cp for \
-                 every new token) or set parallel.cp=1"
-            )));
-        }
-        Ok(())
+        Self::supports(plan)
     }
 
     /// Load the weights of `init` into `plan`'s single rank (`megac generate` compiles a

@@ -5,7 +5,9 @@
 //! tokens and the step's position) and runs the plan's programs through the executor:
 //! the prefill (the micro-batch program, or each chunk's forward) once for the prompt at
 //! position 0, then the decode step (each role's `decode.step`, or each chunk's `decode`)
-//! once per new token at its position. Every rank holds one parameter arena.
+//! once per new token at its position. Every rank holds one parameter arena. Under cp every
+//! cp rank runs the same decode step; each caches the positions it holds (the executor's
+//! `kv_attention`).
 
 use megac_ir::gate::CheckedPlan;
 use megac_ir::plan::{BufId, Instr};
@@ -16,12 +18,17 @@ use crate::error::RuntimeError;
 use crate::infer::{Generated, Inference, Sampling};
 
 /// The `--set`s that compile the block plan from the model.toml (and `--set`s) of
-/// `window`: `model.seq_len` = one token per tp rank, and under pp the window plan's layers
+/// `window`: `model.seq_len` = one token per tp rank, `parallel.cp=1` under cp (the block is
+/// not split over cp), and under pp the window plan's layers
 /// per chunk as `parallel.stage_layers` (so a `"balanced"` split, which weighs layers at
 /// the plan's length, places the block's layers on the same stages).
 pub fn block_sets(window: &CheckedPlan) -> Vec<String> {
     let tp = window.mesh.size(megac_ir::Axis::Tp);
     let mut sets = vec![format!("model.seq_len={tp}")];
+    if window.mesh.size(megac_ir::Axis::Cp) > 1 {
+        // One token is not split over cp: every cp rank runs the block (the caches are).
+        sets.push("parallel.cp=1".into());
+    }
     let mut chunks: Vec<(u32, u64)> = window
         .roles
         .iter()

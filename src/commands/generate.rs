@@ -190,13 +190,6 @@ pub fn compile_block(model: &ModelArgs, window: &CheckedPlan) -> Result<CheckedP
 /// The KV-cache plan of `model` (`megac_codegen::kv::kv_plan` of its one-sample window
 /// plan and its block plan), through the plan gate.
 pub fn compile_kv(model: &ModelArgs, window: &CheckedPlan) -> Result<CheckedPlan, String> {
-    let cp = window.mesh.size(megac_ir::Axis::Cp);
-    if cp > 1 {
-        return Err(format!(
-            "error: KV-cache decoding does not support context parallelism yet; this layout \
-             has cp = {cp}: compile without --kv-cache (megac generate: --no-kv-cache)"
-        ));
-    }
     let block = compile_block(model, window)?;
     let plan = megac_codegen::kv::kv_plan(window, &block).map_err(|e| format!("error: {e}"))?;
     CheckedPlan::check(plan)

@@ -368,8 +368,8 @@ pub fn op_rule(plan: &Plan, op: &OpKind, ins: &[BufId], outs: &[BufId]) -> Resul
                     "q {qs:?} and k {ks:?} do not match (the cache holds one sequence: batch 1)"
                 ));
             }
-            if parts(q, 1, Axis::Cp) > 1 || parts(k, 1, Axis::Cp) > 1 {
-                return Err("the KV cache is not split over cp".into());
+            if parts(q, 1, Axis::Cp) != parts(k, 1, Axis::Cp) {
+                return Err("q and k are split differently over cp".into());
             }
             position(ins[3])?;
             eq(outs[0], qs, "the output")?;

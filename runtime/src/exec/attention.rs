@@ -59,8 +59,12 @@ pub(super) fn run(
                     "`kv_attention` holds one sequence; its block has {b}"
                 )));
             }
-            let pos = step_positions(mem, ins[0], ins[3], mesh, comm.rank());
             let row = nkv * d;
+            let cp = mesh.size(megac_ir::Axis::Cp) as usize;
+            if cp > 1 {
+                return cp_kv_attention(*window, ins, outs, env, comm, [s, nh, nkv, d]);
+            }
+            let pos = step_positions(mem, ins[0], ins[3], mesh, comm.rank());
             k::kv::cache_write(mem.f32_mut(outs[2]), mem.f32(ins[1]), &pos, row);
             k::kv::cache_write(mem.f32_mut(outs[3]), mem.f32(ins[2]), &pos, row);
             let window = u32::try_from(*window).unwrap_or(u32::MAX);
@@ -343,6 +347,109 @@ pub(super) fn run(
             }
         }
         _ => unreachable!("run_kernel routes `{}` elsewhere", op.name()),
+    }
+    Ok(())
+}
+
+/// `kv_attention` under context parallelism (cp > 1). Each cp rank's caches hold the
+/// positions it holds in the load-balanced layout of the whole window (`seq_len` tokens in
+/// 2·cp chunks: rank `m` holds chunks `m` and `2·cp-1-m`), slot `i` for its `i`-th local
+/// position, so the cache is `seq_len / cp` rows per rank.
+/// - **The prefill** (q split over cp: the window plan's attention): the window's own cp
+///   attention (ring or all-gather, so the prompt's logits are the recomputation's bit for
+///   bit), then each local row's keys and values into its slot (local row `i` is slot `i`).
+/// - **The decode step** (q not split over cp: every cp rank runs the same one-token block):
+///   the rank owning a block row's position writes its keys and values into its slot; every
+///   rank attends the block's queries over its own slots (masked by global position and
+///   window; a rank none of whose slots a query sees gives lse = -inf), the partial outputs
+///   and log-sum-exps are all-gathered over the cp group and merged in group order
+///   (log-sum-exp weights, as the ring attention merges), so every cp rank holds the same
+///   result.
+fn cp_kv_attention(
+    window: u64,
+    ins: &[BufId],
+    outs: &[BufId],
+    env: &Env,
+    comm: &mut dyn Communicator,
+    [s, nh, nkv, d]: [usize; 4],
+) -> Result<(), RuntimeError> {
+    let (mem, mesh) = (env.mem, env.mesh);
+    let rank = comm.rank();
+    let row = nkv * d;
+    let cp = mesh.size(megac_ir::Axis::Cp) as usize;
+    let me = mesh.coord(rank, megac_ir::Axis::Cp);
+    let group = mesh.group(rank, &[megac_ir::Axis::Cp]);
+    let slots = mem.buffer(outs[2]).shape[0] as usize;
+    let seq = slots * cp;
+    if !seq.is_multiple_of(2 * cp) {
+        return Err(RuntimeError::Plan(format!(
+            "`kv_attention`: a cache of {slots} rows per rank over cp = {cp} is not the \
+             load-balanced layout of a window"
+        )));
+    }
+    let mine = k::context::cp_local_positions(seq, cp, me);
+    if cp_positions(mem, ins[0], 1, mesh, rank).is_some() {
+        // The prefill: the window plan's attention, then the local rows into their slots.
+        super::attention::run(
+            &OpKind::CausalAttention { window },
+            &ins[..3],
+            &outs[..2],
+            env,
+            comm,
+        )?;
+        let n = s.min(slots);
+        mem.f32_mut(outs[2])[..n * row].copy_from_slice(&mem.f32(ins[1])[..n * row]);
+        mem.f32_mut(outs[3])[..n * row].copy_from_slice(&mem.f32(ins[2])[..n * row]);
+        return Ok(());
+    }
+    let pos = step_positions(mem, ins[0], ins[3], mesh, rank);
+    // This rank's rows of the block: at their slots.
+    for (i, &p) in pos.iter().enumerate() {
+        if let Some(slot) = mine.iter().position(|&m| m == p) {
+            for (x, c) in [(ins[1], outs[2]), (ins[2], outs[3])] {
+                let src = mem.f32(x)[i * row..(i + 1) * row].to_vec();
+                mem.f32_mut(c)[slot * row..(slot + 1) * row].copy_from_slice(&src);
+            }
+        }
+    }
+    let window = u32::try_from(window).unwrap_or(u32::MAX);
+    let (mut part_out, mut part_lse) = (vec![0f32; s * nh * d], vec![0f32; nh * s]);
+    k::context::attention_window_fwd(
+        mem.f32(ins[0]),
+        mem.f32(outs[2]),
+        mem.f32(outs[3]),
+        &pos,
+        &mine,
+        window,
+        1,
+        s,
+        slots,
+        nh,
+        nkv,
+        d,
+        &mut part_out,
+        &mut part_lse,
+    );
+    let n = group.len();
+    let mut outs_all = vec![0f32; part_out.len() * n];
+    let mut lses_all = vec![0f32; part_lse.len() * n];
+    comm.all_gather(&group, &part_out, &mut outs_all)?;
+    comm.all_gather(&group, &part_lse, &mut lses_all)?;
+    let (on, ln) = (part_out.len(), part_lse.len());
+    let (out, lse) = (mem.f32_mut(outs[0]), mem.f32_mut(outs[1]));
+    out.copy_from_slice(&outs_all[..on]);
+    lse.copy_from_slice(&lses_all[..ln]);
+    for m in 1..n {
+        k::context::attention_merge_into(
+            out,
+            lse,
+            &outs_all[m * on..(m + 1) * on],
+            &lses_all[m * ln..(m + 1) * ln],
+            1,
+            s,
+            nh,
+            d,
+        );
     }
     Ok(())
 }
