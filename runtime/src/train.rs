@@ -1071,26 +1071,14 @@ fn train_rank(
                 let _ = writeln!(std::io::stderr().lock(), "{w}");
             }
         }
-        // fp16: a non-finite gradient norm with a finite loss is an overflow of the scaled
-        // gradients: the update was skipped and the scale halves, unless it cannot go lower.
-        // A non-finite loss stops the run in every precision (as Megatron's
-        // check_for_nan_in_loss_and_grad).
-        let skipped = loss_scale.is_some() && !grad_norm.is_finite() && loss.is_finite();
-        let stuck = session
-            .scaler
-            .as_ref()
-            .zip(loss_scale)
-            .is_some_and(|(s, before)| {
-                skipped
-                    && s.scale() == before
-                    && plan
-                        .train
-                        .loss_scaler
-                        .is_some_and(|c| c.fixed || before <= c.min_scale)
-            });
-        if !skipped || stuck {
-            check_finite(plan, step, loss, grad_norm)?;
-        }
+        let skipped = check_step(
+            plan,
+            step,
+            loss,
+            grad_norm,
+            session.scaler.as_ref(),
+            loss_scale,
+        )?;
         let seconds = t0.elapsed().as_secs_f64();
         if let Some(p) = &session.profile {
             step_times.push((step, t0.duration_since(p.origin).as_secs_f64(), seconds));
@@ -1285,6 +1273,35 @@ fn write_rank_record(
         path: path.display().to_string(),
         message: e.to_string(),
     })
+}
+
+/// After step `step` (its loss and gradient norm, and the loss scale it ran with): fp16's
+/// non-finite gradient norm with a finite loss is an overflow of the scaled gradients, so the
+/// update was skipped and the scale halves, unless it cannot go lower (then, as any other
+/// non-finite value, it stops the run: [`check_finite`]). A non-finite loss stops the run in
+/// every precision (as Megatron's check_for_nan_in_loss_and_grad). Whether the update was
+/// skipped. The cpu and cuda training loops both call this.
+pub(crate) fn check_step(
+    plan: &Plan,
+    step: u64,
+    loss: f64,
+    grad_norm: f64,
+    scaler: Option<&crate::scaler::Scaler>,
+    loss_scale: Option<f64>,
+) -> Result<bool, RuntimeError> {
+    let skipped = loss_scale.is_some() && !grad_norm.is_finite() && loss.is_finite();
+    let stuck = scaler.zip(loss_scale).is_some_and(|(s, before)| {
+        skipped
+            && s.scale() == before
+            && plan
+                .train
+                .loss_scaler
+                .is_some_and(|c| c.fixed || before <= c.min_scale)
+    });
+    if !skipped || stuck {
+        check_finite(plan, step, loss, grad_norm)?;
+    }
+    Ok(skipped)
 }
 
 /// Stop at the first step whose loss or gradient norm is not finite: every later step would

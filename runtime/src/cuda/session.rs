@@ -308,23 +308,14 @@ fn run(
         let (loss, grad_norm) = s.step(step).map_err(cuda_err)?;
         // As the cpu backend: an fp16 overflow skips the step; anything else non-finite
         // stops the run.
-        let skipped = loss_scale.is_some() && !grad_norm.is_finite() && loss.is_finite();
-        let stuck = s
-            .cpu
-            .scaler
-            .as_ref()
-            .zip(loss_scale)
-            .is_some_and(|(sc, before)| {
-                skipped
-                    && sc.scale() == before
-                    && plan
-                        .train
-                        .loss_scaler
-                        .is_some_and(|c| c.fixed || before <= c.min_scale)
-            });
-        if !skipped || stuck {
-            crate::train::check_finite(plan, step, loss, grad_norm)?;
-        }
+        let skipped = crate::train::check_step(
+            plan,
+            step,
+            loss,
+            grad_norm,
+            s.cpu.scaler.as_ref(),
+            loss_scale,
+        )?;
         let seconds = t0.elapsed().as_secs_f64();
         records.push(StepRecord {
             step,
