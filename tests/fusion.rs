@@ -92,6 +92,35 @@ struct Diff {
     scaled: f64,
 }
 
+/// The same random inputs in `a` and `b` for every buffer `instrs` touch; then `instrs` run
+/// unfused on `a` (a copy of them is no program of the plan, so nothing fuses it) and as one
+/// fused group on `b`. The buffers they write, to compare.
+fn run_both(
+    checked: &CheckedPlan,
+    a: &mut Memory,
+    b: &mut Memory,
+    instrs: &[Instr],
+    rng: &mut megac_runtime::rng::SplitMix64,
+) -> Vec<BufId> {
+    let (all, written) = buffers(instrs);
+    for &buf in &all {
+        let n = checked.buffers[buf as usize].len() as usize;
+        let v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+        a.write_f32(buf, &v);
+        b.write_f32(buf, &v);
+    }
+    let ctx = StepContext {
+        step: 1,
+        lr: 1e-3,
+        microbatch: 0,
+        loss_scale: 1.0,
+    };
+    let copy: Vec<Instr> = instrs.to_vec();
+    run_program(&copy, checked, a, &ctx, &mut SingleRank, None).unwrap();
+    assert!(megac_runtime::fusion::run_group(checked, b, instrs).unwrap());
+    written
+}
+
 /// The worst [`Diff`] of every distinct fused group (by kernel text) of `file` with
 /// `sets`, by pattern.
 fn check(file: &str, sets: &[&str]) -> BTreeMap<String, Diff> {
@@ -117,23 +146,7 @@ fn check(file: &str, sets: &[&str]) -> BTreeMap<String, Diff> {
                 if !seen.insert(text) {
                     continue;
                 }
-                let (all, written) = buffers(instrs);
-                for &buf in &all {
-                    let n = p.buffers[buf as usize].len() as usize;
-                    let v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
-                    a.write_f32(buf, &v);
-                    b.write_f32(buf, &v);
-                }
-                let ctx = StepContext {
-                    step: 1,
-                    lr: 1e-3,
-                    microbatch: 0,
-                    loss_scale: 1.0,
-                };
-                // A copy of the instructions is no program of the plan: run unfused.
-                let copy: Vec<Instr> = instrs.to_vec();
-                run_program(&copy, &checked, &a, &ctx, &mut SingleRank, None).unwrap();
-                assert!(megac_runtime::fusion::run_group(&checked, &b, instrs).unwrap());
+                let written = run_both(&checked, &mut a, &mut b, instrs, &mut rng);
                 let mut d = Diff::default();
                 for &buf in &written {
                     let dtype = p.buffers[buf as usize].dtype;
@@ -424,21 +437,7 @@ fn fused_forward_rope_is_bitwise_the_rust_kernel() {
         // One of each shape (q and k) suffices: the layers repeat them.
         for r in ropes.iter().take(2) {
             let one = std::slice::from_ref(r);
-            let (all, written) = buffers(one);
-            for &buf in &all {
-                let n = p.buffers[buf as usize].len() as usize;
-                let v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
-                a.write_f32(buf, &v);
-                b.write_f32(buf, &v);
-            }
-            let ctx = StepContext {
-                step: 1,
-                lr: 1e-3,
-                microbatch: 0,
-                loss_scale: 1.0,
-            };
-            run_program(one, &checked, &a, &ctx, &mut SingleRank, None).unwrap();
-            assert!(megac_runtime::fusion::run_group(&checked, &b, one).unwrap());
+            let written = run_both(&checked, &mut a, &mut b, one, &mut rng);
             for &buf in &written {
                 let (x, y) = (a.read_f32(buf), b.read_f32(buf));
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
