@@ -124,14 +124,15 @@ pub fn gelu_tanh_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) {
 }
 
 /// `y[t, :] = sigmoid(gate[t]) * x[t, :]` for `gate` of one logit per row of `x` (`h` wide):
-/// Qwen2-MoE's `F.sigmoid(shared_expert_gate(x)) * shared_expert(x)`. Overwrites `y`.
+/// Qwen2-MoE's `F.sigmoid(shared_expert_gate(x)) * shared_expert(x)`, with the crate's
+/// `1 / (1 + exp(-g))` (its polynomial `exp`, as the fused kernels compute it). Overwrites `y`.
 pub fn sigmoid_mul_fwd(gate: &[f32], x: &[f32], h: usize, y: &mut [f32]) {
     assert!(
         x.len() == y.len() && gate.len() * h == x.len(),
         "sigmoid_mul_fwd: length mismatch"
     );
     for ((y, x), &g) in y.chunks_mut(h).zip(x.chunks(h)).zip(gate) {
-        let s = 1.0 / (1.0 + (-g).exp());
+        let s = sigmoid(g);
         for (y, &x) in y.iter_mut().zip(x) {
             *y = s * x;
         }
@@ -160,7 +161,7 @@ pub fn sigmoid_mul_bwd(
         .zip(gate)
         .zip(dgate.iter_mut())
     {
-        let s = 1.0 / (1.0 + (-g).exp());
+        let s = sigmoid(g);
         let mut dot = 0.0f64;
         for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
             *dx += s * dy;

@@ -16,6 +16,8 @@ use megac_ir::OpKind;
 
 use super::text::{elem, float_lit, memref_ty, str_attr, Func, View};
 
+mod ordered;
+
 /// Whether `op` has a linalg lowering (else it is emitted as a runtime kernel call).
 /// Ops whose kernel communicates or depends on the rank beyond what a view expresses
 /// (vocab-split cross-entropy, ring attention, MoE routing) are calls.
@@ -57,6 +59,20 @@ struct Arg {
     ty: String,
     dtype: DType,
     shape: Vec<u64>,
+    /// An f64 temporary (the fused form's row statistics, [`ordered`]); `dtype` is then
+    /// `F32` and not used.
+    wide: bool,
+}
+
+impl Arg {
+    /// The MLIR element type.
+    fn el(&self) -> &'static str {
+        if self.wide {
+            "f64"
+        } else {
+            elem(self.dtype)
+        }
+    }
 }
 
 impl From<View> for Arg {
@@ -66,6 +82,7 @@ impl From<View> for Arg {
             ty: v.ty,
             dtype: v.dtype,
             shape: v.shape,
+            wide: false,
         }
     }
 }
@@ -74,11 +91,8 @@ impl From<View> for Arg {
 struct Body {
     lines: Vec<String>,
     next: usize,
-    /// Fused-kernel form ([`Func::fast`]): `exp` as the Rust kernels' polynomial, and the
-    /// accumulation of a reduction marked reassociable so LLVM sums it in vector lanes.
+    /// Fused-kernel form ([`Func::fast`]): `exp` as the Rust kernels' polynomial.
     fast: bool,
-    /// The op this body belongs to has reduction loops.
-    reduce: bool,
 }
 
 impl Body {
@@ -95,12 +109,23 @@ impl Body {
         self.op(format!("arith.{op} {a}, {b} : f32"))
     }
     fn add(&mut self, a: &str, b: &str) -> String {
-        if self.fast && self.reduce && (a.starts_with("%out") || b.starts_with("%out")) {
-            // The accumulation into a reduction's output: reassociable, so LLVM may keep
-            // partial sums in vector lanes (docs/mlir.md: the fused kernels' tolerance).
-            return self.op(format!("arith.addf {a}, {b} fastmath<reassoc> : f32"));
-        }
         self.bin("addf", a, b)
+    }
+    /// `arith.<op>` on two f64 values.
+    fn bin64(&mut self, op: &str, a: &str, b: &str) -> String {
+        self.op(format!("arith.{op} {a}, {b} : f64"))
+    }
+    /// An f64 constant.
+    fn c64(&mut self, x: f64) -> String {
+        self.op(format!("arith.constant {} : f64", float_lit(x)))
+    }
+    /// f32 to f64 (exact).
+    fn ext(&mut self, a: &str) -> String {
+        self.op(format!("arith.extf {a} : f32 to f64"))
+    }
+    /// f64 to f32, rounded to nearest (Rust's `as f32`).
+    fn trunc(&mut self, a: &str) -> String {
+        self.op(format!("arith.truncf {a} : f64 to f32"))
     }
     fn sub(&mut self, a: &str, b: &str) -> String {
         self.bin("subf", a, b)
@@ -173,6 +198,23 @@ impl Body {
         let y = self.op(format!("arith.select {under}, {zero}, {y} : f32"));
         self.op(format!("arith.select {over}, {inf}, {y} : f32"))
     }
+    /// `(sigmoid(z), 1 - sigmoid(z))` as `megac_kernels`' `simd::sigmoid_pair` forms
+    /// them: `e = exp(-|z|)`, `r = 1 / (1 + e)`, then `(r, e·r)` for `z >= 0`, else
+    /// `(e·r, r)`.
+    fn sigmoid_pair(&mut self, z: &str) -> (String, String) {
+        let a = self.op(format!("math.absf {z} : f32"));
+        let n = self.op(format!("arith.negf {a} : f32"));
+        let e = self.math("exp", &n);
+        let one = self.c(1.0);
+        let d = self.add(&one, &e);
+        let r = self.div(&one, &d);
+        let small = self.mul(&e, &r);
+        let zero = self.c(0.0);
+        let ge = self.op(format!("arith.cmpf oge, {z}, {zero} : f32"));
+        let sg = self.op(format!("arith.select {ge}, {r}, {small} : f32"));
+        let om = self.op(format!("arith.select {ge}, {small}, {r} : f32"));
+        (sg, om)
+    }
     /// `1 / (1 + exp(-x))`.
     fn sigmoid(&mut self, x: &str) -> String {
         let n = self.op(format!("arith.negf {x} : f32"));
@@ -241,14 +283,13 @@ fn generic(
         lines: Vec::new(),
         next: 0,
         fast: f.fast,
-        reduce: !reductions.is_empty(),
     };
     let mut args = Vec::new();
     let mut in_vals = Vec::new();
     for (i, (a, _)) in ins.iter().enumerate() {
         let n = format!("%in{i}");
-        args.push(format!("{n}: {}", elem(a.dtype)));
-        if a.dtype.is_half() {
+        args.push(format!("{n}: {}", a.el()));
+        if a.dtype.is_half() && !a.wide {
             let w = b.op(format!("arith.extf {n} : {} to f32", elem(a.dtype)));
             in_vals.push(w);
         } else {
@@ -258,7 +299,7 @@ fn generic(
     let mut out_vals = Vec::new();
     for (i, (a, _)) in outs.iter().enumerate() {
         let n = format!("%out{i}");
-        args.push(format!("{n}: {}", elem(a.dtype)));
+        args.push(format!("{n}: {}", a.el()));
         if fresh_out[i] {
             out_vals.push(b.c(0.0));
         } else {
@@ -266,7 +307,7 @@ fn generic(
         }
     }
     let ys = body(&mut b, &in_vals, &out_vals);
-    let out_tys: Vec<&str> = outs.iter().map(|(a, _)| elem(a.dtype)).collect();
+    let out_tys: Vec<&str> = outs.iter().map(|(a, _)| a.el()).collect();
     let names = |xs: &[(&Arg, Vec<String>)]| -> (String, String) {
         (
             xs.iter()
@@ -324,6 +365,7 @@ fn stage(f: &mut Func, outs: Vec<Arg>) -> Staged {
             ty,
             dtype: DType::F32,
             shape: o.shape.clone(),
+            wide: false,
         };
         let id = ds(0..o.shape.len());
         generic(
@@ -398,6 +440,7 @@ fn subview(
         ty,
         dtype: a.dtype,
         shape: sizes.to_vec(),
+        wide: false,
     }
 }
 
@@ -439,6 +482,7 @@ fn expand(f: &mut Func, a: &Arg, dim: usize, outer: u64, inner: u64) -> Arg {
         ty,
         dtype: a.dtype,
         shape,
+        wide: false,
     }
 }
 
@@ -830,6 +874,7 @@ fn lower_compute(
                 name: n,
                 dtype: DType::F32,
                 shape: vec![s_len as u64, half as u64],
+                wide: false,
             };
             let (cos, sin) = (table(cos), table(sin));
             // The halves as a dimension of their own. A deferred zero of the input is
@@ -851,6 +896,7 @@ fn lower_compute(
                     ty,
                     dtype: a.dtype,
                     shape,
+                    wide: false,
                 }
             };
             let x = halves(f, &ins[0]);
@@ -932,9 +978,16 @@ fn lower_compute(
                 &[(dg, id.clone()), (du, id.clone())],
                 |b, i, o| {
                     let (g, u, dy) = (&i[0], &i[1], &i[2]);
-                    let sg = b.sigmoid(g);
-                    let one = b.c(1.0);
-                    let om = b.sub(&one, &sg);
+                    // The fused form: the Rust kernel's `sigmoid_pair` (no `1 - sg`).
+                    let (sg, one, om) = if b.fast {
+                        let (sg, om) = b.sigmoid_pair(g);
+                        (sg, b.c(1.0), om)
+                    } else {
+                        let sg = b.sigmoid(g);
+                        let one = b.c(1.0);
+                        let om = b.sub(&one, &sg);
+                        (sg, one, om)
+                    };
                     let gs = b.mul(g, &sg);
                     let t = b.mul(dy, &gs);
                     let dup = b.add(&o[1], &t);
@@ -962,17 +1015,27 @@ fn lower_compute(
                 let u = b.mul(&c1, &s);
                 let two = b.c(2.0);
                 let u2 = b.mul(&two, &u);
-                let sg = b.sigmoid(&u2);
+                // The fused form's gradient: the Rust kernel's `sigmoid_pair` (no `1 - sg`).
+                let plain = (!b.fast || !grad).then(|| b.sigmoid(&u2));
                 if !grad {
+                    let sg = plain.unwrap_or_default();
                     return vec![b.mul(x, &sg)];
                 }
+                let pair = b.fast.then(|| b.sigmoid_pair(&u2));
                 let one = b.c(1.0);
                 let three = b.c(3.0);
                 let k = b.mul(&three, &c2);
                 let kx2 = b.mul(&k, &x2);
                 let p = b.add(&one, &kx2);
                 let du = b.mul(&c1, &p);
-                let om = b.sub(&one, &sg);
+                let (sg, om) = match (pair, plain) {
+                    (Some(pair), _) => pair,
+                    (None, sg) => {
+                        let sg = sg.unwrap_or_default();
+                        let om = b.sub(&one, &sg);
+                        (sg, om)
+                    }
+                };
                 let tx = b.mul(&two, x);
                 let a = b.mul(&tx, &sg);
                 let a = b.mul(&a, &om);
@@ -998,6 +1061,7 @@ fn lower_compute(
                 },
             );
         }
+        OpKind::SigmoidMulGrad if f.fast => ordered::sigmoid_mul_grad(f, &ins, &outs),
         OpKind::SigmoidMulGrad => {
             // (gate[..,1], y[..,h], dout) -> (dgate[..,1], dy)
             let (dgate, dy) = (&outs[0], &outs[1]);
@@ -1174,6 +1238,11 @@ fn lower_compute(
                 |b, i, o| vec![b.add(&o[0], &i[0])],
             );
         }
+        OpKind::RmsNorm { eps } | OpKind::RmsNormGrad { eps } if f.fast => {
+            let grad = matches!(op, OpKind::RmsNormGrad { .. });
+            ordered::rms_norm(f, grad, *eps as f32, &ins, &outs);
+        }
+        OpKind::LayerNorm { eps } if f.fast => ordered::layer_norm(f, *eps as f32, &ins, &outs),
         OpKind::RmsNorm { eps } | OpKind::RmsNormGrad { eps } => {
             let (x, w) = (&ins[0], &ins[1]);
             let rr = x.shape.len();
@@ -1186,6 +1255,7 @@ fn lower_compute(
                 ty: ss_ty.clone(),
                 dtype: DType::F32,
                 shape: x.shape[..rr - 1].to_vec(),
+                wide: false,
             };
             fill_zero(f, &ssa);
             generic(
@@ -1230,6 +1300,7 @@ fn lower_compute(
                     ty: c_ty.clone(),
                     dtype: DType::F32,
                     shape: x.shape[..rr - 1].to_vec(),
+                    wide: false,
                 };
                 fill_zero(f, &ca);
                 generic(
@@ -1269,21 +1340,11 @@ fn lower_compute(
                         vec![b.add(&o[0], &g)]
                     },
                 );
-                // loops: h, rows.. (reduction); in the fused form rows.. (reduction), h,
-                // so the inner loop runs along the rows in memory order and vectorizes.
-                let (rows_m, ss_m, dw_m, red): (Vec<String>, Vec<String>, Vec<String>, Vec<usize>) =
-                    if f.fast {
-                        (
-                            xid.clone(),
-                            lead.clone(),
-                            vec![d(rr - 1)],
-                            (0..rr - 1).collect(),
-                        )
-                    } else {
-                        let mut rows_m = ds(1..rr);
-                        rows_m.push(d(0));
-                        (rows_m, ds(1..rr), vec![d(0)], (1..rr).collect())
-                    };
+                // loops: h, rows.. (reduction)
+                let mut rows_m = ds(1..rr);
+                rows_m.push(d(0));
+                let (ss_m, dw_m, red): (Vec<String>, Vec<String>, Vec<usize>) =
+                    (ds(1..rr), vec![d(0)], (1..rr).collect());
                 generic(
                     f,
                     rr,
@@ -1314,6 +1375,7 @@ fn lower_compute(
                     ty: t,
                     dtype: DType::F32,
                     shape: rows.clone(),
+                    wide: false,
                 };
                 fill_zero(f, &a);
                 a

@@ -94,7 +94,8 @@ pub(crate) struct Func<'p> {
     /// first ([`Func::materialize`]).
     pub fresh: BTreeMap<String, View>,
     /// The fused-kernel form (set by [`super::fused_source`]): `exp` as the Rust kernels'
-    /// polynomial, reductions reassociable and ordered for vector loops.
+    /// polynomial, and the norms' row sums and weight gradients, the activation gradients
+    /// and the MoE gate's gradient in the Rust kernels' operations and order.
     pub fast: bool,
     /// Buffer-argument mode: the buffers of rank 2 or more hold `1 / split` of their rows
     /// (a row range of a group split over threads, `crate::fuse::split_rows`); 1 otherwise.
