@@ -19,8 +19,12 @@
 //! unfused, every instruction by the Rust kernels. A group is a run of *consecutive* members of one program: no
 //! instruction is moved, so every read and write happens in the program's order and the
 //! group computes what its instructions compute one after the other (buffers that share
-//! memory by liveness stay correct). Collectives, transfers, matmuls and the kernels
-//! without a lowering (attention, cross-entropy, AdamW, ...) end a group.
+//! memory by liveness stay correct). Collectives, transfers, matmuls, AdamW and the
+//! kernels without a lowering (attention, cross-entropy, ...) end a group. A `cast` is a
+//! member like any elementwise kernel, but the plans the frontend compiles hold none:
+//! mixed precision is carried by the buffers' dtypes (each kernel widens its 16-bit
+//! operands and rounds its 16-bit outputs once, inside a fused kernel as well) and by
+//! AdamW's master copy, so the conversions are already inside the groups' kernels.
 //!
 //! ## Profit
 //! A member joins the group before it only when it is *connected* to it: it reads or
@@ -31,10 +35,17 @@
 //! zeroed buffers; on the bench model that group runs in 0.87 of the Rust kernels'
 //! time, docs/mlir.md). Trailing `zero`s that nothing in the
 //! group writes afterwards are left out, and a group must hold at least two instructions
-//! and one kernel; at most [`MAX_GROUP`] instructions. What a group saves: one call
+//! and one kernel (an AdamW alone, below); at most [`MAX_GROUP`] instructions. What a group saves: one call
 //! instead of several, and every `zero` followed by a kernel that accumulates into it
 //! elementwise is not run at all: that kernel writes `0 + value` instead of reading the
 //! zeroed buffer (the same bits), which saves a write and a read of the buffer.
+//!
+//! ## AdamW
+//! Each AdamW update is a group of its own ([`alone`]): the Rust kernels pass over the
+//! gradient up to three times (unscaling fp16's loss scale, clipping, the update) and copy
+//! the master weight into the working weight; its fused kernel does all of it in one pass.
+//! The step's scalars (learning rate, bias corrections, loss scale) are an argument the
+//! runtime fills per call; the clipping norm is read from its buffer.
 //!
 //! ## Splitting a group over threads
 //! A group whose every member is *row-local* (each output row depends only on the same row
@@ -140,6 +151,18 @@ pub fn split_rows(plan: &megac_ir::plan::Plan, instrs: &[Instr], parts: u64) -> 
     lead.filter(|&l| l % parts == 0)
 }
 
+/// Whether instruction `i` is a group of its own: an AdamW update (its unscaling,
+/// clipping, moments, step and master rounding in one pass instead of up to four).
+pub fn alone(i: &Instr) -> bool {
+    matches!(
+        i,
+        Instr::Kernel {
+            op: OpKind::AdamW { .. },
+            ..
+        }
+    )
+}
+
 /// Whether instruction `i` may be a member of a group.
 pub fn member(i: &Instr) -> bool {
     match i {
@@ -166,6 +189,11 @@ pub fn groups(program: &[Instr]) -> Vec<Group> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < program.len() {
+        if alone(&program[i]) {
+            out.push(Group { start: i, len: 1 });
+            i += 1;
+            continue;
+        }
         if !member(&program[i]) {
             i += 1;
             continue;
@@ -336,5 +364,43 @@ mod tests {
         let g = groups(&p);
         assert_eq!(g, vec![Group { start: 3, len: 4 }]);
         assert_eq!(g[0].pattern(&p), "zero+rope_grad+zero+rope_grad");
+    }
+
+    #[test]
+    fn each_adamw_is_a_group_and_casts_join_their_chain() {
+        let adamw = OpKind::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            max_norm: 1.0,
+            master: true,
+        };
+        let bf16 = OpKind::Cast {
+            to: megac_ir::DType::Bf16,
+        };
+        let p = vec![
+            // A cast between elementwise members joins their group.
+            k(OpKind::Add, &[1, 2], &[3]),
+            k(bf16.clone(), &[3], &[4]),
+            k(OpKind::RmsNorm { eps: 1e-5 }, &[4, 5], &[6]),
+            k(OpKind::GradNorm { axes: vec![] }, &[7, 8], &[9]),
+            k(adamw.clone(), &[10, 7, 9], &[10, 11, 12, 13]),
+            k(adamw, &[14, 8, 9], &[14, 15, 16, 17]),
+            // A cast of nothing an earlier member wrote starts no group.
+            k(bf16, &[18], &[19]),
+        ];
+        let g = groups(&p);
+        assert_eq!(
+            g,
+            vec![
+                Group { start: 0, len: 3 },
+                Group { start: 4, len: 1 },
+                Group { start: 5, len: 1 }
+            ]
+        );
+        assert_eq!(g[0].pattern(&p), "add+cast+rms_norm");
+        assert_eq!(g[1].pattern(&p), "adamw");
     }
 }

@@ -80,7 +80,7 @@ pub fn run_program(
         }
         let t0 = profile.as_ref().map(|_| std::time::Instant::now());
         if let Some(call) = fused.and_then(|f| f[index].as_ref()) {
-            call.run(mem)?;
+            call.run(mem, ctx)?;
             skip = call.len - 1;
             if let (Some(p), Some(t0)) = (profile.as_deref_mut(), t0) {
                 let secs = t0.elapsed().as_secs_f64();

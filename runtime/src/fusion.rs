@@ -49,16 +49,51 @@ pub(crate) struct Call {
     /// element size in bytes.
     #[cfg_attr(not(feature = "mlir"), allow(dead_code))]
     cut: Vec<(bool, usize)>,
+    /// A fused AdamW's hyperparameters (`beta1`, `beta2`, `eps`, `weight_decay`, as f32):
+    /// the call passes the step's scalars ([`adamw_scalars`]) as a last argument.
+    #[cfg_attr(not(feature = "mlir"), allow(dead_code))]
+    adamw: Option<[f32; 4]>,
     #[cfg(feature = "mlir")]
     kernel: std::sync::Arc<jit::Kernel>,
 }
 
+/// The scalars a fused AdamW takes (`megac_codegen::mlir::ADAMW_SCALARS` of them, in the
+/// order of its lowering): `megac_kernels::optim::step_scalars` of this step, then
+/// `1 / loss_scale` rounded to f32, as the runtime's AdamW instruction computes them.
+#[cfg_attr(not(feature = "mlir"), allow(dead_code))]
+fn adamw_scalars(hp: [f32; 4], ctx: &crate::exec::StepContext) -> [f32; 8] {
+    let k = megac_kernels::optim::step_scalars(
+        &megac_kernels::optim::AdamW {
+            lr: ctx.lr as f32,
+            beta1: hp[0],
+            beta2: hp[1],
+            eps: hp[2],
+            weight_decay: hp[3],
+        },
+        ctx.step,
+    );
+    [
+        k.decay,
+        k.w1,
+        k.beta2,
+        k.w2,
+        k.bc2_sqrt,
+        k.eps,
+        k.neg_step_size,
+        (1.0 / ctx.loss_scale) as f32,
+    ]
+}
+
 impl Call {
-    /// Run the group on `mem`.
-    pub fn run(&self, mem: &Memory) -> Result<(), RuntimeError> {
+    /// Run the group on `mem`, at step `ctx` (a fused AdamW's scalars).
+    pub fn run(&self, mem: &Memory, ctx: &crate::exec::StepContext) -> Result<(), RuntimeError> {
         #[cfg(feature = "mlir")]
         {
-            let bufs: Vec<(*mut u8, i64)> = self.buffers.iter().map(|&b| mem.raw(b)).collect();
+            let mut bufs: Vec<(*mut u8, i64)> = self.buffers.iter().map(|&b| mem.raw(b)).collect();
+            let mut scalars = self.adamw.map(|hp| adamw_scalars(hp, ctx));
+            if let Some(sc) = scalars.as_mut() {
+                bufs.push((sc.as_mut_ptr().cast::<u8>(), sc.len() as i64));
+            }
             if self.parts <= 1 {
                 // SAFETY: every pointer is a buffer this rank holds, valid for its element
                 // count (`Memory::raw`); the group's instructions are the executor's
@@ -105,7 +140,7 @@ impl Call {
         }
         #[cfg(not(feature = "mlir"))]
         {
-            let _ = (mem, &self.buffers);
+            let _ = (mem, ctx, &self.buffers);
             Err(RuntimeError::Unsupported(
                 "fused kernels need a build with the `mlir` feature".into(),
             ))
@@ -157,14 +192,15 @@ pub struct Prepared(Call);
 
 #[cfg(feature = "mlir")]
 impl Prepared {
-    /// Run the group's kernel on `mem` (a rank's memory holding every buffer it uses).
-    pub fn run(&self, mem: &Memory) -> Result<(), RuntimeError> {
+    /// Run the group's kernel on `mem` (a rank's memory holding every buffer it uses) at
+    /// step `ctx`.
+    pub fn run(&self, mem: &Memory, ctx: &crate::exec::StepContext) -> Result<(), RuntimeError> {
         if let Some(b) = self.0.buffers.iter().find(|&&b| !mem.holds(b)) {
             return Err(RuntimeError::Plan(format!(
                 "this rank does not hold buffer {b}"
             )));
         }
-        self.0.run(mem)
+        self.0.run(mem, ctx)
     }
 }
 
@@ -180,16 +216,18 @@ pub fn prepare_group(
 }
 
 /// Run `instrs` (a fused group of a program of `plan`) on `mem` as one fused kernel
-/// ([`prepare_group`]). Returns false, running nothing, when the group has no fused form.
+/// ([`prepare_group`]) at step `ctx`. Returns false, running nothing, when the group has no
+/// fused form.
 #[cfg(feature = "mlir")]
 pub fn run_group(
     plan: &megac_ir::gate::CheckedPlan,
     mem: &Memory,
     instrs: &[Instr],
+    ctx: &crate::exec::StepContext,
 ) -> Result<bool, RuntimeError> {
     match prepare_group(plan, instrs)? {
         Some(p) => {
-            p.run(mem)?;
+            p.run(mem, ctx)?;
             Ok(true)
         }
         None => Ok(false),
@@ -297,11 +335,31 @@ mod jit {
                 (buf.shape.len() >= 2, buf.dtype.size_bytes() as usize)
             })
             .collect();
+        let adamw = match instrs {
+            [megac_ir::plan::Instr::Kernel {
+                op:
+                    megac_ir::OpKind::AdamW {
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                        ..
+                    },
+                ..
+            }] => Some([
+                *beta1 as f32,
+                *beta2 as f32,
+                *eps as f32,
+                *weight_decay as f32,
+            ]),
+            _ => None,
+        };
         Ok(Some(Call {
             len: instrs.len(),
             buffers,
             parts: parts as usize,
             cut,
+            adamw,
             kernel: kernel(&text)?,
         }))
     }

@@ -16,7 +16,10 @@ use megac_ir::OpKind;
 
 use super::text::{elem, float_lit, memref_ty, str_attr, Func, View};
 
+mod adamw;
 mod ordered;
+
+pub use adamw::SCALARS as ADAMW_SCALARS;
 
 /// Whether `op` has a linalg lowering (else it is emitted as a runtime kernel call).
 /// Ops whose kernel communicates or depends on the rank beyond what a view expresses
@@ -608,9 +611,14 @@ fn kernel(f: &mut Func, op: &OpKind, inputs: &[BufId], outputs: &[BufId], path: 
         f.call(&format!("megac.{}", op.name()), &views, &attrs);
         return;
     }
-    // RoPE has a linalg form only in a fused kernel (its tables are module constants);
-    // the role modules call the runtime's kernel.
-    let fused_only = f.fast && matches!(op, OpKind::Rope { .. } | OpKind::RopeGrad { .. });
+    // RoPE and AdamW have a linalg form only in a fused kernel (RoPE's tables are module
+    // constants, AdamW takes the step's scalars as an argument); the role modules call the
+    // runtime's kernel.
+    let fused_only = f.fast
+        && matches!(
+            op,
+            OpKind::Rope { .. } | OpKind::RopeGrad { .. } | OpKind::AdamW { .. }
+        );
     if (lowered(op) || fused_only) && lower(f, op, inputs, outputs).is_some() {
         return;
     }
@@ -651,6 +659,9 @@ fn kernel(f: &mut Func, op: &OpKind, inputs: &[BufId], outputs: &[BufId], path: 
 /// The linalg lowering of a kernel; `None` when this instance needs the runtime kernel
 /// (a rank-dependent form the lowering does not express).
 fn lower(f: &mut Func, op: &OpKind, inputs: &[BufId], outputs: &[BufId]) -> Option<()> {
+    if let OpKind::AdamW { .. } = op {
+        return adamw::adamw(f, op, inputs, outputs);
+    }
     let ins: Vec<Arg> = inputs.iter().map(|&b| f.view(b).into()).collect();
     let outs: Vec<Arg> = outputs.iter().map(|&b| f.view(b).into()).collect();
     match op {

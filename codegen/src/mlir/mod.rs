@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use megac_ir::plan::{BufId, Instr, Plan};
 use megac_ir::types::DType;
 
-pub use lower::lowered;
+pub use lower::{lowered, ADAMW_SCALARS};
 use text::{arena_arg, memref_ty, str_attr, Extra, Func, CLASSES};
 
 /// Why MLIR emission failed.
@@ -260,8 +260,10 @@ pub fn write_modules(plan: &Plan, dir: &Path) -> Result<Vec<PathBuf>, MlirError>
 /// argument of its own, a rank-1 memref of its elements (reshaped inside to the buffer's
 /// shape). A `zero` of an f32 buffer is deferred: the first kernel that writes the buffer
 /// elementwise starts from 0 instead of reading it ([`text::Func::materialize`] zeroes it
-/// otherwise). Returns the text and the buffers in argument order, or `None` when an
-/// instruction has no lowering in this form (its text would call a runtime symbol).
+/// otherwise). A fused AdamW (a group of its own) takes one more argument after the
+/// buffers, its step's [`ADAMW_SCALARS`] f32 scalars (`lower/adamw.rs`). Returns the text
+/// and the buffers in argument order, or `None` when an instruction has no lowering in
+/// this form (its text would call a runtime symbol).
 pub fn fused_source(plan: &Plan, instrs: &[Instr]) -> Option<(String, Vec<BufId>)> {
     fused_source_split(plan, instrs, 1)
 }
@@ -302,7 +304,7 @@ pub fn fused_source_split(
         return None;
     }
     let buffers = f.buffer_args.take().unwrap_or_default();
-    let args: Vec<String> = buffers
+    let mut args: Vec<String> = buffers
         .iter()
         .enumerate()
         .map(|(k, &b)| {
@@ -315,6 +317,9 @@ pub fn fused_source_split(
             format!("%a{k}: {}", memref_ty(&[len], text::elem(buf.dtype)))
         })
         .collect();
+    if f.scalars {
+        args.push(format!("%sc: memref<{}xf32>", lower::ADAMW_SCALARS));
+    }
     let mut out = String::from("module {\n");
     for g in &f.globals {
         let _ = writeln!(out, "  {g}");

@@ -100,6 +100,9 @@ pub(crate) struct Func<'p> {
     /// Buffer-argument mode: the buffers of rank 2 or more hold `1 / split` of their rows
     /// (a row range of a group split over threads, `crate::fuse::split_rows`); 1 otherwise.
     pub split: u64,
+    /// The function takes the per-step scalars of a fused AdamW as its last argument,
+    /// `%sc: memref<8xf32>` (set by its lowering).
+    pub scalars: bool,
     /// Module-level constants (fused kernels: RoPE's cos and sin tables), as
     /// `memref.global` lines, in first-use order.
     pub globals: Vec<String>,
@@ -140,6 +143,7 @@ impl<'p> Func<'p> {
             fresh: BTreeMap::new(),
             fast: false,
             split: 1,
+            scalars: false,
             globals: Vec::new(),
         }
     }
