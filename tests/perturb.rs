@@ -252,7 +252,9 @@ fn megac(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-/// `megac scope --perturb POINT:patch(own probe file) --report`: kl exactly 0, agreement 1.
+/// `megac scope --perturb POINT:patch(own probe file) --report`: kl exactly 0, agreement 1,
+/// on one device and in tp2 with sequence parallelism, cp2, pp2 and dp2 (each patched from
+/// the probe file of its own layout's clean run).
 #[test]
 fn scope_patch_from_own_probes_has_zero_kl() {
     let dir = tempfile::tempdir().unwrap();
@@ -260,46 +262,53 @@ fn scope_patch_from_own_probes_has_zero_kl() {
     let init = fixture("llama").join("init.safetensors");
     let probes = dir.path().join("p.safetensors");
     let report = dir.path().join("r.json");
-    let base = [
-        "scope",
-        model.to_str().unwrap(),
-        "--init",
-        init.to_str().unwrap(),
-        "--tokens",
-        "3,14,15,92,65,35,89,79",
-    ];
-    let mut args = base.to_vec();
-    args.extend(["--probe", "layers.*.out", "-o", probes.to_str().unwrap()]);
-    let out = megac(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let patch = format!("layers.1.out:patch({})", probes.display());
-    let out2 = dir.path().join("q.safetensors");
-    let mut args = base.to_vec();
-    args.extend([
-        "--probe",
-        "logits",
-        "-o",
-        out2.to_str().unwrap(),
-        "--perturb",
-        &patch,
-        "--report",
-        report.to_str().unwrap(),
-    ]);
-    let out = megac(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    assert_eq!(r["kl"].as_f64(), Some(0.0));
-    assert_eq!(r["top1_agreement"].as_f64(), Some(1.0));
-    assert_eq!(r["clean_loss"], r["perturbed_loss"]);
+    for layout in [
+        &[][..],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        &["parallel.cp=2"],
+        &["parallel.pp=2"],
+        &["parallel.dp=2"],
+    ] {
+        let mut base = vec![
+            "scope".to_string(),
+            model.display().to_string(),
+            "--init".into(),
+            init.display().to_string(),
+            "--tokens".into(),
+            "3,14,15,92,65,35,89,79".into(),
+        ];
+        for s in layout {
+            base.extend(["--set".to_string(), s.to_string()]);
+        }
+        let run = |extra: &[&str]| {
+            let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+            args.extend_from_slice(extra);
+            let out = megac(&args);
+            assert!(
+                out.status.success(),
+                "{layout:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        run(&["--probe", "layers.*.out", "-o", probes.to_str().unwrap()]);
+        let patch = format!("layers.1.out:patch({})", probes.display());
+        let out2 = dir.path().join("q.safetensors");
+        run(&[
+            "--probe",
+            "logits",
+            "-o",
+            out2.to_str().unwrap(),
+            "--perturb",
+            &patch,
+            "--report",
+            report.to_str().unwrap(),
+        ]);
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        assert_eq!(r["kl"].as_f64(), Some(0.0), "{layout:?}");
+        assert_eq!(r["top1_agreement"].as_f64(), Some(1.0), "{layout:?}");
+        assert_eq!(r["clean_loss"], r["perturbed_loss"], "{layout:?}");
+    }
 }
 
 fn train_with(perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
@@ -576,4 +585,100 @@ fn train_and_run_commands_with_perturbations() {
     let err = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{err}");
     assert!(err.contains("compiled into the plan"), "{err}");
+}
+
+/// `patch` in tp2, tp2 with sequence parallelism, cp2, cp2 × tp2, pp2 and dp2 (llama): every
+/// rank fills its part of the replacement from the file's global tensor. Patching
+/// `layers.0.out` of input A from the one-device probe file of input B gives the one-device
+/// patched run's points (B's from `layers.0.out` on, A's before it) within float32 rounding
+/// of the layout; patching from the layout's own probe file of A gives its clean run's
+/// logits: bit for bit where the point is a plain split (sequence parallelism, cp, pp,
+/// dp), within rounding under tp2 without sequence parallelism (there the residual stream
+/// is a pending sum over tp, patched as the whole sum on tp rank 0, so it is added in
+/// another order).
+#[test]
+fn patch_in_every_layout() {
+    let name = "llama";
+    let init = fixture(name).join("init.safetensors");
+    let dir = tempfile::tempdir().unwrap();
+    let one = forward_plan(name);
+    let mut inf = Inference::new(&one, &init).unwrap();
+    let (pa, pb) = (probe_all(&mut inf, &A), probe_all(&mut inf, &B));
+    let fb = dir.path().join("b.safetensors");
+    write_probes(&fb, &pb);
+    let spec = |f: &Path| format!("layers.0.out:patch({})", f.display());
+    for (layout, exact) in [
+        (&["parallel.tp=2"][..], false),
+        (&["parallel.tp=2", "parallel.sequence_parallel=true"], true),
+        (&["parallel.cp=2"], true),
+        (
+            &[
+                "parallel.cp=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            true,
+        ),
+        (&["parallel.pp=2"], true),
+        (&["parallel.dp=2", "train.global_batch=2"], true),
+    ] {
+        let run = |plan: &megac_ir::gate::CheckedPlan, patch: Option<&Path>| {
+            megac_runtime::infer::with_ranks_scope(plan, &init, |inf| {
+                if let Some(f) = patch {
+                    inf.set_patches(&[perturb(&spec(f))])?;
+                }
+                Ok(probe_all(inf, &A))
+            })
+            .unwrap()
+        };
+        let clean = run(&scope_plan_in(name, layout, &[]).unwrap(), None);
+        let fa = dir.path().join("a.safetensors");
+        write_probes(&fa, &clean);
+        let patched_plan = |f: &Path| scope_plan_in(name, layout, &[&spec(f)]).unwrap();
+        // From B's one-device file: the one-device patched run, within rounding.
+        let got = run(&patched_plan(&fb), Some(&fb));
+        let mut worst = 0f32;
+        for ((g, a), b) in got.iter().zip(&pa).zip(&pb) {
+            let later = g.name.starts_with("layers.1.")
+                || g.name == "logits"
+                || g.name == "layers.0.out"
+                || g.name.starts_with("layers.0.lens");
+            let want = if later { b } else { a };
+            assert_eq!((&g.name, &g.shape), (&want.name, &want.shape), "{layout:?}");
+            let diff = g
+                .values
+                .iter()
+                .zip(&want.values)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            // The lens's token ids must agree; probabilities and activations within 1e-5.
+            assert!(diff <= 1e-5, "{layout:?}: {}: {diff}", g.name);
+            if g.name == "layers.0.out" {
+                assert_eq!(g, b, "{layout:?}: the patched point is B's, bit for bit");
+            }
+            worst = worst.max(diff);
+        }
+        eprintln!("{layout:?}: patched from B vs one device: max diff {worst:e}");
+        // From the layout's own file of A: its clean run.
+        let same = run(&patched_plan(&fa), Some(&fa));
+        let logits = |p: &[Probe]| {
+            p.iter()
+                .find(|p| p.name == "logits")
+                .unwrap()
+                .values
+                .clone()
+        };
+        let (x, y) = (logits(&same), logits(&clean));
+        if exact {
+            assert_eq!(same, clean, "{layout:?}: patched with A's own values");
+        } else {
+            let diff = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            eprintln!("{layout:?}: patched from its own file: logits max diff {diff:e}");
+            assert!(diff <= 1e-5, "{layout:?}: {diff}");
+        }
+    }
 }
