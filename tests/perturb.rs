@@ -753,3 +753,93 @@ fn perturbations_survive_recomputation() {
         }
     }
 }
+
+/// Weight faults of 16-bit working weights (bf16 / fp16 mixed precision) act on the 16-bit
+/// copy the kernels read: a bit flip flips a bit of the 16-bit format's field, so the same
+/// flip twice restores every bit, and a sign flip of a bf16 weight negates exactly the
+/// elements it hits (the other bits unchanged); noise(0) and scale(1) change no bit.
+#[test]
+fn weight_faults_of_16_bit_working_weights() {
+    use megac_kernels::precision::{narrow, Half};
+    use megac_runtime::perturb::apply_working;
+    let values: Vec<f32> = (0..4000)
+        .map(|i| ((i as f32) * 0.731).sin() * 3.0)
+        .collect();
+    for half in [Half::Bf16, Half::F16] {
+        let mut orig = vec![0u16; values.len()];
+        narrow(half, &values, &mut orig);
+        for field in ["sign", "exponent", "mantissa"] {
+            let kind = perturb(&format!("weights.w:bitflip({field}, 0.2)")).kind;
+            let mut w = orig.clone();
+            apply_working(&kind, half, &mut w, 11);
+            let changed = w.iter().zip(&orig).filter(|(a, b)| a != b).count();
+            assert!(
+                (600..1000).contains(&changed),
+                "{half:?} {field}: {changed} of 4000 changed"
+            );
+            // One bit of the field per changed element.
+            let mask: u16 = match (field, half) {
+                ("sign", _) => 0x8000,
+                ("exponent", Half::Bf16) => 0x7f80,
+                ("mantissa", Half::Bf16) => 0x007f,
+                ("exponent", Half::F16) => 0x7c00,
+                _ => 0x03ff,
+            };
+            for (a, b) in w.iter().zip(&orig) {
+                let d = a ^ b;
+                assert!(
+                    d == 0 || (d.count_ones() == 1 && d & mask == d),
+                    "{half:?} {field}"
+                );
+            }
+            if field == "sign" {
+                for (a, b) in w.iter().zip(&orig) {
+                    let (x, y) = (half.to_f32(*a), half.to_f32(*b));
+                    assert!(a == b || x == -y, "{half:?}: a sign flip negates");
+                }
+            }
+            apply_working(&kind, half, &mut w, 11);
+            assert_eq!(w, orig, "{half:?} {field}: twice restores every bit");
+        }
+        for k in ["noise(0)", "scale(1)"] {
+            let mut w = orig.clone();
+            apply_working(&perturb(&format!("weights.w:{k}")).kind, half, &mut w, 3);
+            assert_eq!(w, orig, "{half:?} {k}");
+        }
+        let mut w = orig.clone();
+        apply_working(&perturb("weights.w:scale(2)").kind, half, &mut w, 3);
+        assert!(w
+            .iter()
+            .zip(&orig)
+            .all(|(a, b)| half.to_f32(*a) == 2.0 * half.to_f32(*b)));
+    }
+}
+
+/// `megac train --perturb` on a weight under bf16 and fp16 mixed precision: the same
+/// exponent bit flip given twice at step 2 trains bit-identically to the clean run (the
+/// working weight restored bit for bit), once it leaves step 1 bit-identical and changes
+/// step 2 (its forward and backward read the faulted working weight) and step 3; a sign
+/// flip of every element changes step 2 too.
+#[test]
+fn train_weight_faults_in_mixed_precision() {
+    let w = "weights.model.layers.0.mlp.down_proj.weight";
+    let flip = format!("{w}:bitflip(exponent, 0.05)@2");
+    let sign = format!("{w}:bitflip(sign, 1)@2");
+    let bits = |r: &[(f64, f64)]| -> Vec<(u64, u64)> {
+        r.iter().map(|(a, b)| (a.to_bits(), b.to_bits())).collect()
+    };
+    for precision in ["bf16", "fp16"] {
+        let set = format!("train.precision=\"{precision}\"");
+        let layout = [set.as_str()];
+        let clean = bits(&train_in(&layout, &[], 0));
+        let twice = bits(&train_in(&layout, &[&flip, &flip], 0));
+        assert_eq!(twice, clean, "{precision}: the same flip twice");
+        let once = bits(&train_in(&layout, &[&flip], 0));
+        assert_eq!(once[0], clean[0], "{precision}: step 1");
+        assert_ne!(once[1], clean[1], "{precision}: step 2");
+        assert_ne!(once[2], clean[2], "{precision}: step 3");
+        let negated = bits(&train_in(&layout, &[&sign], 0));
+        assert_eq!(negated[0], clean[0], "{precision}: step 1");
+        assert_ne!(negated[1], clean[1], "{precision}: step 2");
+    }
+}
