@@ -252,7 +252,9 @@ fn megac(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-/// `megac scope --perturb POINT:patch(own probe file) --report`: kl exactly 0, agreement 1.
+/// `megac scope --perturb POINT:patch(own probe file) --report`: kl exactly 0, agreement 1,
+/// on one device and in tp2 with sequence parallelism, cp2, pp2 and dp2 (each patched from
+/// the probe file of its own layout's clean run).
 #[test]
 fn scope_patch_from_own_probes_has_zero_kl() {
     let dir = tempfile::tempdir().unwrap();
@@ -260,46 +262,53 @@ fn scope_patch_from_own_probes_has_zero_kl() {
     let init = fixture("llama").join("init.safetensors");
     let probes = dir.path().join("p.safetensors");
     let report = dir.path().join("r.json");
-    let base = [
-        "scope",
-        model.to_str().unwrap(),
-        "--init",
-        init.to_str().unwrap(),
-        "--tokens",
-        "3,14,15,92,65,35,89,79",
-    ];
-    let mut args = base.to_vec();
-    args.extend(["--probe", "layers.*.out", "-o", probes.to_str().unwrap()]);
-    let out = megac(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let patch = format!("layers.1.out:patch({})", probes.display());
-    let out2 = dir.path().join("q.safetensors");
-    let mut args = base.to_vec();
-    args.extend([
-        "--probe",
-        "logits",
-        "-o",
-        out2.to_str().unwrap(),
-        "--perturb",
-        &patch,
-        "--report",
-        report.to_str().unwrap(),
-    ]);
-    let out = megac(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    assert_eq!(r["kl"].as_f64(), Some(0.0));
-    assert_eq!(r["top1_agreement"].as_f64(), Some(1.0));
-    assert_eq!(r["clean_loss"], r["perturbed_loss"]);
+    for layout in [
+        &[][..],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        &["parallel.cp=2"],
+        &["parallel.pp=2"],
+        &["parallel.dp=2"],
+    ] {
+        let mut base = vec![
+            "scope".to_string(),
+            model.display().to_string(),
+            "--init".into(),
+            init.display().to_string(),
+            "--tokens".into(),
+            "3,14,15,92,65,35,89,79".into(),
+        ];
+        for s in layout {
+            base.extend(["--set".to_string(), s.to_string()]);
+        }
+        let run = |extra: &[&str]| {
+            let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+            args.extend_from_slice(extra);
+            let out = megac(&args);
+            assert!(
+                out.status.success(),
+                "{layout:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        run(&["--probe", "layers.*.out", "-o", probes.to_str().unwrap()]);
+        let patch = format!("layers.1.out:patch({})", probes.display());
+        let out2 = dir.path().join("q.safetensors");
+        run(&[
+            "--probe",
+            "logits",
+            "-o",
+            out2.to_str().unwrap(),
+            "--perturb",
+            &patch,
+            "--report",
+            report.to_str().unwrap(),
+        ]);
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        assert_eq!(r["kl"].as_f64(), Some(0.0), "{layout:?}");
+        assert_eq!(r["top1_agreement"].as_f64(), Some(1.0), "{layout:?}");
+        assert_eq!(r["clean_loss"], r["perturbed_loss"], "{layout:?}");
+    }
 }
 
 fn train_with(perturb: &[&str], seed: u64) -> Vec<(f64, f64)> {
@@ -576,4 +585,261 @@ fn train_and_run_commands_with_perturbations() {
     let err = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{err}");
     assert!(err.contains("compiled into the plan"), "{err}");
+}
+
+/// `patch` in tp2, tp2 with sequence parallelism, cp2, cp2 × tp2, pp2 and dp2 (llama): every
+/// rank fills its part of the replacement from the file's global tensor. Patching
+/// `layers.0.out` of input A from the one-device probe file of input B gives the one-device
+/// patched run's points (B's from `layers.0.out` on, A's before it) within float32 rounding
+/// of the layout; patching from the layout's own probe file of A gives its clean run's
+/// logits: bit for bit where the point is a plain split (sequence parallelism, cp, pp,
+/// dp), within rounding under tp2 without sequence parallelism (there the residual stream
+/// is a pending sum over tp, patched as the whole sum on tp rank 0, so it is added in
+/// another order).
+#[test]
+fn patch_in_every_layout() {
+    let name = "llama";
+    let init = fixture(name).join("init.safetensors");
+    let dir = tempfile::tempdir().unwrap();
+    let one = forward_plan(name);
+    let mut inf = Inference::new(&one, &init).unwrap();
+    let (pa, pb) = (probe_all(&mut inf, &A), probe_all(&mut inf, &B));
+    let fb = dir.path().join("b.safetensors");
+    write_probes(&fb, &pb);
+    let spec = |f: &Path| format!("layers.0.out:patch({})", f.display());
+    for (layout, exact) in [
+        (&["parallel.tp=2"][..], false),
+        (&["parallel.tp=2", "parallel.sequence_parallel=true"], true),
+        (&["parallel.cp=2"], true),
+        (
+            &[
+                "parallel.cp=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            true,
+        ),
+        (&["parallel.pp=2"], true),
+        (&["parallel.dp=2", "train.global_batch=2"], true),
+    ] {
+        let run = |plan: &megac_ir::gate::CheckedPlan, patch: Option<&Path>| {
+            megac_runtime::infer::with_ranks_scope(plan, &init, |inf| {
+                if let Some(f) = patch {
+                    inf.set_patches(&[perturb(&spec(f))])?;
+                }
+                Ok(probe_all(inf, &A))
+            })
+            .unwrap()
+        };
+        let clean = run(&scope_plan_in(name, layout, &[]).unwrap(), None);
+        let fa = dir.path().join("a.safetensors");
+        write_probes(&fa, &clean);
+        let patched_plan = |f: &Path| scope_plan_in(name, layout, &[&spec(f)]).unwrap();
+        // From B's one-device file: the one-device patched run, within rounding.
+        let got = run(&patched_plan(&fb), Some(&fb));
+        let mut worst = 0f32;
+        for ((g, a), b) in got.iter().zip(&pa).zip(&pb) {
+            let later = g.name.starts_with("layers.1.")
+                || g.name == "logits"
+                || g.name == "layers.0.out"
+                || g.name.starts_with("layers.0.lens");
+            let want = if later { b } else { a };
+            assert_eq!((&g.name, &g.shape), (&want.name, &want.shape), "{layout:?}");
+            let diff = g
+                .values
+                .iter()
+                .zip(&want.values)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            // The lens's token ids must agree; probabilities and activations within 1e-5.
+            assert!(diff <= 1e-5, "{layout:?}: {}: {diff}", g.name);
+            if g.name == "layers.0.out" {
+                assert_eq!(g, b, "{layout:?}: the patched point is B's, bit for bit");
+            }
+            worst = worst.max(diff);
+        }
+        eprintln!("{layout:?}: patched from B vs one device: max diff {worst:e}");
+        // From the layout's own file of A: its clean run.
+        let same = run(&patched_plan(&fa), Some(&fa));
+        let logits = |p: &[Probe]| {
+            p.iter()
+                .find(|p| p.name == "logits")
+                .unwrap()
+                .values
+                .clone()
+        };
+        let (x, y) = (logits(&same), logits(&clean));
+        if exact {
+            assert_eq!(same, clean, "{layout:?}: patched with A's own values");
+        } else {
+            let diff = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            eprintln!("{layout:?}: patched from its own file: logits max diff {diff:e}");
+            assert!(diff <= 1e-5, "{layout:?}: {diff}");
+        }
+    }
+}
+
+/// Activation recomputation computes a perturbed point again for the backward with the same
+/// perturbation (the `perturb` pass instruments the `recompute` pass's clone of the point's
+/// writer too, with the same stream): training with noise and a bit flip on points inside
+/// the recomputed regions (attention's per-head output, which selective recomputation
+/// clones; the attention and MLP outputs, which full recomputation clones) gives losses,
+/// gradient norms and final parameters bit-identical with `train.recompute` none, selective
+/// and full, on one device and in tp2 with sequence parallelism; and the perturbation
+/// changes the run.
+#[test]
+fn perturbations_survive_recomputation() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |layout: &[&str], recompute: &str, perturb: &[&str]| {
+        let perturb: Vec<TrainPerturbation> = perturb
+            .iter()
+            .map(|p| TrainPerturbation::parse(p).unwrap())
+            .collect();
+        let mut sets = layout.to_vec();
+        let r = format!("train.recompute={recompute}");
+        sets.push(&r);
+        let instrument = megac_passes::Instrument {
+            perturbations: perturb.clone(),
+            seed: 5,
+            train: true,
+            ..Default::default()
+        };
+        let plan = plan_with("llama", &sets, instrument).unwrap();
+        let params = dir
+            .path()
+            .join(format!("{recompute}-{}.safetensors", layout.len()));
+        let opts = RunOptions {
+            steps: Some(3),
+            data: "synthetic".into(),
+            init: Some(fixture("llama").join("init.safetensors")),
+            progress: Some(false),
+            perturb,
+            perturb_seed: 5,
+            save_params: Some(params.clone()),
+            ..Default::default()
+        };
+        let report = train(&plan, &opts).unwrap();
+        let steps: Vec<(u64, u64)> = report
+            .steps
+            .iter()
+            .map(|s| (s.loss.to_bits(), s.grad_norm.to_bits()))
+            .collect();
+        let weights: Vec<(String, Vec<usize>, Vec<u32>)> = read_all(&params)
+            .into_iter()
+            .map(|(n, s, v)| (n, s, v.iter().map(|x| x.to_bits()).collect()))
+            .collect();
+        (steps, weights)
+    };
+    let perturb = [
+        "layers.0.attn:noise(0.3)",
+        "layers.1.attn:bitflip(mantissa, 0.05)",
+        "layers.0.attn.out:bitflip(exponent, 0.01)",
+        "layers.1.mlp.out:noise(0.2)",
+    ];
+    for layout in [
+        &[][..],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+    ] {
+        let none = run(layout, "none", &perturb);
+        assert_ne!(none.0, run(layout, "none", &[]).0, "{layout:?}: perturbed");
+        for policy in ["selective", "full"] {
+            let got = run(layout, policy, &perturb);
+            assert_eq!(got.0, none.0, "{layout:?} {policy}: losses and grad norms");
+            assert!(got.1 == none.1, "{layout:?} {policy}: parameters");
+        }
+    }
+}
+
+/// Weight faults of 16-bit working weights (bf16 / fp16 mixed precision) act on the 16-bit
+/// copy the kernels read: a bit flip flips a bit of the 16-bit format's field, so the same
+/// flip twice restores every bit, and a sign flip of a bf16 weight negates exactly the
+/// elements it hits (the other bits unchanged); noise(0) and scale(1) change no bit.
+#[test]
+fn weight_faults_of_16_bit_working_weights() {
+    use megac_kernels::precision::{narrow, Half};
+    use megac_runtime::perturb::apply_working;
+    let values: Vec<f32> = (0..4000)
+        .map(|i| ((i as f32) * 0.731).sin() * 3.0)
+        .collect();
+    for half in [Half::Bf16, Half::F16] {
+        let mut orig = vec![0u16; values.len()];
+        narrow(half, &values, &mut orig);
+        for field in ["sign", "exponent", "mantissa"] {
+            let kind = perturb(&format!("weights.w:bitflip({field}, 0.2)")).kind;
+            let mut w = orig.clone();
+            apply_working(&kind, half, &mut w, 11);
+            let changed = w.iter().zip(&orig).filter(|(a, b)| a != b).count();
+            assert!(
+                (600..1000).contains(&changed),
+                "{half:?} {field}: {changed} of 4000 changed"
+            );
+            // One bit of the field per changed element.
+            let mask: u16 = match (field, half) {
+                ("sign", _) => 0x8000,
+                ("exponent", Half::Bf16) => 0x7f80,
+                ("mantissa", Half::Bf16) => 0x007f,
+                ("exponent", Half::F16) => 0x7c00,
+                _ => 0x03ff,
+            };
+            for (a, b) in w.iter().zip(&orig) {
+                let d = a ^ b;
+                assert!(
+                    d == 0 || (d.count_ones() == 1 && d & mask == d),
+                    "{half:?} {field}"
+                );
+            }
+            if field == "sign" {
+                for (a, b) in w.iter().zip(&orig) {
+                    let (x, y) = (half.to_f32(*a), half.to_f32(*b));
+                    assert!(a == b || x == -y, "{half:?}: a sign flip negates");
+                }
+            }
+            apply_working(&kind, half, &mut w, 11);
+            assert_eq!(w, orig, "{half:?} {field}: twice restores every bit");
+        }
+        for k in ["noise(0)", "scale(1)"] {
+            let mut w = orig.clone();
+            apply_working(&perturb(&format!("weights.w:{k}")).kind, half, &mut w, 3);
+            assert_eq!(w, orig, "{half:?} {k}");
+        }
+        let mut w = orig.clone();
+        apply_working(&perturb("weights.w:scale(2)").kind, half, &mut w, 3);
+        assert!(w
+            .iter()
+            .zip(&orig)
+            .all(|(a, b)| half.to_f32(*a) == 2.0 * half.to_f32(*b)));
+    }
+}
+
+/// `megac train --perturb` on a weight under bf16 and fp16 mixed precision: the same
+/// exponent bit flip given twice at step 2 trains bit-identically to the clean run (the
+/// working weight restored bit for bit), once it leaves step 1 bit-identical and changes
+/// step 2 (its forward and backward read the faulted working weight) and step 3; a sign
+/// flip of every element changes step 2 too.
+#[test]
+fn train_weight_faults_in_mixed_precision() {
+    let w = "weights.model.layers.0.mlp.down_proj.weight";
+    let flip = format!("{w}:bitflip(exponent, 0.05)@2");
+    let sign = format!("{w}:bitflip(sign, 1)@2");
+    let bits = |r: &[(f64, f64)]| -> Vec<(u64, u64)> {
+        r.iter().map(|(a, b)| (a.to_bits(), b.to_bits())).collect()
+    };
+    for precision in ["bf16", "fp16"] {
+        let set = format!("train.precision=\"{precision}\"");
+        let layout = [set.as_str()];
+        let clean = bits(&train_in(&layout, &[], 0));
+        let twice = bits(&train_in(&layout, &[&flip, &flip], 0));
+        assert_eq!(twice, clean, "{precision}: the same flip twice");
+        let once = bits(&train_in(&layout, &[&flip], 0));
+        assert_eq!(once[0], clean[0], "{precision}: step 1");
+        assert_ne!(once[1], clean[1], "{precision}: step 2");
+        assert_ne!(once[2], clean[2], "{precision}: step 3");
+        let negated = bits(&train_in(&layout, &[&sign], 0));
+        assert_eq!(negated[0], clean[0], "{precision}: step 1");
+        assert_ne!(negated[1], clean[1], "{precision}: step 2");
+    }
 }

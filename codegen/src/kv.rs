@@ -267,6 +267,7 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
         stage: None,
         chunk: None,
         routed_rows: None,
+        partial: Vec::new(),
     });
     // The caches, per attention path, from the block's attention operands.
     let mut caches: BTreeMap<String, (BufId, BufId)> = BTreeMap::new();
@@ -301,6 +302,7 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
                 stage: k.stage,
                 chunk: None,
                 routed_rows: None,
+                partial: Vec::new(),
             });
             *at += w.seq_len / cp * nkv * d;
         }

@@ -338,6 +338,7 @@ impl<'a> Emitter<'a> {
             stage: None,
             chunk: None,
             routed_rows,
+            partial: Vec::new(),
         });
         id
     }
@@ -388,6 +389,7 @@ impl<'a> Emitter<'a> {
             stage: None,
             chunk: None,
             routed_rows: None,
+            partial: Vec::new(),
         });
         id
     }
@@ -515,6 +517,8 @@ impl<'a> Emitter<'a> {
                     .sum();
                 let id = self.new_buffer(name.clone(), BufferClass::Input, v, shape);
                 self.buffers[id as usize].offset = offset;
+                // A pending sum (a `patch` replacement of one): the runtime fills one part.
+                self.buffers[id as usize].partial = value.ty.layout.partial.clone();
                 self.buf_of.insert(v, id);
                 self.inputs.insert(name.clone(), id);
             }
@@ -688,6 +692,7 @@ impl<'a> Emitter<'a> {
             stage: None,
             chunk: None,
             routed_rows: None,
+            partial: Vec::new(),
         });
         id
     }

@@ -881,7 +881,14 @@ impl<'p> Gate<'p> {
                         ));
                     }
                     for (j, &b) in c.inputs.iter().enumerate() {
-                        self.input_buffer(b, &format!("{cat}.inputs[{j}]"))?;
+                        // A `patch` replacement is checked with the role's inputs below.
+                        let patch = role
+                            .inputs
+                            .iter()
+                            .any(|(n, &x)| x == b && n.starts_with("patch:"));
+                        if !patch {
+                            self.input_buffer(b, &format!("{cat}.inputs[{j}]"))?;
+                        }
                         if !role.inputs.values().any(|&x| x == b) {
                             return Err(invalid(
                                 format!("{cat}.inputs[{j}]"),

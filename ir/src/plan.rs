@@ -258,6 +258,12 @@ pub struct Buffer {
     /// computes over the whole block.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routed_rows: Option<u64>,
+    /// For a plan input that is a pending sum over these mesh axes (the replacement of a
+    /// `patch` perturbation at a point that is one, as a row-parallel linear's output before
+    /// its all-reduce): the runtime fills the part of the rank at coordinate 0 along them
+    /// with the values and the others' with zeros. Empty for every other buffer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partial: Vec<crate::types::Axis>,
 }
 
 /// A rank-dependent offset: `index · stride` elements, where `index` is the rank's position

@@ -62,6 +62,21 @@ pub fn bitflip(x: &mut [f32], first: u32, count: u32, rate: f64, seed: u64) {
     }
 }
 
+/// [`bitflip`] on 16-bit floats (bf16 or fp16 bit patterns): the same stream (per element a
+/// draw against `rate`, then the bit among `count` from `first`), so applied twice with the
+/// same seed it restores `x` bit for bit.
+pub fn bitflip16(x: &mut [u16], first: u32, count: u32, rate: f64, seed: u64) {
+    let mut rng = Mix(seed);
+    let count = u64::from(count.max(1));
+    for v in x.iter_mut() {
+        let hit = rng.next_f64() < rate;
+        let bit = u64::from(first) + (rng.next_u64() % count);
+        if hit {
+            *v ^= 1u16 << bit;
+        }
+    }
+}
+
 /// Zero head `head` (of `heads`, each `d` wide) in every row of `x`.
 pub fn zero_head(x: &mut [f32], head: usize, heads: usize, d: usize) {
     for row in x.chunks_mut((heads * d).max(1)) {

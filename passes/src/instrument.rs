@@ -13,6 +13,8 @@
 //!   identity). `patch` takes its replacement from a plan input `patch:POINT` the runtime
 //!   fills from the probe file. During training weights are perturbed by the runtime (a
 //!   fault of the stored parameter that the optimizer continues from), not by this pass.
+//!   A point whose writer the `recompute` pass cloned is perturbed after the clone too,
+//!   alike (the same stream: the same values), and the backward reads that copy.
 //! - `probe` inserts `probe(name)`, a copy into a buffer that stays live to the end of the
 //!   forward, at each point matching a pattern; a point that is a pending sum over tp (a
 //!   row-parallel linear's output before its reduction) is all-reduced first, so every
@@ -282,7 +284,7 @@ fn perturb_points(g: &mut Graph, ins: &Instrument) -> Result<(), PassError> {
             PerturbKind::ZeroHead(h) => PerturbAction::ZeroHead(*h),
             PerturbKind::Patch(_) => PerturbAction::Patch,
         };
-        let (x, path) = if let Some(name) = p.point.strip_prefix("weights.") {
+        let (x, path, copies) = if let Some(name) = p.point.strip_prefix("weights.") {
             let Some((v, _, _)) = g.params().find(|(_, n, _)| *n == name) else {
                 return Err(fail(format!(
                     "--perturb {}: the model has no parameter `{name}` (the names are \
@@ -302,7 +304,11 @@ fn perturb_points(g: &mut Graph, ins: &Instrument) -> Result<(), PassError> {
                 continue;
             }
             let reader = g.ops.iter().find(|op| op.inputs.contains(&v));
-            (v, reader.map_or_else(String::new, |op| op.path.clone()))
+            (
+                v,
+                reader.map_or_else(String::new, |op| op.path.clone()),
+                Vec::new(),
+            )
         } else {
             let names: Vec<&str> = points.iter().map(|(n, _, _)| n.as_str()).collect();
             let Some((_, i, site)) = points.iter().find(|(n, _, _)| *n == p.point) else {
@@ -343,9 +349,10 @@ fn perturb_points(g: &mut Graph, ins: &Instrument) -> Result<(), PassError> {
                 }
             }
             // The points are found before any insertion; ops move, values do not.
+            let copies = recomputed_copies(g, x);
             let x = current(g, x);
             let path = producer(g, x).map_or_else(|| op.path.clone(), |w| g.ops[w].path.clone());
-            (x, path)
+            (x, path, copies)
         };
         let x = current(g, x);
         let mut inputs = vec![x];
@@ -365,25 +372,72 @@ fn perturb_points(g: &mut Graph, ins: &Instrument) -> Result<(), PassError> {
             step: tp.step.unwrap_or(0),
             train: ins.train,
         };
-        let pos = after(g, x);
-        let y = insert_at(g, pos, kind, inputs, path)?;
-        // Every other reader of the point reads the perturbed value.
-        for (j, op) in g.ops.iter_mut().enumerate() {
-            if j != pos {
-                for v in &mut op.inputs {
-                    if *v == x {
-                        *v = y;
-                    }
-                }
-            }
-        }
-        for (_, v) in &mut g.outputs {
-            if *v == x {
-                *v = y;
-            }
+        insert_perturbation(g, x, kind.clone(), inputs.clone(), path)?;
+        // The point's copies that activation recomputation computes again for the backward
+        // are perturbed alike (the same op: the same stream, so the same values).
+        for c in copies {
+            let c = current(g, c);
+            let mut ins = inputs.clone();
+            ins[0] = c;
+            let path = producer(g, c).map_or_else(String::new, |w| g.ops[w].path.clone());
+            insert_perturbation(g, c, kind.clone(), ins, path)?;
         }
     }
     Ok(())
+}
+
+/// Insert the perturbation `kind` of `x` on `inputs` (`x` first) right after `x`'s writer,
+/// and make every other reader of `x` (and the graph's outputs) read its result.
+fn insert_perturbation(
+    g: &mut Graph,
+    x: ValueId,
+    kind: OpKind,
+    inputs: Vec<ValueId>,
+    path: String,
+) -> Result<(), PassError> {
+    let pos = after(g, x);
+    let y = insert_at(g, pos, kind, inputs, path)?;
+    for (j, op) in g.ops.iter_mut().enumerate() {
+        if j != pos {
+            for v in &mut op.inputs {
+                if *v == x {
+                    *v = y;
+                }
+            }
+        }
+    }
+    for (_, v) in &mut g.outputs {
+        if *v == x {
+            *v = y;
+        }
+    }
+    Ok(())
+}
+
+/// The copies of `x` that the `recompute` pass made (`train.recompute`): the same result of
+/// the clone of `x`'s writer (the op of the same kind whose path is the writer's with
+/// ` (recompute)`, the same one in order among those), which the backward reads instead
+/// of `x`. None when the writer is not recomputed.
+fn recomputed_copies(g: &Graph, x: ValueId) -> Vec<ValueId> {
+    let Some(w) = producer(g, x) else {
+        return Vec::new();
+    };
+    let op = &g.ops[w];
+    let Some(k) = op.outputs.iter().position(|&o| o == x) else {
+        return Vec::new();
+    };
+    let same = |o: &megac_ir::Op, path: &str| {
+        o.path == path && o.kind == op.kind && o.outputs.len() == op.outputs.len()
+    };
+    let ordinal = g.ops[..w].iter().filter(|o| same(o, &op.path)).count();
+    let clone = format!("{} (recompute)", op.path);
+    g.ops
+        .iter()
+        .filter(|o| same(o, &clone))
+        .nth(ordinal)
+        .map(|o| o.outputs[k])
+        .into_iter()
+        .collect()
 }
 
 /// The names of the probe points of `g` (the laid-out forward), in forward order.

@@ -369,22 +369,17 @@ impl<'p> Inference<'p> {
         let (ids, labels) = self.session.local_inputs(&ids, &labels);
         self.session.write_inputs(&ids, &labels);
         let ctx = self.session.context(1);
-        // The replacements of `patch` perturbations, at the real tokens' rows.
-        for (b, file, shape, values) in &self.patches {
-            let buf = self.session.mem.buffer(*b);
-            let row = buf.shape.get(2..).map_or(1, |r| r.iter().product::<u64>()) as usize;
-            let n = tokens.len() * row;
-            if values.len() != n {
-                return Err(RuntimeError::Unsupported(format!(
-                    "patch({file}): the file's tensor has shape {shape:?} ({} values), \
-                     this run's point has {n} values: patch from a probe file of an \
-                     input of the same length",
-                    values.len(),
-                )));
+        // The replacements of `patch` perturbations: this rank's part of the real tokens'
+        // rows of the first sample.
+        for i in 0..self.patches.len() {
+            let (b, _, _, _) = &self.patches[i];
+            let b = *b;
+            let part = self.patch_part(i, tokens.len())?;
+            if self.session.mem.holds(b) {
+                let mut x = self.session.mem.read_f32(b);
+                x[..part.len()].copy_from_slice(&part);
+                self.session.mem.write_f32(b, &x);
             }
-            let mut x = self.session.mem.read_f32(*b);
-            x[..n].copy_from_slice(values);
-            self.session.mem.write_f32(*b, &x);
         }
         let mut result = Ok(());
         'run: for &(chunk, program) in &self.segments {
@@ -991,43 +986,88 @@ pub fn compare(tokens: &[u32], clean: &[f32], perturbed: &[f32], vocab: usize) -
 impl Inference<'_> {
     /// Load the replacements of the plan's `patch` perturbations (compiled by the `perturb`
     /// pass, each reading plan input `patch:POINT`) from `perturbations`' probe files: the
-    /// tensor of the point's name. They are written into the inputs before each run (the
-    /// real tokens' rows). One-device and unsplit points only.
+    /// tensor of the point's name, at the point's global shape. Before each run every rank
+    /// writes its part of it into the input ([`Inference::patch_part`]).
     pub fn set_patches(&mut self, perturbations: &[Perturbation]) -> Result<(), RuntimeError> {
         let plan = self.session.plan;
-        let role = plan
-            .rank_to_role
-            .get(self.session.comm.rank())
-            .and_then(|&r| plan.roles.get(r as usize))
-            .ok_or_else(|| RuntimeError::Plan("this rank has no role".into()))?;
         self.patches.clear();
         for p in perturbations {
             let PerturbKind::Patch(file) = &p.kind else {
                 continue;
             };
-            let Some(&b) = role.inputs.get(&format!("patch:{}", p.point)) else {
+            // The input is the same buffer in every role that has it (under pp: the stage
+            // whose chunk holds the point; the other stages skip it).
+            let name = format!("patch:{}", p.point);
+            let Some(b) = plan.roles.iter().find_map(|r| r.inputs.get(&name).copied()) else {
                 return Err(RuntimeError::Plan(format!(
                     "--perturb {}: the plan has no patch input for it (compile the \
                      perturbation into the plan)",
                     p.point
                 )));
             };
-            if plan.buffers[b as usize]
-                .layout
-                .iter()
-                .any(|d| !d.is_empty())
-            {
-                return Err(RuntimeError::Unsupported(format!(
-                    "--perturb {}:patch(..): patching a point split over the mesh is not \
-                     supported yet",
-                    p.point
-                )));
-            }
             let (shape, values) = crate::hf::load_tensor(file, &p.point)?;
             self.patches
                 .push((b, file.display().to_string(), shape, values));
         }
         Ok(())
+    }
+
+    /// This rank's part of patch `i`'s replacement for an input of `n` tokens: the values
+    /// the `perturb` instruction copies, the real rows of the first sample of the plan input
+    /// (`[b, s, rest..]` at the rank's shape). Each local element takes the file's element
+    /// at its global index, by the input's layout: its part of every split dim (heads, ffn,
+    /// the vocabulary, the sequence under sequence parallelism, under context parallelism
+    /// its load-balanced chunks: `sharded::dim_positions`, as the probes are gathered). Every
+    /// data-parallel replica runs the same sample, so each takes sample 0 of the file. A
+    /// pending sum over tp is given whole by the tp rank 0 and as zeros by the others, so
+    /// the sum is the replacement exactly.
+    fn patch_part(&self, i: usize, n: usize) -> Result<Vec<f32>, RuntimeError> {
+        let plan = self.session.plan;
+        let (b, file, shape, values) = &self.patches[i];
+        let buf = &plan.buffers[*b as usize];
+        let global = global_shape(plan, &buf.shape, &buf.layout);
+        let mut want = vec![1, n];
+        want.extend(global.iter().skip(2).map(|&d| d as usize));
+        if buf.shape.len() < 2 || *shape != want {
+            return Err(RuntimeError::Unsupported(format!(
+                "patch({file}): the file's tensor has shape {shape:?} ({} values), this \
+                 run's point has shape {want:?}: patch from a probe file of an input of the \
+                 same length",
+                values.len(),
+            )));
+        }
+        let rank = self.session.comm.rank();
+        let local: Vec<usize> = buf.shape.iter().map(|&d| d as usize).collect();
+        let positions: Vec<Vec<usize>> = (0..local.len())
+            .map(|d| {
+                let axes = buf.layout.get(d).cloned().unwrap_or_default();
+                crate::sharded::dim_positions(&plan.mesh, rank, &axes, local[d])
+            })
+            .collect();
+        // The rows' global positions ascend, so the real ones are a prefix.
+        let rows = positions[1].iter().take_while(|&&p| p < n).count();
+        let row: usize = local[2..].iter().product();
+        let zero = buf.partial.iter().any(|&a| plan.mesh.coord(rank, a) != 0);
+        let mut part = vec![0f32; rows * row];
+        if zero {
+            return Ok(part);
+        }
+        let mut at = vec![0usize; local.len()];
+        for (j, x) in part.iter_mut().enumerate() {
+            // Row-major local index (sample 0) -> the file's index.
+            let mut rest = j;
+            for d in (1..local.len()).rev() {
+                at[d] = rest % local[d];
+                rest /= local[d];
+            }
+            let (mut g, mut stride) = (0usize, 1usize);
+            for d in (1..local.len()).rev() {
+                g += positions[d][at[d]] * stride;
+                stride *= want[d];
+            }
+            *x = values[g];
+        }
+        Ok(part)
     }
 }
 

@@ -448,6 +448,13 @@ impl Memory {
         }
     }
 
+    /// A 16-bit buffer's bit patterns, writable (None for any other dtype): the bits the
+    /// kernels read, for the weight faults of `megac train --perturb`.
+    pub fn half_bits_mut(&mut self, b: BufId) -> Option<(Half, &mut [u16])> {
+        let kind = half_of(self.buffers[b as usize].dtype)?;
+        Some((kind, self.slice_of(b)))
+    }
+
     /// An f32 buffer, read-only (a 16-bit buffer only while staged for a kernel).
     pub fn f32(&self, b: BufId) -> &[f32] {
         self.f32_view(b)

@@ -15,7 +15,11 @@
 //!   activations) the micro-batch, so a run repeats bit for bit.
 //!
 //! Every layout (pipeline stages run their chunks' `perturb` instructions; a weight is
-//! perturbed on each stage holding a copy), fp32 parameters for weight perturbations; `patch` is for `megac scope` only. Every rank perturbs its own
+//! perturbed on each stage holding a copy); `patch` is for `megac scope` only. A 16-bit
+//! working weight (bf16/fp16 mixed precision) is perturbed in the 16-bit copy the kernels
+//! read, as a hardware fault of that memory would be; its fp32 master copy is left as it
+//! is, so the step's optimizer update, which rounds the master into the working weight,
+//! ends the fault: it lasts the forward and backward of every micro-batch of its step. Every rank perturbs its own
 //! shard of the point or weight with the same random stream, so replicas (a replicated
 //! weight over dp or tp, the residual stream over tp) stay equal; a sharded tensor's
 //! perturbation therefore differs from the one-device run's (and `noise` is relative to the
@@ -97,15 +101,6 @@ impl Perturber {
                     p.point
                 )));
             }
-            let dtype = plan.buffers[param.buffer as usize].dtype;
-            if dtype != megac_ir::DType::F32 {
-                return Err(RuntimeError::Unsupported(format!(
-                    "--perturb {}: weight perturbations during training need fp32 \
-                     parameters (this one is {dtype:?}: the optimizer's master copy would undo \
-                     it)",
-                    p.point
-                )));
-            }
             let _ = rank;
             let held: Vec<BufId> = std::iter::once(param.buffer)
                 .chain(param.tied_copies.iter().copied())
@@ -118,20 +113,53 @@ impl Perturber {
     }
 
     /// Perturb the weights whose step is `step` (at its start): every copy this rank holds
-    /// (a tied weight's on two stages) with the same stream.
+    /// (a tied weight's on two stages) with the same stream. A 16-bit working weight (bf16
+    /// or fp16 mixed precision) is perturbed in the working copy the kernels read
+    /// ([`apply_working`]); its fp32 master copy is not touched.
     pub(crate) fn weights(&self, mem: &mut crate::memory::Memory, step: u64) {
         for (bufs, name, kind, at) in &self.weights {
             if *at == step {
+                let seed = stream_seed(self.seed, &format!("{name}@{step}"));
                 for &b in bufs {
+                    if let Some((half, bits)) = mem.half_bits_mut(b) {
+                        apply_working(kind, half, bits, seed);
+                        continue;
+                    }
                     let mut w = mem.read_f32(b);
-                    apply(
-                        kind,
-                        &mut w,
-                        stream_seed(self.seed, &format!("{name}@{step}")),
-                    );
+                    apply(kind, &mut w, seed);
                     mem.write_f32(b, &w);
                 }
             }
         }
     }
+}
+
+/// Apply `kind` to the bit patterns `bits` of a 16-bit working weight of format `half`, as
+/// a fault of the 16-bit memory would: `bitflip` flips a bit of the named field of the
+/// 16-bit format (bf16: sign bit 15, exponent bits 7-14, mantissa bits 0-6; fp16: sign 15,
+/// exponent 10-14, mantissa 0-9) with the stream of the fp32 kind, so flipping the same
+/// bit twice restores the weight bit for bit; `noise` and `scale` are computed in f32 on
+/// the working values (widened exactly) and rounded once to the format.
+pub fn apply_working(
+    kind: &PerturbKind,
+    half: megac_kernels::precision::Half,
+    bits: &mut [u16],
+    seed: u64,
+) {
+    use megac_ir::perturb::BitField;
+    use megac_kernels::precision::Half;
+    if let PerturbKind::Bitflip(field, rate) = kind {
+        let (first, count) = match (field, half) {
+            (BitField::Sign, _) => (15, 1),
+            (BitField::Exponent, Half::Bf16) => (7, 8),
+            (BitField::Mantissa, Half::Bf16) => (0, 7),
+            (BitField::Exponent, Half::F16) => (10, 5),
+            (BitField::Mantissa, Half::F16) => (0, 10),
+        };
+        megac_kernels::perturb::bitflip16(bits, first, count, *rate, seed);
+        return;
+    }
+    let mut w: Vec<f32> = bits.iter().map(|&x| half.to_f32(x)).collect();
+    apply(kind, &mut w, seed);
+    megac_kernels::precision::narrow(half, &w, bits);
 }
