@@ -135,11 +135,11 @@ pub struct RunArgs {
     /// clock:R:MS:PPM (rank R's recorded clock MS ms ahead, PPM ppm fast; for `megac scan`).
     #[arg(long = "inject", value_name = "SPEC")]
     pub inject: Vec<String>,
-    /// Perturb the run (repeatable; one-device plans without pp): POINT:KIND or
-    /// POINT:KIND@STEP, as `megac scope --perturb` (noise(SIGMA), scale(X),
-    /// bitflip(sign|exponent|mantissa, RATE), zero-head(HEAD)); an activation point in every
-    /// micro-batch (or step STEP's), a `weights.NAME` once at the start of step STEP (default
-    /// 1), kept; docs/scope.md.
+    /// Perturb the run (repeatable; any layout): POINT:KIND or POINT:KIND@STEP, as `megac
+    /// scope --perturb` (noise(SIGMA), scale(X), bitflip(sign|exponent|mantissa, RATE),
+    /// zero-head(HEAD)); an activation point in every micro-batch (or step STEP's), a
+    /// `weights.NAME` once at the start of step STEP (default 1): kept in fp32, in the 16-bit
+    /// working copy for that step under bf16/fp16; docs/scope.md.
     #[arg(long = "perturb", value_name = "POINT:KIND[@STEP]")]
     pub perturb: Vec<String>,
     /// Seed of --perturb's random numbers (the same seed gives the same run).
