@@ -4,9 +4,10 @@
 //! The plan is the training plan of the model (one micro-batch of one sample); the runtime
 //! runs its micro-batch program's forward instructions only, up to the one that writes the
 //! logits (the cross-entropy's first operand), and never the loss, the backward or the
-//! optimizer. Tensor-, pipeline- and context-parallel plans run one thread per rank (the
-//! local communicator; a pipeline stage runs its chunks' forward programs in chunk order, as
-//! a forward pipeline; a cp rank is fed its load-balanced chunks of the sequence), and the
+//! optimizer. Tensor-, pipeline-, context-, data- and expert-parallel plans run one thread
+//! per rank (the local communicator; a pipeline stage runs its chunks' forward programs in
+//! chunk order, as a forward pipeline; a cp rank is fed its load-balanced chunks of the
+//! sequence; every dp replica runs the same sample; ep folds over dp·cp), and the
 //! logits and probed tensors are gathered to their global shape from the buffers' layouts
 //! (the cp chunks put back in order) and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
 //! padded with token 0, which changes no logit at its real positions because attention is
