@@ -55,6 +55,17 @@ pub const SOURCES: &[CudaSource] = &[
         ],
     },
     CudaSource {
+        name: "scope.cu",
+        source: include_str!("../cuda/scope.cu"),
+        kernels: &[
+            "perturb_scale",
+            "perturb_sum_squares",
+            "perturb_noise",
+            "perturb_bitflip",
+            "perturb_zero_head",
+        ],
+    },
+    CudaSource {
         name: "rope.cu",
         source: include_str!("../cuda/rope.cu"),
         kernels: &["rope_apply"],
