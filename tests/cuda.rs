@@ -1144,3 +1144,134 @@ fn perturbed_elements_count_the_real_rows_of_the_part() {
         0
     );
 }
+
+/// The KV-cache plan of example `file` with `sets`, as `megac generate` builds it.
+fn kv_cache_plan(file: &str, sets: &[&str]) -> CheckedPlan {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(file);
+    let compile = |extra: &[String]| {
+        let mut all: Vec<String> = [
+            "train.micro_batch=1",
+            "train.global_batch=1",
+            "model.seq_len=16",
+        ]
+        .iter()
+        .chain(sets)
+        .map(|s| s.to_string())
+        .collect();
+        all.extend_from_slice(extra);
+        let spec = megac_frontend::load(&path, &all).unwrap_or_else(|e| panic!("{}", e.render()));
+        let flops = megac_passes::flops::step_flops(&spec).total;
+        let module = megac_passes::run_inference_pipeline(spec).unwrap();
+        let p =
+            megac_codegen::emit_inference_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
+                .unwrap();
+        CheckedPlan::check(p).unwrap()
+    };
+    let window = compile(&[]);
+    let block = compile(&megac_runtime::kv::block_sets(&window));
+    CheckedPlan::check(megac_codegen::kv::kv_plan(&window, &block).unwrap()).unwrap()
+}
+
+/// KV-cache decoding's `rope_at` and `pos_embedding_at` lower to `kernels/cuda/kv.cu`'s
+/// kernels with their declared parameters: the plan's position input as the device's i32,
+/// the block's rows, the RoPE frequencies as a constant table equal to the cpu backend's
+/// (`rope_inv_freq`), the table's rows, and the rows of the rank's earlier sequence shards
+/// (as the cpu backend's `step_positions`; in these plans, tp2 with sequence parallelism
+/// included, the ops' operands are not split over the sequence, so that is 0).
+/// `kv_attention` is one error naming the op. Not run on hardware.
+#[test]
+fn kv_position_ops_lower_to_their_kernels() {
+    let sigs = kernel_signatures();
+    for (file, sets, op_name, kernel) in [
+        ("llama-tiny.toml", &[][..], "rope_at", "rope_at"),
+        (
+            "llama-tiny.toml",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+            "rope_at",
+            "rope_at",
+        ),
+        (
+            "gpt-tiny.toml",
+            &[][..],
+            "pos_embedding_at",
+            "pos_embedding_at",
+        ),
+        (
+            "gpt-tiny.toml",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+            "pos_embedding_at",
+            "pos_embedding_at",
+        ),
+    ] {
+        let plan = kv_cache_plan(file, sets);
+        let position = plan.decode.as_ref().unwrap().position;
+        let mut splits = 0;
+        for rank in 0..plan.mesh.world_size() {
+            let what = format!("{file} {sets:?} rank {rank}");
+            let role = &plan.roles[plan.rank_to_role[rank] as usize];
+            let step = &role.decode.as_ref().unwrap().step;
+            let mut lowered = 0;
+            for instr in step.iter() {
+                let megac_ir::plan::Instr::Kernel { op, inputs, .. } = instr else {
+                    continue;
+                };
+                if op.name() == "kv_attention" {
+                    let err = lower::lower_instruction(&plan, rank, instr)
+                        .unwrap_err()
+                        .to_string();
+                    assert!(err.contains("`kv_attention`"), "{what}: {err}");
+                    continue;
+                }
+                if op.name() != op_name {
+                    continue;
+                }
+                let (ops, _, constants) = lower::lower_instruction(&plan, rank, instr).unwrap();
+                let [DeviceOp::Kernel { name, args, .. }] = &ops[..] else {
+                    panic!("{what}: {ops:?}");
+                };
+                assert_eq!(*name, kernel);
+                let sig = &sigs[*name];
+                assert_eq!(args.len(), sig.len(), "{what}");
+                for (a, ty) in args.iter().zip(sig) {
+                    assert!(fits(a, ty), "{what}: {name}: {ty} given {a:?}");
+                }
+                let pos_arg = if kernel == "rope_at" { 3 } else { 2 };
+                assert_eq!(args[pos_arg], Arg::Buf(position), "{what}");
+                assert_eq!(inputs.last(), Some(&position), "{what}");
+                let x = &plan.buffers[inputs[0] as usize];
+                let rows = x.shape[1];
+                assert_eq!(args[4], Arg::U32(rows as u32), "{what}");
+                // The block's rows split over tp (sequence parallelism) start at rank·rows.
+                let split = x
+                    .layout
+                    .get(1)
+                    .is_some_and(|a| a.contains(&megac_ir::Axis::Tp));
+                let shard = if split { rank as u32 * rows as u32 } else { 0 };
+                assert_eq!(args[7], Arg::U32(shard), "{what}");
+                if split {
+                    splits += 1;
+                }
+                if let megac_ir::OpKind::RopeAt { theta, scaling } = op {
+                    let d = x.shape[3] as usize;
+                    let want = megac_ir::spec::rope_inv_freq(d, *theta, scaling.as_ref());
+                    let Arg::Const(at) = args[2] else {
+                        panic!("{what}")
+                    };
+                    let got: Vec<f32> = constants[at as usize..][..4 * want.len()]
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect();
+                    assert_eq!(got, want, "{what}");
+                } else {
+                    let table = &plan.buffers[inputs[1] as usize];
+                    assert_eq!(args[6], Arg::U32(table.shape[0] as u32), "{what}");
+                }
+                lowered += 1;
+            }
+            assert!(lowered > 0, "{what}: no {op_name} in the decode step");
+        }
+        eprintln!("{file} {sets:?}: {splits} sequence-split {op_name} lowered");
+    }
+}

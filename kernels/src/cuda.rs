@@ -55,6 +55,11 @@ pub const SOURCES: &[CudaSource] = &[
         ],
     },
     CudaSource {
+        name: "kv.cu",
+        source: include_str!("../cuda/kv.cu"),
+        kernels: &["rope_at", "pos_embedding_at"],
+    },
+    CudaSource {
         name: "scope.cu",
         source: include_str!("../cuda/scope.cu"),
         kernels: &[

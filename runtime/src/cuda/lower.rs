@@ -529,8 +529,56 @@ impl Lowerer<'_> {
         let row = |c: &Ctx, rows: u64, w: u64| c.launch(launch::per_row(rows, w));
         let elem = |c: &Ctx, n: u64| c.launch(launch::elementwise(n));
         match c.op {
-            OpKind::RopeAt { .. } | OpKind::PosEmbeddingAt | OpKind::KvAttention { .. } => {
-                return Err(c.err("KV-cache decoding runs on the cpu backend only"))
+            OpKind::KvAttention { .. } => {
+                return Err(c.err("KV-cache attention (the cpu backend runs KV-cache plans)"))
+            }
+            OpKind::RopeAt { theta, scaling } => {
+                let s = self.shape(ins[0]).to_vec();
+                if s.len() != 4 {
+                    return Err(self.shape_err(c, "needs a 4-d operand"));
+                }
+                let (b, sl, nh, d) = (s[0], s[1], s[2], s[3]);
+                let inv_freq = megac_ir::spec::rope_inv_freq(d as usize, *theta, scaling.as_ref());
+                let freq = self.f32_table(&inv_freq);
+                let shard = self.shard_start(ins[0]);
+                let l = row(c, b * sl * nh, d / 2)?;
+                c.kernel(
+                    "rope_at",
+                    l,
+                    vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Buf(outs[0]),
+                        Arg::Const(freq),
+                        Arg::Buf(ins[1]),
+                        Arg::U32(sl as u32),
+                        Arg::U32(nh as u32),
+                        Arg::U32(d as u32),
+                        Arg::U32(shard),
+                    ],
+                );
+            }
+            OpKind::PosEmbeddingAt => {
+                let s = self.shape(ins[0]).to_vec();
+                let h = self.last(ins[0]);
+                let sl = s.get(1).copied().unwrap_or(1);
+                let rows = self.numel(ins[0]) / h.max(1);
+                let table_rows = self.numel(ins[1]) / h.max(1);
+                let shard = self.shard_start(ins[0]);
+                let l = row(c, rows, h)?;
+                c.kernel(
+                    "pos_embedding_at",
+                    l,
+                    vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Buf(ins[1]),
+                        Arg::Buf(ins[2]),
+                        Arg::Buf(outs[0]),
+                        Arg::U32(sl as u32),
+                        Arg::U32(h as u32),
+                        Arg::U32(table_rows as u32),
+                        Arg::U32(shard),
+                    ],
+                );
             }
             OpKind::Embedding | OpKind::EmbeddingGrad => {
                 let table = ins[1];
@@ -1456,6 +1504,36 @@ impl Lowerer<'_> {
             return Err(self.shape_err(c, &format!("dim {d} of a {}-d buffer", s.len())));
         }
         Ok((s[..d].iter().product(), s[d..].iter().product()))
+    }
+
+    /// The f32 values `v` as a constant table (deduplicated); its offset.
+    fn f32_table(&mut self, v: &[f32]) -> u64 {
+        let key = (usize::MAX, v.len(), v.iter().map(|f| f.to_bits()).collect());
+        if let Some(&at) = self.tables.get(&key) {
+            return at;
+        }
+        let at = self.constants.len() as u64;
+        for x in v {
+            self.constants.extend_from_slice(&x.to_le_bytes());
+        }
+        self.constants
+            .resize(align(self.constants.len() as u64) as usize, 0);
+        self.tables.insert(key, at);
+        at
+    }
+
+    /// The rows of this rank's earlier shards of `x`'s sequence dim (dim 1): its part
+    /// index along the dim's axes times its local rows, as the cpu backend's
+    /// `step_positions`.
+    fn shard_start(&self, x: BufId) -> u32 {
+        let buf = self.buf(x);
+        let s = buf.shape.get(1).copied().unwrap_or(1);
+        let part = buf.layout.get(1).map_or(0, |axes| {
+            axes.iter().fold(0u64, |acc, &a| {
+                acc * self.plan.mesh.size(a) + self.plan.mesh.coord(self.rank, a) as u64
+            })
+        });
+        u32::try_from(part * s).unwrap_or(u32::MAX)
     }
 
     /// Positions 0..s as a u32 constant table; its offset.
