@@ -892,3 +892,386 @@ fn collectives_around_a_dim_with_leading_dims_and_slice_match_the_cpu_backend() 
     );
     assert!(slices > 0, "a slice was checked");
 }
+
+/// The one-sample llama-tiny plan with every probe and the perturbations `perturb` compiled
+/// in (`megac scope`'s plan; 5 real tokens of 16, seed 9).
+fn scope_plan(sets: &[&str], perturb: &[&str]) -> CheckedPlan {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/llama-tiny.toml");
+    let mut all = vec![
+        "train.micro_batch=1",
+        "train.global_batch=1",
+        "model.seq_len=16",
+    ];
+    all.extend_from_slice(sets);
+    let all: Vec<String> = all.iter().map(|s| s.to_string()).collect();
+    let spec = megac_frontend::load(&path, &all).unwrap_or_else(|e| panic!("{}", e.render()));
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let instrument = megac_passes::Instrument {
+        probes: vec!["*".to_string()],
+        perturbations: perturb
+            .iter()
+            .map(|p| megac_ir::perturb::TrainPerturbation::parse(p).unwrap())
+            .collect(),
+        seed: 9,
+        tokens: 5,
+        train: false,
+    };
+    let module = megac_passes::run_pipeline_with(spec, instrument, None, true).unwrap();
+    let p = megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+    Plan::from_json(&p.to_json()).unwrap()
+}
+
+/// MegaScope's `probe` and `perturb` lower (one device and tp2 with sequence parallelism):
+/// every probe a copy, every perturbation a copy then its kernel of `kernels/cuda/scope.cu`
+/// with the declared parameters, over the real tokens' elements of the rank's part
+/// (5 tokens of the hidden 64: 320; under sp each rank's 8 positions hold 5 and 0 of them),
+/// with the cpu backend's stream seed; zero-head only on the rank that holds the head.
+#[test]
+fn scope_ops_lower_to_their_kernels() {
+    let sigs = kernel_signatures();
+    let perturb = [
+        "layers.0.out:noise(0.5)",
+        "embed:bitflip(mantissa, 0.1)",
+        "layers.1.mlp.out:scale(2)",
+        "layers.0.attn:zero-head(3)",
+    ];
+    for (sets, rank, zero_heads) in [
+        (&[][..], 0, 1),
+        (
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+            0,
+            0,
+        ),
+        (
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+            1,
+            1,
+        ),
+    ] {
+        let plan = scope_plan(sets, &perturb);
+        let what = format!("{sets:?} rank {rank}");
+        // The noise point's part: the whole [1, 16, 64] (320 real elements), or under sp
+        // where the sequence is split over tp, rank r's 8 positions 8r.. (5 and 0 real).
+        let point = plan.roles[plan.rank_to_role[rank] as usize]
+            .microbatch
+            .iter()
+            .find_map(|i| match i {
+                megac_ir::plan::Instr::Kernel {
+                    op: megac_ir::OpKind::Perturb { point, .. },
+                    outputs,
+                    ..
+                } if point == "layers.0.out" => Some(&plan.buffers[outputs[0] as usize]),
+                _ => None,
+            })
+            .unwrap();
+        let hidden_elements = if point.layout.get(1).is_none_or(|a| a.is_empty()) {
+            320u64
+        } else {
+            assert_eq!(point.shape[1], 8, "{what}");
+            (0..8).filter(|p| 8 * rank + p < 5).count() as u64 * 64
+        };
+        let l = lower::lower_role(&plan, rank).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let mut seen: std::collections::BTreeMap<&str, Vec<Vec<Arg>>> = Default::default();
+        for op in &l.microbatch {
+            if let DeviceOp::Kernel { name, args, .. } = op {
+                let sig = &sigs[*name];
+                assert_eq!(args.len(), sig.len(), "{what}: {name}");
+                for (a, ty) in args.iter().zip(sig) {
+                    assert!(fits(a, ty), "{what}: {name}: {ty} given {a:?}");
+                }
+                if name.starts_with("perturb_") {
+                    seen.entry(name).or_default().push(args.clone());
+                }
+            }
+        }
+        let seed = |point: &str| Arg::U64(megac_kernels::perturb::stream_seed(9, point));
+        let noise = &seen["perturb_noise"];
+        assert_eq!(noise.len(), 1, "{what}");
+        assert_eq!(noise[0][3], seed("layers.0.out"), "{what}");
+        assert_eq!(noise[0][4], Arg::U64(hidden_elements), "{what}");
+        assert_eq!(seen["perturb_sum_squares"].len(), 1, "{what}");
+        // Under sp the embedding's output is whole on every rank (before the scatter) or a
+        // shard: its element count is the cpu backend's for that layout.
+        let flip = &seen["perturb_bitflip"][0];
+        assert_eq!(flip[1..3], [Arg::U32(0), Arg::U32(23)], "{what}");
+        assert_eq!(flip[4], seed("embed"), "{what}");
+        assert_eq!(seen["perturb_scale"][0][1], Arg::F64(2.0), "{what}");
+        assert_eq!(
+            seen.get("perturb_zero_head").map_or(0, |v| v.len()),
+            zero_heads,
+            "{what}: head 3 of 4 lives on tp rank 1"
+        );
+        // Every probe is one copy at least (the perturbations copy too).
+        let probes = plan.roles[plan.rank_to_role[rank] as usize]
+            .microbatch
+            .iter()
+            .filter(|i| {
+                matches!(
+                    i,
+                    megac_ir::plan::Instr::Kernel {
+                        op: megac_ir::OpKind::Probe { .. },
+                        ..
+                    }
+                )
+            })
+            .count();
+        let copies = l
+            .microbatch
+            .iter()
+            .filter(|o| matches!(o, DeviceOp::Copy { .. }))
+            .count();
+        assert!(
+            probes > 10 && copies >= probes + perturb.len(),
+            "{what}: {copies} copies, {probes} probes"
+        );
+    }
+    // Training perturbations (per-step streams) are one error naming the op.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/llama-tiny.toml");
+    let spec = megac_frontend::load(&path, &[]).unwrap();
+    let flops = megac_passes::flops::step_flops(&spec).total;
+    let instrument = megac_passes::Instrument {
+        perturbations: vec![
+            megac_ir::perturb::TrainPerturbation::parse("layers.0.out:noise(0.1)").unwrap(),
+        ],
+        train: true,
+        ..Default::default()
+    };
+    let module = megac_passes::run_pipeline_with(spec, instrument, None, true).unwrap();
+    let p = megac_codegen::emit_plan(&module.spec, module.graph.as_ref().unwrap(), flops).unwrap();
+    let p = Plan::from_json(&p.to_json()).unwrap();
+    let err = lower::lower_role(&p, 0).unwrap_err().to_string();
+    assert!(
+        err.contains("`perturb`") && err.contains("training perturbations"),
+        "{err}"
+    );
+}
+
+/// The k-th SplitMix64 output as `kernels/cuda/scope.cu`'s `splitmix_at` computes it.
+fn splitmix_at(seed: u64, k: u64) -> u64 {
+    let mut z = seed.wrapping_add(k.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The perturb kernels' per-element random numbers (outputs 2i+1 and 2i+2 of the stream,
+/// each computed alone, as one thread per element does on the device) are the cpu kernels'
+/// sequential stream: a host mirror of `perturb_bitflip` and `perturb_noise` (the formulas of
+/// `kernels/cuda/scope.cu`; not run on a GPU) gives `megac_kernels::perturb`'s values bit for
+/// bit (noise with the RMS summed in the cpu's order: the device's tree sum may differ in
+/// the last bits of the RMS).
+#[test]
+fn perturb_kernels_draw_the_cpu_stream() {
+    let x: Vec<f32> = (0..777).map(|i| ((i as f32) * 0.731).sin() * 3.0).collect();
+    let seed = megac_kernels::perturb::stream_seed(5, "layers.0.out");
+    let unit = |k: u64| (splitmix_at(seed, k) >> 11) as f64 / (1u64 << 53) as f64;
+    let mut want = x.clone();
+    megac_kernels::perturb::bitflip(&mut want, 23, 8, 0.25, seed);
+    let got: Vec<f32> = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let i = i as u64;
+            let bit = 23 + (splitmix_at(seed, 2 * i + 2) % 8) as u32;
+            if unit(2 * i + 1) < 0.25 {
+                f32::from_bits(v.to_bits() ^ (1 << bit))
+            } else {
+                v
+            }
+        })
+        .collect();
+    assert!(got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(got.iter().zip(&x).any(|(a, b)| a != b));
+    let mut want = x.clone();
+    megac_kernels::perturb::noise(&mut want, 0.3, seed);
+    let sum: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    let sd = (0.3 * (sum / x.len() as f64).sqrt()) as f32;
+    let got: Vec<f32> = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let i = i as u64;
+            let (u1, u2) = (1.0 - unit(2 * i + 1), unit(2 * i + 2));
+            let g = ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32;
+            v + sd * g
+        })
+        .collect();
+    assert!(got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
+/// `lower::perturbed_elements`: the real tokens' rows of a rank's part, as the cpu backend
+/// counts them (under cp2 a rank's load-balanced chunks 0 and 3 of 4 hold positions 0-3
+/// and 12-15 of 16).
+#[test]
+fn perturbed_elements_count_the_real_rows_of_the_part() {
+    use megac_ir::{Axis, Mesh};
+    let mesh = |cp: u64| Mesh {
+        axes: vec![
+            (Axis::Tp, 1),
+            (Axis::Cp, cp),
+            (Axis::Ep, 1),
+            (Axis::Dp, 1),
+            (Axis::Pp, 1),
+        ],
+    };
+    let whole = vec![vec![], vec![], vec![]];
+    assert_eq!(
+        lower::perturbed_elements(&mesh(1), 0, &[1, 16, 8], &whole, 0),
+        128
+    );
+    assert_eq!(
+        lower::perturbed_elements(&mesh(1), 0, &[1, 16, 8], &whole, 5),
+        40
+    );
+    let cp = vec![vec![], vec![Axis::Cp], vec![]];
+    // Rank 0 holds 0..4 and 12..16: 14 real tokens -> 4 + 2 rows; rank 1 (4..12) all 8.
+    assert_eq!(
+        lower::perturbed_elements(&mesh(2), 0, &[1, 8, 8], &cp, 14),
+        48
+    );
+    assert_eq!(
+        lower::perturbed_elements(&mesh(2), 1, &[1, 8, 8], &cp, 14),
+        64
+    );
+    assert_eq!(
+        lower::perturbed_elements(&mesh(2), 1, &[1, 8, 8], &cp, 3),
+        0
+    );
+}
+
+/// The KV-cache plan of example `file` with `sets`, as `megac generate` builds it.
+fn kv_cache_plan(file: &str, sets: &[&str]) -> CheckedPlan {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(file);
+    let compile = |extra: &[String]| {
+        let mut all: Vec<String> = [
+            "train.micro_batch=1",
+            "train.global_batch=1",
+            "model.seq_len=16",
+        ]
+        .iter()
+        .chain(sets)
+        .map(|s| s.to_string())
+        .collect();
+        all.extend_from_slice(extra);
+        let spec = megac_frontend::load(&path, &all).unwrap_or_else(|e| panic!("{}", e.render()));
+        let flops = megac_passes::flops::step_flops(&spec).total;
+        let module = megac_passes::run_inference_pipeline(spec).unwrap();
+        let p =
+            megac_codegen::emit_inference_plan(&module.spec, module.graph.as_ref().unwrap(), flops)
+                .unwrap();
+        CheckedPlan::check(p).unwrap()
+    };
+    let window = compile(&[]);
+    let block = compile(&megac_runtime::kv::block_sets(&window));
+    CheckedPlan::check(megac_codegen::kv::kv_plan(&window, &block).unwrap()).unwrap()
+}
+
+/// KV-cache decoding's `rope_at` and `pos_embedding_at` lower to `kernels/cuda/kv.cu`'s
+/// kernels with their declared parameters: the plan's position input as the device's i32,
+/// the block's rows, the RoPE frequencies as a constant table equal to the cpu backend's
+/// (`rope_inv_freq`), the table's rows, and the rows of the rank's earlier sequence shards
+/// (as the cpu backend's `step_positions`; in these plans, tp2 with sequence parallelism
+/// included, the ops' operands are not split over the sequence, so that is 0).
+/// `kv_attention` is one error naming the op. Not run on hardware.
+#[test]
+fn kv_position_ops_lower_to_their_kernels() {
+    let sigs = kernel_signatures();
+    for (file, sets, op_name, kernel) in [
+        ("llama-tiny.toml", &[][..], "rope_at", "rope_at"),
+        (
+            "llama-tiny.toml",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+            "rope_at",
+            "rope_at",
+        ),
+        (
+            "gpt-tiny.toml",
+            &[][..],
+            "pos_embedding_at",
+            "pos_embedding_at",
+        ),
+        (
+            "gpt-tiny.toml",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+            "pos_embedding_at",
+            "pos_embedding_at",
+        ),
+    ] {
+        let plan = kv_cache_plan(file, sets);
+        let position = plan.decode.as_ref().unwrap().position;
+        let mut splits = 0;
+        for rank in 0..plan.mesh.world_size() {
+            let what = format!("{file} {sets:?} rank {rank}");
+            let role = &plan.roles[plan.rank_to_role[rank] as usize];
+            let step = &role.decode.as_ref().unwrap().step;
+            let mut lowered = 0;
+            for instr in step.iter() {
+                let megac_ir::plan::Instr::Kernel { op, inputs, .. } = instr else {
+                    continue;
+                };
+                if op.name() == "kv_attention" {
+                    let err = lower::lower_instruction(&plan, rank, instr)
+                        .unwrap_err()
+                        .to_string();
+                    assert!(err.contains("`kv_attention`"), "{what}: {err}");
+                    continue;
+                }
+                if op.name() != op_name {
+                    continue;
+                }
+                let (ops, _, constants) = lower::lower_instruction(&plan, rank, instr).unwrap();
+                let [DeviceOp::Kernel { name, args, .. }] = &ops[..] else {
+                    panic!("{what}: {ops:?}");
+                };
+                assert_eq!(*name, kernel);
+                let sig = &sigs[*name];
+                assert_eq!(args.len(), sig.len(), "{what}");
+                for (a, ty) in args.iter().zip(sig) {
+                    assert!(fits(a, ty), "{what}: {name}: {ty} given {a:?}");
+                }
+                let pos_arg = if kernel == "rope_at" { 3 } else { 2 };
+                assert_eq!(args[pos_arg], Arg::Buf(position), "{what}");
+                assert_eq!(inputs.last(), Some(&position), "{what}");
+                let x = &plan.buffers[inputs[0] as usize];
+                let rows = x.shape[1];
+                assert_eq!(args[4], Arg::U32(rows as u32), "{what}");
+                // The block's rows split over tp (sequence parallelism) start at rank·rows.
+                let split = x
+                    .layout
+                    .get(1)
+                    .is_some_and(|a| a.contains(&megac_ir::Axis::Tp));
+                let shard = if split { rank as u32 * rows as u32 } else { 0 };
+                assert_eq!(args[7], Arg::U32(shard), "{what}");
+                if split {
+                    splits += 1;
+                }
+                if let megac_ir::OpKind::RopeAt { theta, scaling } = op {
+                    let d = x.shape[3] as usize;
+                    let want = megac_ir::spec::rope_inv_freq(d, *theta, scaling.as_ref());
+                    let Arg::Const(at) = args[2] else {
+                        panic!("{what}")
+                    };
+                    let got: Vec<f32> = constants[at as usize..][..4 * want.len()]
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect();
+                    assert_eq!(got, want, "{what}");
+                } else {
+                    let table = &plan.buffers[inputs[1] as usize];
+                    assert_eq!(args[6], Arg::U32(table.shape[0] as u32), "{what}");
+                }
+                lowered += 1;
+            }
+            assert!(lowered > 0, "{what}: no {op_name} in the decode step");
+        }
+        eprintln!("{file} {sets:?}: {splits} sequence-split {op_name} lowered");
+    }
+}

@@ -156,6 +156,24 @@ fn greedy_cp2_matches_transformers() {
     }
 }
 
+/// Expert parallelism: ep2 folded over dp2 (every replica runs the prompt) or over cp2,
+/// also with tp2 and sequence parallelism, with the KV cache and with `--no-kv-cache`:
+/// transformers' ids.
+#[test]
+fn greedy_ep2_matches_transformers() {
+    let tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"];
+    for base in [
+        &["parallel.dp=2", "parallel.ep=2"][..],
+        &["parallel.cp=2", "parallel.ep=2"][..],
+    ] {
+        let with_tp: Vec<&str> = base.iter().chain(&tp_sp).copied().collect();
+        for flags in [&[][..], &["--no-kv-cache"][..]] {
+            greedy_matches_with("mixtral", base, flags);
+            greedy_matches_with("mixtral", &with_tp, flags);
+        }
+    }
+}
+
 /// `megac compile --inference --kv-cache` under cp writes a KV-cache plan whose caches
 /// hold each rank's half of the window's positions.
 #[test]

@@ -392,6 +392,27 @@ fn kv_cp_equals_recompute() {
     kv_vs_recompute("llama", &["parallel.cp=2", "parallel.pp=2"], 3);
 }
 
+/// Expert parallelism (ep2 folded over dp2 or cp2, also with tp2 and sequence
+/// parallelism): the decode step's tokens go to their experts' ranks and back by
+/// all-to-all over ep as the window's do (under cp the block keeps the dp·cp ranks as its
+/// dp, so its expert groups are the window's); mixtral and qwen2-moe (shared experts, a
+/// dense first layer).
+#[test]
+fn kv_ep_equals_recompute() {
+    let dp_ep = ["parallel.dp=2", "train.global_batch=2", "parallel.ep=2"];
+    let cp_ep = ["parallel.cp=2", "parallel.ep=2"];
+    let tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"];
+    for name in ["mixtral", "qwen2_moe"] {
+        for base in [&dp_ep[..], &cp_ep[..]] {
+            for prompt in [1, 5] {
+                kv_vs_recompute(name, base, prompt);
+            }
+            let with_tp: Vec<&str> = base.iter().chain(&tp_sp).copied().collect();
+            kv_vs_recompute(name, &with_tp, 3);
+        }
+    }
+}
+
 #[test]
 fn kv_mistral_window_equals_recompute() {
     // The window (5) is shorter than the context (32, the tokens 16): later steps attend

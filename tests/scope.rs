@@ -174,14 +174,17 @@ fn probes_dp2_match_transformers_and_one_device() {
         .unwrap();
         assert_eq!(one, two, "{name} {with_dp:?}");
     }
-    // generate's runs still refuse dp.
-    let plan = forward_plan("llama", &dp);
+    // generate's forward runs dp too: the one-device logits, bit for bit.
     let init = fixture("llama").join("init.safetensors");
-    let err = match with_ranks(&plan, &init, |inf| inf.logits(&TOKENS)) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("dp accepted"),
-    };
-    assert!(err.contains("dp = 2"), "{err}");
+    let one = with_ranks(&forward_plan("llama", &[]), &init, |inf| {
+        inf.logits(&TOKENS)
+    })
+    .unwrap();
+    let two = with_ranks(&forward_plan("llama", &dp), &init, |inf| {
+        inf.logits(&TOKENS)
+    })
+    .unwrap();
+    assert_eq!(one, two);
 }
 
 /// cp2, cp2 × tp2 (mixtral with sequence parallelism) and cp2 × pp2 (llama); the sequence
@@ -564,5 +567,60 @@ fn perturbed_probes_and_bad_perturbations() {
         assert_eq!(run.status.code(), Some(1), "{err}");
         assert!(err.contains(want), "{err}");
         assert!(!out.exists());
+    }
+}
+
+/// Expert parallelism (ep2, folded over dp2 or cp2; with tp2 and sequence parallelism): each
+/// rank holds half the experts and the tokens go to them and back by all-to-all over ep;
+/// the probes (the router's probabilities included) are gathered to their global shapes and
+/// equal the one-device run's (bit for bit under dp, whose ranks each hold the whole
+/// sequence; within 1e-6 scaled under cp, whose attention sums its keys in another order),
+/// and mixtral's equal transformers'. qwen2-moe (shared experts, a dense first layer) has no
+/// transformers probe file: it is checked against its one-device run.
+#[test]
+fn probes_ep2_match_one_device() {
+    let dp_ep = ["parallel.dp=2", "train.global_batch=2", "parallel.ep=2"];
+    let tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"];
+    let dp_ep_tp: Vec<&str> = dp_ep.iter().chain(&tp_sp).copied().collect();
+    let cp_ep = ["parallel.cp=2", "parallel.ep=2"];
+    let cp_ep_tp: Vec<&str> = cp_ep.iter().chain(&tp_sp).copied().collect();
+    let all = ["*".to_string()];
+    for name in ["mixtral", "qwen2_moe"] {
+        let init = fixture(name).join("init.safetensors");
+        let one = with_ranks_scope(&forward_plan(name, &[]), &init, |inf| {
+            inf.probe(&TOKENS, &all)
+        })
+        .unwrap();
+        assert!(one.iter().any(|p| p.name.ends_with(".moe.router")));
+        for (sets, exact) in [
+            (&dp_ep[..], true),
+            (&dp_ep_tp[..], false),
+            (&cp_ep[..], false),
+            (&cp_ep_tp[..], false),
+        ] {
+            if name == "mixtral" {
+                probes_match(name, sets);
+            }
+            let got = with_ranks_scope(&forward_plan(name, sets), &init, |inf| {
+                inf.probe(&TOKENS, &all)
+            })
+            .unwrap();
+            assert_eq!(got.len(), one.len(), "{name} {sets:?}");
+            for (a, b) in got.iter().zip(&one) {
+                assert_eq!((&a.name, &a.shape), (&b.name, &b.shape), "{name} {sets:?}");
+                let scale = b.values.iter().fold(1f32, |m, x| m.max(x.abs()));
+                let diff = a
+                    .values
+                    .iter()
+                    .zip(&b.values)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                eprintln!("{name} {sets:?} {}: vs one device {diff:e}", a.name);
+                if exact {
+                    assert_eq!(a.values, b.values, "{name} {sets:?} {}", a.name);
+                }
+                assert!(diff <= 1e-6 * scale, "{name} {sets:?} {}: {diff}", a.name);
+            }
+        }
     }
 }

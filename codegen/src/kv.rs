@@ -73,18 +73,35 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
     let (w, b) = (&window.batch, &block.batch);
     // Under cp the block is one token, which cannot be split over cp: the block plan is the
     // layout without cp, and every cp rank runs it (see the module documentation).
+    // Under expert parallelism, which folds over dp·cp, the block keeps the dp·cp ranks as
+    // its dp (so its expert groups are the window's): dp·cp replicas of the one token.
     let cp = window.mesh.size(Axis::Cp);
+    let ep = window.mesh.size(Axis::Ep);
+    let fold = cp > 1 && ep > 1;
     let mut block_mesh = window.mesh.clone();
     for (a, n) in &mut block_mesh.axes {
         if *a == Axis::Cp {
             *n = 1;
         }
+        if *a == Axis::Dp && fold {
+            *n *= cp;
+        }
     }
+    // A window rank's coordinate along `a` in the block's mesh (folded: its dp·cp position,
+    // ep coordinate + ep · edp coordinate).
+    let window_coord = |rank: usize, a: Axis| -> usize {
+        if a == Axis::Dp && fold {
+            let m = &window.mesh;
+            m.coord(rank, Axis::Ep) + ep as usize * m.coord(rank, Axis::Edp)
+        } else {
+            window.mesh.coord(rank, a)
+        }
+    };
     let block_rank = |rank: usize| -> Option<usize> {
         (0..block.mesh.world_size()).find(|&x| {
             [Axis::Tp, Axis::Dp, Axis::Pp]
                 .iter()
-                .all(|&a| block.mesh.coord(x, a) == window.mesh.coord(rank, a))
+                .all(|&a| block.mesh.coord(x, a) == window_coord(rank, a))
         })
     };
     let same_roles = (0..window.mesh.world_size()).all(|rank| {
@@ -479,10 +496,14 @@ pub fn kv_plan(window: &Plan, block: &Plan) -> Result<Plan, CodegenError> {
         plan.memory.input_bytes = most(&|m| m.input_bytes);
         plan.memory.kv_cache_bytes = most(&|m| m.kv_cache_bytes);
     }
-    plan.decode = Some(DecodeInfo {
-        batch: block.batch.clone(),
-        position,
-    });
+    // The step's geometry on the window's mesh: folded, the block's dp·cp replicas are the
+    // window's dp replicas (its cp ranks run the same sample).
+    let mut batch = block.batch.clone();
+    if fold {
+        batch.global_batch /= cp;
+        batch.tokens_per_step /= cp;
+    }
+    plan.decode = Some(DecodeInfo { batch, position });
     crate::memory::add_staging(&mut plan);
     Ok(plan)
 }

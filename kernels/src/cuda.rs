@@ -55,6 +55,22 @@ pub const SOURCES: &[CudaSource] = &[
         ],
     },
     CudaSource {
+        name: "kv.cu",
+        source: include_str!("../cuda/kv.cu"),
+        kernels: &["rope_at", "pos_embedding_at"],
+    },
+    CudaSource {
+        name: "scope.cu",
+        source: include_str!("../cuda/scope.cu"),
+        kernels: &[
+            "perturb_scale",
+            "perturb_sum_squares",
+            "perturb_noise",
+            "perturb_bitflip",
+            "perturb_zero_head",
+        ],
+    },
+    CudaSource {
         name: "rope.cu",
         source: include_str!("../cuda/rope.cu"),
         kernels: &["rope_apply"],

@@ -101,7 +101,10 @@ fn sites(g: &Graph) -> Vec<(String, usize, Site)> {
                 push(&mut out, format!("layers.{l}.attn.probs"), i, Site::Probs);
                 push(&mut out, format!("layers.{l}.attn"), i, Site::Heads);
             }
-            (OpKind::Linear { .. }, Some(l)) if path.ends_with(".block_sparse_moe.gate") => {
+            // The router's linear: Mixtral's `block_sparse_moe.gate`, Qwen2-MoE's `mlp.gate`.
+            (OpKind::Linear { .. }, Some(l))
+                if path.ends_with(".block_sparse_moe.gate") || path.ends_with(".mlp.gate") =>
+            {
                 push(&mut out, format!("layers.{l}.moe.router"), i, Site::Softmax);
             }
             (OpKind::CrossEntropy, _) if logits.is_none() => logits = Some(i),

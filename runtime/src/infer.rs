@@ -4,9 +4,10 @@
 //! The plan is the training plan of the model (one micro-batch of one sample); the runtime
 //! runs its micro-batch program's forward instructions only, up to the one that writes the
 //! logits (the cross-entropy's first operand), and never the loss, the backward or the
-//! optimizer. Tensor-, pipeline- and context-parallel plans run one thread per rank (the
-//! local communicator; a pipeline stage runs its chunks' forward programs in chunk order, as
-//! a forward pipeline; a cp rank is fed its load-balanced chunks of the sequence), and the
+//! optimizer. Tensor-, pipeline-, context-, data- and expert-parallel plans run one thread
+//! per rank (the local communicator; a pipeline stage runs its chunks' forward programs in
+//! chunk order, as a forward pipeline; a cp rank is fed its load-balanced chunks of the
+//! sequence; every dp replica runs the same sample; ep folds over dp·cp), and the
 //! logits and probed tensors are gathered to their global shape from the buffers' layouts
 //! (the cp chunks put back in order) and the stage that computed them. The plan's `seq_len` is the context window: a sequence shorter than it is
 //! padded with token 0, which changes no logit at its real positions because attention is
@@ -138,42 +139,22 @@ pub struct Generated {
 }
 
 impl<'p> Inference<'p> {
-    /// Check that forward-only runs support `plan`'s layout: one device, tensor, pipeline
-    /// and context parallelism (no data or expert parallelism, no FBD).
+    /// Check that forward-only runs support `plan`'s layout: one device, tensor, pipeline,
+    /// context, data and expert parallelism (not FBD). Every data-parallel replica runs the
+    /// same sample (the plan's global batch is one sample per replica), and what is split
+    /// over dp is gathered like any other split and cut to the first sample; expert
+    /// parallelism folds over dp·cp and moves the tokens to their experts' ranks and back
+    /// inside the forward.
     pub fn supports(plan: &CheckedPlan) -> Result<(), RuntimeError> {
-        Self::supports_layout(plan, false)
-    }
-
-    /// As [`Inference::supports`], with data parallelism too when `dp` (`megac scope`: every
-    /// data-parallel replica runs the same sample, and the probes' batch split over dp is
-    /// gathered like any other split).
-    pub fn supports_layout(plan: &CheckedPlan, dp: bool) -> Result<(), RuntimeError> {
         let m = &plan.mesh;
-        let refused: &[Axis] = if dp {
-            &[Axis::Ep]
-        } else {
-            &[Axis::Dp, Axis::Ep]
-        };
-        let others: Vec<String> = refused
-            .iter()
-            .copied()
-            .filter(|&a| m.size(a) > 1)
-            .map(|a| format!("{} = {}", a.as_str(), m.size(a)))
-            .collect();
-        let dp_size = if dp { m.size(Axis::Dp) } else { 1 };
-        if !others.is_empty()
-            || m.world_size() as u64
-                != m.size(Axis::Tp) * m.size(Axis::Pp) * m.size(Axis::Cp) * dp_size
-        {
-            return Err(RuntimeError::Unsupported(format!(
-                "forward-only runs support tensor, pipeline and context parallel layouts (and \
-                 megac scope data parallelism) only so far; this layout has {} (set them to 1)",
-                if others.is_empty() {
-                    "forward/backward decoupling (parallel.fbd)".to_string()
-                } else {
-                    others.join(", ")
-                }
-            )));
+        let dense = m.size(Axis::Tp) * m.size(Axis::Pp) * m.size(Axis::Cp) * m.size(Axis::Dp);
+        if m.world_size() as u64 != dense {
+            return Err(RuntimeError::Unsupported(
+                "forward-only runs support tensor, pipeline, context, data and expert \
+                 parallel layouts only so far; this layout has forward/backward decoupling \
+                 (parallel.fbd): set it off"
+                    .to_string(),
+            ));
         }
         Ok(())
     }
@@ -196,7 +177,7 @@ impl<'p> Inference<'p> {
         init: &std::path::Path,
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
-        Self::supports_layout(plan, true)?;
+        Self::supports(plan)?;
         let session = Session::with_comm(plan, "synthetic", Some(init), comm)?;
         Self::from_session(plan, session)
     }
@@ -210,7 +191,7 @@ impl<'p> Inference<'p> {
         other: &mut Inference<'_>,
         comm: Box<dyn crate::comm::Communicator>,
     ) -> Result<Self, RuntimeError> {
-        Self::supports_layout(plan, true)?;
+        Self::supports(plan)?;
         let mut session = Session::with_comm(plan, "synthetic", None, comm)?;
         let src = &other.session;
         for p in &plan.params {
@@ -423,12 +404,19 @@ impl<'p> Inference<'p> {
         let axes_of = |d: usize| layout.get(d).cloned().unwrap_or_default();
         let split_axes: Vec<Axis> = (0..shape.len()).flat_map(axes_of).collect();
         // The pipeline stage that holds the tensor (`owner`) gives it; the others add zeros.
+        // A rank gives its part if it is the first of the ranks holding that part: coordinate
+        // 0 on every dense axis (tp, cp, dp) that does not split it. `ep` folds over dp·cp
+        // and adds no ranks: a part split over ep is given by the expert-data-parallel
+        // group's first rank instead (coordinate 0 along edp).
+        let by_experts = split_axes.contains(&Axis::Ep);
         let contributes = owner
-            && Axis::ALL.iter().filter(|&&a| a != Axis::Pp).all(|a| {
+            && [Axis::Tp, Axis::Cp, Axis::Dp].iter().all(|a| {
                 split_axes.contains(a)
                     || (partial && *a == Axis::Tp)
+                    || (by_experts && *a != Axis::Tp)
                     || plan.mesh.coord(rank, *a) == 0
-            });
+            })
+            && (!by_experts || plan.mesh.coord(rank, Axis::Edp) == 0);
         let local_shape: Vec<usize> = local_shape.iter().map(|&d| d as usize).collect();
         // Per dim, the global index of each local index (the sequence under cp: the
         // load-balanced chunks, put back in order).
@@ -859,14 +847,13 @@ pub fn with_ranks<T: Send>(
     run_ranks(plan, init, f)
 }
 
-/// [`with_ranks`] for `megac scope`, data-parallel layouts included
-/// ([`Inference::supports_layout`]).
+/// [`with_ranks`] for `megac scope` (the same layouts: [`Inference::supports`]).
 pub fn with_ranks_scope<T: Send>(
     plan: &CheckedPlan,
     init: &std::path::Path,
     f: impl Fn(&mut Inference) -> Result<T, RuntimeError> + Sync,
 ) -> Result<T, RuntimeError> {
-    Inference::supports_layout(plan, true)?;
+    Inference::supports(plan)?;
     run_ranks(plan, init, f)
 }
 

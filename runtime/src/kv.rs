@@ -19,15 +19,27 @@ use crate::infer::{Generated, Inference, Sampling};
 
 /// The `--set`s that compile the block plan from the model.toml (and `--set`s) of
 /// `window`: `model.seq_len` = one token per tp rank, `parallel.cp=1` under cp (the block is
-/// not split over cp), and under pp the window plan's layers
+/// not split over cp; with ep > 1 also `parallel.dp` = dp·cp and one sample per replica, so
+/// the block's expert groups are the window's), and under pp the window plan's layers
 /// per chunk as `parallel.stage_layers` (so a `"balanced"` split, which weighs layers at
 /// the plan's length, places the block's layers on the same stages).
 pub fn block_sets(window: &CheckedPlan) -> Vec<String> {
     let tp = window.mesh.size(megac_ir::Axis::Tp);
     let mut sets = vec![format!("model.seq_len={tp}")];
-    if window.mesh.size(megac_ir::Axis::Cp) > 1 {
+    let (cp, ep) = (
+        window.mesh.size(megac_ir::Axis::Cp),
+        window.mesh.size(megac_ir::Axis::Ep),
+    );
+    if cp > 1 {
         // One token is not split over cp: every cp rank runs the block (the caches are).
         sets.push("parallel.cp=1".into());
+        if ep > 1 {
+            // Expert parallelism folds over dp·cp: the block keeps those ranks as its dp
+            // (one sample each, the same token), so its expert groups are the window's.
+            let dp = window.mesh.size(megac_ir::Axis::Dp) * cp;
+            sets.push(format!("parallel.dp={dp}"));
+            sets.push(format!("train.global_batch={dp}"));
+        }
     }
     let mut chunks: Vec<(u32, u64)> = window
         .roles

@@ -135,8 +135,24 @@ pub fn decode(tokens: &[u32]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// Compile `model` as a one-sample inference plan (micro and global batch 1: the forward
-/// only, no gradient or optimizer memory).
+/// The `--set`s of a one-sample plan, before the user's: micro-batch 1, and one sample per
+/// data-parallel replica (`train.global_batch` = dp; every replica runs the same tokens).
+/// dp is read from `model` with its `--set`s (1 if they do not load: the compile then
+/// reports why).
+fn one_sample_sets(model: &ModelArgs) -> Vec<String> {
+    let mb = "train.micro_batch=1".to_string();
+    let dp = super::load_spec(&ModelArgs {
+        model: model.model.clone(),
+        sets: std::iter::once(mb.clone())
+            .chain(model.sets.iter().cloned())
+            .collect(),
+    })
+    .map_or(1, |s| s.parallel.dp);
+    vec![mb, format!("train.global_batch={dp}")]
+}
+
+/// Compile `model` as a one-sample inference plan (micro-batch 1, one sample per
+/// data-parallel replica: the forward only, no gradient or optimizer memory).
 pub fn compile_forward(model: &ModelArgs) -> Result<CheckedPlan, String> {
     compile_with(model, &[])
 }
@@ -146,10 +162,7 @@ pub fn compile_forward_with(
     model: &ModelArgs,
     instrument: &megac_passes::Instrument,
 ) -> Result<CheckedPlan, String> {
-    let mut sets = vec![
-        "train.micro_batch=1".to_string(),
-        "train.global_batch=1".to_string(),
-    ];
+    let mut sets = one_sample_sets(model);
     sets.extend(model.sets.iter().cloned());
     let args = ModelArgs {
         model: model.model.clone(),
@@ -163,10 +176,7 @@ pub fn compile_forward_with(
 
 /// As [`compile_forward`], with `after` set after the user's `--set`s.
 fn compile_with(model: &ModelArgs, after: &[String]) -> Result<CheckedPlan, String> {
-    let mut sets = vec![
-        "train.micro_batch=1".to_string(),
-        "train.global_batch=1".to_string(),
-    ];
+    let mut sets = one_sample_sets(model);
     sets.extend(model.sets.iter().cloned());
     sets.extend(after.iter().cloned());
     let args = ModelArgs {

@@ -120,17 +120,10 @@ pub fn run(args: &ScopeArgs) -> Result<(), String> {
         args.tokens.as_deref(),
         tok.as_ref(),
     )?;
-    // One sample per data-parallel replica: each runs the same tokens.
-    let dp = super::load_spec(&ModelArgs {
-        model: args.model.clone(),
-        sets: args.sets.clone(),
-    })
-    .map_or(1, |s| s.parallel.dp);
-    let mut sets = vec![format!("train.global_batch={dp}")];
-    sets.extend(args.sets.iter().cloned());
+    // One sample per data-parallel replica (`compile_forward_with`): each runs the tokens.
     let model = ModelArgs {
         model: args.model.clone(),
-        sets,
+        sets: args.sets.clone(),
     };
     // The probes and perturbations are compiled into the plan (the `perturb` and `probe`
     // passes); the clean run of the report is the plan without them.

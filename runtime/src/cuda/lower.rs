@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 
 use megac_ir::gate::CheckedPlan;
+use megac_ir::op::PerturbAction;
 use megac_ir::plan::{BufId, Instr, Plan};
 use megac_ir::{Axis, DType, OpKind, WeightLayout};
 use megac_kernels::precision::Half;
@@ -528,8 +529,56 @@ impl Lowerer<'_> {
         let row = |c: &Ctx, rows: u64, w: u64| c.launch(launch::per_row(rows, w));
         let elem = |c: &Ctx, n: u64| c.launch(launch::elementwise(n));
         match c.op {
-            OpKind::RopeAt { .. } | OpKind::PosEmbeddingAt | OpKind::KvAttention { .. } => {
-                return Err(c.err("KV-cache decoding runs on the cpu backend only"))
+            OpKind::KvAttention { .. } => {
+                return Err(c.err("KV-cache attention (the cpu backend runs KV-cache plans)"))
+            }
+            OpKind::RopeAt { theta, scaling } => {
+                let s = self.shape(ins[0]).to_vec();
+                if s.len() != 4 {
+                    return Err(self.shape_err(c, "needs a 4-d operand"));
+                }
+                let (b, sl, nh, d) = (s[0], s[1], s[2], s[3]);
+                let inv_freq = megac_ir::spec::rope_inv_freq(d as usize, *theta, scaling.as_ref());
+                let freq = self.f32_table(&inv_freq);
+                let shard = self.shard_start(ins[0]);
+                let l = row(c, b * sl * nh, d / 2)?;
+                c.kernel(
+                    "rope_at",
+                    l,
+                    vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Buf(outs[0]),
+                        Arg::Const(freq),
+                        Arg::Buf(ins[1]),
+                        Arg::U32(sl as u32),
+                        Arg::U32(nh as u32),
+                        Arg::U32(d as u32),
+                        Arg::U32(shard),
+                    ],
+                );
+            }
+            OpKind::PosEmbeddingAt => {
+                let s = self.shape(ins[0]).to_vec();
+                let h = self.last(ins[0]);
+                let sl = s.get(1).copied().unwrap_or(1);
+                let rows = self.numel(ins[0]) / h.max(1);
+                let table_rows = self.numel(ins[1]) / h.max(1);
+                let shard = self.shard_start(ins[0]);
+                let l = row(c, rows, h)?;
+                c.kernel(
+                    "pos_embedding_at",
+                    l,
+                    vec![
+                        Arg::Buf(ins[0]),
+                        Arg::Buf(ins[1]),
+                        Arg::Buf(ins[2]),
+                        Arg::Buf(outs[0]),
+                        Arg::U32(sl as u32),
+                        Arg::U32(h as u32),
+                        Arg::U32(table_rows as u32),
+                        Arg::U32(shard),
+                    ],
+                );
             }
             OpKind::Embedding | OpKind::EmbeddingGrad => {
                 let table = ins[1];
@@ -1058,9 +1107,7 @@ impl Lowerer<'_> {
             OpKind::SplitHeads { .. } | OpKind::MergeHeads => {
                 return Err(self.shape_err(c, "a view is never an instruction"))
             }
-            OpKind::Probe { .. } | OpKind::Perturb { .. } => {
-                return Err(c.err("MegaScope's probes and perturbations (cpu only so far)"))
-            }
+            OpKind::Probe { .. } | OpKind::Perturb { .. } => self.scope(c)?,
         }
         Ok(())
     }
@@ -1071,6 +1118,114 @@ impl Lowerer<'_> {
             path: c.path.to_string(),
             why: why.to_string(),
         }
+    }
+
+    /// MegaScope's ops (`exec/scope.rs` on the cpu backend): `probe` is a copy; `perturb`
+    /// copies the point, then runs its kernel (`kernels/cuda/scope.cu`) in place on the
+    /// real tokens' rows of this rank's part ([`perturbed_elements`]), with the stream seed
+    /// computed here as the cpu backend does. Training perturbations (their stream depends
+    /// on the step and micro-batch, and `@STEP` runs in one step only) are not lowered yet.
+    fn scope(&mut self, c: &mut Ctx) -> Result<(), LowerError> {
+        let (ins, outs) = (c.ins, c.outs);
+        let n = self.numel(outs[0]);
+        c.ops.push(DeviceOp::Copy {
+            dst: Arg::Buf(outs[0]),
+            src: Arg::Buf(ins[0]),
+            bytes: n * 4,
+        });
+        let OpKind::Perturb {
+            point,
+            action,
+            seed,
+            tokens,
+            step,
+            train,
+        } = c.op
+        else {
+            return Ok(());
+        };
+        if *train || *step != 0 {
+            return Err(c.err("training perturbations (train --perturb)"));
+        }
+        let buf = self.buf(outs[0]);
+        let n = perturbed_elements(&self.plan.mesh, self.rank, &buf.shape, &buf.layout, *tokens);
+        let seed = megac_kernels::perturb::stream_seed(*seed, point);
+        let y = Arg::Buf(outs[0]);
+        let l = c.launch(launch::elementwise(n))?;
+        match *action {
+            PerturbAction::Scale(f) => {
+                c.kernel("perturb_scale", l, vec![y, Arg::F64(f), Arg::U64(n)]);
+            }
+            PerturbAction::Noise(sigma) => {
+                let sum = c.scratch(8);
+                let one = Launch {
+                    grid: (1, 1, 1),
+                    block: 256,
+                };
+                c.kernel(
+                    "perturb_sum_squares",
+                    one,
+                    vec![y.clone(), Arg::Work(sum), Arg::U64(n)],
+                );
+                c.kernel(
+                    "perturb_noise",
+                    l,
+                    vec![
+                        y,
+                        Arg::Work(sum),
+                        Arg::F64(sigma),
+                        Arg::U64(seed),
+                        Arg::U64(n),
+                    ],
+                );
+            }
+            PerturbAction::Bitflip { first, count, rate } => {
+                c.kernel(
+                    "perturb_bitflip",
+                    l,
+                    vec![
+                        y,
+                        Arg::U32(first),
+                        Arg::U32(count),
+                        Arg::F64(rate),
+                        Arg::U64(seed),
+                        Arg::U64(n),
+                    ],
+                );
+            }
+            PerturbAction::ZeroHead(h) => {
+                let (heads, d) = match buf.shape[..] {
+                    [_, _, heads, d] => (heads, d),
+                    _ => return Err(self.shape_err(c, "zero-head needs a [b, s, heads, d] tensor")),
+                };
+                // The global head's rank: the part of the heads dim that holds it.
+                let axes = buf.layout.get(2).cloned().unwrap_or_default();
+                let part = axes.iter().fold(0u64, |p, &ax| {
+                    p * self.plan.mesh.size(ax) + self.plan.mesh.coord(self.rank, ax) as u64
+                });
+                if h / heads.max(1) == part {
+                    c.kernel(
+                        "perturb_zero_head",
+                        l,
+                        vec![
+                            y,
+                            Arg::U32((h % heads.max(1)) as u32),
+                            Arg::U32(heads as u32),
+                            Arg::U32(d as u32),
+                            Arg::U64(n),
+                        ],
+                    );
+                }
+            }
+            PerturbAction::Patch => {
+                c.ops.push(DeviceOp::Copy {
+                    dst: y,
+                    src: Arg::Buf(ins[1]),
+                    bytes: n * 4,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The MoE ops: the router and the load-balancing loss as kernels; dispatch and
@@ -1349,6 +1504,36 @@ impl Lowerer<'_> {
             return Err(self.shape_err(c, &format!("dim {d} of a {}-d buffer", s.len())));
         }
         Ok((s[..d].iter().product(), s[d..].iter().product()))
+    }
+
+    /// The f32 values `v` as a constant table (deduplicated); its offset.
+    fn f32_table(&mut self, v: &[f32]) -> u64 {
+        let key = (usize::MAX, v.len(), v.iter().map(|f| f.to_bits()).collect());
+        if let Some(&at) = self.tables.get(&key) {
+            return at;
+        }
+        let at = self.constants.len() as u64;
+        for x in v {
+            self.constants.extend_from_slice(&x.to_le_bytes());
+        }
+        self.constants
+            .resize(align(self.constants.len() as u64) as usize, 0);
+        self.tables.insert(key, at);
+        at
+    }
+
+    /// The rows of this rank's earlier shards of `x`'s sequence dim (dim 1): its part
+    /// index along the dim's axes times its local rows, as the cpu backend's
+    /// `step_positions`.
+    fn shard_start(&self, x: BufId) -> u32 {
+        let buf = self.buf(x);
+        let s = buf.shape.get(1).copied().unwrap_or(1);
+        let part = buf.layout.get(1).map_or(0, |axes| {
+            axes.iter().fold(0u64, |acc, &a| {
+                acc * self.plan.mesh.size(a) + self.plan.mesh.coord(self.rank, a) as u64
+            })
+        });
+        u32::try_from(part * s).unwrap_or(u32::MAX)
     }
 
     /// Positions 0..s as a u32 constant table; its offset.
@@ -1742,6 +1927,31 @@ fn columns(c: &mut Ctx, [src, dst]: [Arg; 2], dims: [u64; 6], acc: bool) -> Resu
     args.push(Arg::I32(acc as i32));
     c.kernel("copy_columns", l, args);
     Ok(())
+}
+
+/// The elements a `perturb` changes in a rank's part of shape `shape` split by `layout`:
+/// every element (`tokens` = 0), or the rows of the first `tokens` positions of the first
+/// sample (`[b, s, rest..]`), counted from this rank's sequence shard (its positions ascend:
+/// under cp the load-balanced chunks), as the cpu backend's `exec/scope.rs`.
+pub fn perturbed_elements(
+    mesh: &megac_ir::Mesh,
+    rank: usize,
+    shape: &[u64],
+    layout: &[Vec<Axis>],
+    tokens: u64,
+) -> u64 {
+    let total: u64 = shape.iter().product();
+    if tokens == 0 {
+        return total;
+    }
+    let row: u64 = shape.get(2..).map_or(1, |r| r.iter().product());
+    let local = shape.get(1).copied().unwrap_or(1) as usize;
+    let axes = layout.get(1).cloned().unwrap_or_default();
+    let real = crate::sharded::dim_positions(mesh, rank, &axes, local)
+        .iter()
+        .filter(|&&p| p < tokens as usize)
+        .count() as u64;
+    (real * row).min(total)
 }
 
 #[allow(clippy::too_many_arguments)]
