@@ -15,14 +15,13 @@
 //!   over the vocabulary, the rest whole. Every op but the token-wise ones sequence
 //!   parallelism puts on shards is then emitted by one generic emitter (`Sharder::emit_tp`)
 //!   under a strategy of its layout algebra over (ep, tp) ([`tensor_parallel::strategies`],
-//!   the only statement of it): the one on its operands as they are where listed, else
-//!   the first of the extracted term's choices for the op its operands can be converted
-//!   to. The two differ at a group's edge (the term takes values from another group
-//!   whole, where the first layer's residual adds receive the vocab-parallel embedding's
-//!   partial sum and add it as one) and where the term holds an op in more than one
-//!   layout (a per-expert MoE combine under tp+sp with a fixed capacity: the term's first
-//!   choice is whole, the operands fit the partial strategy); taking the term's choice
-//!   first changes the plans of such cases, so the operands' strategy comes first. Where
+//!   the only statement of it): the first of the extracted term's choices for the op its
+//!   operands can be converted to. The term models the group edges as they are emitted
+//!   (a value leaves its group in its producer's layout: the vocab-parallel embedding's
+//!   and llama's residual stream's partial sums reach the next layer as partial sums, the
+//!   layer's residual adds add them as such), so the two agree; where the operands fit a
+//!   strategy as they are and the term's choice would move them, the operands' strategy
+//!   is taken and the disagreement recorded ([`departures_from_term`]). Where
 //!   an op needs an operand in another layout, the pass inserts the collective that
 //!   converts it: `all_reduce` for a partial sum that must be whole, `all_gather` for a
 //!   shard that must be whole, `slice` for a whole value that must be split. A row-parallel linear's bias is split off into a `bias_add` after the reduction,
@@ -82,16 +81,42 @@ pub fn shard(g: &mut Graph, spec: &ModelSpec) -> Result<(), PassError> {
         return Ok(());
     }
     let old = std::mem::replace(g, Graph::new(g.name.clone(), g.mesh.clone()));
+    laid_out(g, old, spec)?;
+    Ok(())
+}
+
+/// The ops [`shard`] would emit for `g` (the graph before `shard`) in a layout over (ep,
+/// tp) that is not one of the extracted term's choices for them, as `kind at path`
+/// (tests: the placement comes from the term; empty where it does).
+pub fn departures_from_term(g: &Graph, spec: &ModelSpec) -> Result<Vec<String>, PassError> {
+    let p = &spec.parallel;
+    if p.dp == 1 && p.tp == 1 && p.cp == 1 {
+        return Ok(Vec::new());
+    }
+    let mut out = Graph::new(g.name.clone(), g.mesh.clone());
+    Ok(laid_out(&mut out, g.clone(), spec)?.departures)
+}
+
+/// [`shard`]'s work: lay `old` out into the empty `g`.
+fn laid_out(g: &mut Graph, old: Graph, spec: &ModelSpec) -> Result<Laid, PassError> {
+    let p = &spec.parallel;
     let sp = p.tp > 1 && p.sequence_parallel;
     let tp = tp_placement(&old, spec, &tensor_parallel::rules())?;
-    let (old, tp) = sum_partials_first(&old, spec, &tp)?.unwrap_or((old, tp));
+    // The graph with its gradient sums reordered is placed again: the term then holds the
+    // sums as they are emitted (partial contributions added first, reduced once).
+    let (old, tp) = match sum_partials_first(&old, spec, &tp)? {
+        Some((g, _)) => {
+            let tp = tp_placement(&g, spec, &tensor_parallel::rules())?;
+            (g, tp)
+        }
+        None => (old, tp),
+    };
     let placed = if sp {
         Some(sp_placement(&old, spec, &collectives::rules(), &tp)?.on_shards)
     } else {
         None
     };
-    lay_out(g, &old, spec, sp, placed, &tp)?;
-    Ok(())
+    lay_out(g, &old, spec, sp, placed, &tp)
 }
 
 /// Every parameter's layout over tp, as the tensor-parallel rewrites
@@ -135,7 +160,8 @@ fn tp_placement(
     };
     let micro_batch = spec.train.micro_batch as f64 / spec.train.global_batch.max(1) as f64;
     let p = &spec.parallel;
-    tensor_parallel::place(g, p.tp, p.ep, micro_batch, rules).map_err(PassError::Collectives)
+    let sp = p.tp > 1 && p.sequence_parallel;
+    tensor_parallel::place(g, p.tp, p.ep, micro_batch, sp, rules).map_err(PassError::Collectives)
 }
 
 /// The collective placement the rewrites find for `g` (the graph before `shard`) under
@@ -155,7 +181,10 @@ pub fn placement_with(
 ) -> Result<collectives::Placement, PassError> {
     let tp = tp_placement(g, spec, &tensor_parallel::rules())?;
     match sum_partials_first(g, spec, &tp)? {
-        Some((g, tp)) => sp_placement(&g, spec, rules, &tp),
+        Some((g, _)) => {
+            let tp = tp_placement(&g, spec, &tensor_parallel::rules())?;
+            sp_placement(&g, spec, rules, &tp)
+        }
         None => sp_placement(g, spec, rules, &tp),
     }
 }
@@ -190,6 +219,7 @@ fn lay_out(
         sub: 0,
         converting: false,
         tags: HashMap::new(),
+        departures: Vec::new(),
         tp: p.tp > 1,
         dp: p.dp > 1,
         cp: p.cp > 1,
@@ -268,14 +298,20 @@ fn lay_out(
             }
         }
     }
-    Ok(Laid { tags: s.tags, map })
+    Ok(Laid {
+        tags: s.tags,
+        map,
+        departures: s.departures,
+    })
 }
 
 /// What [`lay_out`] returns: for each op of the new graph emitted for an op of the old one
-/// (not a conversion), (that op, which of its emitted ops); and every old value's new value.
+/// (not a conversion), (that op, which of its emitted ops); every old value's new value;
+/// and the ops emitted in a layout the extracted term does not give them.
 struct Laid {
     tags: HashMap<usize, (usize, usize)>,
     map: HashMap<ValueId, ValueId>,
+    departures: Vec<String>,
 }
 
 /// `g` with each chain of gradient sums reordered so that the contributions tensor
@@ -431,6 +467,9 @@ struct Sharder<'a> {
     converting: bool,
     /// See [`lay_out`]'s result.
     tags: HashMap<usize, (usize, usize)>,
+    /// Ops the extracted term holds but not in a layout their operands reach (see
+    /// [`Self::strategy`]): none on every configuration the tests compile.
+    departures: Vec<String>,
     tp: bool,
     dp: bool,
     /// Context parallelism: the sequence is split over cp everywhere (load-balanced chunks).
@@ -778,13 +817,14 @@ impl Sharder<'_> {
     }
 
     /// The strategy of `kind`'s layout algebra ([`tensor_parallel::strategies`]) the op
-    /// runs under: the one on its operands as they are, where the algebra lists one; else
-    /// the first the extracted term gives the current op whose operand layouts the emitted
-    /// operands can be converted to (a partial sum stays one, a whole value can be sliced,
-    /// anything made whole; expert tokens moved to either side of ep); else the first
-    /// strategy (every operand whole over tp). Where the two differ: the module doc.
+    /// runs under: the first the extracted term gives the current op whose operand layouts
+    /// the emitted operands can be converted to (a partial sum stays one, a whole value can
+    /// be sliced, anything made whole; expert tokens moved to either side of ep). An op the
+    /// term does not hold (a result nobody reads) runs on its operands as they are where the
+    /// algebra lists that, else whole; an op the term holds in no layout its operands reach
+    /// is recorded in `departures` and run so too (and see the disagreement below).
     fn strategy(
-        &self,
+        &mut self,
         kind: &OpKind,
         ins: &[ValueId],
         path: &str,
@@ -820,7 +860,44 @@ impl Sharder<'_> {
                 .find_map(|ins| all.iter().position(|s| s.takes(ins)))
         });
         let fits = all.iter().position(|s| s.takes(&now));
-        let k = fits.or(chosen).unwrap_or(0);
+        let k = match chosen {
+            Some(k) => k,
+            None => {
+                if self.choices.contains_key(&self.cur) {
+                    self.departures.push(format!("{} at {path}", kind.name()));
+                }
+                fits.unwrap_or(0)
+            }
+        };
+        // Where the operands fit another strategy as they are and the term's choice would
+        // move them (an all-reduce, all-gather or all-to-all they do not need), the op runs
+        // as they are and the disagreement is recorded (tests: none but the ones they list).
+        let mut k = k;
+        if let Some(f) = fits.filter(|&f| f != k && chosen.is_some()) {
+            let s = &all[k];
+            let moves = now
+                .tp
+                .iter()
+                .zip(&s.ins)
+                .enumerate()
+                .any(|(i, (&have, &want))| {
+                    let want = if s.gathers.contains(&i) {
+                        Dist::R
+                    } else {
+                        want
+                    };
+                    (want == Dist::R && have != Dist::R) || now.ep[i] != s.ep_ins[i]
+                });
+            if moves {
+                self.departures.push(format!(
+                    "{} at {path}: the term's {:?} moves operands that fit {:?} as they are",
+                    kind.name(),
+                    s.ins,
+                    all[f].ins
+                ));
+                k = f;
+            }
+        }
         Ok(all.swap_remove(k))
     }
 

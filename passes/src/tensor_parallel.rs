@@ -10,9 +10,11 @@
 //! one. Each group is translated into an e-graph over [`SymbolLang`]:
 //!
 //! - `oK(args)`: output of an op of the group (kind, types and layout algebra in the
-//!   analysis' table); `lK`: a value from another group (whole: the residual stream
-//!   between layers is whole under tp); `pK.R` / `pK.D`: parameter K stored whole or split
-//!   along dim D;
+//!   analysis' table); `lK`: a value from another group, in the layout that group leaves
+//!   it in (whole, or a partial sum, read through its `ar`: llama's residual stream leaves
+//!   the embedding and each layer as a partial sum under tp; whole under sequence
+//!   parallelism, where the emitter moves it onto sequence shards); `pK.R` / `pK.D`:
+//!   parameter K stored whole or split along dim D;
 //! - `ar(x)`: the all-reduce of a partial sum over tp; `slice.D(x)`: this rank's part of a
 //!   whole value along dim D (a local copy, no communication);
 //! - `uK.L(g)`: the optimizer's update of parameter K stored in layout L from its gradient
@@ -50,9 +52,16 @@
 //! dim are not in the algebra. Token dims (`b`, `s`, `tokens`) and the `experts` dim are
 //! never tp's: sequence parallelism ([`crate::collectives`]) and expert parallelism own them.
 //!
+//! Roots are what leaves the group, whole, and every update; a root only other groups
+//! read whose extracted term is the all-reduce of a partial sum leaves as that partial
+//! sum (the reader's term holds the all-reduce, where the emitter puts it). Groups are
+//! solved in graph order, each leaf in the layout its group left it in (whole where that
+//! group is not solved yet), and solved again while those layouts change.
+//!
 //! The rules run to saturation (anything else is an error). Extraction under
 //! [`CostModel`] (bytes an all-reduce or all-to-all moves times [`LINK_COST`], plus every result's
-//! activation memory on a rank, plus [`PARAM_COST`] times the parameter memory of every use
+//! activation memory on a rank (expert token rows of a fixed capacity are sized per
+//! micro-batch already), plus [`PARAM_COST`] times the parameter memory of every use
 //! and of the update; activations and their bytes for one micro-batch) chooses, per use, a
 //! layout of each parameter; a parameter used in two layouts is then fixed, first in graph
 //! order, to the layout (whole, or split along any dim) whose extracted term costs least
@@ -468,7 +477,8 @@ struct ParamInfo {
 #[derive(Default)]
 pub struct Layouts {
     ops: Vec<OpInfo>,
-    leaves: Vec<f64>,
+    /// Each leaf's bytes and its layout over tp (as the group that produces it leaves it).
+    leaves: Vec<(f64, Dist)>,
     params: Vec<ParamInfo>,
     n: f64,
     /// The ep size.
@@ -611,11 +621,14 @@ fn node_data(a: &Layouts, node: &SymbolLang, child: impl Fn(Id) -> Data) -> Data
                 None => INVALID,
             }
         }
-        Kind::Leaf(k) => Data {
-            dist: Dist::R,
-            ep: Ep::Tokens,
-            bytes: a.leaves.get(k).copied().unwrap_or(0.0),
-        },
+        Kind::Leaf(k) => {
+            let (bytes, dist) = a.leaves.get(k).copied().unwrap_or((0.0, Dist::R));
+            Data {
+                dist,
+                ep: Ep::Tokens,
+                bytes,
+            }
+        }
         Kind::Param(k, l) => Data {
             dist: l,
             ep: a.params.get(k).map_or(Ep::Tokens, |p| p.ep),
@@ -1025,18 +1038,36 @@ fn bytes(t: &TensorType) -> f64 {
     t.dims.iter().map(|d| d.size as f64).product::<f64>() * t.dtype.size_bytes() as f64
 }
 
+/// An activation's bytes for one micro-batch: `scale` (the micro-batch's share of the
+/// graph's batch) of its global bytes, but for expert token rows of a fixed capacity (a
+/// `tokens` dim that is not dynamic), which the build pass sizes per micro-batch already.
+fn activation_bytes(t: &TensorType, scale: f64) -> f64 {
+    let per_micro_batch = t.dims.iter().any(|d| d.name == "tokens" && !d.dynamic);
+    bytes(t) * if per_micro_batch { 1.0 } else { scale }
+}
+
+/// How many times [`place`] solves the groups at most, until the layouts between them
+/// settle (the forward's edges settle in one pass, the backward's in the next).
+const PASSES: usize = 4;
+
 /// The placement of every parameter of `g` (the graph before `shard`) over `n` tp ranks
 /// and `ep` expert-parallel ranks (stacked expert weights are stored on their experts'
 /// ranks), with the rewrites `rules` (tests remove one). `micro_batch`: the share of the graph's
 /// batch one rank holds at once (`train.micro_batch / train.global_batch`); activations and
-/// the bytes they move are costed for one micro-batch.
+/// the bytes they move are costed for one micro-batch. `sequence_parallel`: whether
+/// sequence parallelism lays out the token-wise ops (see the module doc on group edges).
 pub fn place(
     g: &Graph,
     n: u64,
     ep: u64,
     micro_batch: f64,
+    sequence_parallel: bool,
     rules: &[Rewrite<SymbolLang, Layouts>],
 ) -> Result<Placement, String> {
+    // Under sequence parallelism the emitter moves the residual stream onto sequence shards
+    // (the embedding's partial sum reduce-scattered at once), which is not tp's algebra:
+    // values cross group edges whole, as the collective rewrites then place them.
+    let partial_edges = !sequence_parallel;
     // Group of every op: its layer, or the rest; groups sharing a parameter (read, or its
     // gradient produced) are merged.
     let key = |i: usize| layer(&g.ops[i].path).unwrap_or("model").to_string();
@@ -1105,44 +1136,76 @@ pub fn place(
         }
     }
     let outputs: HashSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
-    let mut placement = Placement::default();
-    let mut solved: HashMap<String, (String, Vec<Dist>, GroupPlacement)> = HashMap::new();
-    for b in &order {
-        let group = Group::new(
-            g,
-            &ops_of[b],
-            b,
-            (n, ep, micro_batch),
-            &producer,
-            &readers,
-            &outputs,
-            &grad_of,
-        );
-        if let Some((first, layouts, p)) = solved.get(&group.signature) {
-            for (info, &l) in group.eg.analysis.params.iter().zip(layouts) {
-                placement.params.insert(info.name.clone(), l.dim());
+    // The layout each value crossing a group edge leaves its group in (whole where its
+    // group is not solved yet). Groups are solved in graph order, and again while a group's
+    // leaves changed (the backward reads later groups' results): at most `PASSES` times.
+    let mut edges: HashMap<ValueId, Dist> = HashMap::new();
+    let mut solved: HashMap<String, (String, Vec<Dist>, GroupPlacement, Vec<Dist>)> =
+        HashMap::new();
+    let mut placement;
+    let mut pass = 0;
+    loop {
+        pass += 1;
+        let before = edges.clone();
+        placement = Placement::default();
+        for b in &order {
+            let group = Group::new(
+                g,
+                &ops_of[b],
+                b,
+                (n, ep, micro_batch),
+                &producer,
+                &readers,
+                &outputs,
+                &grad_of,
+                (&edges, partial_edges),
+            );
+            let crossing: Vec<Vec<ValueId>> =
+                group.crossing.iter().map(|(v, _)| v.clone()).collect();
+            let names: Vec<String> = group
+                .eg
+                .analysis
+                .params
+                .iter()
+                .map(|p| p.name.clone())
+                .collect();
+            let (layouts, p, leaves_as) = match solved.get(&group.signature) {
+                Some((first, layouts, p, leaves_as)) => {
+                    let p = GroupPlacement {
+                        group: b.clone(),
+                        same_as: (first != b).then(|| first.clone()),
+                        ..p.clone()
+                    };
+                    (layouts.clone(), p, leaves_as.clone())
+                }
+                None => {
+                    let signature = group.signature.clone();
+                    let (layouts, p, leaves_as) = group.solve(g, rules)?;
+                    solved.insert(
+                        signature,
+                        (b.clone(), layouts.clone(), p.clone(), leaves_as.clone()),
+                    );
+                    (layouts, p, leaves_as)
+                }
+            };
+            for (name, &l) in names.into_iter().zip(&layouts) {
+                placement.params.insert(name, l.dim());
             }
-            placement.groups.push(GroupPlacement {
-                group: b.clone(),
-                same_as: Some(first.clone()),
-                ..p.clone()
-            });
-            continue;
+            for (values, &l) in crossing.iter().zip(&leaves_as) {
+                for &v in values {
+                    edges.insert(v, l);
+                }
+            }
+            placement.groups.push(p);
         }
-        let signature = group.signature.clone();
-        let names: Vec<String> = group
-            .eg
-            .analysis
-            .params
-            .iter()
-            .map(|p| p.name.clone())
-            .collect();
-        let (layouts, p) = group.solve(g, rules)?;
-        for (name, &l) in names.into_iter().zip(&layouts) {
-            placement.params.insert(name, l.dim());
+        if edges == before {
+            break;
         }
-        solved.insert(signature, (b.clone(), layouts.clone(), p.clone()));
-        placement.groups.push(p);
+        if pass == PASSES {
+            return Err(format!(
+                "the layouts between groups did not settle in {PASSES} passes"
+            ));
+        }
     }
     // Parameters no op reads stay whole.
     for (_, name, _) in g.params() {
@@ -1168,6 +1231,9 @@ struct Group {
     ops: Vec<usize>,
     eg: Graphs,
     roots: Vec<Id>,
+    /// Per root, the values it holds that other groups read, and whether it may leave the
+    /// group as a partial sum (only other groups read it).
+    crossing: Vec<(Vec<ValueId>, bool)>,
     /// Per parameter, its update root, if its gradient is produced in the group.
     updates: Vec<Option<Id>>,
     signature: String,
@@ -1184,6 +1250,7 @@ impl Group {
         readers: &HashMap<ValueId, HashSet<&str>>,
         outputs: &HashSet<ValueId>,
         grad_of: &HashMap<&str, ValueId>,
+        (edges, partial_edges): (&HashMap<ValueId, Dist>, bool),
     ) -> Group {
         let mut eg: Graphs = EGraph::new(Layouts {
             n: n as f64,
@@ -1219,10 +1286,19 @@ impl Group {
                         eg.add(node(format!("p{k}.R"), Vec::new()))
                     }
                     _ => {
+                        // A value from another group, in the layout that group leaves it:
+                        // a partial sum is read through its all-reduce (the ops are built
+                        // on whole operands; the rewrites reach the partial sum inside).
                         let k = eg.analysis.leaves.len();
-                        eg.analysis.leaves.push(bytes(ty) * scale);
+                        let dist = edges.get(&x).copied().unwrap_or(Dist::R);
+                        eg.analysis.leaves.push((activation_bytes(ty, scale), dist));
                         local.insert(x, format!("l{k}"));
-                        eg.add(node(format!("l{k}"), Vec::new()))
+                        sig.push_str(&format!("leaf l{k} {}\n", dist.name()));
+                        let leaf = eg.add(node(format!("l{k}"), Vec::new()));
+                        match dist {
+                            Dist::P => eg.add(node("ar".into(), vec![leaf])),
+                            _ => leaf,
+                        }
                     }
                 };
                 class.insert(x, c);
@@ -1263,7 +1339,7 @@ impl Group {
                     out: k,
                     outs: op.outputs.len(),
                     strategies: strategies.clone(),
-                    bytes: bytes(g.ty(o)) * scale,
+                    bytes: activation_bytes(g.ty(o), scale),
                 });
                 let c = eg.add(node(format!("o{idx}"), args.clone()));
                 class.insert(o, c);
@@ -1271,8 +1347,11 @@ impl Group {
             }
         }
         // Roots: what leaves the group (whole), and every parameter's update. A result nobody
-        // reads (a recomputed layer's last) may be in any layout: not a root.
+        // reads (a recomputed layer's last) may be in any layout: not a root. A root only
+        // other groups read may leave as the partial sum its all-reduce reduces (with
+        // `partial_edges`; [`Group::solve`]).
         let mut roots = Vec::new();
+        let mut crossing: Vec<(Vec<ValueId>, bool)> = Vec::new();
         for &i in ops {
             for &o in &g.ops[i].outputs {
                 let leaves = readers
@@ -1285,9 +1364,16 @@ impl Group {
                     && !leaves;
                 if (leaves || outputs.contains(&o)) && !grad_only {
                     let c = class[&o];
-                    if !roots.contains(&c) {
-                        roots.push(c);
-                    }
+                    let j = match roots.iter().position(|&r| r == c) {
+                        Some(j) => j,
+                        None => {
+                            roots.push(c);
+                            crossing.push((Vec::new(), partial_edges));
+                            roots.len() - 1
+                        }
+                    };
+                    crossing[j].0.push(o);
+                    crossing[j].1 &= leaves && !outputs.contains(&o);
                 }
             }
         }
@@ -1328,17 +1414,23 @@ impl Group {
             ops: ops.to_vec(),
             eg,
             roots,
+            crossing,
             updates,
             signature: sig,
         }
     }
 
     /// Saturate, extract, and fix parameters until each has one layout.
+    ///
+    /// Returns every parameter's layout, the placement, and the layout each root leaves the
+    /// group in: whole, or, for a root only other groups read whose extracted term is the
+    /// all-reduce of a partial sum, that partial sum (the emitter reduces a value where an
+    /// op needs it whole, so the reading group's term holds the all-reduce).
     fn solve(
         self,
         g: &Graph,
         rules: &[Rewrite<SymbolLang, Layouts>],
-    ) -> Result<(Vec<Dist>, GroupPlacement), String> {
+    ) -> Result<(Vec<Dist>, GroupPlacement, Vec<Dist>), String> {
         let b = self.name.clone();
         let mut all_roots: Vec<Id> = self.roots.clone();
         all_roots.extend(self.updates.iter().flatten());
@@ -1403,6 +1495,19 @@ impl Group {
             let (_, l) = best.expect("a used layout");
             fixed.insert(k, l);
         }
+        let (_, ex) = extract(eg, &roots, &fixed);
+        let mut leaves_as = Vec::with_capacity(self.crossing.len());
+        let mut roots = roots;
+        for (j, (_, may)) in self.crossing.iter().enumerate() {
+            let nd = ex.find_best_node(roots[j]);
+            let partial =
+                *may && kind_of(nd.op) == Some(Kind::Ar) && eg[nd.children[0]].data.dist == Dist::P;
+            if partial {
+                roots[j] = eg.find(nd.children[0]);
+            }
+            leaves_as.push(if partial { Dist::P } else { Dist::R });
+        }
+        drop(ex);
         let (cost, ex) = extract(eg, &roots, &fixed);
         let used = used_layouts(eg, &ex, &roots, np);
         let layouts: Vec<Dist> = (0..np)
@@ -1438,6 +1543,7 @@ impl Group {
                 whole_cost,
                 choices,
             },
+            leaves_as,
         ))
     }
 }
