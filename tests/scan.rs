@@ -3,7 +3,8 @@
 //! and nothing else, recovers injected clock offsets, merges a Perfetto trace, and rejects
 //! bad trace folders with one error naming the file.
 //!
-//! The machine running the tests is shared and loaded, so injected faults are large (3–4×)
+//! The machine running the tests is shared and loaded, so injected faults are large (3–4×),
+//! or, for the 1.1× rank, the run long enough for the sign test to see it through the noise,
 //! and every assertion compares ranks with each other, never with absolute times.
 
 use std::path::Path;
@@ -328,6 +329,38 @@ fn attempt_a_slow_link_between_pipeline_ranks_is_a_link_and_a_slow_rank_is_a_ran
     train(rank.path(), &sets, 6, &["slow-rank:0:4"]);
     let v = scan(rank.path());
     assert_eq!(findings(&v), [("slow-rank".to_string(), vec![0])], "{v:#}");
+}
+
+/// A 1.1× slow rank is found by the per-segment sign test, and only it; the healthy run of
+/// the same layout names nothing. dp2 (two rank threads, one per core of a small machine)
+/// for 40 steps: 4 compute segments a step, 156 judged, so the test has the segments to
+/// reach its level even when the machine's load makes a third of them noise.
+#[test]
+fn a_slightly_slow_rank_is_found_and_a_healthy_run_reports_nothing() {
+    retry(attempt_a_slightly_slow_rank_is_found_and_a_healthy_run_reports_nothing);
+}
+
+fn attempt_a_slightly_slow_rank_is_found_and_a_healthy_run_reports_nothing() {
+    let _serial = serial();
+    let sets = ["parallel.dp=2"];
+    let slow = tempfile::tempdir().unwrap();
+    train(
+        slow.path(),
+        &sets,
+        40,
+        &["slow-rank:1:1.1", "jitter:0.05:7"],
+    );
+    let v = scan(slow.path());
+    assert_eq!(findings(&v), [("slow-rank".to_string(), vec![1])], "{v:#}");
+    let score = v["findings"][0]["score"].as_f64().unwrap();
+    assert!(score >= 1.05, "{v:#}");
+    // The peer's median segment is faster than the slow rank's, not slower.
+    let peer = v["per_rank"][0]["compute_ratio"].as_f64().unwrap();
+    assert!(peer < 1.0, "{v:#}");
+    let healthy = tempfile::tempdir().unwrap();
+    train(healthy.path(), &sets, 40, &["jitter:0.05:7"]);
+    let v = scan(healthy.path());
+    assert_eq!(findings(&v), [], "{v:#}");
 }
 
 #[test]

@@ -3,19 +3,20 @@
 //! last [`WINDOW`] steps.
 //!
 //! After every step each rank condenses its records of the step into one fixed-size row of
-//! f64s: its compute time, and up to [`MAX_COLLECTIVES`] collectives (group, call number,
-//! wait) and [`MAX_SENDS`] sends (peer, bytes, duration). Rank 0 collects the rows with one
+//! f64s: the durations of its first [`MAX_SEGMENTS`] compute segments, and up to
+//! [`MAX_COLLECTIVES`] collectives (group, call number, wait) and [`MAX_SENDS`] sends (peer,
+//! bytes, duration). Rank 0 collects the rows with one
 //! all-reduce of a table of a row per rank, on the world, in which every other rank adds
 //! zeros (so the sum is exact in any reduction order; it goes around the recording, so
 //! traces do not show it). Under local threads and MPI alike that is `ranks × row` values per
-//! step (18 KiB for 4 ranks). Rank 0 matches the collectives by (group, call number), tallies
+//! step (20 KiB for 4 ranks). Rank 0 matches the collectives by (group, call number), tallies
 //! who arrived last, and judges the window as `megac scan` judges a whole trace; a finding
 //! not reported before becomes one warning line. The first step (warm-up) is not judged, and
 //! a window judges only once it holds [`MIN_STEPS`] steps.
 
 use std::collections::{BTreeMap, VecDeque};
 
-use super::analyze::{detect_slow_links, detect_slow_ranks, tally_late, Late, Sends};
+use super::analyze::{detect_slow_links, detect_slow_ranks, tally_late, Late, Segments, Sends};
 use super::{Event, Kind, Recorder};
 use crate::comm::Communicator;
 use crate::error::RuntimeError;
@@ -24,13 +25,20 @@ use crate::error::RuntimeError;
 pub const WINDOW: usize = 8;
 /// Steps a window must hold before it is judged.
 pub const MIN_STEPS: usize = 3;
+/// Compute segments of one step a rank reports (later ones are left out of the test).
+pub const MAX_SEGMENTS: usize = 64;
 /// Collectives of one step a rank reports (more are left out of the tally).
 pub const MAX_COLLECTIVES: usize = 128;
 /// Sends of one step a rank reports (more are left out).
 pub const MAX_SENDS: usize = 64;
 
-/// Values in one rank's row: compute ns, collective count, send count, then the entries.
-const ROW: usize = 3 + 3 * MAX_COLLECTIVES + 3 * MAX_SENDS;
+/// Values in one rank's row: segment count, collective count, send count, the segments'
+/// ns, then the collectives' and sends' entries.
+const ROW: usize = 3 + MAX_SEGMENTS + 3 * MAX_COLLECTIVES + 3 * MAX_SENDS;
+/// Where a row's collectives start.
+const COLLS_AT: usize = 3 + MAX_SEGMENTS;
+/// Where a row's sends start.
+const SENDS_AT: usize = COLLS_AT + 3 * MAX_COLLECTIVES;
 
 /// A group's key in rows, the same on every member: a 52-bit FNV-1a hash of its ranks
 /// (exact in an f64).
@@ -48,35 +56,41 @@ fn group_key(members: &[usize]) -> f64 {
 /// This rank's row for a step's events (`group` gives a collective's members).
 fn summarise<'a>(events: &[Event], group: impl Fn(u32) -> &'a [usize], row: &mut [f64]) {
     row.fill(0.0);
-    let (mut colls, mut sends) = (0usize, 0usize);
+    let (mut segs, mut colls, mut sends) = (0usize, 0usize, 0usize);
     for e in events {
         let d = (e.t1 - e.t0) as f64;
         match e.kind {
-            Kind::Compute => row[0] += d,
+            // Segments are numbered from 0 in each step, in program order.
+            Kind::Compute if (e.a as usize) < MAX_SEGMENTS => {
+                row[3 + e.a as usize] = d;
+                segs = segs.max(e.a as usize + 1);
+            }
             Kind::Collective if colls < MAX_COLLECTIVES => {
                 let members = group(e.a);
                 if members.len() > 1 {
-                    let at = 3 + 3 * colls;
+                    let at = COLLS_AT + 3 * colls;
                     row[at..at + 3].copy_from_slice(&[group_key(members), e.seq as f64, d]);
                     colls += 1;
                 }
             }
             Kind::Send if sends < MAX_SENDS => {
-                let at = 3 + 3 * MAX_COLLECTIVES + 3 * sends;
+                let at = SENDS_AT + 3 * sends;
                 row[at..at + 3].copy_from_slice(&[f64::from(e.a), e.bytes as f64, d]);
                 sends += 1;
             }
             _ => {}
         }
     }
+    row[0] = segs as f64;
     row[1] = colls as f64;
     row[2] = sends as f64;
 }
 
-/// One judged step: per rank its compute ns, the step's collective-wait tally, and its sends.
+/// One judged step: per rank its compute segments' ns, the step's collective-wait tally, and
+/// its sends.
 struct Step {
     step: u64,
-    compute: Vec<f64>,
+    segments: Vec<Vec<f64>>,
     late: Vec<Late>,
     sends: Vec<((usize, usize), u64, f64)>,
 }
@@ -154,15 +168,14 @@ impl Online {
         let mut sends = Vec::new();
         for (r, row) in rows.iter().enumerate() {
             let colls = (row[1] as usize).min(MAX_COLLECTIVES);
-            for c in row[3..3 + 3 * colls].chunks_exact(3) {
+            for c in row[COLLS_AT..COLLS_AT + 3 * colls].chunks_exact(3) {
                 instances
                     .entry((c[0] as u64, c[1] as u64))
                     .or_default()
                     .push((r, c[2] as i64));
             }
-            let base = 3 + 3 * MAX_COLLECTIVES;
             let count = (row[2] as usize).min(MAX_SENDS);
-            for s in row[base..base + 3 * count].chunks_exact(3) {
+            for s in row[SENDS_AT..SENDS_AT + 3 * count].chunks_exact(3) {
                 let peer = s[0] as usize;
                 sends.push(((r.min(peer), r.max(peer)), s[1] as u64, s[2]));
             }
@@ -171,7 +184,10 @@ impl Online {
         tally_late(&mut late, instances.values().map(Vec::as_slice));
         Step {
             step,
-            compute: rows.iter().map(|row| row[0]).collect(),
+            segments: rows
+                .iter()
+                .map(|row| row[3..3 + (row[0] as usize).min(MAX_SEGMENTS)].to_vec())
+                .collect(),
             late,
             sends,
         }
@@ -180,12 +196,14 @@ impl Online {
     /// Run the detectors over the window; warnings for findings not reported before.
     fn judge(&mut self, step: u64) -> Vec<String> {
         let n = self.world;
-        let mut compute: Vec<BTreeMap<u64, f64>> = vec![BTreeMap::new(); n];
+        let mut segments: Vec<Segments> = vec![BTreeMap::new(); n];
         let mut late = vec![Late::default(); n];
         let mut sends: Sends = BTreeMap::new();
         for s in &self.window {
             for r in 0..n {
-                compute[r].insert(s.step, s.compute[r]);
+                for (k, &d) in s.segments[r].iter().enumerate() {
+                    segments[r].insert((s.step, k as u32), d);
+                }
                 late[r].last += s.late[r].last;
                 late[r].total += s.late[r].total;
                 late[r].expected += s.late[r].expected;
@@ -196,7 +214,7 @@ impl Online {
             }
         }
         let from = self.window.front().map_or(step, |s| s.step);
-        let (mut findings, _) = detect_slow_ranks(&self.roles, &compute, from..=step, &late);
+        let (mut findings, _) = detect_slow_ranks(&self.roles, &segments, from..=step, &late);
         let slow: Vec<usize> = findings.iter().flat_map(|f| f.ranks.clone()).collect();
         findings.extend(detect_slow_links(&sends, &slow));
         let mut out = Vec::new();
@@ -238,8 +256,9 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
-    /// Rank 0's detector fed rows by hand: rank 2 computes 1.6× its peers and arrives last
-    /// at every collective; it is named once, at the third judged step.
+    /// Rank 0's detector fed rows by hand: rank 2's four segments a step take 1.6× its
+    /// peers' (whose durations vary a little) and it arrives last at every collective; it is
+    /// named once, at the third judged step, when its 12 segments reach the sign test.
     #[test]
     fn the_window_names_a_slow_rank_once() {
         let n = 4;
@@ -254,8 +273,11 @@ mod tests {
                 rec.begin_step(step);
                 let t = Instant::now();
                 let ms = |x: u64| t + Duration::from_millis(x);
-                let c = if r == 2 { 16 } else { 10 };
-                rec.push(Kind::Compute, t, ms(c), 0, 0, 0, 0);
+                let d = if r == 2 { 16 } else { 10 };
+                for k in 0..4 {
+                    rec.push(Kind::Compute, ms(d * k), ms(d * (k + 1)), k as u32, 0, 0, 0);
+                }
+                let c = 4 * d;
                 // Everyone waits for rank 2: its own wait is the shortest.
                 let (g, seq) = rec.call(&group);
                 let wait = if r == 2 { 1 } else { 7 };
