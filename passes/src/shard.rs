@@ -105,7 +105,7 @@ fn laid_out(g: &mut Graph, old: Graph, spec: &ModelSpec) -> Result<Laid, PassErr
     // The graph with its gradient sums reordered is placed again: the term then holds the
     // sums as they are emitted (partial contributions added first, reduced once).
     let (old, tp) = match sum_partials_first(&old, spec, &tp)? {
-        Some((g, _)) => {
+        Some(g) => {
             let tp = tp_placement(&g, spec, &tensor_parallel::rules())?;
             (g, tp)
         }
@@ -181,7 +181,7 @@ pub fn placement_with(
 ) -> Result<collectives::Placement, PassError> {
     let tp = tp_placement(g, spec, &tensor_parallel::rules())?;
     match sum_partials_first(g, spec, &tp)? {
-        Some((g, _)) => {
+        Some(g) => {
             let tp = tp_placement(&g, spec, &tensor_parallel::rules())?;
             sp_placement(&g, spec, rules, &tp)
         }
@@ -321,12 +321,12 @@ struct Laid {
 /// contribution is ready, with the paths of its ops in their order. (The autodiff adds
 /// contributions as the backward reaches them; where a whole one comes first, as the
 /// shared-expert gate's before the experts', every partial one after it was reduced on its
-/// own.)
+/// own.) The caller places the rebuilt graph again, so the term holds its sums as they are.
 fn sum_partials_first(
     g: &Graph,
     spec: &ModelSpec,
     tp: &tensor_parallel::Placement,
-) -> Result<Option<(Graph, tensor_parallel::Placement)>, PassError> {
+) -> Result<Option<Graph>, PassError> {
     if spec.parallel.tp <= 1 {
         return Ok(None);
     }
@@ -396,8 +396,6 @@ fn sum_partials_first(
     }
     let mut out = Graph::new(g.name.clone(), g.mesh.clone());
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
-    // The term's choices, by the ops' indices in `out`.
-    let mut ops_tp: BTreeMap<usize, Vec<tensor_parallel::Operands>> = BTreeMap::new();
     for (i, value) in g.values.iter().enumerate() {
         let id = ValueId(i as u32);
         match &value.def {
@@ -411,16 +409,12 @@ fn sum_partials_first(
                 let i = op_id.0 as usize;
                 let op = &g.ops[i];
                 if let Some((ops, order)) = rebuilt.get(&i) {
-                    // A rebuilt sum is not the term's: it has no choice.
                     let mut acc = map[&order[0]];
                     for (&k, &x) in ops.iter().zip(&order[1..]) {
                         acc = out.add_op1(OpKind::GradSum, &[acc, map[&x]], &g.ops[k].path)?;
                     }
                     map.insert(op.outputs[0], acc);
                 } else if !dropped.contains(&i) {
-                    if let Some(c) = tp.ops.get(&i) {
-                        ops_tp.insert(out.ops.len(), c.clone());
-                    }
                     let ins: Vec<ValueId> = op.inputs.iter().map(|v| map[v]).collect();
                     let outs = out.add_op(op.kind.clone(), &ins, &op.path)?;
                     for (o, n) in op.outputs.iter().zip(outs) {
@@ -432,11 +426,7 @@ fn sum_partials_first(
         }
     }
     out.outputs = g.outputs.iter().map(|(n, v)| (n.clone(), map[v])).collect();
-    let tp = tensor_parallel::Placement {
-        ops: ops_tp,
-        ..tp.clone()
-    };
-    Ok(Some((out, tp)))
+    Ok(Some(out))
 }
 
 /// Mark `l` with tp layout `d` (a layout of the algebra: never `Invalid`, which marks
