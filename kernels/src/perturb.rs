@@ -48,30 +48,34 @@ pub fn noise(x: &mut [f32], sigma: f64, seed: u64) {
     }
 }
 
+/// The bit-flip stream: per element a draw against `rate`, then the bit among `count` from
+/// `first` (drawn whether or not it is hit, so the stream is the same for every rate):
+/// `Some(bit)` where the element is hit.
+fn flips(first: u32, count: u32, rate: f64, seed: u64) -> impl Iterator<Item = Option<u32>> {
+    let mut rng = Mix(seed);
+    let count = u64::from(count.max(1));
+    std::iter::repeat_with(move || {
+        let hit = rng.next_f64() < rate;
+        let bit = u64::from(first) + (rng.next_u64() % count);
+        hit.then_some(bit as u32)
+    })
+}
+
 /// In each element with probability `rate`, flip one uniformly chosen bit of the `count`
 /// bits from bit `first` of its float32.
 pub fn bitflip(x: &mut [f32], first: u32, count: u32, rate: f64, seed: u64) {
-    let mut rng = Mix(seed);
-    let count = u64::from(count.max(1));
-    for v in x.iter_mut() {
-        let hit = rng.next_f64() < rate;
-        let bit = u64::from(first) + (rng.next_u64() % count);
-        if hit {
+    for (v, flip) in x.iter_mut().zip(flips(first, count, rate, seed)) {
+        if let Some(bit) = flip {
             *v = f32::from_bits(v.to_bits() ^ (1u32 << bit));
         }
     }
 }
 
-/// [`bitflip`] on 16-bit floats (bf16 or fp16 bit patterns): the same stream (per element a
-/// draw against `rate`, then the bit among `count` from `first`), so applied twice with the
-/// same seed it restores `x` bit for bit.
+/// [`bitflip`] on 16-bit floats (bf16 or fp16 bit patterns): the same stream, so applied
+/// twice with the same seed it restores `x` bit for bit.
 pub fn bitflip16(x: &mut [u16], first: u32, count: u32, rate: f64, seed: u64) {
-    let mut rng = Mix(seed);
-    let count = u64::from(count.max(1));
-    for v in x.iter_mut() {
-        let hit = rng.next_f64() < rate;
-        let bit = u64::from(first) + (rng.next_u64() % count);
-        if hit {
+    for (v, flip) in x.iter_mut().zip(flips(first, count, rate, seed)) {
+        if let Some(bit) = flip {
             *v ^= 1u16 << bit;
         }
     }

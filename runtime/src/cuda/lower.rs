@@ -1929,30 +1929,7 @@ fn columns(c: &mut Ctx, [src, dst]: [Arg; 2], dims: [u64; 6], acc: bool) -> Resu
     Ok(())
 }
 
-/// The elements a `perturb` changes in a rank's part of shape `shape` split by `layout`:
-/// every element (`tokens` = 0), or the rows of the first `tokens` positions of the first
-/// sample (`[b, s, rest..]`), counted from this rank's sequence shard (its positions ascend:
-/// under cp the load-balanced chunks), as the cpu backend's `exec/scope.rs`.
-pub fn perturbed_elements(
-    mesh: &megac_ir::Mesh,
-    rank: usize,
-    shape: &[u64],
-    layout: &[Vec<Axis>],
-    tokens: u64,
-) -> u64 {
-    let total: u64 = shape.iter().product();
-    if tokens == 0 {
-        return total;
-    }
-    let row: u64 = shape.get(2..).map_or(1, |r| r.iter().product());
-    let local = shape.get(1).copied().unwrap_or(1) as usize;
-    let axes = layout.get(1).cloned().unwrap_or_default();
-    let real = crate::sharded::dim_positions(mesh, rank, &axes, local)
-        .iter()
-        .filter(|&&p| p < tokens as usize)
-        .count() as u64;
-    (real * row).min(total)
-}
+pub use crate::sharded::perturbed_elements;
 
 #[allow(clippy::too_many_arguments)]
 fn copy_args(

@@ -30,29 +30,15 @@ pub(super) fn run(
     if *step != 0 && *step != env.ctx.step {
         return Ok(());
     }
-    // The rows of the first `tokens` positions of the first sample (`[b, s, rest..]`): of
-    // this rank's sequence shard where the sequence is split (sequence parallelism; under
-    // context parallelism its load-balanced chunks).
+    // Every element, or the real tokens' rows of this rank's part.
     let shape = shape(mem, outs[0]);
-    let n = if *tokens == 0 {
-        y.len()
-    } else {
-        let row = shape.get(2..).map_or(1, |r| r.iter().product::<u64>()) as usize;
-        let local = shape.get(1).copied().unwrap_or(1) as usize;
-        let axes = mem
-            .buffer(outs[0])
-            .layout
-            .get(1)
-            .cloned()
-            .unwrap_or_default();
-        // The rows' global positions ascend (under cp: the load-balanced chunks), so the
-        // real ones are a prefix.
-        let positions = crate::sharded::dim_positions(env.mesh, comm.rank(), &axes, local)
-            .iter()
-            .filter(|&&p| p < *tokens as usize)
-            .count();
-        (positions * row).min(y.len())
-    };
+    let n = crate::sharded::perturbed_elements(
+        env.mesh,
+        comm.rank(),
+        &shape,
+        &mem.buffer(outs[0]).layout,
+        *tokens,
+    ) as usize;
     let x = &mut y[..n];
     let stream = if *train {
         format!("{point}@{}.{}", env.ctx.step, env.ctx.microbatch)
