@@ -138,11 +138,7 @@ fn zero_head_matches_weights(name: &str, o_proj: &str, conv1d: bool, head: usize
     let edited = dir.path().join("edited.safetensors");
     save(&edited, &weights);
     let want = Inference::new(&plan, &edited).unwrap().logits(&A).unwrap();
-    let diff = knocked
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let diff = max_diff(&knocked, &want);
     eprintln!("{name}: zero-head({head}) vs zeroed weights: max diff {diff:e}");
     assert!(
         diff <= 1e-6,
@@ -528,11 +524,7 @@ fn scope_perturbations_in_tp_and_pp() {
         );
         let knock =
             logits(&scope_plan_in("llama", layout, &["layers.1.attn:zero-head(3)"]).unwrap());
-        let diff = knock
-            .iter()
-            .zip(&knock_one)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let diff = max_diff(&knock, &knock_one);
         eprintln!("{layout:?}: zero-head(3) vs one device: max diff {diff:e}");
         assert!(diff <= 1e-5, "{layout:?}: {diff}");
         assert!(knock != clean, "{layout:?}");
@@ -645,12 +637,7 @@ fn patch_in_every_layout() {
                 || g.name.starts_with("layers.0.lens");
             let want = if later { b } else { a };
             assert_eq!((&g.name, &g.shape), (&want.name, &want.shape), "{layout:?}");
-            let diff = g
-                .values
-                .iter()
-                .zip(&want.values)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let diff = max_diff(&g.values, &want.values);
             // The lens's token ids must agree; probabilities and activations within 1e-5.
             assert!(diff <= 1e-5, "{layout:?}: {}: {diff}", g.name);
             if g.name == "layers.0.out" {
@@ -672,11 +659,7 @@ fn patch_in_every_layout() {
         if exact {
             assert_eq!(same, clean, "{layout:?}: patched with A's own values");
         } else {
-            let diff = x
-                .iter()
-                .zip(&y)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let diff = max_diff(&x, &y);
             eprintln!("{layout:?}: patched from its own file: logits max diff {diff:e}");
             assert!(diff <= 1e-5, "{layout:?}: {diff}");
         }
@@ -842,4 +825,12 @@ fn train_weight_faults_in_mixed_precision() {
         assert_eq!(negated[0], clean[0], "{precision}: step 1");
         assert_ne!(negated[1], clean[1], "{precision}: step 2");
     }
+}
+
+/// The largest |a - b| over two equally long tensors.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
 }

@@ -87,12 +87,7 @@ fn probes_match(name: &str, sets: &[&str]) {
     for (p, (wname, wshape, wvals)) in got.iter().zip(&want) {
         assert_eq!(&p.shape, wshape, "{name}: {wname}");
         let scale = wvals.iter().fold(1f32, |m, x| m.max(x.abs()));
-        let diff = p
-            .values
-            .iter()
-            .zip(wvals)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let diff = max_diff(&p.values, wvals);
         eprintln!("{name} {sets:?} {wname}: max |diff| {diff:e} (scale {scale})");
         assert!(
             diff <= 1e-6 * scale,
@@ -227,12 +222,7 @@ fn probes_cp2_match_transformers_and_one_device() {
             for (a, b) in cp.iter().zip(&one) {
                 assert_eq!((&a.name, &a.shape), (&b.name, &b.shape), "{name} {sets:?}");
                 let scale = b.values.iter().fold(1f32, |m, x| m.max(x.abs()));
-                let diff = a
-                    .values
-                    .iter()
-                    .zip(&b.values)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
+                let diff = max_diff(&a.values, &b.values);
                 eprintln!("{name} {sets:?} {}: vs one device {diff:e}", a.name);
                 assert!(diff <= 1e-6 * scale, "{name} {sets:?} {}: {diff}", a.name);
             }
@@ -609,12 +599,7 @@ fn probes_ep2_match_one_device() {
             for (a, b) in got.iter().zip(&one) {
                 assert_eq!((&a.name, &a.shape), (&b.name, &b.shape), "{name} {sets:?}");
                 let scale = b.values.iter().fold(1f32, |m, x| m.max(x.abs()));
-                let diff = a
-                    .values
-                    .iter()
-                    .zip(&b.values)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
+                let diff = max_diff(&a.values, &b.values);
                 eprintln!("{name} {sets:?} {}: vs one device {diff:e}", a.name);
                 if exact {
                     assert_eq!(a.values, b.values, "{name} {sets:?} {}", a.name);
@@ -623,4 +608,12 @@ fn probes_ep2_match_one_device() {
             }
         }
     }
+}
+
+/// The largest |a - b| over two equally long tensors.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
 }
