@@ -1078,21 +1078,9 @@ fn lower_compute(
             let (dgate, dy) = (&outs[0], &outs[1]);
             let r = dy.shape.len();
             let id = ds(0..r);
-            let lead = ds(0..r - 1);
-            let mut gm = lead.clone();
+            let mut gm = ds(0..r - 1);
             gm.push("0".into());
-            generic(
-                f,
-                r,
-                &[],
-                &[(&ins[0], gm.clone()), (&ins[2], id.clone())],
-                &[(dy, id.clone())],
-                |b, i, o| {
-                    let s = b.sigmoid(&i[0]);
-                    let t = b.mul(&s, &i[1]);
-                    vec![b.add(&o[0], &t)]
-                },
-            );
+            sigmoid_mul_grad_input(f, &ins, dy);
             generic(
                 f,
                 r,
@@ -1456,4 +1444,25 @@ fn lower_compute(
     }
     unstage(f, st);
     Some(())
+}
+
+/// The input gradient of `sigmoid_mul` (`ins` gate `[.., 1]`, x, dy): `dx += sigmoid(gate) · dy`,
+/// element by element (both forms of `sigmoid_mul_grad` share it).
+fn sigmoid_mul_grad_input(f: &mut Func, ins: &[Arg], dx: &Arg) {
+    let r = dx.shape.len();
+    let id = ds(0..r);
+    let mut gm = ds(0..r - 1);
+    gm.push("0".into());
+    generic(
+        f,
+        r,
+        &[],
+        &[(&ins[0], gm), (&ins[2], id.clone())],
+        &[(dx, id)],
+        |b, i, o| {
+            let s = b.sigmoid(&i[0]);
+            let t = b.mul(&s, &i[1]);
+            vec![b.add(&o[0], &t)]
+        },
+    );
 }

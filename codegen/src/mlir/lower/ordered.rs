@@ -428,20 +428,7 @@ pub(super) fn sigmoid_mul_grad(f: &mut Func, ins: &[Arg], outs: &[Arg]) {
     let r = dx.shape.len();
     let id = ds(0..r);
     let lead = ds(0..r - 1);
-    let mut gm = lead.clone();
-    gm.push("0".into());
-    generic(
-        f,
-        r,
-        &[],
-        &[(&ins[0], gm), (&ins[2], id.clone())],
-        &[(dx, id.clone())],
-        |b, i, o| {
-            let s = b.sigmoid(&i[0]);
-            let t = b.mul(&s, &i[1]);
-            vec![b.add(&o[0], &t)]
-        },
-    );
+    super::sigmoid_mul_grad_input(f, ins, dx);
     let rows = dx.shape[..r - 1].to_vec();
     let dot = temp(f, &rows, true);
     generic(
