@@ -1,6 +1,7 @@
 //! Helpers of the kernels that communicate: context-parallel positions and K/V exchange
-//! (all-gather and ring), the vocab-parallel cross-entropy's reductions, and the
-//! member-major reordering of gathered tensors.
+//! (all-gather and ring), the vocab-parallel cross-entropy's reductions, the member-major
+//! reordering of gathered tensors, and where a rank's part of a split dim lies
+//! (`dim_positions`, and from it the elements a `perturb` changes).
 
 use megac_ir::plan::BufId;
 use megac_kernels as k;
