@@ -173,7 +173,9 @@ pub struct RunArgs {
     pub deterministic: bool,
     /// Watch for slow ranks and slow links while training: after every step rank 0 runs
     /// `megac scan`'s detector over the last steps and prints one warning line per new
-    /// finding (the rank or link, the step, the score) on stderr; see docs/scan.md.
+    /// finding (the rank or link, the step, the score) on stderr. It warns of ranks at least
+    /// 1.3× slower than their peers; `--trace` and `megac scan` show smaller slowdowns. See
+    /// docs/scan.md.
     #[arg(long)]
     pub scan: bool,
     /// Fused kernels (issue 19; docs/mlir.md): `on` (the default in a build with the `mlir`
