@@ -97,6 +97,9 @@ if [[ ! -e $nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13 ]]; then
 fi
 export LD_LIBRARY_PATH="$nvrtc_dir/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export MEGAC_REQUIRE_NVRTC=1
+# tests/mlir.rs sends every module it verifies through mlir-opt-22 (installed above); with
+# this set, a missing mlir-opt fails the test rather than skipping the round trips.
+export MEGAC_REQUIRE_MLIR_OPT=1
 # The fused kernels' disk cache (feature `mlir`, docs/mlir.md) inside the build folder, so the
 # tests neither write to the user's ~/.cache nor reuse kernels compiled by another checkout.
 export MEGAC_KERNEL_CACHE=${CARGO_TARGET_DIR:-$PWD/target}/kernel-cache
