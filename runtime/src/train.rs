@@ -111,6 +111,23 @@ pub struct StepRecord {
     pub skipped: bool,
 }
 
+/// A GPU rank's device memory (`--device cuda`), as `cudaMemGetInfo` sees it, to hold
+/// against the plan's arenas (`megac inspect`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes of the one allocation: the plan's arenas, 256-byte aligned, the 16-bit
+    /// operands' staging and the kernels' workspace.
+    pub allocation_bytes: u64,
+    /// Free device memory lost from just after the context was made to the end of the setup:
+    /// the allocation, the kernels' modules, cuBLAS's and NCCL's memory.
+    pub setup_bytes: u64,
+    /// The same after the last step: more than `setup_bytes` if anything (cuBLAS's
+    /// workspace, at its first GEMM) allocated during the steps.
+    pub after_steps_bytes: u64,
+    /// The device's memory.
+    pub total_bytes: u64,
+}
+
 /// What a run produced.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunReport {
@@ -140,6 +157,8 @@ pub struct RunReport {
     pub resumed: Option<(u64, PathBuf, f64)>,
     /// The evaluations (`--eval-data`), in order.
     pub evals: Vec<crate::eval::EvalRecord>,
+    /// `--device cuda`: rank 0's device memory.
+    pub device_memory: Option<DeviceMemory>,
 }
 
 impl RunReport {
@@ -173,6 +192,14 @@ impl RunReport {
                 "inputs": self.arena_bytes[4],
             },
         });
+        if let Some(m) = &self.device_memory {
+            v["device_memory"] = serde_json::json!({
+                "allocation_bytes": m.allocation_bytes,
+                "setup_bytes": m.setup_bytes,
+                "after_steps_bytes": m.after_steps_bytes,
+                "total_bytes": m.total_bytes,
+            });
+        }
         if !self.peak_rss_bytes_per_rank.is_empty() {
             v["peak_rss_bytes_per_rank"] = serde_json::json!(self.peak_rss_bytes_per_rank);
         }
@@ -1186,6 +1213,7 @@ fn train_rank(
         checkpoints,
         resumed,
         evals,
+        device_memory: None,
     })
 }
 
@@ -1352,4 +1380,43 @@ fn grad_clip(plan: &Plan) -> Option<f64> {
             } => Some(*max_norm),
             _ => None,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(device_memory: Option<DeviceMemory>) -> serde_json::Value {
+        let r = RunReport {
+            steps: Vec::new(),
+            tokens_per_s: 1.0,
+            peak_rss_bytes: 0,
+            peak_rss_bytes_per_rank: Vec::new(),
+            start_rss_bytes: 0,
+            arena_bytes: [0; 5],
+            profile: None,
+            pipeline_order: Vec::new(),
+            checkpoints: Vec::new(),
+            resumed: None,
+            evals: Vec::new(),
+            device_memory,
+        };
+        serde_json::from_str(&r.to_json()).unwrap()
+    }
+
+    #[test]
+    fn the_report_has_device_memory_only_from_a_gpu_run() {
+        assert!(report(None).get("device_memory").is_none());
+        let m = DeviceMemory {
+            allocation_bytes: 1 << 30,
+            setup_bytes: (1 << 30) + (40 << 20),
+            after_steps_bytes: (1 << 30) + (72 << 20),
+            total_bytes: 141 << 30,
+        };
+        let v = &report(Some(m))["device_memory"];
+        assert_eq!(v["allocation_bytes"], m.allocation_bytes);
+        assert_eq!(v["setup_bytes"], m.setup_bytes);
+        assert_eq!(v["after_steps_bytes"], m.after_steps_bytes);
+        assert_eq!(v["total_bytes"], m.total_bytes);
+    }
 }

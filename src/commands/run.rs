@@ -286,6 +286,16 @@ fn execute(plan: &CheckedPlan, args: &RunArgs, opts: &RunOptions) -> Result<(), 
             );
         }
     }
+    if let Some(m) = &report.device_memory {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        println!(
+            "device memory: allocation {:.1} MiB; cudaMemGetInfo: {:.1} MiB held after setup, {:.1} MiB after the steps, of {:.1} MiB",
+            mib(m.allocation_bytes),
+            mib(m.setup_bytes),
+            mib(m.after_steps_bytes),
+            mib(m.total_bytes)
+        );
+    }
     if let Some(e) = report.evals.last() {
         println!(
             "eval loss {:.4} (perplexity {:.3}) after step {} on {} ({} batch{}; {} evaluation{})",

@@ -97,6 +97,8 @@ pub struct CudaExecutor {
     nccl: Option<(NcclComms, Arc<CudaStream>)>,
     /// `--profile`: op name -> (seconds, matmul FLOPs, calls), from CUDA events.
     profile: Option<std::collections::BTreeMap<&'static str, (f64, f64, u64)>>,
+    /// Free device memory just after the context was made, before anything of the setup.
+    free_at_context: usize,
 }
 
 impl CudaExecutor {
@@ -147,6 +149,7 @@ impl CudaExecutor {
         .map_err(|e| CudaError::Unsupported(e.to_string()))?;
         super::probe(ordinal)?;
         let ctx = CudaContext::new(ordinal).map_err(driver)?;
+        let (free_at_context, _) = ctx.mem_get_info().map_err(driver)?;
         let stream = ctx.default_stream();
         let alloc = stream
             .alloc_zeros::<u8>(slab.total_bytes.max(1) as usize)
@@ -192,6 +195,7 @@ impl CudaExecutor {
             lowered,
             staging: Vec::new(),
             norm_cache: None,
+            free_at_context,
         };
         let constants = exec.lowered.constants.clone();
         if !constants.is_empty() {
@@ -849,6 +853,17 @@ impl CudaExecutor {
     /// Free device memory as the driver reports it, and the total (cudaMemGetInfo).
     pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
         self._ctx.mem_get_info().map_err(driver)
+    }
+
+    /// Free device memory lost since the context was made (`cudaMemGetInfo`): what this
+    /// rank holds on the device now (the allocation, the kernels' modules, cuBLAS's and
+    /// NCCL's memory), and the device's total.
+    pub fn held_bytes(&self) -> Result<(u64, u64), CudaError> {
+        let (free, total) = self.mem_info()?;
+        Ok((
+            self.free_at_context.saturating_sub(free) as u64,
+            total as u64,
+        ))
     }
 }
 

@@ -296,6 +296,7 @@ fn run(
     } else {
         None
     };
+    let (setup_bytes, _) = s.gpu.held_bytes().map_err(cuda_err)?;
     let mut records = Vec::new();
     let start = Instant::now();
     for step in 1..=steps {
@@ -342,6 +343,13 @@ fn run(
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let (after_steps_bytes, total_bytes) = s.gpu.held_bytes().map_err(cuda_err)?;
+    let device_memory = Some(crate::train::DeviceMemory {
+        allocation_bytes: s.gpu.device_bytes(),
+        setup_bytes,
+        after_steps_bytes,
+        total_bytes,
+    });
     if let Some(path) = &opts.save_params {
         // A collective over the ranks (the global tensors); rank 0 writes.
         s.download().map_err(cuda_err)?;
@@ -359,6 +367,7 @@ fn run(
         checkpoints: Vec::new(),
         resumed: None,
         evals: Vec::new(),
+        device_memory,
     })
 }
 
