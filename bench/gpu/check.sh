@@ -82,39 +82,38 @@ MEGAC_REQUIRE_NVRTC=1 MEGAC_GPU_STEPS=${MEGAC_GPU_STEPS:-20} timeout 150 "$bin" 
 
 # The command line on the GPU against the cpu backend.
 cli=0
-{
-    for model in llama-tiny moe-tiny; do
-        for dev in cuda cpu; do
-            timeout 25 "$megac" train "examples/$model.toml" --steps 20 --device "$dev" \
-                --report "$OUT/$model-$dev.json" >>"$OUT/cli.log" 2>&1 || cli=$?
-        done
-        # --profile: per-op CUDA-event times, the matmuls' share of kernel time.
-        timeout 25 "$megac" train "examples/$model.toml" --steps 5 --device cuda --profile \
-            >"$OUT/$model-profile.txt" 2>&1 || cli=$?
-        python3 - "$OUT/$model-cuda.json" "$OUT/$model-cpu.json" "$model" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
+for model in llama-tiny moe-tiny; do
+    for dev in cuda cpu; do
+        timeout 25 "$megac" train "examples/$model.toml" --steps 20 --device "$dev" \
+            --report "$OUT/$model-$dev.json" >>"$OUT/cli.log" 2>&1 || cli=$?
+    done
+    # --profile: per-op CUDA-event times, the matmuls' share of kernel time.
+    timeout 25 "$megac" train "examples/$model.toml" --steps 5 --device cuda --profile \
+        >"$OUT/$model-profile.txt" 2>&1 || cli=$?
+    python3 - "$OUT/$model-cuda.json" "$OUT/$model-cpu.json" "$model" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
 import json, sys
 g, c = (json.load(open(p)) for p in sys.argv[1:3])
 worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(g["steps"], c["steps"]))
 print(f"cli {sys.argv[3]}: 20 steps --device cuda vs cpu: worst relative loss difference {worst:.2e}; "
-      f"tokens/s cuda {g['tokens_per_s']:.0f} cpu {c['tokens_per_s']:.0f}")
+  f"tokens/s cuda {g['tokens_per_s']:.0f} cpu {c['tokens_per_s']:.0f}")
 sys.exit(0 if worst < 1e-4 and len(g["steps"]) == len(c["steps"]) == 20 else 1)
 PY
-    done
-    # Speed: a 1.14B-parameter Llama (16 layers, hidden 2048, seq 2048, vocab 32000, bf16,
-    # micro-batch 4) for 5 steps; tokens/s from the report, MFU by Megatron's FLOPs (the
-    # plan's flops_per_step) against 989 TFLOP/s dense bf16, and the matmuls' share of
-    # kernel time from --profile.
-    big="--set model.layers=16 --set model.hidden=2048 --set model.heads=16 --set model.kv_heads=8
-         --set model.ffn_hidden=8192 --set model.vocab=32000 --set model.seq_len=2048
-         --set parallel.tp=1 --set parallel.dp=1 --set parallel.sequence_parallel=false
-         --set parallel.distributed_optimizer=false --set train.micro_batch=4
-         --set train.global_batch=4"
-    # shellcheck disable=SC2086
-    if "$megac" compile examples/llama3-8b.toml $big -o "$OUT/llama-1b" >>"$OUT/cli.log" 2>&1 \
-        && timeout 130 "$megac" run "$OUT/llama-1b" --device cuda --steps 5 --profile \
-            --report "$OUT/llama-1b.json" >"$OUT/llama-1b-profile.txt" 2>&1; then
-        "$megac" inspect "$OUT/llama-1b" --json >"$OUT/llama-1b-inspect.json" 2>>"$OUT/cli.log" || cli=1
-        python3 - "$OUT/llama-1b/plan.json" "$OUT/llama-1b.json" "$OUT/llama-1b-inspect.json" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
+done
+# Speed: a 1.14B-parameter Llama (16 layers, hidden 2048, seq 2048, vocab 32000, bf16,
+# micro-batch 4) for 5 steps; tokens/s from the report, MFU by Megatron's FLOPs (the
+# plan's flops_per_step) against 989 TFLOP/s dense bf16, and the matmuls' share of
+# kernel time from --profile.
+big="--set model.layers=16 --set model.hidden=2048 --set model.heads=16 --set model.kv_heads=8
+     --set model.ffn_hidden=8192 --set model.vocab=32000 --set model.seq_len=2048
+     --set parallel.tp=1 --set parallel.dp=1 --set parallel.sequence_parallel=false
+     --set parallel.distributed_optimizer=false --set train.micro_batch=4
+     --set train.global_batch=4"
+# shellcheck disable=SC2086
+if "$megac" compile examples/llama3-8b.toml $big -o "$OUT/llama-1b" >>"$OUT/cli.log" 2>&1 \
+    && timeout 130 "$megac" run "$OUT/llama-1b" --device cuda --steps 5 --profile \
+        --report "$OUT/llama-1b.json" >"$OUT/llama-1b-profile.txt" 2>&1; then
+    "$megac" inspect "$OUT/llama-1b" --json >"$OUT/llama-1b-inspect.json" 2>>"$OUT/cli.log" || cli=1
+    python3 - "$OUT/llama-1b/plan.json" "$OUT/llama-1b.json" "$OUT/llama-1b-inspect.json" <<'PY' 2>&1 | tee -a "$OUT/cli.log" || cli=1
 import json, sys
 plan, rep, inspect = (json.load(open(p)) for p in sys.argv[1:4])
 tokens = plan["batch"]["tokens_per_step"]
@@ -126,15 +125,14 @@ want = inspect["roles"][0]["memory_bytes"]["total"]
 m = rep["device_memory"]
 ratio = m["setup_bytes"] / want
 print(f"cli llama-1b memory: inspect {want / 2**30:.3f} GiB; allocation {m['allocation_bytes'] / 2**30:.3f} GiB; "
-      f"cudaMemGetInfo after setup {m['setup_bytes'] / 2**30:.3f} GiB ({ratio:.3f}x inspect), "
-      f"after the steps {m['after_steps_bytes'] / 2**30:.3f} GiB; of {m['total_bytes'] / 2**30:.1f} GiB")
+  f"cudaMemGetInfo after setup {m['setup_bytes'] / 2**30:.3f} GiB ({ratio:.3f}x inspect), "
+  f"after the steps {m['after_steps_bytes'] / 2**30:.3f} GiB; of {m['total_bytes'] / 2**30:.1f} GiB")
 sys.exit(0 if abs(ratio - 1) <= 0.05 else 1)
 PY
-    else
-        echo "cli llama-1b: did not finish (see $OUT/llama-1b-profile.txt)" | tee -a "$OUT/cli.log"
-        cli=1
-    fi
-}
+else
+    echo "cli llama-1b: did not finish (see $OUT/llama-1b-profile.txt)" | tee -a "$OUT/cli.log"
+    cli=1
+fi
 [ "$cli" = 0 ] || status=1
 end=$(date +%s)
 {
