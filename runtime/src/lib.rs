@@ -50,4 +50,5 @@ pub mod rng;
 pub mod scaler;
 pub mod scan;
 mod sharded;
+pub mod threads;
 pub mod train;

@@ -195,6 +195,7 @@ pub fn run_ranks<T: Send>(
         comm.managed = true;
     }
     let f = &f;
+    let threads = crate::threads::per_rank(n);
     let mut results: Vec<Result<T, RuntimeError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -204,7 +205,8 @@ pub fn run_ranks<T: Send>(
                 let spawned = std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        let out = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
+                        let run = || crate::threads::on_own_pool(rank, threads, || f(comm));
+                        let out = match catch_unwind(AssertUnwindSafe(run)) {
                             Ok(out) => out,
                             Err(payload) => Err(RuntimeError::Plan(format!(
                                 "rank {rank} panicked: {}",

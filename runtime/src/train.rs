@@ -645,8 +645,8 @@ impl<'p> Session<'p> {
 
     /// A whole step: zero gradients, every micro-batch, the optimizer. Returns (loss, grad norm).
     pub fn step(&mut self, step: u64) -> Result<(f64, f64), RuntimeError> {
-        if let Some(r) = self.comm.scan().and_then(|s| s.rec.as_mut()) {
-            r.begin_step(step);
+        if let Some(s) = self.comm.scan() {
+            s.begin_step(step);
         }
         let t0 = Instant::now();
         let out = self.step_untimed(step);
@@ -826,10 +826,12 @@ pub fn train(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Runtime
             data,
             eval,
             Box::new(crate::comm::SingleRank),
+            (0, 1),
         )?
     } else {
         let mut reports = crate::local_comm::run_ranks(world, |comm| {
-            train_rank(plan, opts, ckpt, data, eval, Box::new(comm))
+            let slot = (crate::comm::Communicator::rank(&comm), world);
+            train_rank(plan, opts, ckpt, data, eval, Box::new(comm), slot)
         })?;
         reports.swap_remove(0)
     };
@@ -905,6 +907,7 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
              run `megac launch -n {world} PLAN_DIR` or `mpirun -np {world} megac run PLAN_DIR --comm mpi`"
         )));
     }
+    crate::threads::share_host_as_process();
     crate::mpi_comm::in_universe("--comm mpi", |universe| {
         let result = crate::mpi_comm::MpiComm::new(universe.world()).and_then(|mut comm| {
             comm.set_deterministic(opts.deterministic);
@@ -934,6 +937,7 @@ pub fn train_mpi(plan: &CheckedPlan, opts: &RunOptions) -> Result<RunReport, Run
                 &data,
                 eval.as_ref(),
                 Box::new(comm),
+                crate::threads::mpi_local_slot().unwrap_or((0, 1)),
             )
             .inspect_err(|e| {
                 // The loss and the norm are reduced over the world: every rank stops at the same
@@ -989,6 +993,9 @@ fn train_rank(
     data: &DataSource,
     eval_data: Option<&DataSource>,
     comm: Box<dyn crate::comm::Communicator>,
+    // (this rank's index among the ranks on its host, their number): its turns on the
+    // host's cores while recording.
+    host_slot: (usize, usize),
 ) -> Result<RunReport, RuntimeError> {
     let lead = comm.rank() == 0;
     let steps = opts.steps.unwrap_or(plan.train.steps);
@@ -1007,7 +1014,11 @@ fn train_rank(
                     faults.drift,
                 )
             });
+            let recording = rec.is_some();
             let mut scan = crate::scan::ScanComm::new(comm, rec, faults);
+            if recording {
+                scan.place(crate::threads::Crossover::new(host_slot.0, host_slot.1));
+            }
             if opts.scan {
                 let world = plan.mesh.world_size();
                 let roles = (0..world)
@@ -1017,7 +1028,8 @@ fn train_rank(
                     .map(|r| crate::scan::analyze::label(&rank_header(plan, r, steps)))
                     .collect();
                 let first = ckpt.map_or(0, |c| c.index.step) + 1;
-                let online = crate::scan::online::Online::new(rank, roles, labels, first);
+                let online =
+                    crate::scan::online::Online::new(rank, roles, labels, first, scan.rotation());
                 scan.watch(online, opts.trace.is_some());
             }
             Box::new(scan)
@@ -1281,6 +1293,7 @@ fn rank_header(plan: &Plan, rank: usize, steps: u64) -> crate::scan::RankHeader 
             })
             .collect(),
         steps,
+        rotation: 1,
     }
 }
 
@@ -1292,8 +1305,12 @@ fn write_rank_record(
 ) -> Result<(), RuntimeError> {
     let plan = session.plan;
     let rank = session.comm.rank();
-    let header = rank_header(plan, rank, steps);
-    let Some(rec) = session.comm.scan().and_then(|s| s.rec.as_ref()) else {
+    let mut header = rank_header(plan, rank, steps);
+    let Some(scan) = session.comm.scan() else {
+        return Ok(());
+    };
+    header.rotation = scan.rotation();
+    let Some(rec) = scan.rec.as_ref() else {
         return Ok(());
     };
     let path = dir.join(format!("rank-{rank}.json"));

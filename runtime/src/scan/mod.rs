@@ -134,6 +134,20 @@ pub struct Event {
     pub seq: u64,
     /// Bytes moved (this rank's send side).
     pub bytes: u64,
+    /// Compute segments: ns of the event that were not the rank's busy time (its thread
+    /// waiting for a CPU, see [`ScanComm::end_segment`]); sends and receives: ns its thread
+    /// waited for a CPU (run delay); 0 otherwise.
+    pub cpu_wait: u64,
+}
+
+impl Event {
+    /// How long the event took, ns: the wall time less `cpu_wait`. For a compute segment its
+    /// busy time, what the rank's device spent on it (injected slowness included); for a
+    /// transfer, the time it took without the sender's or receiver's waits for a CPU. Another
+    /// rank's thread holding the core lengthens neither.
+    pub fn duration(&self) -> f64 {
+        ((self.t1 - self.t0) as f64 - self.cpu_wait as f64).max(0.0)
+    }
 }
 
 /// The process's time zero, and the wall-clock time (ns since the Unix epoch) read with it.
@@ -203,6 +217,41 @@ impl Recorder {
         seq: u64,
         bytes: u64,
     ) {
+        self.put(kind, t0, t1, [a, b], seq, bytes, 0);
+    }
+
+    /// Record compute segment `i` from `t0` to `t1`, its thread `cpu_wait` ns of it waiting
+    /// for a CPU.
+    pub fn push_compute(&mut self, t0: Instant, t1: Instant, i: u32, cpu_wait: u64) {
+        self.put(Kind::Compute, t0, t1, [i, 0], 0, 0, cpu_wait);
+    }
+
+    /// Record a send or receive with `peer`, its thread `cpu_wait` ns of it waiting for a CPU.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_transfer(
+        &mut self,
+        kind: Kind,
+        t0: Instant,
+        t1: Instant,
+        peer: u32,
+        tag: u64,
+        bytes: u64,
+        cpu_wait: u64,
+    ) {
+        self.put(kind, t0, t1, [peer, 0], tag, bytes, cpu_wait);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &mut self,
+        kind: Kind,
+        t0: Instant,
+        t1: Instant,
+        [a, b]: [u32; 2],
+        seq: u64,
+        bytes: u64,
+        cpu_wait: u64,
+    ) {
         if self.events.len() == self.events.capacity() {
             self.dropped += 1;
             return;
@@ -216,6 +265,7 @@ impl Recorder {
             b,
             seq,
             bytes,
+            cpu_wait,
         };
         self.events.push(e);
     }
@@ -275,13 +325,14 @@ impl Recorder {
         let _ = write!(
             s,
             "{{\"format\":\"{FORMAT}\",\"rank\":{},\"world\":{},\"role\":{},\"coords\":[{}],\
-             \"steps\":{},\"dropped\":{},\"true_clock\":{{\"epoch_unix_ns\":{},\
+             \"steps\":{},\"rotation\":{},\"dropped\":{},\"true_clock\":{{\"epoch_unix_ns\":{},\
              \"offset_ns\":{},\"drift\":{}}},\"groups\":[{}],\"events\":[",
             header.rank,
             header.world,
             header.role,
             coords.join(","),
             header.steps,
+            header.rotation,
             self.dropped,
             epoch_pair().1,
             self.offset_ns,
@@ -291,7 +342,7 @@ impl Recorder {
         for (i, e) in self.events.iter().enumerate() {
             let _ = write!(
                 s,
-                "{}\n[\"{}\",{},{},{},{},{},{},{}]",
+                "{}\n[\"{}\",{},{},{},{},{},{},{},{}]",
                 if i == 0 { "" } else { "," },
                 e.kind.name(),
                 e.t0,
@@ -300,7 +351,8 @@ impl Recorder {
                 e.a,
                 e.b,
                 e.seq,
-                e.bytes
+                e.bytes,
+                e.cpu_wait
             );
         }
         s.push_str("]}\n");
@@ -324,6 +376,10 @@ pub struct RankHeader {
     pub coords: Vec<(String, usize, usize)>,
     /// Steps run.
     pub steps: u64,
+    /// Steps over which the rank took a turn on each core it rotated over
+    /// ([`crate::threads::Crossover`]); 1 when it was not rotated. `megac scan` compares
+    /// ranks over blocks of this many steps.
+    pub rotation: u64,
 }
 
 /// The nominal wire time of a slow link's transfer: 5 µs + bytes / 1 GB/s.
@@ -350,16 +406,86 @@ fn wait_until(until: Instant) {
     }
 }
 
+/// The calling thread's scheduler clocks: the ns it has run on a CPU (its thread CPU clock)
+/// and the ns it has waited runnable for one (its run delay, Linux's
+/// `/proc/thread-self/schedstat`). The file is opened on the first reading, by the thread that runs the rank's program (which
+/// stays on its thread), and read again at each segment boundary (one `pread`, about a µs).
+/// Where it cannot be read (not Linux, no schedstat), every reading is `None` and compute
+/// durations are wall times.
+#[derive(Debug, Default)]
+struct ThreadClock {
+    file: Option<std::fs::File>,
+    unavailable: bool,
+}
+
+/// One reading of a [`ThreadClock`].
+#[derive(Clone, Copy, Debug, Default)]
+struct ThreadTimes {
+    /// Time on a CPU, ns (without a VM's steal, where the kernel accounts it).
+    on_cpu: u64,
+    /// Time runnable but waiting for a CPU, ns.
+    run_delay: u64,
+}
+
+impl ThreadClock {
+    #[cfg(not(target_os = "linux"))]
+    fn now(&mut self) -> Option<ThreadTimes> {
+        None
+    }
+
+    #[cfg(target_os = "linux")]
+    fn now(&mut self) -> Option<ThreadTimes> {
+        use std::os::unix::fs::FileExt;
+        if self.unavailable {
+            return None;
+        }
+        if self.file.is_none() {
+            self.file = std::fs::File::open("/proc/thread-self/schedstat").ok();
+        }
+        // schedstat's own run time is brought up to date only at scheduler events, so a
+        // running thread reads its CPU time from the thread CPU clock; the run delay is up to
+        // date whenever the thread runs (it is added when the thread gets a CPU).
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid timespec for the call to write.
+        let cpu_ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+        let mut buf = [0u8; 96];
+        let got = self.file.as_ref().and_then(|f| f.read_at(&mut buf, 0).ok());
+        let times = got.filter(|_| cpu_ok).and_then(|n| {
+            let run_delay = std::str::from_utf8(&buf[..n])
+                .ok()?
+                .split_ascii_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some(ThreadTimes {
+                on_cpu: ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
+                run_delay,
+            })
+        });
+        if times.is_none() {
+            self.unavailable = true;
+            self.file = None;
+        }
+        times
+    }
+}
+
 /// A communicator that records and injects (see the module doc).
 pub struct ScanComm {
     inner: Box<dyn Communicator>,
     /// The rank's records (None when not tracing).
     pub rec: Option<Recorder>,
     faults: RankFaults,
-    /// Start of the compute segment in progress.
-    segment: Option<Instant>,
+    /// Start of the compute segment in progress, and the thread's clocks then.
+    segment: Option<(Instant, Option<ThreadTimes>)>,
+    clock: ThreadClock,
     /// `--scan`: the online detector (needs `rec`).
     online: Option<online::Online>,
+    /// While recording, the rank's turns on the host's cores.
+    placement: Option<crate::threads::Crossover>,
     /// Whether the events are written at the end (`--trace`); else each step's are dropped
     /// once `--scan` has summarised them.
     keep_events: bool,
@@ -377,8 +503,32 @@ impl ScanComm {
             rec,
             faults,
             segment: None,
+            clock: ThreadClock::default(),
             online: None,
+            placement: None,
             keep_events: true,
+        }
+    }
+
+    /// Rotate the rank over the host's cores, one step on each in turn (see
+    /// [`crate::threads::Crossover`]), from the next [`ScanComm::begin_step`].
+    pub fn place(&mut self, placement: Option<crate::threads::Crossover>) {
+        self.placement = placement;
+    }
+
+    /// Steps over which the rank visits each of its cores once (1 when not rotated).
+    pub fn rotation(&self) -> u64 {
+        self.placement.as_ref().map_or(1, |p| p.period() as u64)
+    }
+
+    /// A step begins: records count its segments from 0, and a rotated rank moves to the
+    /// step's core.
+    pub fn begin_step(&mut self, step: u64) {
+        if let Some(r) = &mut self.rec {
+            r.begin_step(step);
+        }
+        if let Some(p) = &self.placement {
+            p.enter_step(step);
         }
     }
 
@@ -442,28 +592,53 @@ impl ScanComm {
 
     /// A program starts running kernels.
     pub fn begin_segment(&mut self) {
-        self.segment = Some(Instant::now());
+        let times = if self.rec.is_some() || self.faults.slows() {
+            self.clock.now()
+        } else {
+            None
+        };
+        self.segment = Some((Instant::now(), times));
     }
 
     /// The kernels since [`ScanComm::begin_segment`] are done: slow them as injected, record
     /// them.
+    ///
+    /// The segment's *busy* time is what the rank's device spent on it. With one thread per
+    /// rank (the rank's program and kernels on one thread, `crate::threads`) it is the
+    /// thread's time on a CPU: waiting for a core held by another rank, or a VM's vCPU being
+    /// taken by its host, does not count. With more threads it is the wall time less the
+    /// thread's wait for a CPU. Without schedstat it is the wall time. An injected slowdown
+    /// F holds the rank F − 1 times the busy time more, as a device F times slower would,
+    /// and that time is busy too. The record keeps the wall time and, as `cpu_wait`, the
+    /// rest: [`Event::duration`] is the busy time.
     pub fn end_segment(&mut self) {
-        let Some(t0) = self.segment.take() else {
+        let Some((t0, start)) = self.segment.take() else {
             return;
         };
         let mut t1 = Instant::now();
+        let end = start.and_then(|_| self.clock.now());
+        let wall = (t1 - t0).as_nanos() as u64;
+        let mut busy = match (start, end) {
+            (Some(a), Some(b)) if rayon::current_num_threads() == 1 => {
+                b.on_cpu.saturating_sub(a.on_cpu)
+            }
+            (Some(a), Some(b)) => wall.saturating_sub(b.run_delay.saturating_sub(a.run_delay)),
+            _ => wall,
+        };
         if self.faults.slows() {
             let f = self.faults.compute_factor();
             if f > 1.0 {
-                let until = t1 + (t1 - t0).mul_f64(f - 1.0);
-                wait_until(until);
+                let added = Duration::from_nanos(busy).mul_f64(f - 1.0);
+                wait_until(t1 + added);
                 t1 = Instant::now();
+                busy += added.as_nanos() as u64;
             }
         }
         if let Some(r) = &mut self.rec {
             let i = r.segment;
             r.segment += 1;
-            r.push(Kind::Compute, t0, t1, i, 0, 0, 0);
+            let wall = (t1 - t0).as_nanos() as u64;
+            r.push_compute(t0, t1, i, wall.saturating_sub(busy));
         }
     }
 
@@ -513,6 +688,7 @@ impl ScanComm {
     ) -> Result<(), RuntimeError> {
         let running = self.segment.is_some();
         self.end_segment();
+        let start = self.rec.as_ref().and_then(|_| self.clock.now());
         let t0 = Instant::now();
         let out = op(self.inner.as_mut());
         let f = self.faults.link_factor(peer);
@@ -525,9 +701,16 @@ impl ScanComm {
             };
             wait_until(now + base.mul_f64(f - 1.0));
         }
+        let t1 = Instant::now();
+        // The time the thread waited for a CPU (a receiver it woke on its core ran first) is
+        // not the link's.
+        let waited = match (start, self.clock.now().filter(|_| start.is_some())) {
+            (Some(a), Some(b)) => b.run_delay.saturating_sub(a.run_delay),
+            _ => 0,
+        };
         if let Some(r) = &mut self.rec {
             let kind = if send { Kind::Send } else { Kind::Recv };
-            r.push(kind, t0, Instant::now(), peer as u32, 0, tag, bytes as u64);
+            r.push_transfer(kind, t0, t1, peer as u32, tag, bytes as u64, waited);
         }
         if running {
             self.begin_segment();
@@ -685,6 +868,72 @@ mod tests {
             "a full buffer drops and counts"
         );
         assert!(ns < 2_000.0, "{ns} ns per event");
+    }
+
+    /// A segment's duration on a one-thread rank is its busy time: CPU spent counts, a
+    /// sleep does not (on a CPU rank the kernels never sleep, so a sleep is a wait that is not
+    /// the rank's work); an injected 2x slowdown doubles it. Linux only (schedstat and the
+    /// thread CPU clock).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_one_thread_rank_times_its_segments_by_busy_time() {
+        fn spin(d: Duration) {
+            let t = Instant::now();
+            let mut x = 0u64;
+            while t.elapsed() < d {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+        }
+        let durations = crate::threads::on_own_pool(0, 1, || {
+            let faults = RankFaults::of(
+                &[Inject::SlowRank {
+                    rank: 1,
+                    factor: 2.0,
+                }],
+                1,
+            );
+            let mut plain = ScanComm::new(
+                Box::new(crate::comm::SingleRank),
+                Some(Recorder::new(8, 0.0, 0.0)),
+                RankFaults::default(),
+            );
+            let mut slow = ScanComm::new(
+                Box::new(crate::comm::SingleRank),
+                Some(Recorder::new(8, 0.0, 0.0)),
+                faults,
+            );
+            plain.begin_segment();
+            spin(Duration::from_millis(30));
+            plain.end_segment();
+            plain.begin_segment();
+            std::thread::sleep(Duration::from_millis(30));
+            plain.end_segment();
+            slow.begin_segment();
+            spin(Duration::from_millis(30));
+            slow.end_segment();
+            let d = |c: &ScanComm| -> Vec<(f64, f64)> {
+                c.rec
+                    .as_ref()
+                    .unwrap()
+                    .events()
+                    .iter()
+                    .map(|e| (e.duration() / 1e6, (e.t1 - e.t0) as f64 / 1e6))
+                    .collect()
+            };
+            (d(&plain), d(&slow))
+        });
+        let ([spun, slept], [slowed]) = (&durations.0[..], &durations.1[..]) else {
+            panic!("{durations:?}");
+        };
+        // Busy time: the CPU the spin got (all of it on a quiet core; a loaded one takes
+        // some away); a sleep is next to none.
+        assert!(spun.0 > 5.0 && spun.0 <= spun.1 + 0.01, "{durations:?}");
+        assert!(slept.0 < 3.0 && slept.1 >= 29.0, "{durations:?}");
+        // The injected slowdown holds the rank as long again as its busy time after the
+        // 30 ms spin (wall = 30 ms + busy), and that counts as busy: duration = 2 × busy.
+        let added = slowed.1 - 30.0;
+        assert!(slowed.0 > 10.0, "{durations:?}");
+        assert!((slowed.0 / 2.0 - added).abs() < 5.0, "{durations:?}");
     }
 
     #[test]

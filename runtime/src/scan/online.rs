@@ -68,7 +68,7 @@ fn summarise<'a>(events: &[Event], group: impl Fn(u32) -> &'a [usize], row: &mut
     row.fill(0.0);
     let (mut segs, mut colls, mut sends) = (0usize, 0usize, 0usize);
     for e in events {
-        let d = (e.t1 - e.t0) as f64;
+        let d = e.duration();
         match e.kind {
             // Segments are numbered from 0 in each step, in program order.
             Kind::Compute if (e.a as usize) < MAX_SEGMENTS => {
@@ -117,14 +117,23 @@ pub struct Online {
     window: VecDeque<Step>,
     /// Findings already reported: (kind, ranks).
     reported: Vec<(&'static str, Vec<usize>)>,
+    /// Steps per block of the slow-rank test (the ranks' rotation over the cores).
+    block: u64,
 }
 
 impl Online {
     /// The detector of `rank`; `roles[r]` and `labels[r]` are rank r's role and label
     /// ("rank 2 (tp0 dp1 pp0)"); `first` is the run's first step.
-    pub fn new(rank: usize, roles: Vec<usize>, labels: Vec<String>, first: u64) -> Online {
+    pub fn new(
+        rank: usize,
+        roles: Vec<usize>,
+        labels: Vec<String>,
+        first: u64,
+        block: u64,
+    ) -> Online {
         let world = roles.len();
         Online {
+            block,
             rank,
             world,
             roles,
@@ -224,7 +233,8 @@ impl Online {
             }
         }
         let from = self.window.front().map_or(step, |s| s.step);
-        let (mut findings, _) = detect_slow_ranks(&self.roles, &segments, from..=step, &late);
+        let (mut findings, _) =
+            detect_slow_ranks(&self.roles, &segments, from..=step, &late, self.block);
         // Slow links are judged between ranks whose compute is normal: every rank the
         // detector named is left out, warned of or not.
         let slow: Vec<usize> = findings.iter().flat_map(|f| f.ranks.clone()).collect();
@@ -275,7 +285,7 @@ mod tests {
     fn warnings(slow: u64) -> Vec<(u64, String)> {
         let n = 4;
         let labels: Vec<String> = (0..n).map(|r| format!("rank {r}")).collect();
-        let mut online = Online::new(0, vec![0; n], labels, 1);
+        let mut online = Online::new(0, vec![0; n], labels, 1, 1);
         let group: Vec<usize> = (0..n).collect();
         let mut seen = Vec::new();
         for step in 1..=6u64 {
@@ -344,7 +354,7 @@ mod tests {
                 wait: if r == 2 { 5e6 } else { 35e6 },
             })
             .collect();
-        let (found, _) = detect_slow_ranks(&[0; 4], &segments, 2..=6, &late);
+        let (found, _) = detect_slow_ranks(&[0; 4], &segments, 2..=6, &late, 1);
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].ranks, [2]);
         assert!((found[0].score - 1.2).abs() < 1e-9, "{}", found[0].score);
