@@ -7,7 +7,12 @@
 //! two ends its drift ([`sync_fit`]). Ranks without ping-pongs (older traces) are fitted to
 //! the causal bounds of their collectives and messages ([`align`], [`fit_bounds`]).
 //!
-//! **Slow rank.** Per compute segment (the same program position on the ranks that run the
+//! **Slow rank.** Durations are busy times ([`Event::duration`]). When the ranks took turns
+//! on the cores (the rank files' `rotation` P > 1, `crate::threads::Crossover`), each rank's
+//! compute over every block of P judged steps is divided by its peers' (the same role);
+//! a rank is named when the interquartile mean over at least [`MIN_BLOCKS`] blocks reaches
+//! [`MIN_BLOCK_SLOWDOWN`] and it is not plainly waiting for others ([`WAITS_MORE`]).
+//! Otherwise, per compute segment (the same program position on the ranks that run the
 //! same role program, in every step but the first, warm-up one), a rank's log-duration is
 //! compared with the median of its peers'; a slow rank is slower in nearly every segment,
 //! noise in about half. A rank is named when the one-sided sign test over its segments
@@ -42,6 +47,11 @@ pub const MIN_SLOWDOWN: f64 = 1.05;
 /// each rank having run one step of a block on each core; a rank is named from this many
 /// complete blocks on.
 pub const MIN_BLOCKS: usize = 3;
+/// The least slowdown (interquartile mean over its blocks) a rotated rank is named at.
+/// Calibrated on llama-tiny traces of this project's 2-core machines (17 steps, 100 healthy
+/// and 100 1.1x runs each of dp4 and cp2 dp2): at 1.05, 2–3 healthy runs in 100 named a
+/// rank; at 1.06, none, and 91–100 of the 1.1x ranks were named.
+pub const MIN_BLOCK_SLOWDOWN: f64 = 1.06;
 /// A rank at least this much slower than its peers (the same slowdown) is named without the
 /// sign test, when the inversion agrees at [`GROSS_LATE`]: a gross straggler whose few
 /// segments cannot reach the test's level (dp4 llama-tiny over 4 judged steps: 16 segments,
@@ -869,12 +879,12 @@ struct Evidence {
     /// compute time divided by the sum of its peers' median per segment: the slowdown,
     /// weighted by duration within a block (near-empty segments, a few µs of timer noise
     /// where a wait's overshoot can read as 30×, do not set it). Over the complete blocks,
-    /// their geometric mean for rotated ranks, else the median (robust to a step that a
-    /// time slice spoilt).
+    /// their interquartile mean for rotated ranks, else the median (both robust to a block
+    /// or step that noise spoilt).
     ratio: f64,
     /// The complete blocks the ratio is the median of.
     blocks: usize,
-    /// The first step of the first block whose own ratio reached [`MIN_SLOWDOWN`].
+    /// The first step of the first block whose own ratio reached the naming level.
     first: Option<u64>,
 }
 
@@ -924,16 +934,23 @@ fn evidence(
     if per_block.is_empty() {
         return None;
     }
+    let least = if block > 1 {
+        MIN_BLOCK_SLOWDOWN
+    } else {
+        MIN_SLOWDOWN
+    };
     let first = per_block
         .iter()
-        .find_map(|(&k, &(a, b, _))| (a >= MIN_SLOWDOWN * b).then_some(range.start() + k * block));
+        .find_map(|(&k, &(a, b, _))| (a >= least * b).then_some(range.start() + k * block));
     let mut ratios: Vec<f64> = per_block.values().map(|&(a, b, _)| a / b).collect();
-    // Rotated ranks' busy times leave out the waits for a CPU that spoil a block of wall
-    // times, so their blocks are averaged (geometric mean: measured on llama-tiny's four
-    // layouts, healthy ranks' largest scores fall by up to 0.07 against the median of the
-    // blocks, an injected 1.1x rank's stay); steps of wall times take the median.
+    // Rotated ranks: the interquartile mean of the blocks' log-ratios (a vCPU's speed
+    // changes within a block, so a block can still read ±40%; the outer quarters on each
+    // side are left out, the middle half averaged). Steps of wall times: the median.
     let ratio = if block > 1 {
-        (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp()
+        ratios.sort_by(f64::total_cmp);
+        let k = ratios.len() / 4;
+        let middle = &ratios[k..ratios.len() - k];
+        (middle.iter().map(|r| r.ln()).sum::<f64>() / middle.len() as f64).exp()
     } else {
         median(&mut ratios)
     };
@@ -950,9 +967,16 @@ fn evidence(
 /// `segments[r]` its compute segments, `late[r]` its collective-wait tally; the steps judged
 /// are `range`.
 ///
-/// Per segment (the same program position on every rank of a role, in every judged step) a
-/// rank's log-duration is compared with the median of its peers' (the other ranks of its
-/// role). A slow rank is slower in nearly every segment, noise in about half: the one-sided
+/// `block` is the ranks' rotation over the cores (1: not rotated). Rotated ranks are
+/// judged over blocks of `block` steps: per block, the rank's compute divided by the sum of
+/// its peers' median per segment; the interquartile mean over the complete blocks (at least
+/// [`MIN_BLOCKS`]) must reach [`MIN_BLOCK_SLOWDOWN`], and a rank plainly waiting for others
+/// (last less often than an even split, mean wait at least [`WAITS_MORE`]× its peers') is
+/// not named.
+///
+/// Unrotated ranks: per segment (the same program position on every rank of a role, in
+/// every judged step) a rank's log-duration is compared with the median of its peers' (the
+/// other ranks of its role). A slow rank is slower in nearly every segment, noise in about half: the one-sided
 /// sign test over its segments ([`sign_test`]) must reach [`FALSE_ALARM`] divided by the
 /// number of ranks (Bonferroni), and its slowdown (the `score`: per step its compute divided
 /// by the sum of its peers' median per segment, the median over the steps) must be at least
@@ -1019,7 +1043,7 @@ pub fn detect_slow_ranks(
                 let (p, significant) = if block > 1 {
                     (
                         1.0 / ev.ratio,
-                        ev.blocks >= MIN_BLOCKS && ev.ratio >= MIN_SLOWDOWN,
+                        ev.blocks >= MIN_BLOCKS && ev.ratio >= MIN_BLOCK_SLOWDOWN,
                     )
                 } else {
                     let p = sign_test(ev.slower + ev.faster, ev.slower);
