@@ -35,14 +35,21 @@ pub fn on_own_pool<T: Send>(rank: usize, threads: usize, f: impl FnOnce() -> T +
     }
 }
 
-/// An MPI process's share: make the global pool `per_rank(local ranks)` threads with this
-/// (the main) thread as one of them, so the rank's kernels run on the thread that runs its
-/// program. The local ranks are the launcher's count of processes on this host
-/// ([`mpi_local_slot`]), 1 where it gives none. A no-op if the global pool already runs.
+/// An MPI process's share: make the global pool `RAYON_NUM_THREADS` threads (as `megac
+/// launch` sets it: the process's share), else `per_rank(local ranks)`, with this (the main)
+/// thread as one of them, so the rank's kernels run on the thread that runs its program. The
+/// local ranks are the launcher's count of processes on this host ([`mpi_local_slot`]), 1
+/// where it gives none. A no-op if the global pool already runs.
 pub fn share_host_as_process() {
-    let local = mpi_local_slot().map_or(1, |(_, n)| n);
+    // `megac launch` passes each process its share as RAYON_NUM_THREADS (cores / N); one
+    // set by hand is the process's too.
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| per_rank(mpi_local_slot().map_or(1, |(_, n)| n)));
     let _ = rayon::ThreadPoolBuilder::new()
-        .num_threads(per_rank(local))
+        .num_threads(threads)
         .use_current_thread()
         .build_global();
 }
