@@ -39,17 +39,21 @@ a, b = off[len(off)//2], on[len(on)//2]
 print(f"step time without --trace {a*1e3:.1f} ms, with {b*1e3:.1f} ms: overhead {100*(b-a)/a:+.2f}% (runs: off {off}, on {on})")
 PY
 
-ns=$(cargo test --release -q -p megac-runtime --lib scan::tests::recording -- --nocapture 2>/dev/null \
-  | sed -n 's/recording cost: \([0-9.]*\) ns per event/\1/p')
-python3 - "$T/tr" "$T/on.json" "$ns" <<'PY'
+out=$(cargo test --release -q -p megac-runtime --lib scan::tests::recording -- --nocapture 2>/dev/null)
+ns=$(sed -n 's/recording cost: \([0-9.]*\) ns per event/\1/p' <<<"$out")
+clk=$(sed -n 's/thread clock reading: \([0-9.]*\) ns.*/\1/p' <<<"$out")
+python3 - "$T/tr" "$T/on.json" "$ns" "$clk" <<'PY'
 import json, sys
 d, rep, ns = sys.argv[1], json.load(open(sys.argv[2])), float(sys.argv[3])
+clk = float(sys.argv[4])
 v = json.load(open(f"{d}/rank-0.json"))
 per_step = len(v["events"]) / v["steps"]
 step = sorted(s["seconds"] for s in rep["steps"][1:])[len(rep["steps"][1:]) // 2]
-# Each event: its own record plus at most one compute-segment boundary (two clock reads).
-bound = per_step * 2 * ns * 1e-9
-print(f"recording: {ns:.0f} ns per event, {per_step:.0f} events per step per rank: "
+# Each event: its own record plus at most one compute-segment or transfer boundary (two
+# clock reads and two readings of the thread's clocks).
+bound = per_step * 2 * (ns + clk) * 1e-9
+print(f"recording: {ns:.0f} ns per event, {clk:.0f} ns per thread-clock reading, "
+      f"{per_step:.0f} events per step per rank: "
       f"at most {bound*1e6:.1f} us of a {step*1e3:.0f} ms step ({100*bound/step:.4f}%)")
 PY
 

@@ -129,6 +129,23 @@ impl Crossover {
         self.cores[(self.slot + step as usize) % self.cores.len()]
     }
 
+    /// Let the calling thread run on every core of the host again (before the closing clock
+    /// sync: pinned ranks sharing a core answer a ping late, and the alignment's residual
+    /// grew from 3 to 18 µs at the 99th percentile on local threads).
+    pub fn release(&self) {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: `set` is a valid cpu_set_t of cores below CPU_SETSIZE.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                for &c in host_cores() {
+                    libc::CPU_SET(c, &mut set);
+                }
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+        }
+    }
+
     /// Pin the calling thread (the rank's) to its core for step `step`. A failure leaves
     /// the thread where it is (the comparison is then only as fair as the scheduler).
     pub fn enter_step(&self, step: u64) {

@@ -564,6 +564,9 @@ impl ScanComm {
         if self.rec.is_none() {
             return Ok(());
         }
+        if let Some(p) = &self.placement {
+            p.release();
+        }
         let (me, n) = (self.inner.rank(), self.inner.size());
         let mut buf = [0f32; 1];
         for peer in 1..n {
@@ -868,6 +871,18 @@ mod tests {
             "a full buffer drops and counts"
         );
         assert!(ns < 2_000.0, "{ns} ns per event");
+        // A segment or transfer boundary also reads the thread's clocks (the thread CPU
+        // clock and schedstat's run delay): printed for bench/scan.sh, loosely bounded.
+        let mut clock = ThreadClock::default();
+        let reads = 20_000;
+        let t = Instant::now();
+        let mut seen = 0u64;
+        for _ in 0..reads {
+            seen = seen.wrapping_add(clock.now().map_or(0, |c| c.on_cpu));
+        }
+        let per_read = t.elapsed().as_nanos() as f64 / reads as f64;
+        println!("thread clock reading: {per_read:.1} ns ({seen} summed)");
+        assert!(per_read < 50_000.0, "{per_read} ns per reading");
     }
 
     /// A segment's duration on a one-thread rank is its busy time: CPU spent counts, a
