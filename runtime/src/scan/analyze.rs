@@ -48,9 +48,9 @@ pub const MIN_SLOWDOWN: f64 = 1.05;
 /// complete blocks on.
 pub const MIN_BLOCKS: usize = 3;
 /// The least slowdown (interquartile mean over its blocks) a rotated rank is named at.
-/// Calibrated on llama-tiny traces of this project's 2-core machines (17 steps, 100 healthy
-/// and 100 1.1x runs each of dp4 and cp2 dp2): at 1.05, 2–3 healthy runs in 100 named a
-/// rank; at 1.06, none, and 91–100 of the 1.1x ranks were named.
+/// Calibrated on llama-tiny traces of this project's 2-core machines (`bench/scan_levels.py`:
+/// 17 steps, 100 healthy and 100 1.1x runs each of dp4 and cp2 dp2): at 1.05, 2–3 healthy
+/// runs in 100 named a rank; at 1.06, none, and 91–100 of the 1.1x ranks were named.
 pub const MIN_BLOCK_SLOWDOWN: f64 = 1.06;
 /// A rank at least this much slower than its peers (the same slowdown) is named without the
 /// sign test, when the inversion agrees at [`GROSS_LATE`]: a gross straggler whose few
