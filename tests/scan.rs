@@ -331,10 +331,10 @@ fn attempt_a_slow_link_between_pipeline_ranks_is_a_link_and_a_slow_rank_is_a_ran
     assert_eq!(findings(&v), [("slow-rank".to_string(), vec![0])], "{v:#}");
 }
 
-/// A 1.1× slow rank is found by the per-segment sign test, and only it; the healthy run of
-/// the same layout names nothing. dp2 (two rank threads, one per core of a small machine)
-/// for 40 steps: 4 compute segments a step, 156 judged, so the test has the segments to
-/// reach its level even when the machine's load makes a third of them noise.
+/// A 1.1× slow rank is found, and only it; the healthy run of the same layout names nothing.
+/// dp2 for 40 steps: on a machine of two or more cores the two rank threads take turns on
+/// two of them and the block test judges 19 blocks of 2 steps; on one core (no rotation)
+/// the per-segment sign test has 156 segments.
 #[test]
 fn a_slightly_slow_rank_is_found_and_a_healthy_run_reports_nothing() {
     retry(attempt_a_slightly_slow_rank_is_found_and_a_healthy_run_reports_nothing);
