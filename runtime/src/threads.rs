@@ -9,13 +9,18 @@
 //! and 0.48 s on the other at the same moment), and a rank left on the slower one would look
 //! like a slow rank to any comparison with its peers.
 
-/// Threads each of `ranks` ranks on this host gets: `RAYON_NUM_THREADS` (the host's total,
-/// where set) or the available parallelism, divided evenly, at least 1.
-pub fn per_rank(ranks: usize) -> usize {
-    let total = std::env::var("RAYON_NUM_THREADS")
+/// `RAYON_NUM_THREADS`, where set to a positive count.
+fn rayon_threads_env() -> Option<usize> {
+    std::env::var("RAYON_NUM_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&n| n > 0)
+}
+
+/// Threads each of `ranks` ranks on this host gets: `RAYON_NUM_THREADS` (the host's total,
+/// where set) or the available parallelism, divided evenly, at least 1.
+pub fn per_rank(ranks: usize) -> usize {
+    let total = rayon_threads_env()
         .or_else(|| std::thread::available_parallelism().ok().map(usize::from))
         .unwrap_or(1);
     (total / ranks.max(1)).max(1)
@@ -43,11 +48,8 @@ pub fn on_own_pool<T: Send>(rank: usize, threads: usize, f: impl FnOnce() -> T +
 pub fn share_host_as_process() {
     // `megac launch` passes each process its share as RAYON_NUM_THREADS (cores / N); one
     // set by hand is the process's too.
-    let threads = std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| per_rank(mpi_local_slot().map_or(1, |(_, n)| n)));
+    let threads =
+        rayon_threads_env().unwrap_or_else(|| per_rank(mpi_local_slot().map_or(1, |(_, n)| n)));
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .use_current_thread()
@@ -68,22 +70,41 @@ pub fn mpi_local_slot() -> Option<(usize, usize)> {
     .filter(|&(i, n)| i < n)
 }
 
-/// The cores this process may run on: its affinity mask when first asked (before any rank
+/// The cores the calling thread may run on (its affinity mask); empty if it cannot be read.
+#[cfg(target_os = "linux")]
+fn affinity() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity writes at most its size,
+    // and CPU_ISSET reads it below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// Restrict the calling thread to `cores` (a failure leaves it where it is).
+#[cfg(target_os = "linux")]
+fn pin(cores: &[usize]) {
+    // SAFETY: `set` is a valid cpu_set_t; the cores come from `affinity`, below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cores {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// The cores this process may run on: the affinity mask when first asked (before any rank
 /// pinned itself: a thread's mask is its own, and new threads inherit the process's).
 #[cfg(target_os = "linux")]
 fn host_cores() -> &'static [usize] {
     static CORES: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
-    CORES.get_or_init(|| {
-        // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity writes at most its size.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-            .collect()
-    })
+    CORES.get_or_init(affinity)
 }
 
 /// Crossover placement of a rank whose program and kernels run on one thread (the host has
@@ -134,31 +155,14 @@ impl Crossover {
     /// grew from 3 to 18 µs at the 99th percentile on local threads).
     pub fn release(&self) {
         #[cfg(target_os = "linux")]
-        {
-            // SAFETY: `set` is a valid cpu_set_t of cores below CPU_SETSIZE.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                for &c in host_cores() {
-                    libc::CPU_SET(c, &mut set);
-                }
-                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-            }
-        }
+        pin(host_cores());
     }
 
     /// Pin the calling thread (the rank's) to its core for step `step`. A failure leaves
     /// the thread where it is (the comparison is then only as fair as the scheduler).
     pub fn enter_step(&self, step: u64) {
         #[cfg(target_os = "linux")]
-        {
-            let core = self.core(step);
-            // SAFETY: `set` is a valid cpu_set_t holding one core below CPU_SETSIZE.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(core, &mut set);
-                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-            }
-        }
+        pin(&[self.core(step)]);
         #[cfg(not(target_os = "linux"))]
         let _ = step;
     }
@@ -193,13 +197,7 @@ mod tests {
         let got = on_own_pool(0, 1, || {
             let x = Crossover::new(1, 4)?;
             x.enter_step(2);
-            // SAFETY: as in `host_cores`.
-            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-            let size = std::mem::size_of::<libc::cpu_set_t>();
-            assert_eq!(unsafe { libc::sched_getaffinity(0, size, &mut set) }, 0);
-            let pinned: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-                .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-                .collect();
+            let pinned = affinity();
             Some((x, pinned))
         });
         if cores.len() < 2 {

@@ -870,6 +870,16 @@ pub fn sign_test(n: usize, k: usize) -> f64 {
     total.min(1.0)
 }
 
+/// The least slowdown a rank is named at: [`MIN_BLOCK_SLOWDOWN`] over blocks of rotated
+/// steps, [`MIN_SLOWDOWN`] over steps of unrotated ranks.
+fn naming_level(block: u64) -> f64 {
+    if block > 1 {
+        MIN_BLOCK_SLOWDOWN
+    } else {
+        MIN_SLOWDOWN
+    }
+}
+
 /// One rank's evidence against its peers over the judged steps.
 struct Evidence {
     /// Segments slower than the peers' median, and faster.
@@ -934,11 +944,7 @@ fn evidence(
     if per_block.is_empty() {
         return None;
     }
-    let least = if block > 1 {
-        MIN_BLOCK_SLOWDOWN
-    } else {
-        MIN_SLOWDOWN
-    };
+    let least = naming_level(block);
     let first = per_block
         .iter()
         .find_map(|(&k, &(a, b, _))| (a >= least * b).then_some(range.start() + k * block));
@@ -1043,11 +1049,11 @@ pub fn detect_slow_ranks(
                 let (p, significant) = if block > 1 {
                     (
                         1.0 / ev.ratio,
-                        ev.blocks >= MIN_BLOCKS && ev.ratio >= MIN_BLOCK_SLOWDOWN,
+                        ev.blocks >= MIN_BLOCKS && ev.ratio >= naming_level(block),
                     )
                 } else {
                     let p = sign_test(ev.slower + ev.faster, ev.slower);
-                    (p, p <= alpha && ev.ratio >= MIN_SLOWDOWN)
+                    (p, p <= alpha && ev.ratio >= naming_level(block))
                 };
                 // Rotated ranks' busy times need no corroboration, only no contradiction (in
                 // a pipeline a slow last stage holds up its first stage, which then arrives
