@@ -32,6 +32,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod plan_text;
 pub mod print;
+pub mod rng;
 pub mod rules;
 pub mod spec;
 pub mod types;

@@ -46,7 +46,10 @@ pub mod mpi_comm;
 pub mod perturb;
 mod pipeline;
 pub mod profile;
-pub mod rng;
+/// The seeded random stream (its home is `megac_ir::rng`).
+pub mod rng {
+    pub use megac_ir::rng::SplitMix64;
+}
 pub mod scaler;
 pub mod scan;
 mod sharded;

@@ -156,6 +156,26 @@ pub struct CostModel {
     pub cluster: Cluster,
     /// Roofline or unit costs.
     pub mode: CostMode,
+    /// Random slowdowns of pipeline actions (None: every action takes its cost).
+    pub jitter: Option<Jitter>,
+}
+
+/// `megac simulate --jitter S[:SEED]`: each pipeline action of a stage takes its cost times
+/// 1 + S·|z|, z standard normal from a SplitMix64 stream seeded by (SEED, the stage's first
+/// rank), as `--inject jitter:S:SEED` slows a running rank's compute.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Jitter {
+    /// Relative standard deviation S (≥ 0).
+    pub std: f64,
+    /// Seed of the streams.
+    pub seed: u64,
+}
+
+impl Jitter {
+    /// The stream of the stage whose first rank is `rank` (the runtime's per-rank stream).
+    pub fn stream(&self, rank: usize) -> megac_ir::rng::SplitMix64 {
+        megac_ir::rng::SplitMix64::for_rank(self.seed, rank)
+    }
 }
 
 /// Number format name of a dtype for [`crate::cluster::Device::peak`].
@@ -173,6 +193,7 @@ impl CostModel {
         CostModel {
             cluster,
             mode: CostMode::Model,
+            jitter: None,
         }
     }
 
@@ -181,6 +202,7 @@ impl CostModel {
         CostModel {
             cluster,
             mode: CostMode::Unit,
+            jitter: None,
         }
     }
 

@@ -22,7 +22,7 @@ pub mod search;
 pub mod simulate;
 
 pub use cluster::Cluster;
-pub use cost::{CostMode, CostModel, CostParams};
+pub use cost::{CostMode, CostModel, CostParams, Jitter};
 pub use error::SimError;
 pub use model::{estimate, Estimate, ParallelLayout};
 pub use search::{search, SearchResult};

@@ -29,6 +29,26 @@ pub struct SimulateArgs {
     /// formulas).
     #[arg(long, default_value = "model", value_name = "model|unit")]
     pub costs: String,
+    /// Slow each pipeline action by a random factor 1 + S·|z| (z standard normal, seeded per
+    /// stage, as `--inject jitter:S:SEED` on a run): how much a schedule loses to noisy
+    /// devices, and whether MegaDPP's dynamic order absorbs it.
+    #[arg(long, value_name = "S[:SEED]", allow_hyphen_values = true)]
+    pub jitter: Option<String>,
+}
+
+/// `--jitter S[:SEED]`, parsed by the rule of `--inject jitter:S:SEED`.
+fn parse_jitter(arg: &str) -> Result<megac_sim::Jitter, String> {
+    use megac_runtime::scan::inject::Inject;
+    match Inject::parse(&format!("jitter:{arg}")) {
+        Ok(Inject::Jitter { std, seed }) => Ok(megac_sim::Jitter { std, seed }),
+        Ok(_) => Err(format!(
+            "error: --jitter {arg}: expected S[:SEED], e.g. 0.2:7"
+        )),
+        Err(e) => Err(format!(
+            "error: --jitter {arg}: {}\nhelp: expected S[:SEED], e.g. 0.2:7",
+            e.message
+        )),
+    }
 }
 
 /// The cluster a command costs on: `--cluster` (`arg`), else the `[cluster]` a model.toml
@@ -110,16 +130,18 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
     if let Some(path) = &args.trace {
         super::output::check_file("--trace", path)?;
     }
+    let jitter = args.jitter.as_deref().map(parse_jitter).transpose()?;
     let plan = super::inspect::read_plan(&args.plan)?;
     let world = plan.mesh.world_size() as u64;
     let cluster = cluster_for_plan(args.cluster.as_deref(), &plan, &args.plan)?
         .fit(world)
         .map_err(|e| e.render())?;
-    let cost = if args.costs == "unit" {
+    let mut cost = if args.costs == "unit" {
         CostModel::unit(cluster)
     } else {
         CostModel::new(cluster)
     };
+    cost.jitter = jitter;
     let megac_sim::simulate::Simulation {
         report,
         events,
@@ -147,6 +169,9 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
             "device": cost.cluster.device.name,
             "memory_bytes": cost.cluster.device.memory_bytes,
         });
+        if let Some(j) = &cost.jitter {
+            v["jitter"] = serde_json::json!({"std": j.std, "seed": j.seed});
+        }
         println!(
             "{}",
             serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
@@ -166,6 +191,12 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
     println!("cluster      {}", cost.cluster.describe());
     if args.costs == "unit" {
         println!("costs        unit: F = B = W = 1 per chunk and micro-batch, communication and optimizer free (times in units)");
+    }
+    if let Some(j) = &cost.jitter {
+        println!(
+            "jitter       each pipeline action's compute × (1 + {}·|z|), seed {}",
+            j.std, j.seed
+        );
     }
     if let (Some(exec), Some(pipe)) = (
         &report.pipeline_execution,

@@ -184,7 +184,7 @@ impl RankFaults {
                 }
                 Inject::Jitter { std, seed } => {
                     f.jitter = std;
-                    f.rng = SplitMix64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                    f.rng = SplitMix64::for_rank(seed, rank);
                 }
                 Inject::Clock {
                     rank: r,

@@ -25,6 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 use megac_ir::mesh::{chunk_owner, local_chunk};
 use megac_ir::op::OpKind;
 use megac_ir::plan::{BufferClass, ChunkProgram, Instr, PipeAction, PipeKind, Pipeline, Role};
+use megac_ir::rng::SplitMix64;
 use megac_ir::spec::{dpp_priority, DppTask};
 use megac_ir::types::Axis;
 
@@ -90,6 +91,8 @@ struct Stage<'a> {
     last_bwd: BTreeMap<u32, f64>,
     pipe_end: f64,
     finished: bool,
+    /// `--jitter`: this stage's random stream and relative standard deviation.
+    jitter: Option<(SplitMix64, f64)>,
 }
 
 fn kind_name(k: PipeKind) -> &'static str {
@@ -412,6 +415,7 @@ pub(super) fn simulate_pipeline(
             last_bwd: BTreeMap::new(),
             pipe_end: 0.0,
             finished: empty,
+            jitter: cost.jitter.map(|j| (j.stream(rep_rank), j.std)),
         });
     }
     let stage_index: BTreeMap<u32, usize> = stages
@@ -678,10 +682,16 @@ fn run_action(
     let detail = st.sim.trace && (j == 0 || u64::from(j) + 1 == m || m <= 4);
     let start = st.sim.compute_free;
     let mut waited_recv = 0.0;
-    let unit_cost = match a.kind {
-        PipeKind::BW => 2.0,
+    // `--jitter`: this action's compute takes `slow` times its cost.
+    let slow = match &mut st.jitter {
+        Some((rng, std)) if *std > 0.0 => 1.0 + *std * rng.normal().abs(),
         _ => 1.0,
     };
+    let unit_cost = slow
+        * match a.kind {
+            PipeKind::BW => 2.0,
+            _ => 1.0,
+        };
     let mut charged = !unit;
     // The chunk's segments for this action (taken out to avoid borrowing `st` twice).
     let ch = st.chunks.remove(&a.chunk).ok_or_else(|| {
@@ -784,8 +794,16 @@ fn run_action(
                         }
                     }
                     _ => {
+                        let slowed;
+                        let work = match s.work[k] {
+                            Work::Compute(t) if slow != 1.0 => {
+                                slowed = Work::Compute(t * slow);
+                                &slowed
+                            }
+                            ref w => w,
+                        };
                         st.sim
-                            .exec(instr, &s.work[k], &s.rng[k], false, detail, events, names);
+                            .exec(instr, work, &s.rng[k], false, detail, events, names);
                     }
                 }
             }

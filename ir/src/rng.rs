@@ -1,12 +1,17 @@
-//! The runtime's one seeded random stream: SplitMix64 (Steele et al.), the same numbers on
-//! every machine for a seed. Sampling in `megac generate`, `--perturb`'s noise and bit flips,
-//! and `--inject`'s jitter draw from it.
+//! megac's one seeded random stream: SplitMix64 (Steele et al.), the same numbers on every
+//! machine for a seed. Sampling in `megac generate`, `--perturb`'s noise and bit flips,
+//! `--inject`'s jitter (runtime) and `megac simulate --jitter` draw from it.
 
 /// SplitMix64: a 64-bit state advanced by a constant and mixed.
 #[derive(Clone, Debug, Default)]
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
+    /// Rank `rank`'s stream of seed `seed` (jitter: each rank, or simulated stage, its own).
+    pub fn for_rank(seed: u64, rank: usize) -> SplitMix64 {
+        SplitMix64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
