@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """MegaScan detection benchmark (docs/scan.md, issue 17 section 3).
 
-RUNS seeded runs per cell of llama-tiny (STEPS steps, 4 ranks, `jitter:0.05:SEED` on every
-run so that healthy runs vary too), on local threads and on MPI processes (`megac launch`,
-needs target/release/megac built with --features mpi); layouts dp4, tp2 dp2, pp2 dp2 and
-cp2 dp2; faults: none, a slow rank at 1.2x and at 1.1x (rank SEED mod 4), two slow ranks at
+RUNS seeded runs per cell (STEPS steps, 4 ranks, `jitter:0.05:SEED` on every run so that
+healthy runs vary too), on local threads and on MPI processes (`megac launch`, needs
+target/release/megac built with --features mpi); layouts dp4, tp2 dp2, pp2 dp2 and cp2 dp2 of
+llama-tiny and ep2 dp4 of moe-tiny; faults: none, a slow rank at 1.2x and at 1.1x (rank SEED mod 4), two slow ranks at
 1.5x in different groups, and on pp2 dp2 (the only layout here with point-to-point sends) a
 slow link at half bandwidth (2x) between the stages of one pipeline and a slow rank 1.5x
 beside a slow link 2x. Each trace is scored for megac scan's findings and for MegatronApp's
@@ -20,7 +20,8 @@ Ranks of one thread take turns on the cores while recording (docs/scan.md), and 
 detector judges them over blocks of as many steps as there are cores: 17 steps are 8 blocks
 of 2 on a 2-core machine.
 
-Usage: python3 bench/scan_detect.py [RUNS] [STEPS] [local,mpi]   (defaults 200 17 local,mpi)
+Usage: python3 bench/scan_detect.py [RUNS] [STEPS] [local,mpi] [LAYOUT,...]
+       (defaults 200 17 local,mpi, every layout; e.g. "ep2 dp4" for one)
 """
 
 import json
@@ -34,15 +35,20 @@ import time
 RUNS = int(sys.argv[1]) if len(sys.argv) > 1 else 200
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 17
 COMMS = (sys.argv[3] if len(sys.argv) > 3 else "local,mpi").split(",")
+ONLY = sys.argv[4].split(",") if len(sys.argv) > 4 else None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M = os.path.join(ROOT, "target/release/megac")
 ENV = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
 
+LLAMA, MOE = "examples/llama-tiny.toml", "examples/moe-tiny.toml"
+# layout -> (model, --set overrides); ep2 dp4 is moe-tiny's 4 data-parallel ranks with its
+# experts split over pairs of them (an all-to-all each way per MoE layer).
 LAYOUTS = {
-    "dp4": ["parallel.dp=4", "train.global_batch=16"],
-    "tp2 dp2": ["parallel.tp=2", "parallel.dp=2"],
-    "pp2 dp2": ["parallel.pp=2", "parallel.dp=2"],
-    "cp2 dp2": ["parallel.cp=2", "parallel.dp=2"],
+    "dp4": (LLAMA, ["parallel.dp=4", "train.global_batch=16"]),
+    "tp2 dp2": (LLAMA, ["parallel.tp=2", "parallel.dp=2"]),
+    "pp2 dp2": (LLAMA, ["parallel.pp=2", "parallel.dp=2"]),
+    "cp2 dp2": (LLAMA, ["parallel.cp=2", "parallel.dp=2"]),
+    "ep2 dp4": (MOE, ["parallel.ep=2", "parallel.dp=4", "train.global_batch=16"]),
 }
 
 
@@ -79,8 +85,9 @@ def run(comm, layout, plan, seed, inject, trace):
     if comm == "mpi":
         cmd = [M, "launch", "-n", "4", plan] + common
     else:
-        sets = [x for s in LAYOUTS[layout] for x in ("--set", s)]
-        cmd = [M, "train", "examples/llama-tiny.toml"] + sets + common
+        model, sets = LAYOUTS[layout]
+        sets = [x for s in sets for x in ("--set", s)]
+        cmd = [M, "train", model] + sets + common
     subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     out = subprocess.run([M, "scan", trace, "--format", "json"], cwd=ROOT, check=True,
@@ -95,18 +102,20 @@ def run(comm, layout, plan, seed, inject, trace):
 def main():
     tmp = tempfile.mkdtemp()
     trace = os.path.join(tmp, "trace")
-    print(f"{RUNS} runs per cell, llama-tiny, {STEPS} steps, 4 ranks, jitter:0.05:SEED on every run")
+    print(f"{RUNS} runs per cell, {STEPS} steps, 4 ranks, jitter:0.05:SEED on every run")
     print("| comm | layout | fault | runs | megac recall | megac exact | megac false alarm "
           "| megac first step | MegatronApp recall | MegatronApp exact "
           "| MegatronApp false alarm | s/run |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for comm in COMMS:
-            for layout, sets in LAYOUTS.items():
+            for layout, (model, sets) in LAYOUTS.items():
+                if ONLY and layout not in ONLY:
+                    continue
                 plan = os.path.join(tmp, "plan")
                 if comm == "mpi":
                     shutil.rmtree(plan, ignore_errors=True)
-                    subprocess.run([M, "compile", "examples/llama-tiny.toml"]
+                    subprocess.run([M, "compile", model]
                                    + [x for s in sets for x in ("--set", s)] + ["-o", plan],
                                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
                 cells = ["healthy", "slow-rank 1.2x", "slow-rank 1.1x", "two slow ranks 1.5x"]
