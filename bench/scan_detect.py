@@ -4,10 +4,10 @@
 RUNS seeded runs per cell (STEPS steps, 4 ranks, `jitter:0.05:SEED` on every run so that
 healthy runs vary too), on local threads and on MPI processes (`megac launch`, needs
 target/release/megac built with --features mpi); layouts dp4, tp2 dp2, pp2 dp2 and cp2 dp2 of
-llama-tiny and ep2 dp4 of moe-tiny; faults: none, a slow rank at 1.2x and at 1.1x (rank SEED mod 4), two slow ranks at
-1.5x in different groups, and on pp2 dp2 (the only layout here with point-to-point sends) a
-slow link at half bandwidth (2x) between the stages of one pipeline and a slow rank 1.5x
-beside a slow link 2x. Each trace is scored for megac scan's findings and for MegatronApp's
+llama-tiny and ep2 dp4 of moe-tiny; faults: none, a slow rank at 1.2x and at 1.1x (rank
+SEED mod 4), two slow ranks at 1.5x in different groups, and on pp2 dp2 (the only layout
+here with point-to-point sends) a slow link at half bandwidth (2x) between the stages of one
+pipeline and a slow rank 1.5x beside a slow link 2x. Each trace is scored for megac scan's findings and for MegatronApp's
 three-stage heuristic (`baseline_megatronapp`, ranks only) on the same run:
 
   recall       runs in which every injected fault was found (a link as a slow-link)
@@ -100,6 +100,10 @@ def run(comm, layout, plan, seed, inject, trace):
 
 
 def main():
+    unknown = [x for x in ONLY or [] if x not in LAYOUTS]
+    if unknown:
+        sys.exit(f"error: unknown layout {', '.join(map(repr, unknown))}; "
+                 f"the layouts are {', '.join(map(repr, LAYOUTS))}")
     tmp = tempfile.mkdtemp()
     trace = os.path.join(tmp, "trace")
     print(f"{RUNS} runs per cell, {STEPS} steps, 4 ranks, jitter:0.05:SEED on every run")
