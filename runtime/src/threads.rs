@@ -107,16 +107,42 @@ fn host_cores() -> &'static [usize] {
     CORES.get_or_init(affinity)
 }
 
+/// Which core a rotated rank runs each step on: at step `s`, `cores[(slot + s) % cores.len()]`.
+/// The rule [`Crossover`] pins by, and the one `megac scan` reads back from the rank files
+/// (`placement`) to tell which ranks shared a core in a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CoreTurns {
+    /// The rank's index among the host's ranks.
+    pub slot: usize,
+    /// The cores taken in turn (at least one).
+    pub cores: Vec<usize>,
+}
+
+impl CoreTurns {
+    /// The core of step `step`.
+    pub fn core(&self, step: u64) -> usize {
+        self.cores[(self.slot as u64 + step) as usize % self.cores.len()]
+    }
+}
+
+/// The host's name (`/proc/sys/kernel/hostname`; empty where it cannot be read): ranks of
+/// one host share its cores, ranks of two hosts share none.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// Crossover placement of a rank whose program and kernels run on one thread (the host has
 /// no more cores than ranks): at step `s` the rank with index `slot` among the host's ranks
-/// runs on core `slot + s` (mod `period`) of the first `period` = min(cores, ranks) cores.
-/// Over any `period` consecutive steps every rank has run one step on each of those cores,
-/// so a core's speed is no rank's: `megac scan` compares a rank with its peers over such
-/// blocks of steps (the rank files' `rotation`). Used while recording (`--trace`, `--scan`).
+/// runs on core `slot + s` (mod `period`) of the first `period` = min(cores, ranks) cores
+/// ([`CoreTurns`]). Over any `period` consecutive steps every rank has run one step on each
+/// of those cores, so a core's speed is no rank's: `megac scan` compares a rank with its
+/// peers over such blocks of steps (the rank files' `rotation`). Used while recording
+/// (`--trace`, `--scan`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Crossover {
-    slot: usize,
-    cores: Vec<usize>,
+    turns: CoreTurns,
 }
 
 impl Crossover {
@@ -129,8 +155,10 @@ impl Crossover {
             let cores = host_cores();
             let period = cores.len().min(ranks);
             (rayon::current_num_threads() == 1 && period >= 2 && slot < ranks).then(|| Crossover {
-                slot,
-                cores: cores[..period].to_vec(),
+                turns: CoreTurns {
+                    slot,
+                    cores: cores[..period].to_vec(),
+                },
             })
         }
         #[cfg(not(target_os = "linux"))]
@@ -142,12 +170,17 @@ impl Crossover {
 
     /// Steps over which every rank has visited every core once.
     pub fn period(&self) -> usize {
-        self.cores.len()
+        self.turns.cores.len()
+    }
+
+    /// The rank's turns on the cores.
+    pub fn turns(&self) -> &CoreTurns {
+        &self.turns
     }
 
     /// The core the rank runs step `step` on.
     pub fn core(&self, step: u64) -> usize {
-        self.cores[(self.slot + step as usize) % self.cores.len()]
+        self.turns.core(step)
     }
 
     /// Let the calling thread run on every core of the host again (before the closing clock
@@ -211,8 +244,10 @@ mod tests {
         // Over any `period` consecutive steps, each rank visits every core once.
         for slot in 0..4 {
             let x = Crossover {
-                slot,
-                cores: cores[..period].to_vec(),
+                turns: CoreTurns {
+                    slot,
+                    cores: cores[..period].to_vec(),
+                },
             };
             let mut seen: Vec<usize> = (5..5 + period as u64).map(|s| x.core(s)).collect();
             seen.sort_unstable();

@@ -1294,6 +1294,7 @@ fn rank_header(plan: &Plan, rank: usize, steps: u64) -> crate::scan::RankHeader 
             .collect(),
         steps,
         rotation: 1,
+        placement: None,
     }
 }
 
@@ -1310,6 +1311,7 @@ fn write_rank_record(
         return Ok(());
     };
     header.rotation = scan.rotation();
+    header.placement = scan.placement();
     let Some(rec) = scan.rec.as_ref() else {
         return Ok(());
     };

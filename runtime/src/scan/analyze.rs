@@ -11,7 +11,9 @@
 //! on the cores (the rank files' `rotation` P > 1, `crate::threads::Crossover`), each rank's
 //! compute over every block of P judged steps is divided by its peers' (the same role);
 //! a rank is named when the interquartile mean over at least [`MIN_BLOCKS`] blocks reaches
-//! [`MIN_BLOCK_SLOWDOWN`] and it is not plainly waiting for others ([`WAITS_MORE`]).
+//! [`MIN_BLOCK_SLOWDOWN`], it is not plainly waiting for others ([`WAITS_MORE`]), and (short
+//! of [`GROSS`]) it was slower than the peers that shared its core step by step
+//! ([`MIN_MATE_SLOWDOWN`], from the files' `placement`).
 //! Otherwise, per compute segment (the same program position on the ranks that run the
 //! same role program, in every step but the first, warm-up one), a rank's log-duration is
 //! compared with the median of its peers'; a slow rank is slower in nearly every segment,
@@ -31,7 +33,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use super::{Event, Kind, RankHeader, COLLECTIVES, FORMAT};
+use super::{Event, Kind, Placement, RankHeader, COLLECTIVES, FORMAT};
 
 /// The chance, per run and over all its ranks together, that the sign test names a healthy
 /// rank whose segments are slower or faster than its peers' at random (each rank is tested
@@ -47,6 +49,14 @@ pub const MIN_SLOWDOWN: f64 = 1.05;
 /// each rank having run one step of a block on each core; a rank is named from this many
 /// complete blocks on.
 pub const MIN_BLOCKS: usize = 3;
+/// A rotated rank below [`GROSS`] is named only when, in the steps a peer ran on its core
+/// beside it, its compute was at least this much slower than that peer's
+/// (`core_mate_ratio`): the cores' speeds change from step to step, so over blocks of two
+/// steps a healthy pair sharing a core reads 1.06–1.09 together now and then, each of the
+/// two within a few percent of the other. Measured on llama-tiny dp4 (17 steps,
+/// `jitter:0.05`, 200 runs each, 2026-12-07): healthy ranks read at most 1.051 at the 99th
+/// percentile, 1.1× ranks named by their blocks at least 1.03 in 191 of 192.
+pub const MIN_MATE_SLOWDOWN: f64 = 1.03;
 /// The least slowdown (interquartile mean over its blocks) a rotated rank is named at.
 /// Calibrated on llama-tiny traces of this project's 2-core machines (`bench/scan_levels.py`:
 /// 17 steps, 100 healthy and 100 1.1x runs each of dp4 and cp2 dp2): at 1.05, 2–3 healthy
@@ -89,6 +99,34 @@ pub struct ScanError {
     pub path: String,
     /// What is wrong.
     pub message: String,
+}
+
+/// A rank file's `placement` (`null`, or absent in older files: not rotated): `{"host":
+/// name, "slot": k, "cores": [c, ...]}`, one core per step of the `rotation`.
+fn parse_placement(v: &serde_json::Value, rotation: u64) -> Result<Option<Placement>, String> {
+    if v.is_null() {
+        return Ok(None);
+    }
+    let bad = || {
+        format!(
+            "\"placement\" must be null or {{\"host\": name, \"slot\": k, \"cores\": [one core per \
+             step of the rotation ({rotation})]}}, not {v}"
+        )
+    };
+    let host = v["host"].as_str().ok_or_else(bad)?.to_string();
+    let slot = v["slot"].as_u64().ok_or_else(bad)? as usize;
+    let cores = v["cores"]
+        .as_array()
+        .ok_or_else(bad)?
+        .iter()
+        .map(|c| c.as_u64().map(|c| c as usize))
+        .collect::<Option<Vec<usize>>>()
+        .filter(|c| c.len() as u64 == rotation)
+        .ok_or_else(bad)?;
+    Ok(Some(Placement {
+        host,
+        turns: crate::threads::CoreTurns { slot, cores },
+    }))
 }
 
 /// One rank's file, parsed.
@@ -303,6 +341,7 @@ pub fn parse_rank(text: &str, n: usize) -> Result<RankTrace, String> {
             .filter(|&p| p >= 1)
             .ok_or("\"rotation\" must be a positive integer")?,
     };
+    let placement = parse_placement(&v["placement"], rotation)?;
     Ok(RankTrace {
         header: RankHeader {
             rank,
@@ -311,6 +350,7 @@ pub fn parse_rank(text: &str, n: usize) -> Result<RankTrace, String> {
             coords,
             steps,
             rotation,
+            placement,
         },
         dropped,
         groups,
@@ -850,7 +890,16 @@ fn slow_ranks(ranks: &[RankTrace], steps: u64) -> SlowRanks {
     tally_late(&mut late, waits.iter().map(Vec::as_slice));
     let roles: Vec<usize> = ranks.iter().map(|r| r.header.role).collect();
     let block = ranks.iter().map(|r| r.header.rotation).max().unwrap_or(1);
-    detect_slow_ranks(&roles, &segments, analysed(steps), &late, block)
+    let placements: Vec<Option<Placement>> =
+        ranks.iter().map(|r| r.header.placement.clone()).collect();
+    detect_slow_ranks(
+        &roles,
+        &segments,
+        analysed(steps),
+        &late,
+        block,
+        &placements,
+    )
 }
 
 /// `P(X ≥ k)` for `X ~ Binomial(n, 1/2)`: the one-sided sign test's p-value of `k` positive
@@ -957,10 +1006,7 @@ fn evidence(
     // changes within a block, so a block can still read ±40%; the outer quarters on each
     // side are left out, the middle half averaged). Steps of wall times: the median.
     let ratio = if block > 1 {
-        ratios.sort_by(f64::total_cmp);
-        let k = ratios.len() / 4;
-        let middle = &ratios[k..ratios.len() - k];
-        (middle.iter().map(|r| r.ln()).sum::<f64>() / middle.len() as f64).exp()
+        interquartile_mean(&ratios)
     } else {
         median(&mut ratios)
     };
@@ -1006,6 +1052,7 @@ pub fn detect_slow_ranks(
     range: std::ops::RangeInclusive<u64>,
     late: &[Late],
     block: u64,
+    placements: &[Option<Placement>],
 ) -> SlowRanks {
     let n = roles.len();
     let alpha = FALSE_ALARM / n.max(1) as f64;
@@ -1039,7 +1086,7 @@ pub fn detect_slow_ranks(
                 let peers = if healthy.len() >= 3 || (others.len() < 3 && !healthy.is_empty()) {
                     healthy
                 } else {
-                    others
+                    others.clone()
                 };
                 let Some(ev) = evidence(r, &peers, segments, &range, block) else {
                     continue;
@@ -1053,7 +1100,11 @@ pub fn detect_slow_ranks(
                 let (p, significant) = if block > 1 {
                     (
                         1.0 / ev.ratio,
-                        ev.blocks >= MIN_BLOCKS && ev.ratio >= naming_level(block),
+                        ev.blocks >= MIN_BLOCKS
+                            && ev.ratio >= naming_level(block)
+                            && (ev.ratio >= GROSS
+                                || core_mate_ratio(r, &others, segments, &range, placements)
+                                    .is_none_or(|m| m >= MIN_MATE_SLOWDOWN)),
                     )
                 } else {
                     let p = sign_test(ev.slower + ev.faster, ev.slower);
@@ -1091,6 +1142,64 @@ pub fn detect_slow_ranks(
     }
     out.sort_by(|a, b| b.score.total_cmp(&a.score));
     (out, per_rank)
+}
+
+/// Rank `r`'s compute against its core-mates': per judged step, its compute over the
+/// segments the peers (`peers`) that ran on its core in that step also ran, divided by the
+/// sum of their median per segment; the interquartile mean of the steps' ratios. A slow
+/// rank is slower than the peer beside it; a core that ran slow for a while slowed both.
+/// None when no step had such a peer (ranks alone on their cores, placements unknown).
+fn core_mate_ratio(
+    r: usize,
+    peers: &[usize],
+    segments: &[Segments],
+    range: &std::ops::RangeInclusive<u64>,
+    placements: &[Option<Placement>],
+) -> Option<f64> {
+    let mine = placements.get(r)?.as_ref()?;
+    let mut ratios = Vec::new();
+    let mut mates = Vec::with_capacity(peers.len());
+    let mut values = Vec::with_capacity(peers.len());
+    for s in range.clone() {
+        mates.clear();
+        mates.extend(peers.iter().copied().filter(|&p| {
+            placements
+                .get(p)
+                .and_then(Option::as_ref)
+                .is_some_and(|q| mine.shares_core(q, s))
+        }));
+        if mates.is_empty() {
+            continue;
+        }
+        let (mut own, mut theirs) = (0.0, 0.0);
+        for (&(_, k), &d) in segments[r].range((s, 0)..=(s, u32::MAX)) {
+            values.clear();
+            values.extend(mates.iter().filter_map(|&p| segments[p].get(&(s, k))));
+            let m = median(&mut values);
+            if m.is_nan() {
+                continue;
+            }
+            own += d.max(1.0);
+            theirs += m.max(1.0);
+        }
+        if theirs > 0.0 {
+            ratios.push(own / theirs);
+        }
+    }
+    if ratios.is_empty() {
+        return None;
+    }
+    Some(interquartile_mean(&ratios))
+}
+
+/// The interquartile mean of positive ratios, taken of their logarithms: the outer quarter
+/// on each side left out, the middle half's geometric mean. NaN when empty.
+fn interquartile_mean(ratios: &[f64]) -> f64 {
+    let mut logs: Vec<f64> = ratios.iter().map(|r| r.ln()).collect();
+    logs.sort_by(f64::total_cmp);
+    let k = logs.len() / 4;
+    let middle = &logs[k..logs.len() - k];
+    (middle.iter().sum::<f64>() / middle.len() as f64).exp()
 }
 
 /// The inversion's contradiction: a rank that arrived last less often than an even split
@@ -1433,7 +1542,7 @@ mod tests {
         let late = [Late::default(); 4];
         let named = |slow: &[f64], seed| -> Vec<usize> {
             let segs = noisy_segments(slow, seed);
-            let (f, _) = detect_slow_ranks(&roles, &segs, 2..=8, &late, 1);
+            let (f, _) = detect_slow_ranks(&roles, &segs, 2..=8, &late, 1, &[]);
             let mut r: Vec<usize> = f.iter().map(|f| f.ranks[0]).collect();
             r.sort_unstable();
             r
@@ -1483,7 +1592,8 @@ mod tests {
         let roles = [0; 4];
         let late = [Late::default(); 4];
         let named = |slow: &[f64], block| -> Vec<(usize, f64)> {
-            let (f, _) = detect_slow_ranks(&roles, &rotated_segments(slow), 2..=17, &late, block);
+            let (f, _) =
+                detect_slow_ranks(&roles, &rotated_segments(slow), 2..=17, &late, block, &[]);
             f.iter().map(|f| (f.ranks[0], f.score)).collect()
         };
         // Healthy: every rank is 1.4x its peers' median in half its steps, yet over blocks
@@ -1504,8 +1614,58 @@ mod tests {
             2..=6,
             &late,
             2,
+            &[],
         );
         assert_eq!(f.len(), 0, "{f:?}");
+    }
+
+    #[test]
+    fn ranks_that_shared_a_core_and_ran_slow_together_are_not_named() {
+        let roles = [0; 4];
+        let late = [Late::default(); 4];
+        // Where rank r ran each step: core (r + s) mod 2 of one host, so ranks 0 and 2
+        // share a core in every step, and 1 and 3.
+        let placements: Vec<Option<Placement>> = (0..4)
+            .map(|slot| {
+                Some(Placement {
+                    host: "h".into(),
+                    turns: crate::threads::CoreTurns {
+                        slot,
+                        cores: vec![0, 1],
+                    },
+                })
+            })
+            .collect();
+        let named = |slow: &[f64], placements: &[Option<Placement>]| -> Vec<usize> {
+            let segs = rotated_segments(slow);
+            let (f, _) = detect_slow_ranks(&roles, &segs, 2..=17, &late, 2, placements);
+            let mut r: Vec<usize> = f.iter().map(|f| f.ranks[0]).collect();
+            r.sort_unstable();
+            r
+        };
+        // Ranks 1 and 3 both 1.07x their peers over the blocks, as when their core ran slow
+        // in their steps: each is no slower than the rank beside it, so neither is named;
+        // without the placements both are.
+        assert_eq!(
+            named(&[1.0, 1.07, 1.0, 1.07], &placements),
+            Vec::<usize>::new()
+        );
+        assert_eq!(named(&[1.0, 1.07, 1.0, 1.07], &[]), [1, 3]);
+        // A 1.1x rank is slower than the rank beside it: named.
+        assert_eq!(named(&[1.0, 1.0, 1.1, 1.0], &placements), [2]);
+        // Two gross stragglers sharing a core are named all the same.
+        assert_eq!(named(&[1.0, 1.5, 1.0, 1.5], &placements), [1, 3]);
+        // Ranks of two hosts share no core: on hosts of their own, 1 and 3 are named.
+        let apart: Vec<Option<Placement>> = placements
+            .iter()
+            .enumerate()
+            .map(|(r, p)| {
+                let mut p = p.clone()?;
+                p.host = format!("h{r}");
+                Some(p)
+            })
+            .collect();
+        assert_eq!(named(&[1.0, 1.07, 1.0, 1.07], &apart), [1, 3]);
     }
 
     #[test]
@@ -1526,11 +1686,11 @@ mod tests {
             expected: 3.0,
             wait: 36e5,
         };
-        let (f, _) = detect_slow_ranks(&roles, &segs, 2..=17, &late, 2);
+        let (f, _) = detect_slow_ranks(&roles, &segs, 2..=17, &late, 2, &[]);
         assert_eq!(f.len(), 0, "{f:?}");
         // Arriving last as often as the others, it is named.
         late[2].last = 3;
-        let (f, _) = detect_slow_ranks(&roles, &segs, 2..=17, &late, 2);
+        let (f, _) = detect_slow_ranks(&roles, &segs, 2..=17, &late, 2, &[]);
         assert_eq!(f.iter().map(|f| f.ranks[0]).collect::<Vec<_>>(), [2]);
     }
 
@@ -1584,6 +1744,7 @@ mod tests {
             coords: vec![],
             steps: 1,
             rotation: 1,
+            placement: None,
         };
         let mut ranks: Vec<RankTrace> = (0..2)
             .map(|r| RankTrace {
@@ -1654,5 +1815,24 @@ mod tests {
         assert_eq!((t.header.rotation, t.events[0].duration()), (2, 1.0));
         let bad = new.replace("\"rotation\":2", "\"rotation\":0");
         assert!(e(&bad).contains("\"rotation\" must be a positive integer"));
+        // A placement: the host, the slot, one core per step of the rotation.
+        assert_eq!(t.header.placement, None);
+        let placed = new.replace(
+            "\"rotation\":2,",
+            "\"rotation\":2,\"placement\":{\"host\":\"n1\",\"slot\":3,\"cores\":[4,6]},",
+        );
+        let p = parse_rank(&placed, 0).unwrap().header.placement.unwrap();
+        assert_eq!(
+            (p.host.as_str(), p.turns.core(1), p.turns.core(2)),
+            ("n1", 4, 6)
+        );
+        let bad = placed.replace("[4,6]", "[4]");
+        assert!(
+            e(&bad).contains("one core per step of the rotation (2)"),
+            "{}",
+            e(&bad)
+        );
+        let bad = placed.replace("\"host\":\"n1\"", "\"host\":1");
+        assert!(e(&bad).contains("\"placement\" must be null or"));
     }
 }

@@ -322,17 +322,26 @@ impl Recorder {
             .map(|(a, c, n)| format!("[\"{a}\",{c},{n}]"))
             .collect();
         let groups: Vec<String> = self.groups.iter().map(|g| format!("{:?}", g.0)).collect();
+        let placement = header.placement.as_ref().map_or("null".to_string(), |p| {
+            format!(
+                "{{\"host\":{},\"slot\":{},\"cores\":{:?}}}",
+                serde_json::Value::from(p.host.as_str()),
+                p.turns.slot,
+                p.turns.cores
+            )
+        });
         let _ = write!(
             s,
             "{{\"format\":\"{FORMAT}\",\"rank\":{},\"world\":{},\"role\":{},\"coords\":[{}],\
-             \"steps\":{},\"rotation\":{},\"dropped\":{},\"true_clock\":{{\"epoch_unix_ns\":{},\
-             \"offset_ns\":{},\"drift\":{}}},\"groups\":[{}],\"events\":[",
+             \"steps\":{},\"rotation\":{},\"placement\":{},\"dropped\":{},\"true_clock\":{{\
+             \"epoch_unix_ns\":{},\"offset_ns\":{},\"drift\":{}}},\"groups\":[{}],\"events\":[",
             header.rank,
             header.world,
             header.role,
             coords.join(","),
             header.steps,
             header.rotation,
+            placement,
             self.dropped,
             epoch_pair().1,
             self.offset_ns,
@@ -380,6 +389,24 @@ pub struct RankHeader {
     /// ([`crate::threads::Crossover`]); 1 when it was not rotated. `megac scan` compares
     /// ranks over blocks of this many steps.
     pub rotation: u64,
+    /// Where a rotated rank ran each step (`None` when not rotated, or in older files).
+    pub placement: Option<Placement>,
+}
+
+/// Where a rotated rank ran: its host and its turns on the host's cores.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placement {
+    /// The host's name ([`crate::threads::host_name`]).
+    pub host: String,
+    /// The core of each step.
+    pub turns: crate::threads::CoreTurns,
+}
+
+impl Placement {
+    /// Whether two ranks ran step `step` on the same core of the same host.
+    pub fn shares_core(&self, other: &Placement, step: u64) -> bool {
+        self.host == other.host && self.turns.core(step) == other.turns.core(step)
+    }
 }
 
 /// The nominal wire time of a slow link's transfer: 5 µs + bytes / 1 GB/s.
@@ -534,6 +561,14 @@ impl ScanComm {
     /// Steps over which the rank visits each of its cores once (1 when not rotated).
     pub fn rotation(&self) -> u64 {
         self.placement.as_ref().map_or(1, |p| p.period() as u64)
+    }
+
+    /// Where the rank ran each step, when rotated (for its file's header).
+    pub fn placement(&self) -> Option<Placement> {
+        self.placement.as_ref().map(|p| Placement {
+            host: crate::threads::host_name(),
+            turns: p.turns().clone(),
+        })
     }
 
     /// A step begins: records count its segments from 0, and a rotated rank moves to the

@@ -234,7 +234,7 @@ impl Online {
         }
         let from = self.window.front().map_or(step, |s| s.step);
         let (mut findings, _) =
-            detect_slow_ranks(&self.roles, &segments, from..=step, &late, self.block);
+            detect_slow_ranks(&self.roles, &segments, from..=step, &late, self.block, &[]);
         // Slow links are judged between ranks whose compute is normal: every rank the
         // detector named is left out, warned of or not.
         let slow: Vec<usize> = findings.iter().flat_map(|f| f.ranks.clone()).collect();
@@ -354,7 +354,7 @@ mod tests {
                 wait: if r == 2 { 5e6 } else { 35e6 },
             })
             .collect();
-        let (found, _) = detect_slow_ranks(&[0; 4], &segments, 2..=6, &late, 1);
+        let (found, _) = detect_slow_ranks(&[0; 4], &segments, 2..=6, &late, 1, &[]);
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].ranks, [2]);
         assert!((found[0].score - 1.2).abs() < 1e-9, "{}", found[0].score);
