@@ -22,6 +22,10 @@ of 2 on a 2-core machine.
 
 Usage: python3 bench/scan_detect.py [RUNS] [STEPS] [local,mpi] [LAYOUT,...]
        (defaults 200 17 local,mpi, every layout; e.g. "ep2 dp4" for one)
+
+SCAN_DETECT_KEEP=DIR keeps every run's trace as DIR/COMM/LAYOUT/FAULT/SEED (about 60 KB a
+run); SCAN_DETECT_FROM=DIR scores the traces kept there instead of running (a changed
+detector re-scored on the same runs; a missing trace is an error).
 """
 
 import json
@@ -39,6 +43,8 @@ ONLY = sys.argv[4].split(",") if len(sys.argv) > 4 else None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M = os.path.join(ROOT, "target/release/megac")
 ENV = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
+KEEP = os.environ.get("SCAN_DETECT_KEEP")
+FROM = os.environ.get("SCAN_DETECT_FROM")
 
 LLAMA, MOE = "examples/llama-tiny.toml", "examples/moe-tiny.toml"
 # layout -> (model, --set overrides); ep2 dp4 is moe-tiny's 4 data-parallel ranks with its
@@ -77,7 +83,18 @@ def faults(cell, seed):
     }[cell]
 
 
-def run(comm, layout, plan, seed, inject, trace):
+def stored(comm, layout, cell, seed):
+    """Where run `seed` of a cell is kept (SCAN_DETECT_KEEP) or read from (SCAN_DETECT_FROM)."""
+    return os.path.join(KEEP or FROM, comm, layout.replace(" ", "-"), cell.replace(" ", "-"),
+                        str(seed))
+
+
+def run(comm, layout, plan, seed, inject, trace, cell):
+    if FROM:
+        trace = stored(comm, layout, cell, seed)
+        if not os.path.isdir(trace):
+            sys.exit(f"error: no stored trace {trace}")
+        return scan(trace)
     shutil.rmtree(trace, ignore_errors=True)
     specs = [f"jitter:0.05:{seed}"] + inject
     inj = [x for s in specs for x in ("--inject", s)]
@@ -90,6 +107,15 @@ def run(comm, layout, plan, seed, inject, trace):
         cmd = [M, "train", model] + sets + common
     subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
+    if KEEP:
+        kept = stored(comm, layout, cell, seed)
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(trace, kept)
+    return scan(trace)
+
+
+def scan(trace):
+    """megac scan's findings, MegatronApp's and the findings' first steps on one trace."""
     out = subprocess.run([M, "scan", trace, "--format", "json"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     v = json.loads(out)
@@ -117,7 +143,7 @@ def main():
                 if ONLY and layout not in ONLY:
                     continue
                 plan = os.path.join(tmp, "plan")
-                if comm == "mpi":
+                if comm == "mpi" and not FROM:
                     shutil.rmtree(plan, ignore_errors=True)
                     subprocess.run([M, "compile", model]
                                    + [x for s in sets for x in ("--set", s)] + ["-o", plan],
@@ -131,7 +157,7 @@ def main():
                     t0 = time.time()
                     for seed in range(1, RUNS + 1):
                         inject, want = faults(cell, seed)
-                        found, base, first = run(comm, layout, plan, seed, inject, trace)
+                        found, base, first = run(comm, layout, plan, seed, inject, trace, cell)
                         if want and want <= found:
                             firsts.append(max(first[w] for w in want))
                         for k, got in (("m", found), ("b", base)):
