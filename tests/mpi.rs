@@ -472,9 +472,27 @@ fn more_layouts_over_mpi_match_local_threads() {
 }
 
 /// Pipeline stages exchange tagged messages (MPI tags) and the tied copy of GPT-2's
-/// embeddings; FBD adds forward roles on their own processes.
+/// embeddings; FBD adds forward roles on their own processes. MegaDPP's dynamic order
+/// (tp2: the tensor-parallel pair agrees on readiness each round) probes for its messages and,
+/// with nothing ready, takes the next one to arrive into the communicator's stash
+/// (`wait_for_mail`), which its receive then finds; its order depends on timing, so its
+/// gradients are summed over micro-batches in another order and it matches to rounding.
 #[test]
 fn pipelines_over_mpi_match_local_threads() {
+    mpi_against_local(
+        "examples/llama-tiny.toml",
+        &[
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.tp=2",
+            "model.layers=4",
+            "parallel.schedule=dpp",
+            BATCH[0],
+            BATCH[1],
+        ],
+        4,
+        Mode::Native,
+    );
     mpi_matches_local(&["parallel.pp=2", "model.layers=4", BATCH[0], BATCH[1]], 2);
     mpi_matches_local_model(
         "examples/gpt-tiny.toml",

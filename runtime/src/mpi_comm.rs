@@ -39,6 +39,11 @@
 //!   and when the communicator is dropped), on a duplicate of the world communicator. `recv`
 //!   probes the message first, so a size mismatch is a clear error. Messages between two
 //!   ranks arrive in order (MPI's non-overtaking rule), as the local mailboxes do.
+//!   `wait_for_mail` (a dynamic pipeline's rank with nothing ready) spins on
+//!   `MPI_Improbe` for any message, yielding the core between probes, and takes the first
+//!   one that arrives into a stash, which `probe_tagged` and `recv` look at first (in arrival
+//!   order, so the non-overtaking order holds): the rank wakes as soon as a message comes,
+//!   as a blocking receive would, instead of sleeping past it.
 //! - **Failures.** MPI's default error handler aborts the job on a transport error. A rank
 //!   whose training fails returns its error without finalising MPI (see
 //!   [`crate::train::train_mpi`]); the command line prints it and exits non-zero, and mpirun
@@ -302,6 +307,9 @@ pub struct MpiComm {
     /// Exchange buffers kept between collectives.
     scratch_f32: Vec<f32>,
     scratch_f64: Vec<f64>,
+    /// Point-to-point messages `wait_for_mail` took before their receive: (source, tag,
+    /// data), in arrival order.
+    stash: Vec<(usize, mpi::Tag, Vec<f32>)>,
 }
 
 // SAFETY: the MPI handles inside are plain pointers into the MPI library, which is thread
@@ -507,6 +515,7 @@ impl MpiComm {
             in_place: in_place_marker(),
             scratch_f32: Vec::new(),
             scratch_f64: Vec::new(),
+            stash: Vec::new(),
         })
     }
 
@@ -864,11 +873,32 @@ impl Communicator for MpiComm {
             )));
         }
         self.reap_sends();
-        Ok(self
-            .p2p
-            .process_at_rank(from as Rank)
-            .immediate_probe_with_tag(mpi_tag(tag))
-            .is_some())
+        let tag = mpi_tag(tag);
+        Ok(self.stash.iter().any(|m| m.0 == from && m.1 == tag)
+            || self
+                .p2p
+                .process_at_rank(from as Rank)
+                .immediate_probe_with_tag(tag)
+                .is_some())
+    }
+
+    fn wait_for_mail(&mut self, timeout: Duration) -> Result<(), RuntimeError> {
+        self.reap_sends();
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some((message, status)) = self.p2p.any_process().immediate_matched_probe() {
+                let n = status.count(f32::equivalent_datatype()) as usize;
+                let mut data = vec![0f32; n];
+                message.matched_receive_into(&mut data[..]);
+                self.stash
+                    .push((status.source_rank() as usize, status.tag(), data));
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
     }
 }
 
@@ -907,6 +937,19 @@ impl MpiComm {
         count(data.len(), "recv")?;
         let _w = self.begin("recv", &[self.rank.min(from), self.rank.max(from)]);
         self.reap_sends();
+        if let Some(i) = self.stash.iter().position(|m| m.0 == from && m.1 == tag) {
+            let (_, _, stashed) = self.stash.remove(i);
+            if stashed.len() != data.len() {
+                return Err(plan(format!(
+                    "rank {} expects {} elements from rank {from} but the message has {}",
+                    self.rank,
+                    data.len(),
+                    stashed.len()
+                )));
+            }
+            data.copy_from_slice(&stashed);
+            return Ok(());
+        }
         let (message, status) = self
             .p2p
             .process_at_rank(from as Rank)
