@@ -28,6 +28,7 @@ SCHEDULES = {
     "dpp-bfs": ["parallel.schedule=dpp", "parallel.dpp_policy=bfs"],
     "dpp-dfs": ["parallel.schedule=dpp", "parallel.dpp_policy=dfs"],
     "dpp-adaptive": ["parallel.schedule=dpp", "parallel.dpp_policy=adaptive"],
+    "dpp-ordered": ["parallel.schedule=dpp", "parallel.dpp_policy=ordered"],
 }
 
 

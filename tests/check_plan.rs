@@ -98,7 +98,7 @@ fn accepts_every_static_schedule_and_pipeline_layout() {
 
 #[test]
 fn accepts_every_dpp_policy_and_pipeline_layout() {
-    for policy in ["bfs", "dfs", "adaptive"] {
+    for policy in ["bfs", "dfs", "adaptive", "ordered"] {
         let policy = format!("parallel.dpp_policy={policy}");
         for layout in [
             &["parallel.pp=2"][..],

@@ -787,7 +787,7 @@ fn schedule_shows_timelines_and_the_bubble() {
 fn dpp_report_records_the_order_it_ran() {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("r.json");
-    for policy in ["bfs", "dfs", "adaptive"] {
+    for policy in ["bfs", "dfs", "adaptive", "ordered"] {
         let policy_set = format!("parallel.dpp_policy={policy}");
         let o = megac(&[
             "train",

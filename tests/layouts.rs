@@ -724,6 +724,7 @@ fn pipeline_dynamic_dpp_policies() {
             &dpp("parallel.dpp_policy=bfs"),
             &dpp("parallel.dpp_policy=dfs"),
             &dpp("parallel.dpp_policy=adaptive"),
+            &dpp("parallel.dpp_policy=ordered"),
         ],
     );
     // Tensor- and context-parallel peers agree on every dynamic choice.

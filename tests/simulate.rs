@@ -484,7 +484,7 @@ fn pipelined_plans_under_unit_costs_reproduce_the_bubble_formulas() {
 /// pipeline schedule's reference order, so its bubble equals that order's.
 #[test]
 fn dpp_plans_run_dynamically_and_match_the_reference_order_under_unit_costs() {
-    for policy in ["bfs", "dfs", "adaptive"] {
+    for policy in ["bfs", "dfs", "adaptive", "ordered"] {
         let pol = format!("parallel.dpp_policy={policy}");
         let sets = [
             "parallel.pp=2",

@@ -922,15 +922,7 @@ fn read_parallel(
             Schedule::OneFOneB
         });
     let dpp_policy = s
-        .choice(
-            "dpp_policy",
-            &[
-                DppPolicy::Bfs,
-                DppPolicy::Dfs,
-                DppPolicy::Adaptive { cap: None },
-            ]
-            .map(|p| (p.as_str(), p)),
-        )?
+        .choice("dpp_policy", &DppPolicy::ALL.map(|p| (p.as_str(), p)))?
         .unwrap_or(DppPolicy::Adaptive { cap: None });
     let fbd = s.boolean("fbd", false)?;
     let cp_comm = s

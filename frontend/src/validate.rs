@@ -350,9 +350,15 @@ fn render(c: &Checker<'_>, spec: &ModelSpec, v: &Violation) -> (String, String) 
             micro_batch,
             dp,
             pp,
+            ordered,
         } => (
             format!(
-                "interleaved schedule: {microbatches} micro-batches per step (global_batch {global_batch} / (micro_batch {micro_batch} · dp {dp})) is not a multiple of pp = {pp}"
+                "{}: {microbatches} micro-batches per step (global_batch {global_batch} / (micro_batch {micro_batch} · dp {dp})) is not a multiple of pp = {pp}",
+                if ordered {
+                    "dpp_policy ordered (interleaved's order)"
+                } else {
+                    "interleaved schedule"
+                }
             ),
             format!(
                 "Megatron runs interleaved micro-batches in groups of pp; use a global_batch that is a multiple of {}",

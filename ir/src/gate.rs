@@ -820,14 +820,6 @@ impl<'p> Gate<'p> {
                         "must be positive",
                     ));
                 }
-                if let Some(d) = &p.dpp {
-                    if !matches!(d.policy.as_str(), "bfs" | "dfs" | "adaptive") {
-                        return Err(invalid(
-                            format!("{at}.pipeline.dpp.policy"),
-                            format!("`{}` is not bfs, dfs or adaptive", d.policy),
-                        ));
-                    }
-                }
                 // A static action list keeps at most `slots` micro-batches of a chunk's
                 // slot pool in flight (the dynamic `dpp` schedule waits for a free slot).
                 if p.dpp.is_none() {

@@ -547,7 +547,7 @@ impl ChunkProgram {
 /// MegaDPP's dynamic execution: run the highest-priority ready task.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DppExec {
-    /// `bfs`, `dfs` or `adaptive` (its cap is `cap`).
+    /// `bfs`, `dfs`, `adaptive` (its cap is `cap`) or `ordered`.
     #[serde(with = "crate::spec::dpp_policy_name")]
     pub policy: crate::spec::DppPolicy,
     /// Adaptive: breadth-first while fewer than `cap` micro-batches are in flight.
@@ -568,6 +568,22 @@ pub struct Pipeline {
     /// Dynamic execution (the `dpp` schedule).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dpp: Option<DppExec>,
+}
+
+impl Pipeline {
+    /// Each of `tasks`' place in the reference order `actions` (`u32::MAX` where absent):
+    /// the `ordered` DPP policy's priority ([`crate::spec::DppPolicy::priority`]).
+    pub fn positions(&self, tasks: &[PipeAction]) -> Vec<u32> {
+        tasks
+            .iter()
+            .map(|t| {
+                self.actions
+                    .iter()
+                    .position(|a| a == t)
+                    .map_or(u32::MAX, |i| i as u32)
+            })
+            .collect()
+    }
 }
 
 /// The programs of one role.

@@ -255,7 +255,8 @@ pub enum Violation {
         /// `parallel.dp`.
         dp: u64,
     },
-    /// Interleaved micro-batches run in groups of pp.
+    /// Interleaved micro-batches run in groups of pp (`interleaved`, and `dpp` with the
+    /// `ordered` policy over virtual chunks, which runs interleaved's order).
     #[error("interleaved: {microbatches} micro-batches per step is not a multiple of pp = {pp}")]
     InterleavedMicrobatches {
         /// Micro-batches per step and data-parallel rank.
@@ -268,6 +269,8 @@ pub enum Violation {
         dp: u64,
         /// `parallel.pp`.
         pp: u64,
+        /// Whether the schedule is `dpp` with the `ordered` policy (else `interleaved`).
+        ordered: bool,
     },
     /// Context and sequence parallelism together split the sequence in `2·cp·tp` pieces.
     #[error("seq_len {seq_len} is not divisible by 2·cp·tp = 2·{cp}·{tp}")]
@@ -734,13 +737,16 @@ pub fn check(spec: &ModelSpec) -> Vec<Violation> {
         });
     }
     let microbatches = t.global_batch.checked_div(per_step).unwrap_or(0);
-    if p.schedule == Schedule::Interleaved && !microbatches.is_multiple_of(p.pp) {
+    let ordered =
+        p.schedule == Schedule::Dpp && p.dpp_policy == crate::spec::DppPolicy::Ordered && p.vpp > 1;
+    if (p.schedule == Schedule::Interleaved || ordered) && !microbatches.is_multiple_of(p.pp) {
         out.push(InterleavedMicrobatches {
             microbatches,
             global_batch: t.global_batch,
             micro_batch: t.micro_batch,
             dp: p.dp,
             pp: p.pp,
+            ordered,
         });
     }
 

@@ -415,9 +415,9 @@ impl Schedule {
 }
 
 /// MegaDPP priority policy (`parallel.dpp_policy`, `megac schedule dpp-*`, a plan's
-/// `dpp.policy`): the one home of the policy and of its priority ([`DppPolicy::breadth_first`],
-/// [`dpp_priority`]), used by the pipeline schedules' reference order, the runtime's dynamic
-/// execution and the simulator.
+/// `dpp.policy`): the one home of the policy and of its priority ([`DppPolicy::priority`]),
+/// used by the pipeline schedules' reference order, the runtime's dynamic execution and the
+/// simulator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DppPolicy {
     /// All micro-batches of a chunk first (priority `(chunk, micro-batch)`).
@@ -430,26 +430,44 @@ pub enum DppPolicy {
         /// In-flight threshold; `None`: the default (`pp`, or a plan's `dpp.cap`).
         cap: Option<u32>,
     },
+    /// Not MegaDPP's: the static interleaved 1F1B order (1F1B's with one chunk per rank)
+    /// run out of order, the ready task placed earliest in it first. The plan's reference
+    /// order is that static order, so without jitter it runs exactly it.
+    Ordered,
 }
 
 impl DppPolicy {
+    /// Every policy (adaptive with the default cap), in the order error messages list them.
+    pub const ALL: [DppPolicy; 4] = [
+        DppPolicy::Bfs,
+        DppPolicy::Dfs,
+        DppPolicy::Adaptive { cap: None },
+        DppPolicy::Ordered,
+    ];
+
     /// The spelling used in model.toml and in a plan's `dpp.policy`.
     pub fn as_str(self) -> &'static str {
         match self {
             DppPolicy::Bfs => "bfs",
             DppPolicy::Dfs => "dfs",
             DppPolicy::Adaptive { .. } => "adaptive",
+            DppPolicy::Ordered => "ordered",
         }
     }
 
-    /// The policy spelled `name` (`bfs`, `dfs`, `adaptive` with the default cap).
+    /// The policy spelled `name` (`bfs`, `dfs`, `adaptive` with the default cap, `ordered`).
     pub fn from_name(name: &str) -> Option<DppPolicy> {
-        match name {
-            "bfs" => Some(DppPolicy::Bfs),
-            "dfs" => Some(DppPolicy::Dfs),
-            "adaptive" => Some(DppPolicy::Adaptive { cap: None }),
-            _ => None,
-        }
+        DppPolicy::ALL.into_iter().find(|p| p.as_str() == name)
+    }
+
+    /// The policies' names as a list for messages: "bfs, dfs, adaptive or ordered".
+    pub fn names() -> String {
+        let names: Vec<&str> = DppPolicy::ALL.iter().map(|p| p.as_str()).collect();
+        format!(
+            "{} or {}",
+            names[..names.len() - 1].join(", "),
+            names[names.len() - 1]
+        )
     }
 
     /// The in-flight cap a plan records: adaptive's cap (`default` when unset), 0 for the
@@ -466,9 +484,19 @@ impl DppPolicy {
     /// cap, and a cap under 1 counts as 1.
     pub fn breadth_first(self, inflight: u32, default_cap: u32) -> bool {
         match self {
-            DppPolicy::Bfs => true,
+            DppPolicy::Bfs | DppPolicy::Ordered => true,
             DppPolicy::Dfs => false,
             DppPolicy::Adaptive { cap } => inflight < cap.unwrap_or(default_cap).max(1),
+        }
+    }
+
+    /// The priority of ready task `t`, lowest first, with `inflight` micro-batches in flight
+    /// on the rank (`default_cap` stands for an unset adaptive cap): `ordered`'s is the
+    /// task's place in the reference order; MegaDPP's policies' is [`dpp_priority`].
+    pub fn priority(self, inflight: u32, default_cap: u32, t: DppTask) -> (u32, u32, u32) {
+        match self {
+            DppPolicy::Ordered => (t.position, 0, 0),
+            _ => dpp_priority(self.breadth_first(inflight, default_cap), t),
         }
     }
 }
@@ -490,6 +518,9 @@ pub struct DppTask {
     pub local_chunks: u32,
     /// The micro-batch.
     pub microbatch: u32,
+    /// Its place among the rank's tasks in the plan's reference order (`ordered` runs the
+    /// lowest ready one; the other policies do not read it).
+    pub position: u32,
 }
 
 /// MegaDPP's priority of a ready task, lowest first: any backward before any forward, later
@@ -518,12 +549,13 @@ pub mod dpp_policy_name {
         s.serialize_str(p.as_str())
     }
 
-    /// Read a name (`bfs`, `dfs`, `adaptive`).
+    /// Read a name (`bfs`, `dfs`, `adaptive`, `ordered`).
     pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DppPolicy, D::Error> {
         let name = <String as serde::Deserialize>::deserialize(d)?;
         DppPolicy::from_name(&name).ok_or_else(|| {
             serde::de::Error::custom(format!(
-                "unknown dpp policy `{name}` (expected bfs, dfs or adaptive)"
+                "unknown dpp policy `{name}` (expected {})",
+                DppPolicy::names()
             ))
         })
     }

@@ -245,6 +245,7 @@ fn dpp_policy_serializes_as_its_name() {
         (DppPolicy::Bfs, "bfs"),
         (DppPolicy::Dfs, "dfs"),
         (DppPolicy::Adaptive { cap: None }, "adaptive"),
+        (DppPolicy::Ordered, "ordered"),
     ] {
         let exec = DppExec { policy, cap: 4 };
         let json = serde_json::to_string(&exec).unwrap();
@@ -253,12 +254,14 @@ fn dpp_policy_serializes_as_its_name() {
     }
     let err = serde_json::from_str::<DppExec>("{\"policy\":\"bfz\",\"cap\":0}").unwrap_err();
     assert!(
-        err.to_string().contains("unknown dpp policy `bfz`"),
+        err.to_string()
+            .contains("unknown dpp policy `bfz` (expected bfs, dfs, adaptive or ordered)"),
         "{err}"
     );
 }
 
-/// MegaDPP's priority: backwards first (later chunks first), then breadth- or depth-first.
+/// MegaDPP's priority: backwards first (later chunks first), then breadth- or depth-first;
+/// `ordered` by the place in the reference order alone.
 #[test]
 fn dpp_priority_orders_backwards_first_then_by_policy() {
     use megac_ir::spec::{dpp_priority, DppPolicy, DppTask};
@@ -267,7 +270,24 @@ fn dpp_priority_orders_backwards_first_then_by_policy() {
         local_chunk,
         local_chunks: 2,
         microbatch,
+        position: 0,
     };
+    let at = |task: DppTask, position| DppTask { position, ..task };
+    // A forward placed before a backward goes first under `ordered`, last under the others.
+    let (f, b) = (at(t(false, 0, 0), 3), at(t(true, 1, 0), 7));
+    assert!(DppPolicy::Ordered.priority(0, 2, f) < DppPolicy::Ordered.priority(0, 2, b));
+    for p in [
+        DppPolicy::Bfs,
+        DppPolicy::Dfs,
+        DppPolicy::Adaptive { cap: None },
+    ] {
+        assert!(p.priority(0, 2, b) < p.priority(0, 2, f), "{p}");
+        assert_eq!(
+            p.priority(1, 2, f),
+            dpp_priority(p.breadth_first(1, 2), f),
+            "{p}"
+        );
+    }
     assert!(dpp_priority(true, t(true, 0, 3)) < dpp_priority(true, t(false, 0, 0)));
     assert!(dpp_priority(true, t(true, 1, 3)) < dpp_priority(true, t(true, 0, 0)));
     assert!(dpp_priority(true, t(false, 0, 3)) < dpp_priority(true, t(false, 1, 0)));

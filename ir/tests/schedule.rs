@@ -422,6 +422,35 @@ fn dpp_bfs_and_dfs_orders_differ_as_defined() {
     assert!(td.ranks[0].peak_inflight < tb.ranks[0].peak_inflight);
 }
 
+/// `dpp-ordered`'s reference order is the static order it runs out of order: interleaved's
+/// with virtual chunks, 1F1B's without; with chunks, m must be a multiple of pp as for
+/// interleaved.
+#[test]
+fn dpp_ordered_takes_the_static_order() {
+    let ordered: ScheduleKind = "dpp-ordered".parse().unwrap();
+    assert_eq!(ordered.name(), "dpp-ordered");
+    for (pp, vpp, m, static_kind) in [
+        (2, 2, 4, ScheduleKind::Interleaved),
+        (4, 2, 8, ScheduleKind::Interleaved),
+        (2, 1, 4, ScheduleKind::OneFOneB),
+        (4, 1, 6, ScheduleKind::OneFOneB),
+    ] {
+        assert_eq!(
+            schedule(ordered, pp, vpp, m).unwrap(),
+            schedule(static_kind, pp, vpp, m).unwrap(),
+            "pp {pp} vpp {vpp} m {m}"
+        );
+    }
+    assert_ne!(
+        schedule(ordered, 4, 2, 8).unwrap(),
+        schedule("dpp-bfs".parse().unwrap(), 4, 2, 8).unwrap()
+    );
+    assert!(matches!(
+        schedule(ordered, 2, 2, 3),
+        Err(ScheduleError::MicrobatchesNotMultiple { m: 3, pp: 2 })
+    ));
+}
+
 #[test]
 fn dpp_adaptive_respects_the_cap() {
     let (pp, vpp, m) = (2, 2, 8);

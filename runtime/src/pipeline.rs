@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use megac_ir::mesh::local_chunk;
 use megac_ir::plan::{ChunkProgram, Instr, PipeAction, PipeKind, Pipeline};
-use megac_ir::spec::{dpp_priority, DppTask};
+use megac_ir::spec::DppTask;
 use megac_ir::Axis;
 
 use crate::error::RuntimeError;
@@ -195,7 +195,8 @@ fn arrived(
 /// among backwards, later chunks first; `bfs` orders by chunk then micro-batch (all
 /// micro-batches of a chunk first), `dfs` by micro-batch then chunk (one micro-batch through
 /// all chunks first), `adaptive` is breadth-first while fewer than `cap` micro-batches are in
-/// flight on the rank and depth-first beyond.
+/// flight on the rank and depth-first beyond; `ordered` runs the ready task placed earliest
+/// in the plan's reference order (interleaved's or 1F1B's).
 fn run_dynamic(
     session: &mut Session<'_>,
     pipe: &Pipeline,
@@ -220,6 +221,8 @@ fn run_dynamic(
             })
         })
         .collect();
+    // Each task's place in the plan's reference order (`ordered`'s priority).
+    let positions = pipe.positions(&tasks);
     let rank = session.comm.rank();
     let peers = session.plan.mesh.group(rank, &[Axis::Tp, Axis::Cp]);
     let mut done = vec![false; tasks.len()];
@@ -251,22 +254,24 @@ fn run_dynamic(
             session.comm.all_reduce_max(&peers, &mut not_ready)?;
         }
         let inflight = st.slot_of.len() as u32;
-        let breadth = dpp.policy.breadth_first(inflight, dpp.cap);
         let n = pipe.chunks.len() as u32;
-        let key = |t: &PipeAction| {
-            dpp_priority(
-                breadth,
+        let key = |i: usize| {
+            let t = &tasks[i];
+            dpp.policy.priority(
+                inflight,
+                dpp.cap,
                 DppTask {
                     backward: t.kind != PipeKind::F,
                     local_chunk: local_chunk(t.chunk, nc / n.max(1)),
                     local_chunks: n,
                     microbatch: t.microbatch,
+                    position: positions[i],
                 },
             )
         };
         let pick = (0..tasks.len())
             .filter(|&i| !done[i] && not_ready[i] == 0.0)
-            .min_by_key(|&i| key(&tasks[i]));
+            .min_by_key(|&i| key(i));
         match pick {
             Some(i) => {
                 idle_rounds = 0;

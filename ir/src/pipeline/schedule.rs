@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 
 use super::action::{same_message, Action, ActionKind, Payload};
 use crate::mesh::{chunk_owner, global_chunk};
-use crate::spec::{dpp_priority, DppTask};
+use crate::spec::DppTask;
 
 /// MegaDPP's policy: its home is [`crate::spec`] (with the priority the runtime and the
 /// simulator use too).
@@ -36,7 +36,8 @@ pub enum ScheduleKind {
     Interleaved,
     /// Zero-bubble ZB-H1: 1F1B's F/B order with `B`/`W` split and `W` filling the bubbles.
     ZbH1,
-    /// MegaDPP: readiness-driven order under a breadth/depth-first priority.
+    /// MegaDPP: readiness-driven order under a breadth/depth-first priority (or, `ordered`,
+    /// interleaved's or 1F1B's order run out of order).
     Dpp(DppPolicy),
 }
 
@@ -54,7 +55,7 @@ impl ScheduleKind {
     }
 
     /// The CLI name: `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `dpp-bfs`, `dpp-dfs`,
-    /// `dpp-adaptive`.
+    /// `dpp-adaptive`, `dpp-ordered`.
     pub fn name(&self) -> &'static str {
         match self {
             ScheduleKind::GPipe => "gpipe",
@@ -64,6 +65,7 @@ impl ScheduleKind {
             ScheduleKind::Dpp(DppPolicy::Bfs) => "dpp-bfs",
             ScheduleKind::Dpp(DppPolicy::Dfs) => "dpp-dfs",
             ScheduleKind::Dpp(DppPolicy::Adaptive { .. }) => "dpp-adaptive",
+            ScheduleKind::Dpp(DppPolicy::Ordered) => "dpp-ordered",
         }
     }
 }
@@ -82,6 +84,7 @@ impl std::str::FromStr for ScheduleKind {
             "dpp" | "dpp-bfs" => ScheduleKind::Dpp(DppPolicy::Bfs),
             "dpp-dfs" => ScheduleKind::Dpp(DppPolicy::Dfs),
             "dpp-adaptive" => ScheduleKind::Dpp(DppPolicy::Adaptive { cap: None }),
+            "dpp-ordered" => ScheduleKind::Dpp(DppPolicy::Ordered),
             _ => {
                 return Err(ScheduleError::UnknownKind {
                     name: s.to_string(),
@@ -184,6 +187,16 @@ pub fn schedule(
             (0..pp).map(|r| interleaved(pp, vpp, r, m)).collect()
         }
         ScheduleKind::ZbH1 => greedy(kind, pp, vpp, m)?,
+        // `ordered`'s reference order is the static order it runs out of order.
+        ScheduleKind::Dpp(DppPolicy::Ordered) if vpp == 1 => (0..pp)
+            .map(|r| one_f_one_b(pp, r, m, ActionKind::BW))
+            .collect(),
+        ScheduleKind::Dpp(DppPolicy::Ordered) => {
+            if !m.is_multiple_of(pp) {
+                return Err(ScheduleError::MicrobatchesNotMultiple { m, pp });
+            }
+            (0..pp).map(|r| interleaved(pp, vpp, r, m)).collect()
+        }
         ScheduleKind::Dpp(_) => greedy(kind, pp, vpp, m)?,
     };
     Ok(fifo_sends(add_comm(compute, pp, vpp)))
@@ -385,7 +398,6 @@ fn greedy(
                             f_done[idx(c, j)].is_some() && b_done[idx(c, j)].is_none()
                         })
                         .count() as u32;
-                    let breadth = policy.breadth_first(inflight, pp);
                     let tasks = || (0..vpp).flat_map(|lc| (0..m).map(move |j| (lc, j)));
                     let back = tasks()
                         .filter(|&(lc, j)| b_ready(global_chunk(lc, r, pp), j, &f_done, &b_done))
@@ -395,13 +407,16 @@ fn greedy(
                         .map(|(lc, j)| (false, lc, j));
                     back.chain(fwd)
                         .min_by_key(|&(backward, local_chunk, microbatch)| {
-                            dpp_priority(
-                                breadth,
+                            policy.priority(
+                                inflight,
+                                pp,
                                 DppTask {
                                     backward,
                                     local_chunk,
                                     local_chunks: vpp,
                                     microbatch,
+                                    // `ordered` is not built greedily (above).
+                                    position: 0,
                                 },
                             )
                         })

@@ -26,7 +26,7 @@ use megac_ir::mesh::{chunk_owner, local_chunk};
 use megac_ir::op::OpKind;
 use megac_ir::plan::{BufferClass, ChunkProgram, Instr, PipeAction, PipeKind, Pipeline, Role};
 use megac_ir::rng::SplitMix64;
-use megac_ir::spec::{dpp_priority, DppTask};
+use megac_ir::spec::DppTask;
 use megac_ir::types::Axis;
 
 use super::{overlaps, Ctx, RoleReport, RoleSim, TraceEvent, Work, PHASE_STREAM};
@@ -79,6 +79,8 @@ struct Stage<'a> {
     /// Static: next action. Dynamic: every task and whether it is done.
     pc: usize,
     tasks: Vec<PipeAction>,
+    /// Each task's place in the plan's reference order (`ordered`'s priority).
+    positions: Vec<u32>,
     done: Vec<bool>,
     f_done: Vec<(u32, u32)>,
     inflight: BTreeMap<u32, u32>,
@@ -248,22 +250,25 @@ impl<'a> Stage<'a> {
     /// MegaDPP's choice at `t` (as runtime/src/pipeline.rs): a ready backward before any
     /// forward, later chunks' backwards first; breadth-first orders by chunk then
     /// micro-batch, depth-first by micro-batch then chunk; adaptive is breadth-first while
-    /// fewer than `cap` micro-batches are in flight on the rank.
+    /// fewer than `cap` micro-batches are in flight on the rank; `ordered` takes the ready
+    /// task placed earliest in the plan's reference order.
     fn pick(&self, t: f64, msgs: &Messages) -> Result<Option<usize>, SimError> {
         let Some(dpp) = &self.pipe.dpp else {
             return Ok(None);
         };
-        let breadth = dpp.policy.breadth_first(self.inflight_total, dpp.cap);
         let n = self.pipe.chunks.len() as u32;
         let per = (self.pipe.chunks_total / n.max(1)).max(1);
-        let key = |a: &PipeAction| {
-            dpp_priority(
-                breadth,
+        let key = |i: usize| {
+            let a = &self.tasks[i];
+            dpp.policy.priority(
+                self.inflight_total,
+                dpp.cap,
                 DppTask {
                     backward: a.kind != PipeKind::F,
                     local_chunk: local_chunk(a.chunk, per),
                     local_chunks: n,
                     microbatch: a.microbatch,
+                    position: self.positions[i],
                 },
             )
         };
@@ -273,7 +278,7 @@ impl<'a> Stage<'a> {
                 continue;
             }
             if self.arrival(*a, msgs)?.is_some_and(|x| x <= t)
-                && best.is_none_or(|b| key(a) < key(&self.tasks[b]))
+                && best.is_none_or(|b| key(i) < key(b))
             {
                 best = Some(i);
             }
@@ -388,6 +393,7 @@ pub(super) fn simulate_pipeline(
             Vec::new()
         };
         let n_tasks = tasks.len();
+        let positions = pipe.positions(&tasks);
         let empty = if pipe.dpp.is_some() {
             n_tasks == 0
         } else {
@@ -404,6 +410,7 @@ pub(super) fn simulate_pipeline(
             sim: RoleSim::new(ri, usize::MAX, trace, m, &params),
             pc: 0,
             tasks,
+            positions,
             done: vec![false; n_tasks],
             f_done: Vec::new(),
             inflight: BTreeMap::new(),
