@@ -1,6 +1,6 @@
 //! `--scan`: `megac scan`'s detectors ([`super::analyze::detect_slow_ranks`],
-//! [`super::analyze::detect_slow_links`]) run while training, over a rolling window of the
-//! last [`WINDOW`] steps.
+//! [`super::analyze::detect_slow_links`]) run while training, ranks over a rolling window of
+//! the last [`WINDOW`] steps, links over the last [`LINK_WINDOW`].
 //!
 //! After every step each rank condenses its records of the step into one fixed-size row of
 //! f64s: the durations of its first [`MAX_SEGMENTS`] compute segments, and up to
@@ -13,7 +13,8 @@
 //! who arrived last, and judges the window as `megac scan` judges a whole trace; a finding
 //! not reported before becomes one warning line, a slow rank only from a score of
 //! [`WARN_SLOWDOWN`]. The first step (warm-up) is not judged, and
-//! a window judges only once it holds [`MIN_STEPS`] steps.
+//! a window judges ranks once it holds [`MIN_STEPS`] steps, links once it holds
+//! [`MIN_LINK_STEPS`].
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -26,6 +27,23 @@ use crate::error::RuntimeError;
 pub const WINDOW: usize = 8;
 /// Steps a window must hold before it is judged.
 pub const MIN_STEPS: usize = 3;
+/// Steps of sends the slow-link test judges (the last ones, from [`MIN_LINK_STEPS`] on). A
+/// send on local threads takes the world's lock, and over a few steps a healthy pair's
+/// sends can all have waited for it: on the kept healthy pp2 dp2 traces of
+/// bench/scan_detect.py (local threads, 200 runs, 2026-12-07) some 8-step window read 2 or
+/// more in 19 runs, the windows from step 2 of at least 6 steps in 2, the whole runs in
+/// none (over MPI: none in any window).
+pub const LINK_WINDOW: usize = 32;
+/// The least score of a slow link `--scan` warns of; `megac scan` names links from
+/// [`super::analyze::SLOW_LINK`] (2). In `--scan` runs of healthy llama-tiny pp2 dp2 on local
+/// threads (2026-12-07, 100 runs, 20 steps) a pair read 2.05–2.60 over the link window in
+/// 5 runs, while an injected 2× link read 10 (its wait is at least the nominal wire time,
+/// several times a local copy); a warning is an alarm to act on, as for ranks
+/// ([`WARN_SLOWDOWN`]).
+pub const WARN_LINK: f64 = 3.0;
+/// Steps of sends the slow-link test needs (a 2× link was found from 6 steps in all 200
+/// kept runs, local and MPI).
+pub const MIN_LINK_STEPS: usize = 6;
 /// The least slowdown (`score`) of a slow rank `--scan` warns of; `megac scan` names ranks
 /// from [`super::analyze::MIN_SLOWDOWN`] on. Online the detector judges a window after every
 /// step, and on a host with more rank threads than cores healthy ranks run 1.05–1.25× their
@@ -140,7 +158,7 @@ impl Online {
             labels,
             first,
             table: vec![0.0; world * ROW],
-            window: VecDeque::with_capacity(WINDOW + 1),
+            window: VecDeque::with_capacity(LINK_WINDOW + 1),
             reported: Vec::new(),
         }
     }
@@ -170,7 +188,7 @@ impl Online {
         }
         let decoded = self.decode(step);
         self.window.push_back(decoded);
-        if self.window.len() > WINDOW {
+        if self.window.len() > LINK_WINDOW {
             self.window.pop_front();
         }
         if self.window.len() < MIN_STEPS {
@@ -218,7 +236,14 @@ impl Online {
         let mut segments: Vec<Segments> = vec![BTreeMap::new(); n];
         let mut late = vec![Late::default(); n];
         let mut sends: Sends = BTreeMap::new();
-        for s in &self.window {
+        let ranks_from = self.window.len().saturating_sub(WINDOW);
+        for (i, s) in self.window.iter().enumerate() {
+            for &(pair, bytes, d) in &s.sends {
+                sends.entry((pair, bytes)).or_default().push((s.step, d));
+            }
+            if i < ranks_from {
+                continue;
+            }
             for r in 0..n {
                 for (k, &d) in s.segments[r].iter().enumerate() {
                     segments[r].insert((s.step, k as u32), d);
@@ -228,18 +253,19 @@ impl Online {
                 late[r].expected += s.late[r].expected;
                 late[r].wait += s.late[r].wait;
             }
-            for &(pair, bytes, d) in &s.sends {
-                sends.entry((pair, bytes)).or_default().push((s.step, d));
-            }
         }
-        let from = self.window.front().map_or(step, |s| s.step);
+        let from = self.window.get(ranks_from).map_or(step, |s| s.step);
+        let links_from = self.window.front().map_or(step, |s| s.step);
         let (mut findings, _) =
             detect_slow_ranks(&self.roles, &segments, from..=step, &late, self.block, &[]);
         // Slow links are judged between ranks whose compute is normal: every rank the
         // detector named is left out, warned of or not.
         let slow: Vec<usize> = findings.iter().flat_map(|f| f.ranks.clone()).collect();
         findings.retain(|f| f.score >= WARN_SLOWDOWN);
-        findings.extend(detect_slow_links(&sends, &slow));
+        if self.window.len() >= MIN_LINK_STEPS {
+            let links = detect_slow_links(&sends, &slow);
+            findings.extend(links.into_iter().filter(|f| f.score >= WARN_LINK));
+        }
         let mut out = Vec::new();
         for f in findings {
             if self
@@ -263,7 +289,7 @@ impl Online {
                 ),
                 _ => format!(
                     "warning: --scan: step {step}: slow-link {} <-> {}: score {:.2} (sends \
-                     against other links', steps {from}-{step}, from step {})",
+                     against other links', steps {links_from}-{step}, from step {})",
                     self.labels[f.ranks[0]], self.labels[f.ranks[1]], f.score, f.first_step
                 ),
             };
