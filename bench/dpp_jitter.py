@@ -9,7 +9,10 @@ on all alike). Prints the median step time (steps 2.., all seeds pooled) and its
 interleaved's. With TRACE=1 it also keeps, for pp4 vpp2 under jitter and seed 1, a trace of
 interleaved and of dpp-adaptive under /tmp/dpp-jitter-trace-{schedule} for `megac scan`.
 
-Usage: python3 bench/dpp_jitter.py [STEPS] [SEEDS]   (defaults 20 5)
+COMM `mpi` runs the same cells over MPI processes instead (`megac compile` the plan, then
+`megac launch -n PP`; needs target/release/megac built with --features mpi).
+
+Usage: python3 bench/dpp_jitter.py [STEPS] [SEEDS] [local|mpi]   (defaults 20 5 local)
 """
 
 import json
@@ -23,13 +26,18 @@ STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M = os.path.join(ROOT, "target/release/megac")
+COMM = sys.argv[3] if len(sys.argv) > 3 else "local"
+if COMM not in ("local", "mpi"):
+    sys.exit(f"error: unknown communicator {COMM!r}; the communicators are 'local' and 'mpi'")
 TRACE = os.environ.get("TRACE") == "1"
+ENV = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
 
 SCHEDULES = {
     "interleaved": ["parallel.schedule=interleaved"],
     "dpp-bfs": ["parallel.schedule=dpp", "parallel.dpp_policy=bfs"],
     "dpp-dfs": ["parallel.schedule=dpp", "parallel.dpp_policy=dfs"],
     "dpp-adaptive": ["parallel.schedule=dpp", "parallel.dpp_policy=adaptive"],
+    "dpp-ordered": ["parallel.schedule=dpp", "parallel.dpp_policy=ordered"],
 }
 CONDITIONS = {
     "none": lambda seed: [],
@@ -42,19 +50,29 @@ def step_times(pp, schedule, inject, report, trace=None):
     sets = ["model.layers=8", "train.micro_batch=1", "train.global_batch=8", f"parallel.pp={pp}",
             "parallel.vpp=2"]
     sets += SCHEDULES[schedule]
-    cmd = [M, "train", "examples/llama-tiny.toml", "--steps", str(STEPS), "--report", report]
-    cmd += [x for s in sets for x in ("--set", s)]
+    sets = [x for s in sets for x in ("--set", s)]
+    if COMM == "mpi":
+        plan = os.path.join(os.path.dirname(report), "plan")
+        subprocess.run(["rm", "-rf", plan], check=True)
+        subprocess.run([M, "compile", "examples/llama-tiny.toml"] + sets + ["-o", plan],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        cmd = [M, "launch", "-n", str(pp), plan]
+    else:
+        cmd = [M, "train", "examples/llama-tiny.toml"] + sets
+    cmd += ["--steps", str(STEPS), "--report", report]
     cmd += [x for i in inject for x in ("--inject", i)]
     if trace:
         cmd += ["--trace", trace]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
     return [s["seconds"] for s in json.load(open(report))["steps"][1:]]
 
 
 def main():
     tmp = tempfile.mkdtemp()
     report = os.path.join(tmp, "r.json")
-    print(f"llama-tiny 8 layers, 8 micro-batches, local threads, {STEPS} steps x {SEEDS} seeds; "
+    where = "local threads" if COMM == "local" else "MPI processes (megac launch)"
+    print(f"llama-tiny 8 layers, 8 micro-batches, {where}, {STEPS} steps x {SEEDS} seeds; "
           "median step time (ms) of steps 2.., and against interleaved")
     print("| layout | condition | " + " | ".join(SCHEDULES) + " |")
     print("|---|---|" + "---|" * len(SCHEDULES))

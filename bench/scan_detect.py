@@ -83,6 +83,33 @@ def faults(cell, seed):
     }[cell]
 
 
+def selected_layouts(only):
+    """The layouts to run: `only` (the command line's list) or all; an unknown one is an
+    error naming the layouts."""
+    unknown = [x for x in only or [] if x not in LAYOUTS]
+    if unknown:
+        sys.exit(f"error: unknown layout {', '.join(map(repr, unknown))}; "
+                 f"the layouts are {', '.join(map(repr, LAYOUTS))}")
+    return [x for x in LAYOUTS if not only or x in only]
+
+
+def compile_plan(layout, plan):
+    """`megac compile` `layout`'s plan into the folder `plan` (for `megac launch`)."""
+    model, sets = LAYOUTS[layout]
+    shutil.rmtree(plan, ignore_errors=True)
+    subprocess.run([M, "compile", model] + [x for s in sets for x in ("--set", s)]
+                   + ["-o", plan], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def cells_of(layout, slow_ranks):
+    """The cells of `layout`: healthy, the `slow_ranks` cells, two slow ranks, and on pp2 dp2
+    (the only layout with point-to-point sends) the slow-link cells."""
+    cells = ["healthy"] + slow_ranks + ["two slow ranks 1.5x"]
+    if layout == "pp2 dp2":
+        cells += ["slow link 2x", "slow rank 1.5x + link 2x"]
+    return cells
+
+
 def stored(comm, layout, cell, seed):
     """Where run `seed` of a cell is kept (SCAN_DETECT_KEEP) or read from (SCAN_DETECT_FROM)."""
     return os.path.join(KEEP or FROM, comm, layout.replace(" ", "-"), cell.replace(" ", "-"),
@@ -126,10 +153,7 @@ def scan(trace):
 
 
 def main():
-    unknown = [x for x in ONLY or [] if x not in LAYOUTS]
-    if unknown:
-        sys.exit(f"error: unknown layout {', '.join(map(repr, unknown))}; "
-                 f"the layouts are {', '.join(map(repr, LAYOUTS))}")
+    layouts = selected_layouts(ONLY)
     tmp = tempfile.mkdtemp()
     trace = os.path.join(tmp, "trace")
     print(f"{RUNS} runs per cell, {STEPS} steps, 4 ranks, jitter:0.05:SEED on every run")
@@ -139,19 +163,11 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for comm in COMMS:
-            for layout, (model, sets) in LAYOUTS.items():
-                if ONLY and layout not in ONLY:
-                    continue
+            for layout in layouts:
                 plan = os.path.join(tmp, "plan")
                 if comm == "mpi" and not FROM:
-                    shutil.rmtree(plan, ignore_errors=True)
-                    subprocess.run([M, "compile", model]
-                                   + [x for s in sets for x in ("--set", s)] + ["-o", plan],
-                                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-                cells = ["healthy", "slow-rank 1.2x", "slow-rank 1.1x", "two slow ranks 1.5x"]
-                if layout == "pp2 dp2":
-                    cells += ["slow link 2x", "slow rank 1.5x + link 2x"]
-                for cell in cells:
+                    compile_plan(layout, plan)
+                for cell in cells_of(layout, ["slow-rank 1.2x", "slow-rank 1.1x"]):
                     score = {"m": [0, 0, 0], "b": [0, 0, 0]}
                     firsts = []
                     t0 = time.time()
