@@ -937,15 +937,16 @@ impl MpiComm {
         count(data.len(), "recv")?;
         let _w = self.begin("recv", &[self.rank.min(from), self.rank.max(from)]);
         self.reap_sends();
+        let (me, want) = (self.rank, data.len());
+        let mismatch = |n: usize| {
+            plan(format!(
+                "rank {me} expects {want} elements from rank {from} but the message has {n}"
+            ))
+        };
         if let Some(i) = self.stash.iter().position(|m| m.0 == from && m.1 == tag) {
             let (_, _, stashed) = self.stash.remove(i);
-            if stashed.len() != data.len() {
-                return Err(plan(format!(
-                    "rank {} expects {} elements from rank {from} but the message has {}",
-                    self.rank,
-                    data.len(),
-                    stashed.len()
-                )));
+            if stashed.len() != want {
+                return Err(mismatch(stashed.len()));
             }
             data.copy_from_slice(&stashed);
             return Ok(());
@@ -955,15 +956,11 @@ impl MpiComm {
             .process_at_rank(from as Rank)
             .matched_probe_with_tag(tag);
         let n = status.count(f32::equivalent_datatype()) as usize;
-        if n != data.len() {
+        if n != want {
             // Take the message anyway (a matched message must be received), then fail.
             let mut scratch = vec![0f32; n];
             message.matched_receive_into(&mut scratch[..]);
-            return Err(plan(format!(
-                "rank {} expects {} elements from rank {from} but the message has {n}",
-                self.rank,
-                data.len()
-            )));
+            return Err(mismatch(n));
         }
         message.matched_receive_into(data);
         Ok(())
