@@ -1102,3 +1102,75 @@ fn jitter_slows_each_action_by_a_draw_of_its_stage_stream() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+/// The order bound (`megac simulate`'s `pipeline_bound_seconds`) never exceeds the phase a
+/// schedule took, with or without jitter, for every pipeline schedule; it is tight for 1F1B
+/// and interleaved 1F1B at unit costs without jitter (their bubble is the fill and drain the
+/// bound charges), and interleaved under jitter stays within a few percent of it.
+#[test]
+fn the_order_bound_is_below_every_schedule_and_tight_for_1f1b() {
+    let schedules: [(&str, u32, &[&str]); 6] = [
+        ("1f1b", 1, &[]),
+        ("interleaved", 2, &[]),
+        ("zb-h1", 1, &[]),
+        ("dpp", 2, &["parallel.dpp_policy=bfs"]),
+        ("dpp", 2, &["parallel.dpp_policy=dfs"]),
+        ("dpp", 2, &["parallel.dpp_policy=ordered"]),
+    ];
+    for (name, vpp, extra) in schedules {
+        let sched = format!("parallel.schedule={name}");
+        let vpp_set = format!("parallel.vpp={vpp}");
+        let mut sets = vec![
+            "model.layers=8",
+            "parallel.pp=4",
+            "train.micro_batch=1",
+            "train.global_batch=8",
+            &sched,
+            &vpp_set,
+        ];
+        sets.extend_from_slice(extra);
+        let plan = plan_of(&spec("examples/llama-tiny.toml", &sets));
+        let mut cost = CostModel::unit(Cluster::preset("h100-sxm").unwrap().fit(4).unwrap());
+        let phase = |cost: &CostModel| {
+            simulate(&plan, cost, false)
+                .unwrap()
+                .report
+                .pipeline_phase
+                .expect("a pipelined plan has a phase")
+        };
+        let plain = phase(&cost);
+        assert!(
+            plain.bound_seconds <= plain.seconds + 1e-9,
+            "{name} {extra:?}: bound {} above the phase {}",
+            plain.bound_seconds,
+            plain.seconds
+        );
+        if name == "1f1b" || name == "interleaved" {
+            assert!(
+                close(plain.bound_seconds, plain.seconds),
+                "{name}: bound {} vs {}",
+                plain.bound_seconds,
+                plain.seconds
+            );
+        }
+        for seed in 1..=5 {
+            cost.jitter = Some(megac_sim::Jitter { std: 0.2, seed });
+            let p = phase(&cost);
+            assert!(
+                p.bound_seconds <= p.seconds + 1e-9 && p.bound_seconds > plain.bound_seconds,
+                "{name} {extra:?} seed {seed}: bound {} vs phase {} (jitter-free bound {})",
+                p.bound_seconds,
+                p.seconds,
+                plain.bound_seconds
+            );
+            if name == "interleaved" {
+                assert!(
+                    p.seconds < 1.05 * p.bound_seconds,
+                    "seed {seed}: interleaved {} vs bound {}",
+                    p.seconds,
+                    p.bound_seconds
+                );
+            }
+        }
+    }
+}

@@ -25,6 +25,8 @@ use crate::error::SimError;
 
 mod pipeline;
 
+pub use pipeline::{order_bound, PhaseBound, StageWork};
+
 /// What the simulation of one role found.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RoleReport {
@@ -77,6 +79,9 @@ pub struct SimReport {
     /// for dpp: the highest-priority ready task, as the runtime does); None without a
     /// pipeline.
     pub pipeline_execution: Option<String>,
+    /// Pipelined plans without FBD forward roles: the pipeline phase and the shortest any
+    /// order of its actions could make it with the durations they took ([`order_bound`]).
+    pub pipeline_phase: Option<PhaseBound>,
     /// Peak bytes of each rank.
     pub peak_memory_bytes: Vec<u64>,
     /// Per role.
@@ -116,6 +121,8 @@ impl SimReport {
             "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction,
             "pipeline_execution": self.pipeline_execution,
+            "pipeline_seconds": self.pipeline_phase.map(|p| p.seconds),
+            "pipeline_bound_seconds": self.pipeline_phase.map(|p| p.bound_seconds),
             "peak_memory_bytes": self.peak_memory_bytes,
             "world": self.world,
             "roles": roles,
@@ -601,11 +608,13 @@ pub fn simulate(plan: &Plan, cost: &CostModel, trace: bool) -> Result<Simulation
     let mut roles = Vec::new();
     let mut bubble_fraction = 0.0;
     let mut pipeline_execution = None;
+    let mut pipeline_phase = None;
     if plan.roles.iter().any(|r| r.pipeline.is_some()) {
         let p = pipeline::simulate_pipeline(&mut ctx, trace, &mut events, &mut names)?;
         roles = p.roles;
         bubble_fraction = p.bubble_fraction;
         pipeline_execution = Some(p.execution.to_string());
+        pipeline_phase = p.phase;
     } else {
         for (ri, role) in plan.roles.iter().enumerate() {
             let ranks = plan
@@ -643,6 +652,7 @@ pub fn simulate(plan: &Plan, cost: &CostModel, trace: bool) -> Result<Simulation
         },
         bubble_fraction,
         pipeline_execution,
+        pipeline_phase,
         peak_memory_bytes,
         roles,
         world,

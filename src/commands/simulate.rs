@@ -214,6 +214,14 @@ pub fn run(args: &SimulateArgs) -> Result<(), String> {
             }
         );
     }
+    if let Some(phase) = &report.pipeline_phase {
+        println!(
+            "order bound  {:.4} s: no order of the pipeline's actions, at the durations they took, ends sooner (this one {:.4} s, {:.3}x it)",
+            phase.bound_seconds,
+            phase.seconds,
+            phase.seconds / phase.bound_seconds.max(f64::MIN_POSITIVE)
+        );
+    }
     println!(
         "step         {:.4} s   ({:.0} tokens/s, MFU {:.1}%, bubble {:.1}%)",
         report.step_seconds,

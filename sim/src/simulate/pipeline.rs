@@ -46,6 +46,57 @@ pub(super) struct PipelineResult {
     pub bubble_fraction: f64,
     /// `static` or `dynamic`.
     pub execution: &'static str,
+    /// The pipeline phase as simulated (from the step's start to the last stage's last
+    /// action), and [`order_bound`]'s floor under it; `None` with FBD forward roles.
+    pub phase: Option<PhaseBound>,
+}
+
+/// How long the pipeline phase took, and how short any order of the same actions could make it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PhaseBound {
+    /// The simulated pipeline phase, seconds.
+    pub seconds: f64,
+    /// The lower bound of [`order_bound`], seconds.
+    pub bound_seconds: f64,
+}
+
+/// What [`order_bound`] needs of one stage: its chunks, its actions' total time, whether it
+/// splits the backward (B and W actions).
+pub struct StageWork {
+    /// The chunks the stage holds.
+    pub chunks: Vec<u32>,
+    /// The sum of its actions' durations (receive waits excluded).
+    pub work: f64,
+    /// Whether it runs W actions apart from B.
+    pub split_backward: bool,
+}
+
+/// The shortest pipeline phase any order of the same actions could reach, with the
+/// durations they took: no stage can start before micro-batch 0 went forward through every
+/// chunk below its first (the fastest forward of each), nor finish before its own actions
+/// and, unless it splits the backward, the backward through those chunks again (a stage's
+/// last action is a backward of one of its chunks, which the chunks below must follow).
+/// `f_min`/`b_min`: each chunk's fastest forward and backward (B or BW) action, seconds.
+pub fn order_bound(
+    stages: &[StageWork],
+    f_min: &BTreeMap<u32, f64>,
+    b_min: &BTreeMap<u32, f64>,
+) -> f64 {
+    let below = |mins: &BTreeMap<u32, f64>, first: u32| -> f64 {
+        mins.range(..first).map(|(_, &t)| t).sum()
+    };
+    stages
+        .iter()
+        .filter_map(|s| {
+            let first = *s.chunks.iter().min()?;
+            let drain = if s.split_backward {
+                0.0
+            } else {
+                below(b_min, first)
+            };
+            Some(below(f_min, first) + s.work + drain)
+        })
+        .fold(0.0, f64::max)
 }
 
 /// One segment (forward, backward or weight) of a chunk, ready to run.
@@ -90,6 +141,11 @@ struct Stage<'a> {
     work: f64,
     first_mb: f64,
     fwd_min: f64,
+    /// Per chunk, its fastest forward and backward (B or BW) action ([`order_bound`]).
+    f_min: BTreeMap<u32, f64>,
+    b_min: BTreeMap<u32, f64>,
+    /// Whether it ran a W action.
+    split_backward: bool,
     last_bwd: BTreeMap<u32, f64>,
     pipe_end: f64,
     finished: bool,
@@ -419,6 +475,9 @@ pub(super) fn simulate_pipeline(
             work: 0.0,
             first_mb: 0.0,
             fwd_min: f64::INFINITY,
+            f_min: BTreeMap::new(),
+            b_min: BTreeMap::new(),
+            split_backward: false,
             last_bwd: BTreeMap::new(),
             pipe_end: 0.0,
             finished: empty,
@@ -497,6 +556,28 @@ pub(super) fn simulate_pipeline(
         }
     }
     let makespan = stages.iter().map(|s| s.pipe_end).fold(0.0, f64::max);
+    // The order bound needs every chunk's forward and backward on its stage's role: FBD's
+    // forward roles are not simulated here.
+    let phase = (stages.len() == plan.roles.len()).then(|| {
+        let mut f_min = BTreeMap::new();
+        let mut b_min = BTreeMap::new();
+        for st in &stages {
+            f_min.extend(st.f_min.iter().map(|(&c, &t)| (c, t)));
+            b_min.extend(st.b_min.iter().map(|(&c, &t)| (c, t)));
+        }
+        let work: Vec<StageWork> = stages
+            .iter()
+            .map(|st| StageWork {
+                chunks: st.chunks.keys().copied().collect(),
+                work: st.work,
+                split_backward: st.split_backward,
+            })
+            .collect();
+        PhaseBound {
+            seconds: makespan,
+            bound_seconds: order_bound(&work, &f_min, &b_min),
+        }
+    });
 
     // 3. The optimizer: each stage after its last action; the gradient norm (reduced over
     // the pipeline) waits for every stage.
@@ -662,6 +743,7 @@ pub(super) fn simulate_pipeline(
             0.0
         },
         execution: if dynamic { "dynamic" } else { "static" },
+        phase,
     })
 }
 
@@ -833,6 +915,8 @@ fn run_action(
     match a.kind {
         PipeKind::F => {
             st.fwd_min = st.fwd_min.min(dur);
+            let t = st.f_min.entry(a.chunk).or_insert(dur);
+            *t = t.min(dur);
             st.f_done.push((a.chunk, j));
             *st.inflight.entry(a.chunk).or_insert(0) += 1;
             st.inflight_total += 1;
@@ -840,8 +924,10 @@ fn run_action(
         }
         PipeKind::B | PipeKind::BW => {
             st.last_bwd.insert(a.chunk, begin);
+            let t = st.b_min.entry(a.chunk).or_insert(dur);
+            *t = t.min(dur);
         }
-        PipeKind::W => {}
+        PipeKind::W => st.split_backward = true,
     }
     let last = match a.kind {
         PipeKind::BW | PipeKind::W => true,
@@ -904,4 +990,33 @@ fn deadlock(stages: &[Stage], msgs: &Messages) -> SimError {
         "pipeline deadlock in the simulated schedule: {}",
         parts.join("; ")
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two stages, chunks 0 and 2 on the first, 1 and 3 on the second (interleaved): the
+    /// second stage waits for chunk 0's fastest forward and, without split backward, ends with
+    /// chunk 0's fastest backward after it; the first stage has no chunk below its own.
+    #[test]
+    fn the_bound_charges_the_chunks_below_a_stage_once_each_way() {
+        let f_min = BTreeMap::from([(0, 1.5), (1, 1.0), (2, 1.0), (3, 1.0)]);
+        let b_min = BTreeMap::from([(0, 2.5), (1, 2.0), (2, 2.0), (3, 2.0)]);
+        let stage = |chunks: Vec<u32>, work: f64, split_backward: bool| StageWork {
+            chunks,
+            work,
+            split_backward,
+        };
+        let fused = [
+            stage(vec![0, 2], 20.0, false),
+            stage(vec![1, 3], 18.0, false),
+        ];
+        // max(0 + 20 + 0, 1.5 + 18 + 2.5)
+        assert_eq!(order_bound(&fused, &f_min, &b_min), 22.0);
+        let split = [stage(vec![0, 2], 20.0, true), stage(vec![1, 3], 18.0, true)];
+        // max(20, 1.5 + 18): a W may be a stage's last action.
+        assert_eq!(order_bound(&split, &f_min, &b_min), 20.0);
+        assert_eq!(order_bound(&[], &f_min, &b_min), 0.0);
+    }
 }
