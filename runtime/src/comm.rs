@@ -71,14 +71,18 @@ pub trait Communicator: Send {
             self.rank()
         )))
     }
-    /// Whether the message tagged `tag` from world rank `from` has arrived (so that
-    /// `recv_tagged` would not wait).
-    fn probe_tagged(&mut self, from: usize, tag: u64) -> Result<bool, RuntimeError> {
-        let _ = tag;
-        Err(RuntimeError::Plan(format!(
-            "rank {} has no peer {from} to probe",
-            self.rank()
-        )))
+    /// Which of the messages `wanted`, (world rank, tag) pairs, have arrived (so that
+    /// `recv_tagged` would not wait for them): one answer each, in order. One call answers a
+    /// dynamic pipeline's whole readiness check, so a communicator whose probes cost (MPI)
+    /// looks at its arrivals once rather than once per message.
+    fn probe_tagged(&mut self, wanted: &[(usize, u64)]) -> Result<Vec<bool>, RuntimeError> {
+        match wanted.first() {
+            None => Ok(Vec::new()),
+            Some(&(from, _)) => Err(RuntimeError::Plan(format!(
+                "rank {} has no peer {from} to probe",
+                self.rank()
+            ))),
+        }
     }
     /// Wait until a message may have arrived for this rank or another rank's communication
     /// may have changed what this one can do, at most about `timeout` (the dynamic
@@ -89,6 +93,9 @@ pub trait Communicator: Send {
         std::thread::sleep(timeout.min(std::time::Duration::from_micros(50)));
         Ok(())
     }
+    /// Let started transfers move while the caller computes (called between kernels). The
+    /// default does nothing; MPI tests its pending sends, at most every few microseconds.
+    fn progress(&mut self) {}
     /// The recording and injecting wrapper, when this communicator is one (`--trace`,
     /// `--inject`).
     fn scan(&mut self) -> Option<&mut crate::scan::ScanComm> {

@@ -78,6 +78,8 @@ pub fn run_program(
             skip -= 1;
             continue;
         }
+        // Sends this rank started move on while it computes (`Communicator::progress`).
+        comm.progress();
         let t0 = profile.as_ref().map(|_| std::time::Instant::now());
         if let Some(call) = fused.and_then(|f| f[index].as_ref()) {
             call.run(mem, ctx)?;

@@ -809,13 +809,16 @@ impl Communicator for LocalComm {
         self.recv_tagged(from, UNTAGGED, data)
     }
 
-    fn probe_tagged(&mut self, from: usize, tag: u64) -> Result<bool, RuntimeError> {
+    fn probe_tagged(&mut self, wanted: &[(usize, u64)]) -> Result<Vec<bool>, RuntimeError> {
         let me = self.rank;
         let st = self.world.lock();
         if let Some(message) = st.world_error() {
             return Err(Self::plan(message));
         }
-        Ok(st.mail.get(&(from, me, tag)).is_some_and(|q| !q.is_empty()))
+        Ok(wanted
+            .iter()
+            .map(|&(from, tag)| st.mail.get(&(from, me, tag)).is_some_and(|q| !q.is_empty()))
+            .collect())
     }
 
     /// Returns at once when a message came for this rank since the last return; otherwise

@@ -162,31 +162,58 @@ fn run_action(
     Ok(())
 }
 
-/// Whether every message the segment receives has arrived.
-fn arrived(
-    session: &mut Session<'_>,
-    seg: &[Instr],
-    j: u32,
-    step: u64,
-) -> Result<bool, RuntimeError> {
+/// The messages, (peer, tag), that micro-batch `j`'s run of `seg` receives.
+fn receives(session: &Session<'_>, seg: &[Instr], j: u32, step: u64) -> Vec<(usize, u64)> {
     let mut ctx = session.context(step);
     ctx.microbatch = u64::from(j);
     let rank = session.comm.rank();
-    for instr in seg {
-        if let Instr::Recv {
-            chunk,
-            transfer,
-            twin,
-            ..
-        } = instr
-        {
-            let (peer, tag) = transfer_peer(session.plan, rank, *chunk, *transfer, *twin, &ctx);
-            if !session.comm.probe_tagged(peer, tag)? {
-                return Ok(false);
-            }
-        }
+    seg.iter()
+        .filter_map(|instr| match instr {
+            Instr::Recv {
+                chunk,
+                transfer,
+                twin,
+                ..
+            } => Some(transfer_peer(
+                session.plan,
+                rank,
+                *chunk,
+                *transfer,
+                *twin,
+                &ctx,
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether each task's messages (`needs`: its (peer, tag) pairs) have all arrived, in one
+/// probe of the communicator.
+fn probe<N: AsRef<[(usize, u64)]>>(
+    session: &mut Session<'_>,
+    needs: &[N],
+) -> Result<Vec<bool>, RuntimeError> {
+    let wanted: Vec<(usize, u64)> = needs
+        .iter()
+        .flat_map(|n| n.as_ref().iter().copied())
+        .collect();
+    let arrived = session.comm.probe_tagged(&wanted)?;
+    if arrived.len() != wanted.len() {
+        return Err(RuntimeError::Plan(format!(
+            "the communicator answered {} of {} probes",
+            arrived.len(),
+            wanted.len()
+        )));
     }
-    Ok(true)
+    let mut at = 0;
+    Ok(needs
+        .iter()
+        .map(|n| {
+            let k = n.as_ref().len();
+            at += k;
+            arrived[at - k..at].iter().all(|&a| a)
+        })
+        .collect())
 }
 
 /// MegaDPP: run the highest-priority ready task until all are done.
@@ -227,34 +254,23 @@ fn run_dynamic(
     let peers = session.plan.mesh.group(rank, &[Axis::Tp, Axis::Cp]);
     let mut done = vec![false; tasks.len()];
     let mut remaining = tasks.len();
-    let mut idle_rounds = 0u64;
-    while remaining > 0 {
-        // Local readiness.
-        let mut not_ready = vec![1f32; tasks.len()];
-        for (i, t) in tasks.iter().enumerate() {
-            if done[i] {
-                continue;
-            }
+    // Each task's messages, fixed for the step.
+    let needs: Vec<Vec<(usize, u64)>> = tasks
+        .iter()
+        .map(|t| {
             let prog = chunk_of(pipe, t.chunk)?;
-            let key = (t.chunk, t.microbatch);
-            let local = match t.kind {
-                PipeKind::F => st.free.get(&prog.pool_key()).is_some_and(|f| !f.is_empty()),
-                _ => st.f_done.contains_key(&key),
-            };
-            let seg: &[Instr] = if t.kind == PipeKind::F {
+            let seg = if t.kind == PipeKind::F {
                 &prog.forward
             } else {
                 &prog.backward
             };
-            if local && arrived(session, seg, t.microbatch, step)? {
-                not_ready[i] = 0.0;
-            }
-        }
-        if peers.len() > 1 {
-            session.comm.all_reduce_max(&peers, &mut not_ready)?;
-        }
+            Ok(receives(session, seg, t.microbatch, step))
+        })
+        .collect::<Result<_, RuntimeError>>()?;
+    let mut idle_rounds = 0u64;
+    let n = pipe.chunks.len() as u32;
+    while remaining > 0 {
         let inflight = st.slot_of.len() as u32;
-        let n = pipe.chunks.len() as u32;
         let key = |i: usize| {
             let t = &tasks[i];
             dpp.policy.priority(
@@ -269,9 +285,49 @@ fn run_dynamic(
                 },
             )
         };
-        let pick = (0..tasks.len())
-            .filter(|&i| !done[i] && not_ready[i] == 0.0)
-            .min_by_key(|&i| key(i));
+        // Local readiness: a free slot for a forward, the forward done for a backward.
+        let mut candidates = Vec::new();
+        for (i, t) in tasks.iter().enumerate() {
+            if done[i] {
+                continue;
+            }
+            let local = match t.kind {
+                PipeKind::F => {
+                    let pool = chunk_of(pipe, t.chunk)?.pool_key();
+                    st.free.get(&pool).is_some_and(|f| !f.is_empty())
+                }
+                _ => st.f_done.contains_key(&(t.chunk, t.microbatch)),
+            };
+            if local {
+                candidates.push(i);
+            }
+        }
+        // Alone (no tp/cp peers to agree with), the best candidate runs as soon as its
+        // messages are there, whatever else has come: ask about it first, so that over MPI
+        // a message already taken needs no MPI call (an idle one may give up the core).
+        let best = candidates.iter().copied().min_by_key(|&i| key(i));
+        let pick = match best {
+            Some(b) if peers.len() == 1 && probe(session, &needs[b..=b])?[0] => Some(b),
+            _ => {
+                // Then every candidate's messages, in one probe; the group agrees.
+                let ready = probe(
+                    session,
+                    &candidates.iter().map(|&i| &needs[i]).collect::<Vec<_>>(),
+                )?;
+                let mut not_ready = vec![1f32; tasks.len()];
+                for (&i, r) in candidates.iter().zip(ready) {
+                    if r {
+                        not_ready[i] = 0.0;
+                    }
+                }
+                if peers.len() > 1 {
+                    session.comm.all_reduce_max(&peers, &mut not_ready)?;
+                }
+                (0..tasks.len())
+                    .filter(|&i| !done[i] && not_ready[i] == 0.0)
+                    .min_by_key(|&i| key(i))
+            }
+        };
         match pick {
             Some(i) => {
                 idle_rounds = 0;

@@ -6,9 +6,10 @@
 //! with `set_deterministic(true)`, once more with MPI's native collectives, and once on an
 //! in-process local world of 4 threads, and checks that its rank's deterministic results are
 //! identical to the local ones (sub-groups, uneven lengths, NaN in max, all-to-all with
-//! uneven splits, point-to-point order, errors), and that the native ones are identical
-//! where nothing is summed and within the rounding bound of a reordered sum where something
-//! is, with every member of a group holding the same bits of each all-reduced sum.
+//! uneven splits, point-to-point order, tagged probes and receives out of order, errors),
+//! and that the native ones are identical where nothing is summed and within the rounding
+//! bound of a reordered sum where something is, with every member of a group holding the
+//! same bits of each all-reduced sum.
 
 use std::process::Command;
 
@@ -138,6 +139,37 @@ fn scenarios(comm: &mut dyn Communicator) -> Result<Vec<Vec<f32>>, RuntimeError>
     comm.recv(peer, &mut big)?;
     out.push(big[..64].to_vec());
     out.push(vec![big.iter().sum()]);
+
+    // Tagged point to point, as a dynamic pipeline uses it: two tagged messages to the next
+    // rank; the receiver probes them with a tag that was never sent between them until both
+    // have come (the answers go into the results: [1, 0, 1]), then receives them in the
+    // other order.
+    comm.send_tagged(next, 11, &values(r, 6, 19))?;
+    comm.send_tagged(next, 13, &values(r, 1 << 16, 20))?;
+    let wanted = [(prev, 11), (prev, 12), (prev, 13)];
+    let mut answers = comm.probe_tagged(&wanted)?;
+    for _ in 0..10_000 {
+        if answers[0] && answers[2] {
+            break;
+        }
+        comm.wait_for_mail(std::time::Duration::from_millis(1))?;
+        answers = comm.probe_tagged(&wanted)?;
+    }
+    out.push(answers.iter().map(|&a| f32::from(u8::from(a))).collect());
+    let mut later = vec![0.0; 1 << 16];
+    comm.recv_tagged(prev, 13, &mut later)?;
+    let mut first = vec![0.0; 6];
+    comm.recv_tagged(prev, 11, &mut first)?;
+    out.push(first);
+    out.push(later[..64].to_vec());
+    out.push(vec![later.iter().sum()]);
+    // Received: no longer there.
+    out.push(
+        comm.probe_tagged(&wanted)?
+            .iter()
+            .map(|&a| f32::from(u8::from(a)))
+            .collect(),
+    );
 
     // Errors: a group without this rank, a receive of the wrong size.
     let other: Vec<usize> = (0..RANKS).filter(|&m| m != r).take(2).collect();

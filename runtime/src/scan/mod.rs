@@ -857,12 +857,16 @@ impl Communicator for ScanComm {
         self.transfer(false, from, tag, n, |c| c.recv_tagged(from, tag, data))
     }
 
-    fn probe_tagged(&mut self, from: usize, tag: u64) -> Result<bool, RuntimeError> {
-        self.inner.probe_tagged(from, tag)
+    fn probe_tagged(&mut self, wanted: &[(usize, u64)]) -> Result<Vec<bool>, RuntimeError> {
+        self.inner.probe_tagged(wanted)
     }
 
     fn wait_for_mail(&mut self, timeout: std::time::Duration) -> Result<(), RuntimeError> {
         self.inner.wait_for_mail(timeout)
+    }
+
+    fn progress(&mut self) {
+        self.inner.progress();
     }
 
     fn scan(&mut self) -> Option<&mut ScanComm> {
