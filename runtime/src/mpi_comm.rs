@@ -905,14 +905,19 @@ impl Communicator for MpiComm {
         // engine idle and, with `mpi_yield_when_idle`, gives up the core (at pp4 on 2 cores,
         // 9.5 of a rank's 25 ms a step), so a caller whose messages were taken before makes
         // none, and one probe per arrival replaces an `MPI_Iprobe` per message asked about.
-        let stashed = |stash: &[(usize, mpi::Tag, Vec<f32>)], (from, tag): (usize, u64)| {
-            let tag = mpi_tag(tag);
-            stash.iter().any(|m| m.0 == from && m.1 == tag)
+        let is = |m: &(usize, mpi::Tag, Vec<f32>), &(from, tag): &(usize, u64)| {
+            m.0 == from && m.1 == mpi_tag(tag)
         };
-        let mut answers: Vec<bool> = wanted.iter().map(|&w| stashed(&self.stash, w)).collect();
+        let mut answers: Vec<bool> = wanted
+            .iter()
+            .map(|w| self.stash.iter().any(|m| is(m, w)))
+            .collect();
         while answers.iter().any(|a| !a) && self.stash_arrival() {
-            for (a, &w) in answers.iter_mut().zip(wanted) {
-                *a = *a || stashed(&self.stash, w);
+            // Only the message just taken (the stash's last) can change an answer.
+            if let Some(new) = self.stash.last() {
+                for (a, w) in answers.iter_mut().zip(wanted) {
+                    *a = *a || is(new, w);
+                }
             }
         }
         Ok(answers)

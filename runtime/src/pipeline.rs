@@ -189,14 +189,8 @@ fn receives(session: &Session<'_>, seg: &[Instr], j: u32, step: u64) -> Vec<(usi
 
 /// Whether each task's messages (`needs`: its (peer, tag) pairs) have all arrived, in one
 /// probe of the communicator.
-fn probe<N: AsRef<[(usize, u64)]>>(
-    session: &mut Session<'_>,
-    needs: &[N],
-) -> Result<Vec<bool>, RuntimeError> {
-    let wanted: Vec<(usize, u64)> = needs
-        .iter()
-        .flat_map(|n| n.as_ref().iter().copied())
-        .collect();
+fn probe(session: &mut Session<'_>, needs: &[&[(usize, u64)]]) -> Result<Vec<bool>, RuntimeError> {
+    let wanted: Vec<(usize, u64)> = needs.concat();
     let arrived = session.comm.probe_tagged(&wanted)?;
     if arrived.len() != wanted.len() {
         return Err(RuntimeError::Plan(format!(
@@ -209,7 +203,7 @@ fn probe<N: AsRef<[(usize, u64)]>>(
     Ok(needs
         .iter()
         .map(|n| {
-            let k = n.as_ref().len();
+            let k = n.len();
             at += k;
             arrived[at - k..at].iter().all(|&a| a)
         })
@@ -307,13 +301,12 @@ fn run_dynamic(
         // a message already taken needs no MPI call (an idle one may give up the core).
         let best = candidates.iter().copied().min_by_key(|&i| key(i));
         let pick = match best {
-            Some(b) if peers.len() == 1 && probe(session, &needs[b..=b])?[0] => Some(b),
+            Some(b) if peers.len() == 1 && probe(session, &[&needs[b]])?[0] => Some(b),
             _ => {
                 // Then every candidate's messages, in one probe; the group agrees.
-                let ready = probe(
-                    session,
-                    &candidates.iter().map(|&i| &needs[i]).collect::<Vec<_>>(),
-                )?;
+                let asked: Vec<&[(usize, u64)]> =
+                    candidates.iter().map(|&i| needs[i].as_slice()).collect();
+                let ready = probe(session, &asked)?;
                 let mut not_ready = vec![1f32; tasks.len()];
                 for (&i, r) in candidates.iter().zip(ready) {
                     if r {

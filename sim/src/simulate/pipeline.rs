@@ -140,7 +140,6 @@ struct Stage<'a> {
     /// Action time (from the end of its receive waits to its end), pipeline phase.
     work: f64,
     first_mb: f64,
-    fwd_min: f64,
     /// Per chunk, its fastest forward and backward (B or BW) action ([`order_bound`]).
     f_min: BTreeMap<u32, f64>,
     b_min: BTreeMap<u32, f64>,
@@ -474,7 +473,6 @@ pub(super) fn simulate_pipeline(
             peak_inflight: 0,
             work: 0.0,
             first_mb: 0.0,
-            fwd_min: f64::INFINITY,
             f_min: BTreeMap::new(),
             b_min: BTreeMap::new(),
             split_backward: false,
@@ -655,11 +653,8 @@ pub(super) fn simulate_pipeline(
             end = end.max(c.end);
         }
         if st.sim.deferred_end > 0.0 {
-            let window = if st.fwd_min.is_finite() {
-                st.fwd_min
-            } else {
-                0.0
-            };
+            // The stage's fastest forward (none: no window).
+            let window = st.f_min.values().copied().reduce(f64::min).unwrap_or(0.0);
             end = end.max(st.sim.deferred_end - window);
         }
         let idle = (makespan - st.work).max(0.0);
@@ -914,7 +909,6 @@ fn run_action(
     let begin = start + waited_recv;
     match a.kind {
         PipeKind::F => {
-            st.fwd_min = st.fwd_min.min(dur);
             let t = st.f_min.entry(a.chunk).or_insert(dur);
             *t = t.min(dur);
             st.f_done.push((a.chunk, j));
